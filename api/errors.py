@@ -1,0 +1,40 @@
+"""The one exception handler: every refusal becomes ``{"error", "message"}``."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from umbra.errors import RateLimited, UmbraError
+
+from .http import json_response
+
+log = logging.getLogger(__name__)
+
+
+async def umbra_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, UmbraError)
+    headers = {}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(exc.retry_after)
+    return json_response(exc.to_json(), status=exc.status, headers=headers)
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_request", 413: "payload_too_large"}
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    return json_response({"error": code, "message": str(exc.detail)}, status=exc.status_code, headers=exc.headers)
+
+
+async def unexpected_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", extra={"action": "unhandled_error", "path": request.url.path})
+    return json_response({"error": "internal", "message": "Internal error; see the server log."}, status=500)
+
+
+HANDLERS = {UmbraError: umbra_error, HTTPException: http_error, Exception: unexpected_error}

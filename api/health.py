@@ -1,0 +1,33 @@
+"""Liveness and readiness."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.routing import Route
+
+from umbra.migrate import pending_migrations
+
+from .http import json_response
+
+
+async def healthz(request: Request):
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request):
+    """200 only when the database answers and no migration is pending."""
+    services = request.app.state.services
+    try:
+        async with services.pool.connection(timeout=2) as conn:
+            pending = await pending_migrations(conn)
+    except Exception as exc:  # any failure to reach the database means "not ready"
+        return json_response({"status": "unavailable", "error": "database_unavailable", "message": str(exc)[:200]}, status=503)
+    if pending:
+        return json_response(
+            {"status": "unavailable", "error": "migrations_pending", "message": f"Pending migrations: {', '.join(pending)}"},
+            status=503,
+        )
+    return json_response({"status": "ready", "listener_connected": services.listener.connected.is_set()})
+
+
+routes = [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]

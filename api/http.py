@@ -1,0 +1,123 @@
+"""Request/response plumbing shared by every route: bodies, auth, JSON."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+from uuid import UUID
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from umbra.compute.auth import Principal, authenticate
+from umbra.errors import InvalidRequest, NotFound, UmbraError
+
+#: Request bodies above this are refused with 413 before they are parsed.
+MAX_BODY_BYTES = 1024 * 1024
+
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+
+
+class PayloadTooLarge(UmbraError):
+    status = 413
+
+    def __init__(self) -> None:
+        super().__init__("payload_too_large", f"Request bodies are limited to {MAX_BODY_BYTES} bytes.")
+
+
+def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encoder.encode(content), status_code=status, media_type="application/json", headers=headers)
+
+
+async def read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise PayloadTooLarge()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise PayloadTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False) -> T:
+    """Decode the body strictly into ``type_`` or raise ``invalid_request`` naming the field."""
+    body = await read_body(request)
+    if not body.strip():
+        if empty_ok:
+            body = b"{}"
+        else:
+            raise InvalidRequest("A JSON request body is required.")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"Invalid request: {exc}", field=_field_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"Malformed JSON: {exc}") from None
+
+
+def _field_of(message: str) -> str | None:
+    # msgspec messages end with "- at `$.requires.vram_min_mb`"
+    marker = "at `$"
+    if marker in message:
+        return message.split(marker, 1)[1].rstrip("`").lstrip(".") or None
+    if "missing required field `" in message:
+        return message.split("missing required field `", 1)[1].split("`", 1)[0]
+    return None
+
+
+def path_uuid(request: Request, name: str = "id", *, code: str = "not_found") -> UUID:
+    """A UUID path parameter; an unparseable one is simply not found."""
+    try:
+        return UUID(request.path_params[name])
+    except ValueError:
+        raise NotFound(code, f"No such {name.replace('_id', '')}.") from None
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+async def principal(request: Request, conn, *any_of_scopes: str) -> Principal:
+    """Authenticate the request on ``conn`` and check one of the scopes (403 otherwise)."""
+    who = await authenticate(conn, bearer_token(request), request.app.state.services.token_cache)
+    if any_of_scopes:
+        who.require(*any_of_scopes)
+    request.state.principal = who
+    return who
+
+
+def client_address(request: Request) -> str:
+    """The TCP peer, or X-Forwarded-For's client when the peer is a trusted proxy."""
+    peer = request.client.host if request.client else "unknown"
+    trusted = request.app.state.services.settings.trusted_proxies
+    if trusted:
+        import ipaddress
+
+        try:
+            peer_ip = ipaddress.ip_address(peer)
+        except ValueError:
+            return peer
+        if any(peer_ip in net for net in trusted):
+            forwarded = request.headers.get("x-forwarded-for", "")
+            hops = [h.strip() for h in forwarded.split(",") if h.strip()]
+            # Walk from the nearest hop back; the first untrusted one is the client.
+            for hop in reversed(hops):
+                try:
+                    hop_ip = ipaddress.ip_address(hop)
+                except ValueError:
+                    return hop
+                if not any(hop_ip in net for net in trusted):
+                    return hop
+            if hops:
+                return hops[0]
+    return peer

@@ -1,0 +1,92 @@
+"""Organizations, their tenant schemas and projects, and API keys."""
+
+from __future__ import annotations
+
+from uuid import UUID, uuid4
+
+import psycopg
+from psycopg import sql
+
+from umbra.errors import InvalidRequest, NotFound
+from umbra.security import hash_secret, new_token
+
+from .auth import API_KEY_KIND, API_KEY_SCOPES
+
+
+def tenant_schema(organization_id: UUID) -> str:
+    """The schema holding an organization's projects: derived, never supplied."""
+    return f"tenant_{organization_id.hex}"
+
+
+async def create_organization(conn: psycopg.AsyncConnection, name: str) -> tuple[UUID, str]:
+    """Create an organization, its tenant schema and an all-scopes API key.
+
+    Returns ``(organization_id, api_key)``; the key is shown only this once.
+    """
+    name = name.strip()
+    if not name or len(name) > 200:
+        raise InvalidRequest("name must be 1..200 characters.", field="name")
+    org_id = uuid4()
+    async with conn.transaction():
+        await conn.execute("INSERT INTO organizations (id, name) VALUES (%s, %s)", (org_id, name))
+        await conn.execute("SELECT create_tenant_schema(%s)", (org_id,))
+        key = await _insert_api_key(conn, org_id, API_KEY_SCOPES)
+    return org_id, key
+
+
+async def _insert_api_key(conn: psycopg.AsyncConnection, organization_id: UUID, scopes) -> str:
+    token, prefix = new_token(API_KEY_KIND)
+    await conn.execute(
+        "INSERT INTO api_keys (id, organization_id, prefix, secret_hash, scopes) VALUES (%s, %s, %s, %s, %s)",
+        (uuid4(), organization_id, prefix, hash_secret(token), list(scopes)),
+    )
+    return token
+
+
+async def create_api_key(conn: psycopg.AsyncConnection, organization_id: UUID, scopes: list[str]) -> str:
+    unknown = sorted(set(scopes) - set(API_KEY_SCOPES))
+    if unknown or not scopes:
+        raise InvalidRequest(
+            f"scopes must be a non-empty subset of {', '.join(API_KEY_SCOPES)}; unknown: {', '.join(unknown) or 'none'}.",
+            field="scopes",
+        )
+    async with conn.transaction():
+        await require_organization(conn, organization_id)
+        return await _insert_api_key(conn, organization_id, sorted(set(scopes)))
+
+
+async def require_organization(conn: psycopg.AsyncConnection, organization_id: UUID) -> None:
+    row = await (await conn.execute("SELECT 1 FROM organizations WHERE id = %s", (organization_id,))).fetchone()
+    if row is None:
+        raise NotFound("organization_not_found", f"No organization {organization_id}.")
+
+
+async def create_project(conn: psycopg.AsyncConnection, organization_id: UUID, name: str) -> UUID:
+    name = name.strip()
+    if not name or len(name) > 200:
+        raise InvalidRequest("name must be 1..200 characters.", field="name")
+    project_id = uuid4()
+    async with conn.transaction():
+        await require_organization(conn, organization_id)
+        await conn.execute(
+            sql.SQL("INSERT INTO {}.projects (id, name) VALUES (%s, %s)").format(
+                sql.Identifier(tenant_schema(organization_id))
+            ),
+            (project_id, name),
+        )
+    return project_id
+
+
+async def project_exists(conn: psycopg.AsyncConnection, organization_id: UUID, project_id: UUID) -> bool:
+    """True only when the project is in *this* organization's schema.
+
+    Addressed by explicit schema name, never ``search_path``: another tenant's
+    project and a missing one are the same observation from here.
+    """
+    row = await (
+        await conn.execute(
+            sql.SQL("SELECT 1 FROM {}.projects WHERE id = %s").format(sql.Identifier(tenant_schema(organization_id))),
+            (project_id,),
+        )
+    ).fetchone()
+    return row is not None

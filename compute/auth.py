@@ -1,0 +1,123 @@
+"""Bearer-token authentication for API keys and node credentials.
+
+Tokens are ``<kind>_<prefix>_<secret>``. The prefix narrows the lookup; each
+candidate row's argon2id hash is verified against the *whole* token, so two
+credentials sharing a prefix can never authenticate as each other.
+
+argon2id is slow on purpose (tens of ms), too slow to run on every agent
+request. :class:`VerifiedTokenCache` remembers tokens that verified, keyed by a
+SHA-256 of the token (the token itself is never kept). That is safe because:
+a cache hit still requires presenting the full token (a SHA-256 preimage is as
+hard as guessing the token); every hit re-checks ``revoked_at`` on the row by
+primary key, so a revocation takes effect on the next request in every server
+process; and entries expire after a minute regardless.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from uuid import UUID
+
+import psycopg
+from psycopg import sql
+
+from umbra.errors import Forbidden, Unauthenticated
+from umbra.security import token_fingerprint, token_prefix, verify_secret
+
+API_KEY_KIND = "uk"
+NODE_CREDENTIAL_KIND = "un"
+
+#: Every scope an API key may carry; `create-org` keys get all of them.
+API_KEY_SCOPES = ("jobs:write", "jobs:read", "events:read", "nodes:admin")
+#: The four scopes of a node credential; a redeemed credential carries all four.
+NODE_SCOPES = ("compute:read", "compute:heartbeat", "compute:claim", "compute:complete")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: an API key or a node credential, always within one organization."""
+
+    kind: str  # "api_key" | "node"
+    credential_id: UUID
+    organization_id: UUID
+    scopes: frozenset[str]
+    node_id: UUID | None = None
+
+    @property
+    def actor(self) -> str:
+        return f"node:{self.node_id}" if self.node_id else f"key:{self.credential_id}"
+
+    def require(self, *any_of: str) -> None:
+        if not any(scope in self.scopes for scope in any_of):
+            raise Forbidden(f"This credential lacks the scope {' or '.join(any_of)}.")
+
+
+class VerifiedTokenCache:
+    def __init__(self, ttl_seconds: float = 60.0, max_entries: int = 100_000) -> None:
+        self._ttl = ttl_seconds
+        self._max = max_entries
+        self._entries: dict[bytes, tuple[float, Principal]] = {}
+
+    def get(self, token: str) -> Principal | None:
+        key = token_fingerprint(token)
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        if hit[0] < time.monotonic():
+            self._entries.pop(key, None)
+            return None
+        return hit[1]
+
+    def put(self, token: str, principal: Principal) -> None:
+        if len(self._entries) >= self._max:
+            self._entries.clear()
+        self._entries[token_fingerprint(token)] = (time.monotonic() + self._ttl, principal)
+
+    def forget_credential(self, credential_id: UUID) -> None:
+        for key, (_, principal) in list(self._entries.items()):
+            if principal.credential_id == credential_id:
+                self._entries.pop(key, None)
+
+
+_LOOKUP = {
+    API_KEY_KIND: sql.SQL(
+        "SELECT id, organization_id, secret_hash, scopes, NULL::uuid FROM api_keys WHERE prefix = %s AND revoked_at IS NULL"
+    ),
+    NODE_CREDENTIAL_KIND: sql.SQL(
+        "SELECT id, organization_id, secret_hash, scopes, node_id FROM node_credentials WHERE prefix = %s AND revoked_at IS NULL"
+    ),
+}
+_STILL_VALID = {
+    API_KEY_KIND: "SELECT 1 FROM api_keys WHERE id = %s AND revoked_at IS NULL",
+    NODE_CREDENTIAL_KIND: "SELECT 1 FROM node_credentials WHERE id = %s AND revoked_at IS NULL",
+}
+
+
+async def authenticate(conn: psycopg.AsyncConnection, token: str | None, cache: VerifiedTokenCache) -> Principal:
+    """Resolve a bearer token to a :class:`Principal` or raise 401."""
+    if not token:
+        raise Unauthenticated()
+    kind = token.split("_", 1)[0]
+    if kind not in _LOOKUP or token_prefix(token, kind) is None:
+        raise Unauthenticated("The bearer token is malformed or unknown.")
+    cached = cache.get(token)
+    if cached is not None:
+        row = await (await conn.execute(_STILL_VALID[kind], (cached.credential_id,))).fetchone()
+        if row is not None:
+            return cached
+        cache.forget_credential(cached.credential_id)
+        raise Unauthenticated("The bearer token has been revoked.")
+    rows = await (await conn.execute(_LOOKUP[kind], (token_prefix(token, kind),))).fetchall()
+    for credential_id, organization_id, secret_hash, scopes, node_id in rows:
+        if verify_secret(secret_hash, token):
+            principal = Principal(
+                kind="node" if kind == NODE_CREDENTIAL_KIND else "api_key",
+                credential_id=credential_id,
+                organization_id=organization_id,
+                scopes=frozenset(scopes),
+                node_id=node_id,
+            )
+            cache.put(token, principal)
+            return principal
+    raise Unauthenticated("The bearer token is malformed or unknown.")

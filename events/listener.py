@@ -1,0 +1,94 @@
+"""One LISTEN connection per process, fanning hints out to in-process subscribers.
+
+Notifications are hints: they carry an organization, a position and a count of
+newly claimable jobs, never data. Subscribers re-read the database. Because a
+notification sent while we were disconnected is gone for good, every reconnect
+calls ``on_reconnect`` subscribers so they re-check from their last position.
+
+The connection is dedicated (autocommit, outside the pool): psycopg holds a
+connection's lock while it waits in ``notifies()``, so sharing it would queue
+queries behind the wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Awaitable, Callable
+from uuid import UUID
+
+import anyio
+import psycopg
+
+from .store import LOG_CHANNEL, parse_hint
+
+log = logging.getLogger(__name__)
+
+HintCallback = Callable[[UUID, int, int], None]
+ReconnectCallback = Callable[[], None]
+
+
+class LogListener:
+    """Listens on :data:`LOG_CHANNEL` and calls subscribers synchronously."""
+
+    def __init__(self, url: str, *, idle_check_seconds: float = 5.0, ignore_backend_pids: Callable[[], set[int]] | None = None) -> None:
+        self._url = url
+        self._idle_check = idle_check_seconds
+        self._hint_subscribers: list[HintCallback] = []
+        self._reconnect_subscribers: list[ReconnectCallback] = []
+        self._ignore = ignore_backend_pids or (lambda: set())
+        self.connected = anyio.Event()
+        self.reconnects = 0
+        self.backend_pid: int | None = None
+
+    def on_hint(self, callback: HintCallback) -> None:
+        self._hint_subscribers.append(callback)
+
+    def on_reconnect(self, callback: ReconnectCallback) -> None:
+        self._reconnect_subscribers.append(callback)
+
+    def _dispatch(self, payload: str, sender_pid: int) -> None:
+        if sender_pid in self._ignore():
+            return
+        hint = parse_hint(payload)
+        if hint is None:
+            log.warning("ignored malformed notification", extra={"action": "bad_hint"})
+            return
+        for callback in self._hint_subscribers:
+            callback(*hint)
+
+    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen until cancelled, reconnecting with jittered back-off."""
+        delay = 0.1
+        started = False
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(self._url, autocommit=True) as conn:
+                    await conn.execute(f"LISTEN {LOG_CHANNEL}")
+                    self.backend_pid = conn.info.backend_pid
+                    if self.connected.is_set():
+                        self.connected = anyio.Event()
+                    self.connected.set()
+                    if not started:
+                        started = True
+                        task_status.started()
+                    else:
+                        self.reconnects += 1
+                        log.info("listener reconnected", extra={"action": "listener_reconnected"})
+                        for callback in self._reconnect_subscribers:
+                            callback()
+                    delay = 0.1
+                    while True:
+                        got_any = False
+                        async for note in conn.notifies(timeout=self._idle_check):
+                            got_any = True
+                            self._dispatch(note.payload, note.pid)
+                        if not got_any:
+                            await conn.execute("SELECT 1")  # prove the connection on idle
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                self.connected = anyio.Event()
+                log.warning("listener connection lost", extra={"action": "listener_lost", "error": str(exc)[:200]})
+                await anyio.sleep(delay + random.uniform(0, delay))
+                delay = min(delay * 2, 5.0)
+                if not started:
+                    continue

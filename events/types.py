@@ -1,0 +1,254 @@
+"""Event types: a msgspec tagged union with explicit, permanent tags.
+
+The ``tag`` of each class is what is stored in ``events.type``; renaming a class
+never orphans stored rows, and a tag is never reused. New fields get defaults so
+old rows still decode, and unknown fields written by a newer version are ignored
+on read (stored events are never decoded with ``forbid_unknown_fields``).
+
+The value structs (devices, requirements, placements) live here too because
+they are part of what the log stores; everything above this layer imports them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal, Union
+from uuid import UUID
+
+import msgspec
+
+JobStatus = Literal["queued", "running", "blocked", "partial", "complete", "failed", "cancelled"]
+JOB_STATUSES: tuple[str, ...] = JobStatus.__args__  # type: ignore[attr-defined]
+TERMINAL_JOB_STATUSES = frozenset({"complete", "failed", "cancelled", "partial"})
+
+NodeStatus = Literal["provisioning", "online", "offline", "draining", "retired"]
+NODE_STATUSES: tuple[str, ...] = NodeStatus.__args__  # type: ignore[attr-defined]
+
+DeviceKind = Literal["cpu", "gpu_integrated", "gpu_discrete"]
+
+
+# -- values stored inside events ---------------------------------------------
+
+
+class ResidentModel(msgspec.Struct, frozen=True, kw_only=True):
+    slug: str
+    vram_held_mb: int = 0
+
+
+class Device(msgspec.Struct, frozen=True, kw_only=True):
+    kind: DeviceKind
+    label: str
+    vram_total_mb: int = 0
+    vram_free_mb: int = 0
+    ram_total_mb: int = 0
+    ram_free_mb: int = 0
+    compute_units: int | None = None
+    throughput_factor: float = 1.0
+    accelerators: tuple[str, ...] = ()
+    resident_models: tuple[ResidentModel, ...] = ()
+
+
+class Requirements(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    vram_min_mb: int = 0
+    ram_min_mb: int = 0
+    models: tuple[str, ...] = ()
+    trust_domains: tuple[str, ...] = ()
+    accelerators: tuple[str, ...] = ()
+    max_runtime_s: int | None = None
+    #: Rank-only: a node to prefer when it is eligible (local affinity ×1.5).
+    prefer_node: UUID | None = None
+
+
+class Placement(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: UUID
+    device_id: str
+    device_kind: DeviceKind
+    reason: str
+    via: Literal["vram", "ram"] = "vram"
+    resident: bool = False
+    would_evict: tuple[str, ...] = ()
+    score: float = 0.0
+    estimated_seconds: float | None = None
+
+
+# -- job stream events ---------------------------------------------------------
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    pass
+
+
+class JobSubmitted(_Event, tag="job.submitted"):
+    kind: str
+    priority: int
+    max_attempts: int
+    requires: Requirements = Requirements()
+    payload: dict[str, Any] = {}
+    project_id: UUID | None = None
+    lang: str | None = None
+    parent_job_id: UUID | None = None
+    idempotency_key: str | None = None
+    requested_by: str | None = None
+
+
+class JobClaimed(_Event, tag="job.claimed"):
+    attempt: int
+    node_id: UUID
+    placement: Placement
+    lease_expires_at: datetime
+
+
+class JobLeaseRenewed(_Event, tag="job.lease_renewed"):
+    attempt: int
+    lease_expires_at: datetime
+
+
+class JobCompleted(_Event, tag="job.completed"):
+    attempt: int
+    result: Any = None
+
+
+class JobFailed(_Event, tag="job.failed"):
+    """Terminal failure. ``reason`` says why it is final."""
+
+    attempt: int
+    error: str
+    reason: Literal["not_retryable", "attempts_exhausted", "lease_expired", "blocked_timeout"] = "not_retryable"
+
+
+class JobRequeued(_Event, tag="job.requeued"):
+    """A retryable failure: back to the queue after a backoff."""
+
+    attempt: int
+    error: str
+    not_before: datetime
+
+
+class JobLeaseExpired(_Event, tag="job.lease_expired"):
+    """The holder stopped renewing. Appended by the sweeper; requeues or fails."""
+
+    attempt: int
+    node_id: UUID | None = None
+    requeued: bool = True
+    not_before: datetime | None = None
+
+
+class JobReleased(_Event, tag="job.released"):
+    """The holder gave the job back unstarted (agent shutdown, client gone)."""
+
+    attempt: int
+    reason: str = "released"
+
+
+class JobBlocked(_Event, tag="job.blocked"):
+    reason: str
+
+
+class JobUnblocked(_Event, tag="job.unblocked"):
+    reason: str = "eligible_device_available"
+
+
+class JobDecomposed(_Event, tag="job.decomposed"):
+    attempt: int
+    children: tuple[UUID, ...]
+
+
+class JobSettled(_Event, tag="job.settled"):
+    outcome: Literal["complete", "partial"]
+    detail: str
+    children_total: int
+    children_failed: int
+
+
+class JobCancelled(_Event, tag="job.cancelled"):
+    by: str | None = None
+    reason: str | None = None
+
+
+# -- node stream events --------------------------------------------------------
+
+
+class NodeCreated(_Event, tag="node.created"):
+    name: str
+    trust_domain: str = "local"
+    locality: str | None = None
+    transport: str | None = None
+
+
+class NodePaired(_Event, tag="node.paired"):
+    credential_id: UUID
+    agent_version: str | None = None
+    devices: tuple[Device, ...] = ()
+
+
+class NodeHeartbeat(_Event, tag="node.heartbeat"):
+    """A heartbeat worth recording: the first, a change, or a periodic one."""
+
+    agent_version: str | None = None
+    devices: tuple[Device, ...] = ()
+    #: Set when the agent reports a new process start; unchanged otherwise.
+    agent_started_at: datetime | None = None
+
+
+class NodeWentOffline(_Event, tag="node.went_offline"):
+    """Appended by the sweeper when an online node has been silent too long."""
+
+    last_seen_at: datetime | None = None
+
+
+class NodeDraining(_Event, tag="node.draining"):
+    by: str | None = None
+
+
+class NodeRetired(_Event, tag="node.retired"):
+    by: str | None = None
+
+
+class NodeCredentialRevoked(_Event, tag="node.revoked"):
+    credential_id: UUID | None = None
+    by: str | None = None
+
+
+JobEvent = Union[
+    JobSubmitted,
+    JobClaimed,
+    JobLeaseRenewed,
+    JobCompleted,
+    JobFailed,
+    JobRequeued,
+    JobLeaseExpired,
+    JobReleased,
+    JobBlocked,
+    JobUnblocked,
+    JobDecomposed,
+    JobSettled,
+    JobCancelled,
+]
+NodeEvent = Union[
+    NodeCreated,
+    NodePaired,
+    NodeHeartbeat,
+    NodeWentOffline,
+    NodeDraining,
+    NodeRetired,
+    NodeCredentialRevoked,
+]
+Event = Union[JobEvent, NodeEvent]
+
+EVENT_TYPES: dict[str, type] = {cls.__struct_config__.tag: cls for cls in Event.__args__}  # type: ignore[attr-defined]
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Event)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes | str) -> Event:
+    """Decode one stored event. Raises ``msgspec.ValidationError``/``DecodeError``."""
+    return _decoder.decode(data)
+
+
+def to_builtins(event: Event) -> dict[str, Any]:
+    return msgspec.to_builtins(event)

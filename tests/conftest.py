@@ -1,0 +1,146 @@
+"""Shared fixtures: a real PostgreSQL, one migrated template, a clone per test.
+
+The server is, in order: ``UMBRA_TEST_DATABASE_URL``; the local server at
+127.0.0.1:5432 if it answers; else an embedded PostgreSQL started for the
+session. Each test that asks for ``db_url`` gets a fresh database cloned from a
+migrated template (``CREATE DATABASE ... TEMPLATE``), so tests are isolated and
+NOTIFY works (a rolled-back transaction would never deliver one).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+
+import anyio
+import psycopg
+import pytest
+from psycopg import conninfo, sql
+
+from umbra.migrate import migrate
+
+LOCAL_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.fixture(scope="session")
+def anyio_backend():
+    return "asyncio"
+
+
+def _answers(url: str) -> bool:
+    try:
+        with psycopg.connect(url, connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+        return True
+    except psycopg.Error:
+        return False
+
+
+@pytest.fixture(scope="session")
+def pg_server_url(tmp_path_factory):
+    """A maintenance URL on a server where we may create databases."""
+    explicit = os.environ.get("UMBRA_TEST_DATABASE_URL")
+    if explicit:
+        yield explicit
+        return
+    if os.environ.get("UMBRA_TEST_EMBEDDED") != "1" and _answers(LOCAL_SERVER):
+        yield LOCAL_SERVER
+        return
+    from umbra.embedded import start_embedded
+
+    server = start_embedded(tmp_path_factory.mktemp("pg") / "data", delete_on_stop=True)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def _admin(url: str) -> psycopg.Connection:
+    return psycopg.connect(url, autocommit=True)
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server_url):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    name = f"umbra_tpl_{worker}_{os.getpid()}"
+    with _admin(pg_server_url) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    anyio.run(migrate, conninfo.make_conninfo(pg_server_url, dbname=name))
+    yield name
+    with _admin(pg_server_url) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def db_url(pg_server_url, template_db):
+    """A fresh, migrated database for this test only."""
+    name = f"umbra_t_{uuid.uuid4().hex[:16]}"
+    with _admin(pg_server_url) as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template_db))
+        )
+    yield conninfo.make_conninfo(pg_server_url, dbname=name)
+    with _admin(pg_server_url) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+async def conn(db_url):
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+        yield c
+
+
+@pytest.fixture
+async def org(conn):
+    """``(organization_id, api_key)`` of a fresh organization."""
+    from umbra.compute.accounts import create_organization
+
+    return await create_organization(conn, "acme")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """``umbra``'s app on a real uvicorn socket in a background thread."""
+
+    def __init__(self, db_url: str, **settings_env: str) -> None:
+        import uvicorn
+
+        from umbra.api.app import create_app
+        from umbra.settings import load_settings
+
+        env = {"UMBRA_DATABASE_URL": db_url, **settings_env}
+        self.settings = load_settings(env)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(self.settings, db_url)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("live server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@pytest.fixture
+def live_server(db_url):
+    with LiveServer(db_url, UMBRA_SWEEP_INTERVAL_SECONDS="0.2") as server:
+        yield server

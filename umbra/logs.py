@@ -1,0 +1,44 @@
+"""Structured JSON logs on stderr for the service's own loggers.
+
+Only the ``umbra`` logger tree is configured; other libraries' loggers are left
+as they are. Records carry literal keys passed through ``extra=``; secrets are
+never passed there (tests capture a full pair/claim cycle to prove it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logger = logging.getLogger("umbra")
+    if any(getattr(h, "_umbra", False) for h in logger.handlers):
+        logger.setLevel(level)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    handler._umbra = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False

@@ -1,0 +1,146 @@
+"""Runtime configuration: one frozen object, built once from the environment.
+
+This module is the only reader of ``os.environ`` for configuration. Every field
+says its unit, default and why; a bad value fails at start and names the variable,
+because a service that starts with a silently defaulted lease length is worse than
+one that refuses to start.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+
+class SettingsError(ValueError):
+    """A configuration variable is present but unusable."""
+
+
+def _default_data_dir() -> Path:
+    # As root the embedded server chmods every ancestor of its data dir o+rx;
+    # under /var/lib that touches nothing private (it would open up /root).
+    if os.geteuid() == 0:
+        return Path("/var/lib/umbra")
+    import platformdirs
+
+    return platformdirs.user_data_path("umbra")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    #: ``UMBRA_DATABASE_URL``. A libpq URL or conninfo string. Unset means "start
+    #: (or reuse) the embedded PostgreSQL under ``data_dir``".
+    database_url: str | None = None
+    #: ``UMBRA_DATA_DIR``. Where the embedded database lives (``<data_dir>/pg``).
+    #: Default ``/var/lib/umbra`` as root, else ``~/.local/share/umbra``.
+    data_dir: Path = field(default_factory=_default_data_dir)
+    #: ``UMBRA_HOST`` / ``UMBRA_PORT``. Listen address of ``umbra serve``.
+    host: str = "127.0.0.1"
+    port: int = 8080
+    #: ``UMBRA_POOL_SIZE``. Connections in the request pool. Long-polls hold none
+    #: while they wait, so this bounds concurrent *transactions*, not agents.
+    pool_size: int = 10
+    #: ``UMBRA_LEASE_SECONDS``. Lease granted by a claim and by each renew. Only has
+    #: to exceed the agent's renew interval plus slack; it is not a work timeout.
+    lease_seconds: int = 60
+    #: ``UMBRA_HEARTBEAT_INTERVAL_SECONDS``. Interval agents are told to heartbeat at.
+    heartbeat_interval_seconds: int = 10
+    #: ``UMBRA_HEARTBEAT_STALE_SECONDS``. A stored ``online`` node silent this long
+    #: reads as ``offline``: three missed 10 s beats, so one lost report is harmless.
+    heartbeat_stale_seconds: int = 45
+    #: ``UMBRA_HEARTBEAT_EVENT_SECONDS``. An unchanged heartbeat is recorded in the
+    #: log at most this often per node, so 1,000 nodes beating every 10 s do not
+    #: flood the log; any change (devices, models, status) is recorded at once.
+    heartbeat_event_seconds: int = 300
+    #: ``UMBRA_SWEEP_INTERVAL_SECONDS``. How often the sweeper looks for expired
+    #: leases, stale nodes and blocked jobs past their schedule timeout.
+    sweep_interval_seconds: float = 1.0
+    #: ``UMBRA_LEASE_EXPIRED_DELAY_SECONDS``. ``not_before`` delay after a lease
+    #: expires, so a job that crashes its holder does not bounce straight back.
+    lease_expired_delay_seconds: int = 2
+    #: ``UMBRA_BLOCKED_TIMEOUT_SECONDS``. A job blocked longer than this fails with
+    #: its blocking reason, so parents still settle. Default 24 h.
+    blocked_timeout_seconds: int = 86_400
+    #: ``UMBRA_POLL_FALLBACK_SECONDS``. Waiting long-polls re-check at least this
+    #: often even without a notification, covering lost NOTIFYs.
+    poll_fallback_seconds: float = 1.0
+    #: ``UMBRA_TRUSTED_PROXIES``. Comma-separated addresses/networks whose
+    #: ``X-Forwarded-For`` is believed. Empty: the TCP peer is the client.
+    trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    #: ``UMBRA_LOG_LEVEL``. Python logging level name for the service's loggers.
+    log_level: str = "INFO"
+
+    @property
+    def pgdata(self) -> Path:
+        return self.data_dir / "pg"
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise SettingsError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be a number, got {raw!r}") from None
+    if value <= minimum:
+        raise SettingsError(f"{name} must be > {minimum}, got {value}")
+    return value
+
+
+def _networks(env: Mapping[str, str], name: str):
+    raw = env.get(name, "").strip()
+    if not raw:
+        return ()
+    out = []
+    for part in raw.split(","):
+        try:
+            out.append(ipaddress.ip_network(part.strip(), strict=False))
+        except ValueError:
+            raise SettingsError(f"{name} has an invalid address or network: {part.strip()!r}") from None
+    return tuple(out)
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Build the settings from ``env`` (default: the process environment)."""
+    env = os.environ if env is None else env
+    level = env.get("UMBRA_LOG_LEVEL", "INFO").upper()
+    if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+        raise SettingsError(f"UMBRA_LOG_LEVEL must be a logging level name, got {level!r}")
+    data_dir = env.get("UMBRA_DATA_DIR")
+    kwargs = {}
+    if data_dir:
+        kwargs["data_dir"] = Path(data_dir).expanduser().resolve()
+    return Settings(
+        database_url=env.get("UMBRA_DATABASE_URL") or None,
+        host=env.get("UMBRA_HOST", "127.0.0.1"),
+        port=_int(env, "UMBRA_PORT", 8080, minimum=0),
+        pool_size=_int(env, "UMBRA_POOL_SIZE", 10, minimum=2),
+        lease_seconds=_int(env, "UMBRA_LEASE_SECONDS", 60, minimum=1),
+        heartbeat_interval_seconds=_int(env, "UMBRA_HEARTBEAT_INTERVAL_SECONDS", 10, minimum=1),
+        heartbeat_stale_seconds=_int(env, "UMBRA_HEARTBEAT_STALE_SECONDS", 45, minimum=1),
+        heartbeat_event_seconds=_int(env, "UMBRA_HEARTBEAT_EVENT_SECONDS", 300, minimum=0),
+        sweep_interval_seconds=_float(env, "UMBRA_SWEEP_INTERVAL_SECONDS", 1.0),
+        lease_expired_delay_seconds=_int(env, "UMBRA_LEASE_EXPIRED_DELAY_SECONDS", 2, minimum=0),
+        blocked_timeout_seconds=_int(env, "UMBRA_BLOCKED_TIMEOUT_SECONDS", 86_400, minimum=1),
+        poll_fallback_seconds=_float(env, "UMBRA_POLL_FALLBACK_SECONDS", 1.0),
+        trusted_proxies=_networks(env, "UMBRA_TRUSTED_PROXIES"),
+        log_level=level,
+        **kwargs,
+    )
