@@ -1,0 +1,62 @@
+"""Migrations: idempotent, serialised, and the head schema is what we expect."""
+
+from __future__ import annotations
+
+import anyio
+import psycopg
+import pytest
+from psycopg import conninfo, sql
+
+from umbra.events.types import JOB_STATUSES, NODE_STATUSES
+from umbra.migrate import available_migrations, migrate, pending_migrations
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_migrating_an_empty_database_twice_concurrently(pg_server_url):
+    name = "umbra_mig_empty"
+    with psycopg.connect(pg_server_url, autocommit=True) as c:
+        c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = conninfo.make_conninfo(pg_server_url, dbname=name)
+    try:
+        results: list[list[str]] = []
+
+        async def run():
+            results.append(await migrate(url))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            tg.start_soon(run)
+        names = [m.name for m in available_migrations()]
+        assert sorted(results, key=len) == [[], names]
+        assert await migrate(url) == []
+        async with await psycopg.AsyncConnection.connect(url) as c:
+            assert await pending_migrations(c) == []
+            tables = {r[0] for r in await (await c.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'")).fetchall()}
+        assert {"events", "organizations", "api_keys", "nodes", "node_credentials", "pairing_codes",
+                "pairing_attempts", "models", "jobs", "schema_migrations", "node_liveness"} <= tables
+    finally:
+        with psycopg.connect(pg_server_url, autocommit=True) as c:
+            c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+async def _check_values(conn, table: str, constraint_column: str) -> set[str]:
+    row = await (await conn.execute(
+        "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'c' "
+        "AND pg_get_constraintdef(oid) LIKE %s", (table, f"%{constraint_column}%"))).fetchone()
+    import re
+    return set(re.findall(r"'([a-z_]+)'::text", row[0]))
+
+
+async def test_status_spellings_agree_with_the_database(conn):
+    assert await _check_values(conn, "jobs", "status") == set(JOB_STATUSES)
+    assert await _check_values(conn, "nodes", "status") == set(NODE_STATUSES)
+
+
+async def test_database_clock_can_be_offset_per_session(conn):
+    base = (await (await conn.execute("SELECT umbra_now() - now()")).fetchone())[0]
+    await conn.execute("SET umbra.clock_offset = '90 seconds'")
+    moved = (await (await conn.execute("SELECT umbra_now() - now()")).fetchone())[0]
+    assert base.total_seconds() == 0 and moved.total_seconds() == 90
