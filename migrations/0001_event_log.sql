@@ -16,7 +16,7 @@ CREATE TABLE events (
 CREATE INDEX events_organization_position ON events (organization_id, position);
 
 -- Events are never updated or deleted, whoever asks. The service role is also
--- denied UPDATE/DELETE by grant (0005); this trigger covers the owner too.
+-- denied UPDATE/DELETE by grant (0006); this trigger covers the owner too.
 CREATE FUNCTION events_are_immutable() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     RAISE EXCEPTION 'events are append-only (% refused)', TG_OP

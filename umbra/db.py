@@ -9,6 +9,8 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import psycopg
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from .embedded import EmbeddedPostgres, start_embedded
@@ -23,9 +25,36 @@ def resolve_database(settings: Settings) -> tuple[str, EmbeddedPostgres | None]:
     return server.url, server
 
 
+#: The role request connections act as: it can append events but not rewrite
+#: them (migrations/0006). Connections whose login role may not assume it keep
+#: their own role; the append-only trigger still protects the log.
+SERVICE_ROLE = "umbra_service"
+
+
+async def assume_service_role(conn: psycopg.AsyncConnection) -> bool:
+    """``SET ROLE umbra_service`` when the login role may; returns whether it did."""
+    row = await (
+        await conn.execute(
+            "SELECT to_regrole(%s) IS NOT NULL AND pg_has_role(current_user, %s, 'MEMBER')",
+            (SERVICE_ROLE, SERVICE_ROLE),
+        )
+    ).fetchone()
+    if row and row[0]:
+        await conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(SERVICE_ROLE)))
+        return True
+    return False
+
+
 @asynccontextmanager
 async def open_pool(url: str, *, size: int = 10) -> AsyncIterator[AsyncConnectionPool]:
-    pool = AsyncConnectionPool(url, min_size=min(2, size), max_size=size, open=False, kwargs={"autocommit": True})
+    pool = AsyncConnectionPool(
+        url,
+        min_size=min(2, size),
+        max_size=size,
+        open=False,
+        kwargs={"autocommit": True},
+        configure=assume_service_role,
+    )
     await pool.open(wait=True, timeout=30)
     try:
         yield pool
