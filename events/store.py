@@ -96,11 +96,11 @@ ORDERING_GUARD = True
 _APPEND_GUARDED = """
 WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s))
 INSERT INTO events (stream, version, type, organization_id, data, metadata)
-SELECT r.stream, r.version, r.type, r.organization_id, r.data, r.metadata
+SELECT r.stream, r.version, r.type, r.org, r.data, r.meta
 FROM ordering_guard,
-     unnest(%(stream)s::text[], %(version)s::int[], %(type)s::text[], %(org)s::uuid[],
-            %(data)s::jsonb[], %(meta)s::jsonb[], %(expected)s::int[])
-       WITH ORDINALITY AS r(stream, version, type, organization_id, data, metadata, expected, n)
+     ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb)
+       AS (stream text, version int, type text, org uuid, data jsonb, meta jsonb, expected int)) WITH ORDINALITY
+       AS r(stream, version, type, org, data, meta, expected, n)
 WHERE r.expected = 0
    OR EXISTS (SELECT 1 FROM events e WHERE e.stream = r.stream AND e.version = r.expected)
 ORDER BY r.n
@@ -109,6 +109,19 @@ RETURNING position, stream, version, recorded_at
 _APPEND_UNGUARDED = _APPEND_GUARDED.replace(
     "WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s))\n", ""
 ).replace("FROM ordering_guard,\n", "FROM ")
+
+
+class _Row(msgspec.Struct, array_like=False):
+    stream: str
+    version: int
+    type: str
+    org: UUID
+    data: msgspec.Raw
+    meta: msgspec.Raw
+    expected: int
+
+
+_EMPTY = msgspec.Raw(b"{}")
 
 
 async def append_many(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> list[RecordedEvent]:
@@ -124,16 +137,21 @@ async def append_many(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppe
             rows.append((item, event, item.expected_version + offset + 1))
     if not rows:
         return []
-    params = {
-        "lock": LOG_LOCK_KEY,
-        "stream": [item.stream for item, _, _ in rows],
-        "version": [version for _, _, version in rows],
-        "type": [event.__struct_config__.tag for _, event, _ in rows],  # type: ignore[attr-defined]
-        "org": [item.organization_id for item, _, _ in rows],
-        "data": [encode_event(event).decode() for _, event, _ in rows],
-        "meta": [msgspec.json.encode(item.metadata or {}).decode() for item, _, _ in rows],
-        "expected": [item.expected_version for item, _, _ in rows],
-    }
+    encoded = msgspec.json.encode(
+        [
+            _Row(
+                stream=item.stream,
+                version=version,
+                type=event.__struct_config__.tag,  # type: ignore[attr-defined]
+                org=item.organization_id,
+                data=msgspec.Raw(encode_event(event)),
+                meta=msgspec.Raw(msgspec.json.encode(item.metadata)) if item.metadata else _EMPTY,
+                expected=item.expected_version,
+            )
+            for item, event, version in rows
+        ]
+    )
+    params = {"lock": LOG_LOCK_KEY, "rows": encoded.decode()}
     try:
         cursor = await conn.execute(_APPEND_GUARDED if ORDERING_GUARD else _APPEND_UNGUARDED, params)
         returned = await cursor.fetchall()
