@@ -7,20 +7,24 @@ import logging
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 
 from umbra.db import open_pool
 from umbra.events.listener import LogListener
 from umbra.settings import Settings
 
-from . import health
+from . import events, health, metrics, openapi
 from .errors import HANDLERS
+from .longpoll import WaiterHub
+from .middleware import RequestContext
 from .services import Services
+from .sse import LogWatch
 
 log = logging.getLogger(__name__)
 
 #: Route modules, each exposing ``routes``; the table every check (auth
 #: matrix, OpenAPI) walks.
-ROUTE_MODULES = [health]
+ROUTE_MODULES = [health, events, metrics, openapi]
 
 
 def all_routes():
@@ -34,9 +38,28 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
             listener = LogListener(database_url)
             services = Services(settings=settings, database_url=database_url, pool=pool, listener=listener)
             app.state.services = services
+            # Long-polls and SSE streams wake on the one listener's hints.
+            waiters = WaiterHub(poll_seconds=settings.poll_fallback_seconds)
+            log_watch = LogWatch()
+            for subscriber in (waiters, log_watch):
+                listener.on_hint(subscriber.on_hint)
+                listener.on_reconnect(subscriber.on_reconnect)
+            app.state.waiters, app.state.log_watch = waiters, log_watch
+            app.state.stop_streams = lambda: (waiters.stop(), log_watch.stop())
             async with anyio.create_task_group() as tg:
                 await tg.start(listener.run)
+                tg.start_soon(waiters.safety_poll, pool)
                 yield
+                app.state.stop_streams()
                 tg.cancel_scope.cancel()
 
-    return Starlette(routes=all_routes(), exception_handlers=HANDLERS, lifespan=lifespan)
+    routes = all_routes()
+    templates = {route.endpoint: route.path for route in routes}
+    app = Starlette(
+        routes=routes,
+        exception_handlers=HANDLERS,
+        lifespan=lifespan,
+        middleware=[Middleware(RequestContext, route_templates=templates)],
+    )
+    app.state.metrics_registry, app.state.metrics_views = metrics.build_registry()
+    return app

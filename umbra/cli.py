@@ -104,9 +104,8 @@ async def _create_project(conn, args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from .api.app import create_app
+    from .api.server import serve
     from .db import resolve_database
     from .embedded import install_exit_on_sigterm
     from .logs import configure_logging
@@ -121,7 +120,7 @@ def cmd_serve(args) -> int:
     try:
         anyio.run(migrate, url)
         app = create_app(settings, url)
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
+        serve(app, host=host, port=port)  # ends SSE streams and long-polls on shutdown
     except KeyboardInterrupt:
         pass
     finally:

@@ -1,0 +1,144 @@
+"""The event log over HTTP: paged, per job, and as a resumable SSE stream.
+
+All three read the caller's organization only, in position order, which the
+store's append lock makes commit order: ``position > P`` is a gap-free cursor,
+so a page's ``next`` and an SSE message's ``id`` are all a reader needs to
+resume without a gap or a duplicate.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, AsyncIterator
+from uuid import UUID
+
+import msgspec
+from starlette.requests import Request
+
+from umbra.errors import NotFound
+from umbra.events import store
+
+from .http import json_response, path_uuid, principal
+from .params import bounded_int, query_int
+from .routing import endpoint
+from .sse import LogWatch, message, sse_stream, wait_budget
+
+#: Largest page a client may ask for; the stream reads in batches of this size.
+MAX_PAGE = 1000
+MAX_POSITION = 2**63 - 1
+
+
+class EventOut(msgspec.Struct, kw_only=True):
+    """An event as the API shows it (``RecordedEvent.to_json``)."""
+
+    position: int
+    stream: str
+    version: int
+    type: str
+    organization_id: UUID
+    data: dict[str, Any]
+    metadata: dict[str, Any]
+    recorded_at: datetime
+
+
+class EventPage(msgspec.Struct, kw_only=True):
+    events: list[EventOut]
+    #: Pass as ``after`` to get the following page; equals ``after`` when nothing is new.
+    next: int
+
+
+class JobHistory(msgspec.Struct, kw_only=True):
+    events: list[EventOut]
+
+
+async def list_events(request: Request):
+    after = query_int(request, "after", default=0, minimum=0, maximum=MAX_POSITION)
+    limit = query_int(request, "limit", default=100, minimum=1, maximum=MAX_PAGE)
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "events:read")
+        batch = await store.read_log(conn, after=after, limit=limit, organization_id=who.organization_id)
+    return json_response({"events": [r.to_json() for r in batch], "next": batch[-1].position if batch else after})
+
+
+async def job_events(request: Request):
+    job_id = path_uuid(request, "id", code="job_not_found")
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "events:read")
+        history = await store.read_stream(conn, store.job_stream(job_id))
+    if not history or history[0].organization_id != who.organization_id:
+        raise NotFound("job_not_found", f"No job {job_id} in this organization.")
+    return json_response({"events": [r.to_json() for r in history]})
+
+
+def resume_position(request: Request) -> int:
+    """``Last-Event-ID`` (an EventSource reconnecting) wins over ``after``."""
+    last_id = request.headers.get("last-event-id")
+    if last_id is not None and last_id.strip():
+        return bounded_int(last_id, "Last-Event-ID", minimum=0, maximum=MAX_POSITION)
+    return query_int(request, "after", default=0, minimum=0, maximum=MAX_POSITION)
+
+
+async def stream_events(request: Request):
+    services = request.app.state.services
+    after = resume_position(request)
+    async with services.pool.connection() as conn:
+        who = await principal(request, conn, "events:read")
+    watch: LogWatch = request.app.state.log_watch
+    return sse_stream(
+        _log_messages(services, watch, who.organization_id, after), name="events", watch=watch
+    )
+
+
+async def _log_messages(services, watch: LogWatch, organization_id: UUID, after: int) -> AsyncIterator[bytes]:
+    """Every event of the organization after ``after``, then each new one as it commits.
+
+    Holds a pooled connection only while reading a batch.
+    """
+    last = after
+    while not watch.stopped:
+        signal = watch.signal(organization_id)
+        async with services.pool.connection() as conn:
+            batch = await store.read_log(conn, after=last, limit=MAX_PAGE, organization_id=organization_id)
+        for recorded in batch:
+            last = recorded.position
+            yield message(recorded.to_json(), event=recorded.type, id=recorded.position)
+        if len(batch) == MAX_PAGE:
+            continue
+        await watch.wait(signal, wait_budget(services.settings.poll_fallback_seconds))
+        yield b""
+
+
+_AFTER = (int, False, "Return events with a position greater than this (default 0).")
+
+routes = [
+    endpoint(
+        "GET",
+        "/v1/events",
+        list_events,
+        summary="A page of the organization's events in commit order.",
+        auth="api_key",
+        scopes=("events:read",),
+        query={"after": _AFTER, "limit": (int, False, f"Page size, 1..{MAX_PAGE} (default 100).")},
+        response=EventPage,
+    ),
+    endpoint(
+        "GET",
+        "/v1/events/stream",
+        stream_events,
+        summary="The organization's events as a resumable Server-Sent-Events stream (id = position).",
+        auth="api_key",
+        scopes=("events:read",),
+        query={"after": (int, False, "Start after this position; the Last-Event-ID header takes precedence.")},
+        produces="text/event-stream",
+        response=EventOut,
+    ),
+    endpoint(
+        "GET",
+        "/v1/jobs/{id}/events",
+        job_events,
+        summary="A job's whole history in stream order.",
+        auth="api_key",
+        scopes=("events:read",),
+        response=JobHistory,
+    ),
+]

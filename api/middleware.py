@@ -1,0 +1,120 @@
+"""Request context for every route: request id, body-size limit, access log, counters.
+
+Pure ASGI, not ``BaseHTTPMiddleware``: streaming responses (SSE) and the
+long-poll's disconnect watch need ``receive``/``send`` untouched in timing.
+
+* **Request id.** A well-formed ``X-Request-ID`` from the client is kept (so a
+  trace spans the caller and us), anything else is replaced by a fresh one; it
+  is echoed on the response and available to handlers as
+  ``request.state.request_id`` (for event metadata).
+* **Body limit.** A declared ``Content-Length`` over the limit is refused with
+  413 before the application runs; a chunked body is counted as it arrives and
+  refused the moment it passes the limit. Either way nothing is written.
+* **Access log.** One structured line per request: id, method, path (never the
+  query string, which is where a careless client would put a secret), route
+  template, status, duration, client, and who called (credential id and
+  organization, never the token). Headers are not logged at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from umbra import metrics
+
+from .http import MAX_BODY_BYTES, PayloadTooLarge, json_response
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+
+
+def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
+    for name, value in headers:
+        if name == b"x-request-id":
+            candidate = value.decode("latin-1").strip()
+            if _REQUEST_ID.match(candidate):
+                return candidate
+            break
+    return uuid.uuid4().hex
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            text = value.decode("latin-1").strip()
+            return int(text) if text.isdigit() else None
+    return None
+
+
+class RequestContext:
+    def __init__(self, app: ASGIApp, *, route_templates: dict[Any, str], max_body: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_body = max_body
+        #: endpoint function -> path template, for bounded metric labels.
+        self.route_templates = route_templates
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        request_id = request_id_from(scope["headers"])
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message)["X-Request-ID"] = request_id
+            await send(message)
+
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise PayloadTooLarge()
+            return message
+
+        try:
+            declared = _declared_length(scope["headers"])
+            if declared is not None and declared > self.max_body:
+                exc = PayloadTooLarge()
+                await json_response(exc.to_json(), status=exc.status)(scope, receive, send_with_id)
+            else:
+                await self.app(scope, limited_receive, send_with_id)
+        finally:
+            self._record(scope, request_id, status, time.perf_counter() - started)
+
+    def _record(self, scope: Scope, request_id: str, status: int, seconds: float) -> None:
+        route = self.route_templates.get(scope.get("endpoint"), "unmatched")
+        metrics.HTTP_REQUESTS.labels(method=scope["method"], route=route, status=str(status)).inc()
+        who = scope.get("state", {}).get("principal")
+        client = scope.get("client")
+        log.info(
+            "request",
+            extra={
+                "action": "http_request",
+                "request_id": request_id,
+                "method": scope["method"],
+                "path": scope["path"],
+                "route": route,
+                "status": status,
+                "duration_ms": round(seconds * 1000, 2),
+                "client": client[0] if client else None,
+                "credential_id": str(who.credential_id) if who is not None else None,
+                "organization_id": str(who.organization_id) if who is not None else None,
+            },
+        )

@@ -1,0 +1,44 @@
+"""Running the app under uvicorn so that long-lived responses end on shutdown.
+
+uvicorn stops accepting connections and then waits for in-flight responses to
+finish before it runs the lifespan shutdown. An SSE stream or a parked
+long-poll never finishes by itself, so a plain ``uvicorn.run`` would wait for
+every dashboard to hang up. :class:`Server` tells the application first
+(``app.state.stop_streams``): streams end after their current message and
+long-polls answer 204, and the graceful wait then completes at once.
+``timeout_graceful_shutdown`` remains as a backstop for anything else.
+"""
+
+from __future__ import annotations
+
+import uvicorn
+
+#: Seconds uvicorn waits for in-flight requests after the streams were told to stop.
+GRACEFUL_SHUTDOWN_SECONDS = 10
+
+
+class Server(uvicorn.Server):
+    async def shutdown(self, sockets=None) -> None:
+        state = getattr(self.config.app, "state", None)
+        stop_streams = getattr(state, "stop_streams", None)
+        if stop_streams is not None:
+            stop_streams()
+        await super().shutdown(sockets)
+
+
+def config(app, *, host: str, port: int, **options) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=options.pop("log_level", "warning"),
+        access_log=False,  # api.middleware writes the structured access log
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        **options,
+    )
+
+
+def serve(app, *, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM, ending streams and long-polls cleanly first."""
+    Server(config(app, host=host, port=port)).run()

@@ -1,0 +1,138 @@
+"""Server-Sent Events plumbing: the per-organization "log moved" signal and the stream shape.
+
+Streams never trust a notification's payload: a hint only says "re-read from
+your last position". :class:`LogWatch` turns hints into one ``anyio.Event`` per
+organization, replaced each time it fires; a stream takes the current event
+*before* it reads the database, so a hint that lands during the read is not
+lost. After a listener reconnect every stream is woken to re-read, and a
+jittered safety poll covers notifications that never came.
+
+:func:`sse_stream` wraps a stream body (an async generator of ready-made
+messages) with what every stream needs: heartbeat comments so proxies and
+clients see a live connection, an end when the server begins to stop (so a
+graceful shutdown is not held open by dashboards), and the open-streams gauge.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import AsyncIterator
+from uuid import UUID
+
+import anyio
+import msgspec
+from starlette.responses import StreamingResponse
+
+from umbra import metrics
+
+#: Seconds of silence after which a stream sends a ``: ping`` comment line.
+PING_SECONDS = 15.0
+#: Reconnection delay suggested to EventSource clients (ms).
+RETRY_MS = 2000
+
+_encoder = msgspec.json.Encoder()
+
+
+class LogWatch:
+    """Per-organization wake-ups for SSE streams, fed by the process's LogListener."""
+
+    def __init__(self) -> None:
+        self._signals: dict[UUID, anyio.Event] = {}
+        self._everyone = anyio.Event()
+        self.stopped = False
+
+    def signal(self, organization_id: UUID) -> anyio.Event:
+        """The event the next hint for this organization (or a reconnect, or stop) sets."""
+        event = self._signals.get(organization_id)
+        if event is None:
+            event = self._signals[organization_id] = anyio.Event()
+        return event
+
+    def on_hint(self, organization_id: UUID, position: int, claimable: int) -> None:
+        event = self._signals.pop(organization_id, None)
+        if event is not None:
+            event.set()
+
+    def on_reconnect(self) -> None:
+        self._wake_all()
+
+    def stop(self) -> None:
+        """The server is stopping: every stream ends after its current message."""
+        self.stopped = True
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        signals, self._signals = self._signals, {}
+        for event in signals.values():
+            event.set()
+        everyone, self._everyone = self._everyone, anyio.Event()
+        everyone.set()
+
+    async def wait(self, signal: anyio.Event, timeout: float) -> None:
+        """Wait for ``signal`` (taken from :meth:`signal` before reading) or ``timeout``."""
+        everyone = self._everyone
+        with anyio.move_on_after(timeout):
+            async with anyio.create_task_group() as tg:
+
+                async def first(event: anyio.Event) -> None:
+                    await event.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(first, signal)
+                tg.start_soon(first, everyone)
+
+
+def jittered(seconds: float) -> float:
+    return seconds * random.uniform(0.5, 1.5)
+
+
+def message(data: object, *, event: str | None = None, id: int | None = None) -> bytes:
+    """One SSE message. Compact JSON has no raw newlines, so ``data`` is one line."""
+    parts = []
+    if id is not None:
+        parts.append(b"id: %d\n" % id)
+    if event is not None:
+        parts.append(b"event: " + event.encode() + b"\n")
+    parts.append(b"data: " + _encoder.encode(data) + b"\n\n")
+    return b"".join(parts)
+
+
+PING = b": ping\n\n"
+
+def sse_stream(body: AsyncIterator[bytes], *, name: str, watch: LogWatch) -> StreamingResponse:
+    """Wrap ``body`` with the retry hint, heartbeats, shutdown and the gauge.
+
+    ``body`` yields ``b""`` when it has nothing to say after a wait; that is
+    where heartbeats go out.
+    """
+
+    async def framed() -> AsyncIterator[bytes]:
+        gauge = metrics.SSE_STREAMS.labels(stream=name)
+        gauge.inc()
+        try:
+            yield b"retry: %d\n\n" % RETRY_MS
+            last_sent = time.monotonic()
+            async for chunk in body:
+                if watch.stopped:
+                    break
+                if chunk:
+                    last_sent = time.monotonic()
+                    yield chunk
+                elif time.monotonic() - last_sent >= PING_SECONDS:
+                    last_sent = time.monotonic()
+                    yield PING
+        finally:
+            gauge.dec()
+            await body.aclose()  # type: ignore[attr-defined]
+
+    return StreamingResponse(
+        framed(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def wait_budget(poll_seconds: float) -> float:
+    """How long a stream may wait for a hint before it re-reads anyway or pings."""
+    return min(jittered(poll_seconds), PING_SECONDS)

@@ -1,0 +1,100 @@
+"""The event log over HTTP: paging, per-job history, tenancy and refusals."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from umbra.compute.accounts import create_api_key, create_organization
+from umbra.events import store
+from umbra.events.types import JobCancelled, JobSubmitted, NodeDraining
+
+pytestmark = pytest.mark.anyio
+
+
+def _submitted(i: int) -> JobSubmitted:
+    return JobSubmitted(kind="echo", priority=100, max_attempts=3, payload={"i": i})
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def _interleaved_history(conn, mine: uuid.UUID, theirs: uuid.UUID, n: int) -> list[int]:
+    """Append ``n`` events for ``mine`` interleaved with others'; return mine's positions."""
+    positions = []
+    for i in range(n):
+        recorded = await store.append(conn, store.job_stream(uuid.uuid4()), 0, [_submitted(i)], organization_id=mine)
+        positions.append(recorded[0].position)
+        await store.append(conn, store.node_stream(uuid.uuid4()), 0, [NodeDraining()], organization_id=theirs)
+    return positions
+
+
+async def test_paging_from_zero_yields_every_event_once_in_commit_order(conn, org, live_server):
+    org_id, key = org
+    other, _ = await create_organization(conn, "other")
+    positions = await _interleaved_history(conn, org_id, other, 25)
+    seen: list[int] = []
+    after = 0
+    async with httpx.AsyncClient(base_url=live_server.url, headers=_auth(key)) as client:
+        while True:
+            page = (await client.get("/v1/events", params={"after": after, "limit": 10})).json()
+            if not page["events"]:
+                assert page["next"] == after
+                break
+            assert all(e["organization_id"] == str(org_id) for e in page["events"])
+            seen += [e["position"] for e in page["events"]]
+            after = page["next"]
+            assert after == page["events"][-1]["position"]
+        again = (await client.get("/v1/events", params={"limit": 1000})).json()
+    assert seen == positions
+    assert [e["position"] for e in again["events"]] == positions
+    first = again["events"][0]
+    assert first["type"] == "job.submitted" and first["version"] == 1
+    assert first["stream"].startswith("job:") and first["data"]["payload"] == {"i": 0}
+    assert first["recorded_at"].endswith("Z")
+
+
+async def test_job_history_in_stream_order_and_invisible_to_other_tenants(conn, org, live_server):
+    org_id, key = org
+    other, other_key = await create_organization(conn, "other")
+    job = uuid.uuid4()
+    stream = store.job_stream(job)
+    await store.append(conn, stream, 0, [_submitted(1)], organization_id=org_id)
+    await store.append(conn, store.node_stream(uuid.uuid4()), 0, [NodeDraining()], organization_id=org_id)
+    await store.append(conn, stream, 1, [JobCancelled(by="me")], organization_id=org_id)
+    async with httpx.AsyncClient(base_url=live_server.url) as client:
+        mine = await client.get(f"/v1/jobs/{job}/events", headers=_auth(key))
+        theirs = await client.get(f"/v1/jobs/{job}/events", headers=_auth(other_key))
+        missing = await client.get(f"/v1/jobs/{uuid.uuid4()}/events", headers=_auth(key))
+        garbage = await client.get("/v1/jobs/not-a-uuid/events", headers=_auth(key))
+    assert mine.status_code == 200
+    assert [(e["version"], e["type"]) for e in mine.json()["events"]] == [(1, "job.submitted"), (2, "job.cancelled")]
+    for response in (theirs, missing, garbage):
+        assert response.status_code == 404
+        assert response.json()["error"] == "job_not_found"
+
+
+async def test_refusals_name_the_problem(conn, org, live_server):
+    org_id, _ = org
+    no_events_scope = await create_api_key(conn, org_id, ["jobs:read"])
+    _, key = org
+    async with httpx.AsyncClient(base_url=live_server.url) as client:
+        anonymous = await client.get("/v1/events")
+        wrong = await client.get("/v1/events", headers=_auth("uk_nothing_here"))
+        forbidden = await client.get("/v1/events", headers=_auth(no_events_scope))
+        forbidden_stream = await client.get("/v1/events/stream", headers=_auth(no_events_scope))
+        negative = await client.get("/v1/events", params={"after": -1}, headers=_auth(key))
+        too_big = await client.get("/v1/events", params={"limit": 5000}, headers=_auth(key))
+        words = await client.get("/v1/events", params={"limit": "ten"}, headers=_auth(key))
+    assert anonymous.status_code == 401 and anonymous.json()["error"] == "unauthenticated"
+    assert wrong.status_code == 401
+    assert forbidden.status_code == 403 and forbidden.json()["error"] == "forbidden"
+    assert forbidden_stream.status_code == 403
+    for response, field in ((negative, "after"), (too_big, "limit"), (words, "limit")):
+        assert response.status_code == 422
+        assert response.json()["error"] == "invalid_request"
+        assert response.json()["field"] == field
+        assert field in response.json()["message"]

@@ -1,0 +1,122 @@
+"""Process-wide Prometheus instruments: the one place every layer counts in.
+
+The instruments are created unregistered and belong to the process, because a
+counter is a fact about the process (how many claims *this* server made), not
+about one Starlette application object. Each application builds its own
+:class:`prometheus_client.CollectorRegistry` with :func:`registry_with` and adds
+collectors bound to its own pool (queue depth by status, read from the jobs
+table on scrape, so it is right even for jobs another process changed).
+
+``compute/`` and ``projections/`` import this module (never ``umbra.api``) to
+count what they do: :func:`count_events_appended`, :func:`count_sweeper_action`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
+
+#: Buckets in seconds for "how long until something happened" in the
+#: millisecond-to-minute range that long-polls span.
+_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: Buckets for hint-to-claim latency: a notification round trip is sub-millisecond
+#: to a few milliseconds; anything past 1 s was found by the safety poll.
+_WAKE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+CLAIMS = Counter(
+    "umbra_claims",
+    "Jobs handed to agents by long-poll claims, by how the claim was found.",
+    ["trigger"],
+    registry=None,
+)
+CLAIM_ATTEMPTS = Counter(
+    "umbra_claim_attempts",
+    "Claim transactions run by long-polls (successful or not).",
+    registry=None,
+)
+CLAIM_WAIT = Histogram(
+    "umbra_claim_wait_seconds",
+    "Time from a long-poll's arrival to its answer (claimed job or 204).",
+    ["outcome"],
+    buckets=_WAIT_BUCKETS,
+    registry=None,
+)
+WAKE_LATENCY = Histogram(
+    "umbra_wake_latency_seconds",
+    "Time from a log hint reaching this process to the claim it caused committing.",
+    buckets=_WAKE_BUCKETS,
+    registry=None,
+)
+ATTEMPTS_PER_WAKE = Histogram(
+    "umbra_claim_attempts_per_wake",
+    "Claim attempts one wake-up cost before it was used or given up (1 is ideal).",
+    buckets=(1, 2, 3, 5, 10, 25, 100, 1000),
+    registry=None,
+)
+LONG_POLLS_WAITING = Gauge(
+    "umbra_long_polls_waiting",
+    "Long-poll claims currently parked in this process (holding no database connection).",
+    registry=None,
+)
+SSE_STREAMS = Gauge(
+    "umbra_sse_streams",
+    "Server-Sent-Events streams currently open in this process.",
+    ["stream"],
+    registry=None,
+)
+LISTENER_RECONNECTS = Counter(
+    "umbra_listener_reconnects",
+    "Times this process's LISTEN connection was re-established.",
+    registry=None,
+)
+EVENTS_APPENDED = Counter(
+    "umbra_events_appended",
+    "Events this process appended to the log.",
+    registry=None,
+)
+SWEEPER_ACTIONS = Counter(
+    "umbra_sweeper_actions",
+    "Changes the sweeper made (expired leases, stale nodes, blocked timeouts), by action.",
+    ["action"],
+    registry=None,
+)
+HTTP_REQUESTS = Counter(
+    "umbra_http_requests",
+    "HTTP requests answered, by method, route template and status.",
+    ["method", "route", "status"],
+    registry=None,
+)
+
+PROCESS_COLLECTORS: tuple[Collector, ...] = (
+    CLAIMS,
+    CLAIM_ATTEMPTS,
+    CLAIM_WAIT,
+    WAKE_LATENCY,
+    ATTEMPTS_PER_WAKE,
+    LONG_POLLS_WAITING,
+    SSE_STREAMS,
+    LISTENER_RECONNECTS,
+    EVENTS_APPENDED,
+    SWEEPER_ACTIONS,
+    HTTP_REQUESTS,
+)
+
+
+def registry_with(*extra: Collector) -> CollectorRegistry:
+    """A fresh registry holding the process instruments plus ``extra`` collectors."""
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in (*PROCESS_COLLECTORS, *extra):
+        registry.register(collector)
+    return registry
+
+
+def count_events_appended(n: int = 1) -> None:
+    """Call after a transaction that appended ``n`` events has committed."""
+    if n > 0:
+        EVENTS_APPENDED.inc(n)
+
+
+def count_sweeper_action(action: str, n: int = 1) -> None:
+    """``action`` is a short constant such as ``lease_expired`` or ``node_went_offline``."""
+    if n > 0:
+        SWEEPER_ACTIONS.labels(action=action).inc(n)
