@@ -1,0 +1,212 @@
+"""The waiter hub's wake policy, without a database: wake as many as there is work,
+pass a wake on when the woken waiter cannot use it, never lose one."""
+
+from __future__ import annotations
+
+import uuid
+from functools import partial
+
+import anyio
+import pytest
+
+from tests.helpers import eventually
+from umbra.api.longpoll import WaiterHub
+
+pytestmark = pytest.mark.anyio
+
+ORG = uuid.uuid4()
+
+
+class Queue:
+    """Jobs as (name, capability needed); an attempt takes the first one it can run."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[str, str]] = []
+        self.attempts: dict[str, int] = {}
+
+    def attempt_for(self, who: str, can: set[str]):
+        async def attempt():
+            self.attempts[who] = self.attempts.get(who, 0) + 1
+            await anyio.sleep(0)
+            for job in self.jobs:
+                if job[1] in can:
+                    self.jobs.remove(job)
+                    return job[0]
+            return None
+
+        return attempt
+
+
+async def _park(hub: WaiterHub, n: int) -> None:
+    await eventually(lambda: _async(hub.waiting(ORG) == n and all(_idle(hub))))
+
+
+def _idle(hub):
+    return [not w.pending for w in hub._waiters.get(ORG, {}).values()]
+
+
+async def _async(value):
+    return value
+
+
+async def test_one_job_wakes_exactly_one_of_many_waiters():
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    results: dict[str, object] = {}
+    async with anyio.create_task_group() as tg:
+        for i in range(10):
+            name = f"w{i}"
+
+            async def run(name=name):
+                results[name] = await hub.wait_for(ORG, queue.attempt_for(name, {"cpu"}), timeout=1.5)
+
+            tg.start_soon(run)
+        await _park(hub, 10)
+        assert sum(queue.attempts.values()) == 10  # each tried once on arrival
+        queue.jobs.append(("job-1", "cpu"))
+        hub.on_hint(ORG, 1, 1)
+        await eventually(lambda: _async("job-1" in results.values()))
+        # No herd: one more attempt in total, and the other nine are still parked.
+        assert sum(queue.attempts.values()) == 11
+        assert hub.waiting(ORG) == 9
+    assert list(results.values()).count("job-1") == 1
+    assert list(results.values()).count(None) == 9
+
+
+async def test_a_waiter_that_cannot_run_the_job_passes_the_wake_on():
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    results: dict[str, object] = {}
+    async with anyio.create_task_group() as tg:
+
+        async def run(name, can):
+            results[name] = await hub.wait_for(ORG, queue.attempt_for(name, can), timeout=5)
+
+        tg.start_soon(run, "cpu-only-1", {"cpu"})
+        await _park(hub, 1)
+        tg.start_soon(run, "cpu-only-2", {"cpu"})
+        await _park(hub, 2)
+        tg.start_soon(run, "gpu", {"cpu", "gpu"})
+        await _park(hub, 3)
+        queue.jobs.append(("needs-gpu", "gpu"))
+        hub.on_hint(ORG, 1, 1)  # the oldest waiter (cpu-only) gets the wake first
+        await eventually(lambda: _async(results.get("gpu") == "needs-gpu"))
+        assert queue.attempts == {"cpu-only-1": 2, "cpu-only-2": 2, "gpu": 2}
+        assert hub.waiting(ORG) == 2
+        # Nobody can use a wake now: it is dropped after one round, not bounced forever.
+        queue.jobs.append(("needs-tpu", "tpu"))
+        hub.on_hint(ORG, 2, 1)
+        await eventually(lambda: _async(queue.attempts == {"cpu-only-1": 3, "cpu-only-2": 3, "gpu": 2}))
+        await _park(hub, 2)
+        assert queue.attempts == {"cpu-only-1": 3, "cpu-only-2": 3, "gpu": 2}
+        tg.cancel_scope.cancel()
+
+
+async def test_hint_without_claimable_work_wakes_nobody_and_other_orgs_are_untouched():
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(hub.wait_for, ORG, queue.attempt_for("a", {"cpu"}), timeout=5))
+        await _park(hub, 1)
+        hub.on_hint(ORG, 5, 0)
+        hub.on_hint(uuid.uuid4(), 6, 3)
+        assert _idle(hub) == [True]
+        tg.cancel_scope.cancel()
+
+
+async def test_reconnect_makes_every_waiter_recheck():
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    results: list[object] = []
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+
+            async def run(i=i):
+                results.append(await hub.wait_for(ORG, queue.attempt_for(f"w{i}", {"cpu"}), timeout=5))
+
+            tg.start_soon(run)
+        await _park(hub, 3)
+        queue.jobs += [("a", "cpu"), ("b", "cpu")]  # committed while the listener was away
+        hub.on_reconnect()
+        await eventually(lambda: _async(sorted(r for r in results if r) == ["a", "b"]))
+        assert queue.attempts == {"w0": 2, "w1": 2, "w2": 2}
+        tg.cancel_scope.cancel()
+
+
+async def test_timeout_answers_none_and_unregisters():
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    assert await hub.wait_for(ORG, queue.attempt_for("a", {"cpu"}), timeout=0.05) is None
+    assert await hub.wait_for(ORG, queue.attempt_for("a", {"cpu"}), timeout=0) is None
+    assert hub.waiting() == 0
+    assert queue.attempts == {"a": 2}
+
+
+async def test_a_waiter_leaving_with_a_wake_passes_it_on():
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    results: dict[str, object] = {}
+    async with anyio.create_task_group() as tg:
+        leaving = anyio.CancelScope()
+
+        async def first():
+            with leaving:
+                await hub.wait_for(ORG, queue.attempt_for("leaver", {"cpu"}), timeout=5)
+
+        tg.start_soon(first)
+        await _park(hub, 1)
+
+        async def second():
+            results["stayer"] = await hub.wait_for(ORG, queue.attempt_for("stayer", {"cpu"}), timeout=5)
+
+        tg.start_soon(second)
+        await _park(hub, 2)
+        queue.jobs.append(("j", "cpu"))
+        leaving.cancel()  # the oldest waiter is leaving (its client hung up) ...
+        hub.on_hint(ORG, 1, 1)  # ... when the wake is handed to it, before it could try
+        await eventually(lambda: _async(results.get("stayer") == "j"))
+        assert queue.attempts == {"leaver": 1, "stayer": 2}
+        await eventually(lambda: _async(results.get("stayer") == "j"))
+
+
+async def test_cancelling_mid_attempt_lets_the_attempt_finish():
+    hub = WaiterHub(poll_seconds=60)
+    finished = anyio.Event()
+    started = anyio.Event()
+
+    async def slow_claim():
+        started.set()
+        await anyio.sleep(0.1)
+        finished.set()
+        return "claimed"
+
+    result = "not returned"
+    with anyio.CancelScope() as scope:
+
+        async def cancel_soon():
+            await started.wait()
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_soon)
+            result = await hub.wait_for(ORG, slow_claim, timeout=5)
+    assert finished.is_set()
+    assert result == "claimed"  # the caller sees the claim and can release it
+
+
+async def test_stop_answers_parked_waiters_at_once():
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    results: list[object] = []
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+
+            async def run(i=i):
+                results.append(await hub.wait_for(ORG, queue.attempt_for(f"w{i}", {"cpu"}), timeout=30))
+
+            tg.start_soon(run)
+        await _park(hub, 3)
+        with anyio.fail_after(2):
+            hub.stop()
+            await eventually(lambda: _async(len(results) == 3))
+    assert results == [None, None, None]
