@@ -1,0 +1,215 @@
+"""The event log as a resumable Server-Sent-Events stream."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import anyio
+import httpx
+import psycopg
+import pytest
+
+from tests.conftest import LiveServer, free_port
+from tests.helpers import eventually
+from umbra.api import sse
+from umbra.compute.accounts import create_organization
+from umbra.events import store
+from umbra.events.types import JobSubmitted, NodeDraining
+
+pytestmark = pytest.mark.anyio
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+class SseReader:
+    """Parses an SSE response into (id, event, data-json) messages and comment lines."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.lines = response.aiter_lines()
+        self.comments: list[str] = []
+
+    async def next_message(self) -> dict:
+        fields: dict = {}
+        async for line in self.lines:
+            if line == "":
+                if "data" in fields:
+                    return fields
+                continue
+            if line.startswith(":"):
+                self.comments.append(line)
+                continue
+            name, _, value = line.partition(": ")
+            fields[name] = value
+        raise EOFError("stream ended")
+
+    async def take(self, n: int, timeout: float = 10) -> list[dict]:
+        with anyio.fail_after(timeout):
+            return [await self.next_message() for _ in range(n)]
+
+
+async def _append(conn, org_id: uuid.UUID, n: int, *, notify: bool = True) -> list[int]:
+    positions = []
+    for i in range(n):
+        async with conn.transaction():
+            recorded = await store.append(
+                conn,
+                store.job_stream(uuid.uuid4()),
+                0,
+                [JobSubmitted(kind="echo", priority=100, max_attempts=3, payload={"i": i})],
+                organization_id=org_id,
+            )
+            if notify:
+                await store.publish(conn, [(org_id, recorded[-1].position, 0)])
+        positions.append(recorded[-1].position)
+    return positions
+
+
+@pytest.fixture
+def quiet_server(db_url):
+    """A server whose safety poll is too slow to matter: only hints deliver quickly."""
+    with LiveServer(db_url, UMBRA_POLL_FALLBACK_SECONDS="30") as server:
+        yield server
+
+
+async def test_stream_replays_then_follows_live_only_own_organization(conn, org, quiet_server):
+    org_id, key = org
+    other, _ = await create_organization(conn, "other")
+    before = await _append(conn, org_id, 3)
+    await store.append(conn, store.node_stream(uuid.uuid4()), 0, [NodeDraining()], organization_id=other)
+    async with httpx.AsyncClient(base_url=quiet_server.url, timeout=30) as client:
+        async with client.stream("GET", "/v1/events/stream", headers=_auth(key)) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            reader = SseReader(response)
+            replayed = await reader.take(3)
+            started = time.monotonic()
+            live = await _append(conn, org_id, 2)
+            await _append(conn, other, 1)
+            followed = await reader.take(2, timeout=5)
+            assert time.monotonic() - started < 5  # woken by the hint, not the 30 s poll
+    assert [int(m["id"]) for m in replayed + followed] == before + live
+    assert {m["event"] for m in replayed + followed} == {"job.submitted"}
+    import json
+
+    data = json.loads(followed[0]["data"])
+    assert data["position"] == live[0] and data["organization_id"] == str(org_id)
+
+
+async def test_resume_with_last_event_id_has_no_gap_and_no_duplicate(conn, org, live_server):
+    org_id, key = org
+    first = await _append(conn, org_id, 5)
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
+        async with client.stream("GET", "/v1/events/stream", params={"after": 0}, headers=_auth(key)) as response:
+            got = await SseReader(response).take(3)
+        last_id = got[-1]["id"]
+        # Written while the client was away, some without any notification at all.
+        more = await _append(conn, org_id, 3, notify=False) + await _append(conn, org_id, 2)
+        headers = {**_auth(key), "Last-Event-ID": last_id}
+        # Last-Event-ID wins over after=0.
+        async with client.stream("GET", "/v1/events/stream", params={"after": 0}, headers=headers) as response:
+            resumed = await SseReader(response).take(7)
+    ids = [int(m["id"]) for m in got + resumed]
+    assert ids == first + more
+    assert len(set(ids)) == len(ids)
+
+
+async def test_events_from_concurrent_writers_arrive_in_commit_order_without_gaps(db_url, org, live_server):
+    org_id, key = org
+    writers, per_writer = 4, 15
+
+    async def writer(w: int) -> None:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            await _append(c, org_id, per_writer)
+
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
+        async with client.stream("GET", "/v1/events/stream", headers=_auth(key)) as response:
+            reader = SseReader(response)
+            async with anyio.create_task_group() as tg:
+                for w in range(writers):
+                    tg.start_soon(writer, w)
+            streamed = [int(m["id"]) for m in await reader.take(writers * per_writer, timeout=20)]
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+        logged = [r.position for r in await store.read_log(c, organization_id=org_id)]
+    assert streamed == logged
+
+
+async def test_bad_cursor_is_refused_before_streaming(org, live_server):
+    _, key = org
+    async with httpx.AsyncClient(base_url=live_server.url) as client:
+        bad_header = await client.get("/v1/events/stream", headers={**_auth(key), "Last-Event-ID": "abc"})
+        bad_after = await client.get("/v1/events/stream", params={"after": "-3"}, headers=_auth(key))
+    assert bad_header.status_code == 422 and bad_header.json()["field"] == "Last-Event-ID"
+    assert bad_after.status_code == 422 and bad_after.json()["field"] == "after"
+
+
+async def test_idle_stream_sends_ping_comments(org, live_server, monkeypatch):
+    _, key = org
+    monkeypatch.setattr(sse, "PING_SECONDS", 0.2)
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
+        async with client.stream("GET", "/v1/events/stream", headers=_auth(key)) as response:
+            reader = SseReader(response)
+            with anyio.fail_after(10):
+                async for line in reader.lines:
+                    if line == ": ping":
+                        break
+
+
+async def test_stream_survives_a_listener_reconnect(conn, org, live_server):
+    org_id, key = org
+    listener = live_server.app.state.services.listener
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
+        async with client.stream("GET", "/v1/events/stream", headers=_auth(key)) as response:
+            reader = SseReader(response)
+            await _append(conn, org_id, 1)
+            await reader.take(1)
+            old_pid = listener.backend_pid
+            await conn.execute("SELECT pg_terminate_backend(%s)", (old_pid,))
+            await eventually(lambda: _true(listener.reconnects >= 1 and listener.connected.is_set()))
+            await _append(conn, org_id, 2)
+            assert len(await reader.take(2)) == 2
+
+
+async def _true(value):
+    return value
+
+
+def test_server_shutdown_ends_open_streams(db_url):
+    """A dashboard left connected must not hold a graceful shutdown open."""
+    from umbra.api.app import create_app
+    from umbra.api.server import Server, config
+    from umbra.settings import load_settings
+
+    async def make_org():
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            return await create_organization(c, "acme")
+
+    _, key = anyio.run(make_org)
+    app = create_app(load_settings({"UMBRA_DATABASE_URL": db_url}), db_url)
+    port = free_port()
+    server = Server(config(app, host="127.0.0.1", port=port))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    ended = threading.Event()
+
+    def client():
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/v1/events/stream", headers=_auth(key), timeout=60) as r:
+            for _ in r.iter_lines():
+                pass
+        ended.set()
+
+    reader = threading.Thread(target=client, daemon=True)
+    reader.start()
+    while not app.state.log_watch._signals:  # the stream is open and waiting
+        time.sleep(0.02)
+    server.should_exit = True
+    thread.join(timeout=5)
+    assert not thread.is_alive(), "server still waiting for the stream"
+    assert ended.wait(5)
