@@ -1,0 +1,350 @@
+"""Nodes over HTTP: the agent's heartbeat, administration, reads, and the model registry.
+
+Handlers are thin: authenticate, decode the body strictly, call one command in
+:mod:`umbra.compute`, render. Another organization's node is 404
+``node_not_found`` (never 403), and a node credential sees only its own node.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal
+from uuid import UUID
+
+import msgspec
+from msgspec import Meta
+from starlette.requests import Request
+
+from umbra.compute import credentials, heartbeat, models, nodes
+from umbra.domain.heartbeat import HeartbeatReport
+from umbra.domain.models import RegisteredModel
+from umbra.domain.nodes import is_busy
+from umbra.errors import InvalidRequest
+from umbra.events.types import Device, ResidentModel
+
+from .http import json_response, path_uuid, principal, read_json
+from .routing import endpoint
+
+Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Label = Annotated[str, Meta(min_length=1, max_length=200)]
+Word = Annotated[str, Meta(min_length=1, max_length=100)]
+
+
+class ResidentModelReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    slug: Label
+    vram_held_mb: Megabytes = 0
+
+
+class DeviceReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A device as an agent reports it; identified by ``label`` within its node."""
+
+    kind: Literal["cpu", "gpu_integrated", "gpu_discrete"]
+    label: Label
+    vram_total_mb: Megabytes = 0
+    vram_free_mb: Megabytes = 0
+    ram_total_mb: Megabytes = 0
+    ram_free_mb: Megabytes = 0
+    compute_units: Annotated[int, Meta(ge=0)] | None = None
+    throughput_factor: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
+    accelerators: Annotated[list[Word], Meta(max_length=32)] = []
+    resident_models: Annotated[list[ResidentModelReport], Meta(max_length=256)] = []
+
+
+Devices = Annotated[list[DeviceReport], Meta(max_length=256)]
+
+
+def to_devices(reports: list[DeviceReport]) -> tuple[Device, ...]:
+    """Request devices as stored values; a label reported twice is refused."""
+    labels = [d.label for d in reports]
+    if len(set(labels)) != len(labels):
+        raise InvalidRequest("devices: each device needs a distinct label within the node.", field="devices")
+    return tuple(
+        Device(
+            kind=d.kind,
+            label=d.label,
+            vram_total_mb=d.vram_total_mb,
+            vram_free_mb=d.vram_free_mb,
+            ram_total_mb=d.ram_total_mb,
+            ram_free_mb=d.ram_free_mb,
+            compute_units=d.compute_units,
+            throughput_factor=d.throughput_factor,
+            accelerators=tuple(d.accelerators),
+            resident_models=tuple(ResidentModel(slug=m.slug, vram_held_mb=m.vram_held_mb) for m in d.resident_models),
+        )
+        for d in reports
+    )
+
+
+class HeartbeatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    #: The whole device set (it replaces the stored one); omitted means unchanged.
+    devices: Devices | None = None
+    agent_version: Annotated[str, Meta(max_length=100)] | None = None
+    #: When the agent process started; a new value records a restart.
+    agent_started_at: Annotated[datetime, Meta(tz=True)] | None = None
+
+
+class HeartbeatOut(msgspec.Struct, kw_only=True):
+    node_id: UUID
+    status: str
+    heartbeat_interval_seconds: int
+
+
+class NodeOut(msgspec.Struct, kw_only=True):
+    id: UUID
+    organization_id: UUID
+    name: str
+    status: str
+    stored_status: str
+    trust_domain: str
+    locality: str | None
+    transport: str | None
+    last_heartbeat_at: str | None
+    agent_version: str | None
+    agent_started_at: str | None
+    devices: list[dict[str, Any]]
+    schedulable: bool
+    created_at: str
+    updated_at: str
+
+
+class NodeList(msgspec.Struct, kw_only=True):
+    nodes: list[NodeOut]
+
+
+class ModelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    kind: Word = "llm"
+    vram_min_mb: Megabytes
+    vram_preferred_mb: Megabytes | None = None
+    ram_min_mb: Megabytes | None = None
+    requires_accelerators: Annotated[list[Word], Meta(max_length=32)] = []
+    reference_throughput: Annotated[float, Meta(gt=0)] | None = None
+    load_seconds: Annotated[float, Meta(ge=0)] | None = None
+
+
+class ModelOut(msgspec.Struct, kw_only=True):
+    slug: str
+    kind: str
+    vram_min_mb: int
+    vram_preferred_mb: int | None
+    ram_min_mb: int | None
+    #: RAM needed from system memory: ``ram_min_mb``, or the VRAM floor when unmeasured.
+    ram_floor_mb: int
+    requires_accelerators: list[str]
+    reference_throughput: float | None
+    load_seconds: float | None
+    updated_at: str | None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    models: list[ModelOut]
+
+
+def rfc3339(value: datetime | None) -> str | None:
+    return None if value is None else value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def node_out(view: nodes.NodeView) -> NodeOut:
+    s = view.state
+    return NodeOut(
+        id=s.id,
+        organization_id=s.organization_id,
+        name=s.name,
+        status=view.status,
+        stored_status=s.status,
+        trust_domain=s.trust_domain,
+        locality=s.locality,
+        transport=s.transport,
+        last_heartbeat_at=rfc3339(view.last_seen_at),
+        agent_version=s.agent_version,
+        agent_started_at=rfc3339(s.agent_started_at),
+        devices=[{**msgspec.to_builtins(d), "busy": is_busy(d)} for d in s.devices],
+        schedulable=view.schedulable,
+        created_at=rfc3339(s.created_at),
+        updated_at=rfc3339(s.updated_at),
+    )
+
+
+def model_out(m: RegisteredModel) -> ModelOut:
+    return ModelOut(
+        slug=m.slug,
+        kind=m.kind,
+        vram_min_mb=m.vram_min_mb,
+        vram_preferred_mb=m.vram_preferred_mb,
+        ram_min_mb=m.ram_min_mb,
+        ram_floor_mb=m.ram_floor_mb,
+        requires_accelerators=list(m.requires_accelerators),
+        reference_throughput=m.reference_throughput,
+        load_seconds=m.load_seconds,
+        updated_at=rfc3339(m.updated_at),
+    )
+
+
+def _stale(request: Request) -> int:
+    return request.app.state.services.settings.heartbeat_stale_seconds
+
+
+async def agent_heartbeat(request: Request):
+    services = request.app.state.services
+    async with services.pool.connection() as conn:
+        who = await principal(request, conn, "compute:heartbeat")
+        body = await read_json(request, HeartbeatRequest)
+        report = HeartbeatReport(
+            devices=None if body.devices is None else to_devices(body.devices),
+            agent_version=body.agent_version,
+            agent_started_at=body.agent_started_at,
+        )
+        result = await heartbeat.heartbeat(
+            conn,
+            who.organization_id,
+            who.node_id,
+            report,
+            event_interval_seconds=services.settings.heartbeat_event_seconds,
+            stale_seconds=services.settings.heartbeat_stale_seconds,
+            request_id=_request_id(request),
+        )
+    interval = services.settings.heartbeat_interval_seconds
+    return json_response(HeartbeatOut(node_id=result.node_id, status=result.status, heartbeat_interval_seconds=interval))
+
+
+async def list_nodes(request: Request):
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:read", "nodes:admin")
+        views = await nodes.load_schedulable_view(conn, who.organization_id, stale_seconds=_stale(request))
+    return json_response(NodeList(nodes=[node_out(v) for v in views]))
+
+
+async def get_node(request: Request):
+    node_id = path_uuid(request, "id", code="node_not_found")
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:read", "nodes:admin", "compute:read")
+        view = None
+        if who.node_id is None or who.node_id == node_id:
+            view = await nodes.node_view(conn, node_id, organization_id=who.organization_id, stale_seconds=_stale(request))
+    if view is None:
+        raise nodes.node_not_found(node_id)
+    return json_response(node_out(view))
+
+
+def _admin_action(command):
+    async def handle(request: Request):
+        node_id = path_uuid(request, "id", code="node_not_found")
+        services = request.app.state.services
+        async with services.pool.connection() as conn:
+            who = await principal(request, conn, "nodes:admin")
+            await command(request, conn, who, node_id)
+            view = await nodes.node_view(conn, node_id, organization_id=who.organization_id, stale_seconds=_stale(request))
+        return json_response(node_out(view))
+
+    return handle
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
+async def _drain(request, conn, who, node_id):
+    await nodes.drain_node(conn, who.organization_id, node_id, actor=who.actor, request_id=_request_id(request))
+
+
+async def _retire(request, conn, who, node_id):
+    await nodes.retire_node(conn, who.organization_id, node_id, actor=who.actor, request_id=_request_id(request))
+
+
+async def _revoke(request, conn, who, node_id):
+    _, revoked = await credentials.revoke_node(
+        conn, who.organization_id, node_id, actor=who.actor, request_id=_request_id(request)
+    )
+    for credential_id in revoked:
+        request.app.state.services.token_cache.forget_credential(credential_id)
+
+
+async def list_models(request: Request):
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:read", "nodes:admin", "compute:read")
+        registry = await models.list_models(conn, who.organization_id)
+    return json_response(ModelList(models=[model_out(m) for m in registry]))
+
+
+async def put_model(request: Request):
+    slug = request.path_params["slug"]
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "nodes:admin")
+        body = await read_json(request, ModelRequest)
+        spec = RegisteredModel(
+            slug=slug,
+            kind=body.kind,
+            vram_min_mb=body.vram_min_mb,
+            vram_preferred_mb=body.vram_preferred_mb,
+            ram_min_mb=body.ram_min_mb,
+            requires_accelerators=tuple(body.requires_accelerators),
+            reference_throughput=body.reference_throughput,
+            load_seconds=body.load_seconds,
+        )
+        stored = await models.upsert_model(conn, who.organization_id, spec)
+    return json_response(model_out(stored))
+
+
+def _admin_route(verb: str, command, summary: str):
+    return endpoint(
+        "POST",
+        f"/v1/nodes/{{id}}/{verb}",
+        _admin_action(command),
+        summary=summary,
+        auth="api_key",
+        scopes=("nodes:admin",),
+        response=NodeOut,
+    )
+
+
+routes = [
+    endpoint(
+        "POST",
+        "/v1/agent/heartbeat",
+        agent_heartbeat,
+        summary="Report liveness and the device set; promotes a provisioning or offline node to online.",
+        auth="node",
+        scopes=("compute:heartbeat",),
+        body=HeartbeatRequest,
+        response=HeartbeatOut,
+    ),
+    endpoint(
+        "GET",
+        "/v1/nodes",
+        list_nodes,
+        summary="The organization's nodes with effective status and schedulability.",
+        auth="api_key",
+        scopes=("jobs:read", "nodes:admin"),
+        response=NodeList,
+    ),
+    endpoint(
+        "GET",
+        "/v1/nodes/{id}",
+        get_node,
+        summary="One node; a node credential may read only its own.",
+        auth="api_key|node",
+        scopes=("jobs:read", "nodes:admin", "compute:read"),
+        response=NodeOut,
+    ),
+    _admin_route("drain", _drain, "Drain a node: it finishes current work and takes no new."),
+    _admin_route("retire", _retire, "Retire a node for good."),
+    _admin_route("revoke", _revoke, "Revoke the node's credentials; they fail on their next request."),
+    endpoint(
+        "GET",
+        "/v1/models",
+        list_models,
+        summary="The organization's model registry.",
+        auth="api_key|node",
+        scopes=("jobs:read", "nodes:admin", "compute:read"),
+        response=ModelList,
+    ),
+    endpoint(
+        "PUT",
+        "/v1/models/{slug:path}",
+        put_model,
+        summary="Create or replace a model in the organization's registry.",
+        auth="api_key",
+        scopes=("nodes:admin",),
+        body=ModelRequest,
+        response=ModelOut,
+    ),
+]

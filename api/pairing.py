@@ -1,0 +1,111 @@
+"""Pairing over HTTP: an administrator asks for a code, an agent redeems it.
+
+Redemption is the one unauthenticated write in the API. It is charged against
+the caller's source address before anything else is looked at (see
+:mod:`umbra.compute.pairing`), and answers wrong, expired and used codes alike.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+from uuid import UUID
+
+import msgspec
+from msgspec import Meta
+from starlette.requests import Request
+
+from umbra.compute import pairing
+from umbra.compute.auth import NODE_SCOPES
+
+from .http import client_address, json_response, principal, read_json
+from .nodes import Devices, Label, Word, rfc3339, to_devices
+from .routing import endpoint
+
+
+class PairingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Label
+    trust_domain: Word = "local"
+    locality: Annotated[str, Meta(max_length=200)] | None = None
+    ttl_seconds: Annotated[int, Meta(ge=pairing.TTL_MIN_SECONDS, le=pairing.TTL_MAX_SECONDS)] = pairing.TTL_DEFAULT_SECONDS
+
+
+class PairingOut(msgspec.Struct, kw_only=True):
+    #: Six digits, shown only in this response.
+    code: str
+    node_name: str
+    expires_at: str
+    pairing_id: UUID
+
+
+class RedeemRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    code: Annotated[str, Meta(max_length=32)]
+    name: Label
+    agent_version: Annotated[str, Meta(max_length=100)] | None = None
+    devices: Devices = []
+    transport: Word | None = None
+
+
+class RedeemOut(msgspec.Struct, kw_only=True):
+    node_id: UUID
+    #: The node credential, shown only in this response.
+    credential: str
+    scopes: list[str]
+
+
+async def create_pairing(request: Request):
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "nodes:admin")
+        body = await read_json(request, PairingRequest)
+        issued = await pairing.issue_pairing_code(
+            conn,
+            who.organization_id,
+            body.name,
+            trust_domain=body.trust_domain,
+            locality=body.locality,
+            ttl_seconds=body.ttl_seconds,
+        )
+    out = PairingOut(code=issued.code, node_name=issued.node_name, expires_at=rfc3339(issued.expires_at), pairing_id=issued.id)
+    return json_response(out, status=201, headers={"Cache-Control": "no-store"})
+
+
+async def redeem_pairing(request: Request):
+    body = await read_json(request, RedeemRequest)
+    devices = to_devices(body.devices)
+    async with request.app.state.services.pool.connection() as conn:
+        redeemed = await pairing.redeem_pairing_code(
+            conn,
+            code=body.code,
+            name=body.name,
+            source=client_address(request),
+            agent_version=body.agent_version,
+            devices=devices,
+            transport=body.transport,
+            request_id=getattr(request.state, "request_id", None),
+        )
+    out = RedeemOut(node_id=redeemed.node_id, credential=redeemed.credential, scopes=list(redeemed.scopes))
+    return json_response(out, status=201, headers={"Cache-Control": "no-store"})
+
+
+routes = [
+    endpoint(
+        "POST",
+        "/v1/pairings",
+        create_pairing,
+        summary="Issue a single-use six-digit pairing code for a named node (shown once).",
+        auth="api_key",
+        scopes=("nodes:admin",),
+        body=PairingRequest,
+        success=(201,),
+        response=PairingOut,
+    ),
+    endpoint(
+        "POST",
+        "/v1/pairings/redeem",
+        redeem_pairing,
+        summary=f"Redeem a pairing code: creates the node and returns a credential with {', '.join(NODE_SCOPES)}.",
+        auth="none",
+        body=RedeemRequest,
+        success=(201,),
+        response=RedeemOut,
+    ),
+]

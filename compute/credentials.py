@@ -1,0 +1,99 @@
+"""Node credentials: minted at pairing, revocable, stored only as argon2id hashes.
+
+A node credential carries the four ``compute:*`` scopes and nothing else: it
+reaches its own node, its jobs and the model registry, never project content.
+Its organization is the node's, never something a request says.
+
+Revocation sets ``revoked_at``; :func:`umbra.compute.auth.authenticate`
+re-checks that column on every cached hit, so a revoked token fails on its
+next request in every server process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from uuid import UUID, uuid4
+
+import anyio
+import psycopg
+
+from umbra.events import store
+from umbra.events.types import NodeCredentialRevoked
+from umbra.projections.nodes import NodeState
+from umbra.projections import nodes as projection
+from umbra.security import hash_secret, new_token
+
+from .auth import NODE_CREDENTIAL_KIND, NODE_SCOPES
+from .nodes import append_node_events, node_not_found
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MintedCredential:
+    """A fresh token and its hash, made before the transaction that stores it.
+
+    argon2id takes tens of milliseconds; hashing outside the transaction keeps
+    row locks (the pairing code's, the node's) short.
+    """
+
+    id: UUID
+    token: str
+    prefix: str
+    secret_hash: str
+    scopes: tuple[str, ...] = NODE_SCOPES
+
+
+async def mint_node_credential() -> MintedCredential:
+    token, prefix = new_token(NODE_CREDENTIAL_KIND)
+    secret_hash = await anyio.to_thread.run_sync(hash_secret, token)
+    return MintedCredential(id=uuid4(), token=token, prefix=prefix, secret_hash=secret_hash)
+
+
+async def store_node_credential(
+    conn: psycopg.AsyncConnection, credential: MintedCredential, *, node_id: UUID, organization_id: UUID
+) -> None:
+    """Insert the credential's hash; the node row must already exist."""
+    await conn.execute(
+        "INSERT INTO node_credentials (id, node_id, organization_id, prefix, secret_hash, scopes, created_at) "
+        "VALUES (%s, %s, %s, %s, %s, %s, umbra_now())",
+        (credential.id, node_id, organization_id, credential.prefix, credential.secret_hash, list(credential.scopes)),
+    )
+
+
+_REVOKE = """
+UPDATE node_credentials SET revoked_at = umbra_now()
+WHERE node_id = %s AND organization_id = %s AND revoked_at IS NULL
+RETURNING id
+"""
+
+
+async def revoke_node(
+    conn: psycopg.AsyncConnection,
+    organization_id: UUID,
+    node_id: UUID,
+    *,
+    actor: str | None = None,
+    request_id: str | None = None,
+) -> tuple[NodeState, list[UUID]]:
+    """Revoke every live credential of the node, recording one ``node.revoked`` each.
+
+    Returns the node and the revoked credential ids (empty when nothing was
+    live: revoking twice records nothing the second time).
+    """
+    async with conn.transaction():
+        state = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
+        if state is None:
+            raise node_not_found(node_id)
+        rows = await (await conn.execute(_REVOKE, (node_id, organization_id))).fetchall()
+        revoked = sorted(row[0] for row in rows)
+        if not revoked:
+            return state, []
+        events = [NodeCredentialRevoked(credential_id=cid, by=actor) for cid in revoked]
+        state, recorded = await append_node_events(
+            conn, state, events, node_id=node_id, organization_id=organization_id, actor=actor, request_id=request_id
+        )
+        await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
+    log.info("node credentials revoked", extra={"action": "node_revoked", "node_id": str(node_id), "count": len(revoked)})
+    return state, revoked

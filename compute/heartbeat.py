@@ -1,0 +1,89 @@
+"""Heartbeats: refresh liveness on every beat, record an event only when it matters.
+
+The common beat is one statement: upsert ``node_liveness.last_seen_at`` and
+read the node row back. Only when :func:`umbra.domain.heartbeat.decide_heartbeat`
+finds something worth recording (see there) does a transaction lock the row,
+decide again against the locked state, and append ``node.heartbeat``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from uuid import UUID
+
+import psycopg
+
+from umbra.domain.heartbeat import HeartbeatReport, decide_heartbeat
+from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
+from umbra.events import store
+from umbra.projections import nodes as projection
+
+from .nodes import append_node_events, node_not_found
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    node_id: UUID
+    #: Effective status after this beat.
+    status: str
+    #: Whether a ``node.heartbeat`` event was appended.
+    recorded: bool
+    #: Whether the device set, resident models or status changed (what could run here).
+    changed_capacity: bool
+
+
+_BEAT = f"""
+WITH seen AS (
+    INSERT INTO node_liveness (node_id, last_seen_at) VALUES (%(node)s, umbra_now())
+    ON CONFLICT (node_id) DO UPDATE SET last_seen_at = EXCLUDED.last_seen_at
+    RETURNING last_seen_at
+)
+SELECT {projection.COLUMNS}, seen.last_seen_at, umbra_now()
+FROM nodes n, seen
+WHERE n.id = %(node)s AND n.organization_id = %(org)s
+"""
+
+
+async def heartbeat(
+    conn: psycopg.AsyncConnection,
+    organization_id: UUID,
+    node_id: UUID,
+    report: HeartbeatReport,
+    *,
+    event_interval_seconds: int,
+    stale_seconds: int = DEFAULT_STALE_SECONDS,
+    request_id: str | None = None,
+) -> HeartbeatResult:
+    """Record one beat from the node's own credential (``organization_id`` is the node's)."""
+    row = await (await conn.execute(_BEAT, {"node": node_id, "org": organization_id})).fetchone()
+    if row is None:
+        raise node_not_found(node_id)
+    state, last_seen_at, now = projection.from_row(row), row[15], row[16]
+    decision = decide_heartbeat(state, report, now, event_interval_seconds=event_interval_seconds)
+    if decision.event is None:
+        return HeartbeatResult(node_id, effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds), False, False)
+    async with conn.transaction():
+        locked = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
+        assert locked is not None
+        now = (await (await conn.execute("SELECT umbra_now()")).fetchone())[0]
+        decision = decide_heartbeat(locked, report, now, event_interval_seconds=event_interval_seconds)
+        if decision.event is not None:
+            state, recorded = await append_node_events(
+                conn,
+                locked,
+                [decision.event],
+                node_id=node_id,
+                organization_id=organization_id,
+                actor=f"node:{node_id}",
+                request_id=request_id,
+            )
+            await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
+        else:
+            state = locked
+    if decision.event is not None:
+        log.debug("heartbeat recorded", extra={"action": "heartbeat_recorded", "node_id": str(node_id), "reasons": ",".join(decision.reasons)})
+    status = effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds)
+    return HeartbeatResult(node_id, status, decision.event is not None, decision.changes_capacity)

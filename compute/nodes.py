@@ -1,0 +1,224 @@
+"""Node commands and reads: effective views, drain/retire, and going stale.
+
+Reads compute the effective status with the database clock (``umbra_now()``)
+from ``node_liveness``; only a stored ``online`` is derived away (see
+:mod:`umbra.domain.node_status`). Commands follow the house pattern: lock the
+projection row, decide with a pure rule, append, fold, write, publish once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Sequence
+from uuid import UUID
+
+import psycopg
+
+from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
+from umbra.domain.nodes import check_drain, check_retire, is_schedulable
+from umbra.errors import NotFound
+from umbra.events import store
+from umbra.events.types import Device, Event, NodeDraining, NodeRetired, NodeWentOffline
+from umbra.projections import nodes as projection
+from umbra.projections.nodes import NodeState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """A node as readers see it: the folded row plus liveness and effective status."""
+
+    state: NodeState
+    #: Effective status: a stale stored ``online`` reads ``offline``.
+    status: str
+    #: When the node was last heard from (``node_liveness``), None if never.
+    last_seen_at: datetime | None
+    schedulable: bool
+
+    @property
+    def id(self) -> UUID:
+        return self.state.id
+
+    @property
+    def organization_id(self) -> UUID:
+        return self.state.organization_id
+
+    @property
+    def stored_status(self) -> str:
+        return self.state.status
+
+    @property
+    def trust_domain(self) -> str:
+        return self.state.trust_domain
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return self.state.devices
+
+    @property
+    def resident_models(self) -> frozenset[str]:
+        """Slugs resident on any device of the node."""
+        return frozenset(m.slug for d in self.state.devices for m in d.resident_models)
+
+
+def node_not_found(node_id: UUID) -> NotFound:
+    return NotFound("node_not_found", f"No node {node_id} in this organization.")
+
+
+_VIEW = f"""
+SELECT {projection.COLUMNS}, l.last_seen_at, umbra_now()
+FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
+WHERE (%(node)s::uuid IS NULL OR n.id = %(node)s) AND (%(org)s::uuid IS NULL OR n.organization_id = %(org)s)
+ORDER BY n.name, n.id
+"""
+
+
+def _view(row: tuple, stale_seconds: int) -> NodeView:
+    state = projection.from_row(row)
+    last_seen_at, now = row[15], row[16]
+    status = effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds)
+    return NodeView(state, status, last_seen_at, is_schedulable(status, state.devices))
+
+
+async def load_schedulable_view(
+    conn: psycopg.AsyncConnection, organization_id: UUID, *, stale_seconds: int = DEFAULT_STALE_SECONDS
+) -> list[NodeView]:
+    """Every node of one organization with its effective status, devices and models.
+
+    All nodes, not only schedulable ones: eligibility and ``explain`` need the
+    offline, draining and retired ones to say why they were passed over.
+    """
+    rows = await (await conn.execute(_VIEW, {"node": None, "org": organization_id})).fetchall()
+    return [_view(row, stale_seconds) for row in rows]
+
+
+async def node_view(
+    conn: psycopg.AsyncConnection,
+    node_id: UUID,
+    *,
+    organization_id: UUID | None = None,
+    stale_seconds: int = DEFAULT_STALE_SECONDS,
+) -> NodeView | None:
+    """One node, or None; pass ``organization_id`` whenever a caller's tenant is known."""
+    row = await (await conn.execute(_VIEW, {"node": node_id, "org": organization_id})).fetchone()
+    return None if row is None else _view(row, stale_seconds)
+
+
+async def append_node_events(
+    conn: psycopg.AsyncConnection,
+    state: NodeState | None,
+    events: Sequence[Event],
+    *,
+    node_id: UUID,
+    organization_id: UUID,
+    actor: str | None = None,
+    request_id: str | None = None,
+) -> tuple[NodeState, list[store.RecordedEvent]]:
+    """Append to ``node:<id>`` at the state's version, fold, and write the row.
+
+    The caller owns the transaction (and holds the row lock when ``state``
+    came from ``load(..., for_update=True)``) and publishes once at the end.
+    """
+    metadata = {key: value for key, value in (("actor", actor), ("request_id", request_id)) if value}
+    recorded = await store.append(
+        conn,
+        store.node_stream(node_id),
+        state.version if state else 0,
+        events,
+        organization_id=organization_id,
+        metadata=metadata,
+    )
+    for item in recorded:
+        state = projection.fold(state, item)
+    assert state is not None
+    await projection.write(conn, state)
+    return state, recorded
+
+
+async def _transition(
+    conn, organization_id: UUID, node_id: UUID, event: Event, check, actor: str | None, request_id: str | None
+) -> NodeState:
+    async with conn.transaction():
+        state = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
+        if state is None:
+            raise node_not_found(node_id)
+        if not check(state.status):
+            return state
+        state, recorded = await append_node_events(
+            conn, state, [event], node_id=node_id, organization_id=organization_id, actor=actor, request_id=request_id
+        )
+        await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
+    log.info("node transition", extra={"action": recorded[-1].type, "node_id": str(node_id)})
+    return state
+
+
+async def drain_node(
+    conn: psycopg.AsyncConnection,
+    organization_id: UUID,
+    node_id: UUID,
+    *,
+    actor: str | None = None,
+    request_id: str | None = None,
+) -> NodeState:
+    """Finish current work, take no new. Idempotent; a retired node answers ``node_retired``."""
+    return await _transition(conn, organization_id, node_id, NodeDraining(by=actor), check_drain, actor, request_id)
+
+
+async def retire_node(
+    conn: psycopg.AsyncConnection,
+    organization_id: UUID,
+    node_id: UUID,
+    *,
+    actor: str | None = None,
+    request_id: str | None = None,
+) -> NodeState:
+    """Take the node out of service for good. Idempotent."""
+    return await _transition(conn, organization_id, node_id, NodeRetired(by=actor), check_retire, actor, request_id)
+
+
+_STALE = f"""
+SELECT {projection.COLUMNS}, l.last_seen_at
+FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
+WHERE n.status = 'online'
+  AND (l.last_seen_at IS NULL OR l.last_seen_at < umbra_now() - make_interval(secs => %s))
+ORDER BY n.id
+LIMIT %s
+FOR UPDATE OF n SKIP LOCKED
+"""
+
+
+async def mark_stale_nodes_offline(
+    conn: psycopg.AsyncConnection, *, stale_seconds: int = DEFAULT_STALE_SECONDS, limit: int = 500
+) -> list[UUID]:
+    """Record ``node.went_offline`` for stored-``online`` nodes silent past the threshold.
+
+    Readers already see such nodes as offline (effective status); this makes
+    the log say so too. Rows another transaction holds (a heartbeat promoting
+    the node, an administrator draining it) are skipped and looked at on the
+    next sweep. Returns the ids marked, at most ``limit`` per call.
+    """
+    async with conn.transaction():
+        rows = await (await conn.execute(_STALE, (stale_seconds, limit))).fetchall()
+        if not rows:
+            return []
+        states = [projection.from_row(row) for row in rows]
+        batch = [
+            store.PendingAppend(
+                store.node_stream(s.id),
+                s.version,
+                [NodeWentOffline(last_seen_at=row[15])],
+                s.organization_id,
+                {"actor": "sweeper"},
+            )
+            for s, row in zip(states, rows)
+        ]
+        recorded = await store.append_many(conn, batch)
+        for state, item in zip(states, recorded):
+            await projection.write(conn, projection.fold(state, item))
+        await store.publish(conn, [(r.organization_id, r.position, 0) for r in recorded])
+    marked = [s.id for s in states]
+    log.info("stale nodes marked offline", extra={"action": "nodes_went_offline", "count": len(marked)})
+    return marked

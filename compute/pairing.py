@@ -1,0 +1,253 @@
+"""Pairing: a six-digit, single-use code for a named node, exchanged for a credential.
+
+Six digits is only defensible because of what surrounds them: the code is
+single use, expires (60..1800 s), is bound to a node name, is stored as an
+argon2id hash, and redemption is rate-limited per source address *before* the
+code is looked at. Wrong, expired and used codes get one identical answer; a
+code for another name and a name already taken are not secret and say so.
+
+Codes are salted hashes, so a redeemed code is found by verifying the
+candidate against every live code: this name's first, then the others (only
+to tell a name mismatch from a wrong code). Live codes are few — none outlives
+half an hour.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Sequence
+from uuid import UUID, uuid4
+
+import anyio
+import psycopg
+
+from umbra.domain.heartbeat import normalize_devices
+from umbra.errors import Conflict, InvalidRequest, RateLimited, Unauthenticated
+from umbra.events import store
+from umbra.events.types import Device, NodeCreated, NodePaired
+from umbra.security import hash_secret, verify_secret
+
+from .credentials import mint_node_credential, store_node_credential
+from .nodes import append_node_events
+
+log = logging.getLogger(__name__)
+
+#: Redemption attempts allowed per source address per window. At 20 guesses a
+#: quarter-hour the 1,000,000-code space takes about 21 years to walk.
+ATTEMPTS_PER_WINDOW = 20
+#: The fixed window, aligned on the database clock; the count resets with it,
+#: so this is a rate, not a lifetime total.
+WINDOW_SECONDS = 15 * 60
+TTL_MIN_SECONDS, TTL_MAX_SECONDS, TTL_DEFAULT_SECONDS = 60, 1800, 600
+
+_CODE = re.compile(r"^[0-9]{6}$")
+
+
+def _invalid() -> Unauthenticated:
+    return Unauthenticated(
+        "That pairing code is not valid: it may be mistyped, expired or already used. Ask for a new one.",
+        code="pairing_code_invalid",
+    )
+
+
+def _name_taken(name: str) -> Conflict:
+    return Conflict(
+        "node_name_taken",
+        f"A node named {name!r} already exists in this organization; pair under another name or retire and rename.",
+    )
+
+
+def check_node_name(name: str) -> str:
+    name = name.strip()
+    if not name or len(name) > 200:
+        raise InvalidRequest("name must be 1..200 characters.", field="name")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedCode:
+    id: UUID
+    code: str
+    node_name: str
+    expires_at: datetime
+
+
+_LIVE_FOR_NAME = """
+SELECT code_hash FROM pairing_codes
+WHERE node_name = %s AND redeemed_at IS NULL AND expires_at > umbra_now()
+"""
+_ISSUE = """
+INSERT INTO pairing_codes (id, organization_id, node_name, code_hash, trust_domain, locality, expires_at, created_at)
+VALUES (%s, %s, %s, %s, %s, %s, umbra_now() + make_interval(secs => %s), umbra_now())
+RETURNING expires_at
+"""
+
+
+async def _matches_any(code: str, hashes: Sequence[str]) -> bool:
+    for code_hash in hashes:
+        if await anyio.to_thread.run_sync(verify_secret, code_hash, code):
+            return True
+    return False
+
+
+async def issue_pairing_code(
+    conn: psycopg.AsyncConnection,
+    organization_id: UUID,
+    name: str,
+    *,
+    trust_domain: str = "local",
+    locality: str | None = None,
+    ttl_seconds: int = TTL_DEFAULT_SECONDS,
+) -> IssuedCode:
+    """Mint a code for a node named ``name``. The plain code is returned once, never stored.
+
+    A fresh code never equals another live code for the same name (in any
+    organization), so a redeemer can never be paired into the wrong tenant by
+    a coincidence of six digits.
+    """
+    name = check_node_name(name)
+    if not TTL_MIN_SECONDS <= ttl_seconds <= TTL_MAX_SECONDS:
+        raise InvalidRequest(
+            f"ttl_seconds must be between {TTL_MIN_SECONDS} and {TTL_MAX_SECONDS}.", field="ttl_seconds"
+        )
+    live = [row[0] for row in await (await conn.execute(_LIVE_FOR_NAME, (name,))).fetchall()]
+    code = f"{secrets.randbelow(1_000_000):06d}"
+    while await _matches_any(code, live):
+        code = f"{secrets.randbelow(1_000_000):06d}"
+    code_hash = await anyio.to_thread.run_sync(hash_secret, code)
+    code_id = uuid4()
+    row = await (
+        await conn.execute(_ISSUE, (code_id, organization_id, name, code_hash, trust_domain, locality, ttl_seconds))
+    ).fetchone()
+    log.info("pairing code issued", extra={"action": "pairing_code_issued", "pairing_id": str(code_id)})
+    return IssuedCode(id=code_id, code=code, node_name=name, expires_at=row[0])
+
+
+_CHARGE = """
+WITH w AS (
+    SELECT date_bin(make_interval(secs => %(window)s), umbra_now(), TIMESTAMPTZ '2000-01-01 00:00:00+00') AS start
+), expired AS (
+    DELETE FROM pairing_attempts p USING w WHERE p.source = %(source)s AND p.window_start < w.start
+)
+INSERT INTO pairing_attempts (source, window_start, attempts)
+SELECT %(source)s, w.start, 1 FROM w
+ON CONFLICT (source, window_start) DO UPDATE SET attempts = pairing_attempts.attempts + 1
+RETURNING attempts,
+          greatest(1, ceil(extract(epoch FROM window_start + make_interval(secs => %(window)s) - umbra_now())))::int
+"""
+
+
+async def charge_attempt(conn: psycopg.AsyncConnection, source: str) -> None:
+    """Count one redemption attempt from ``source``; raise 429 past the budget.
+
+    Must run as its own committed statement (``conn`` in autocommit, outside a
+    transaction) *before* the code is checked, so a failing redemption still
+    counts and a right code past the budget is refused like a wrong one.
+    """
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise RuntimeError("charge_attempt must commit on its own; call it outside a transaction")
+    row = await (await conn.execute(_CHARGE, {"window": WINDOW_SECONDS, "source": source})).fetchone()
+    attempts, retry_after = row
+    if attempts > ATTEMPTS_PER_WINDOW:
+        log.warning("pairing rate limit reached", extra={"action": "pairing_rate_limited", "source": source})
+        raise RateLimited(
+            f"Too many pairing attempts from this address; try again in {retry_after} s.", retry_after=retry_after
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Redemption:
+    node_id: UUID
+    organization_id: UUID
+    credential: str
+    scopes: tuple[str, ...]
+
+
+_CANDIDATES = """
+SELECT id, node_name, code_hash FROM pairing_codes
+WHERE redeemed_at IS NULL AND expires_at > umbra_now()
+ORDER BY (node_name = %s) DESC, created_at DESC
+"""
+_SPEND = """
+UPDATE pairing_codes SET redeemed_at = umbra_now()
+WHERE id = %s AND redeemed_at IS NULL AND expires_at > umbra_now()
+RETURNING organization_id, node_name, trust_domain, locality
+"""
+
+
+async def _find_code(conn: psycopg.AsyncConnection, code: str, name: str) -> UUID:
+    """The live code ``code`` names, issued for ``name``; raise the right refusal otherwise."""
+    if not _CODE.match(code):
+        raise _invalid()
+    for code_id, node_name, code_hash in await (await conn.execute(_CANDIDATES, (name,))).fetchall():
+        if await anyio.to_thread.run_sync(verify_secret, code_hash, code):
+            if node_name != name:
+                raise Conflict(
+                    "pairing_name_mismatch",
+                    f"This code was issued for a node named {node_name!r}, not {name!r}; "
+                    "redeem it under that name or ask for a code for this one.",
+                )
+            return code_id
+    raise _invalid()
+
+
+async def redeem_pairing_code(
+    conn: psycopg.AsyncConnection,
+    *,
+    code: str,
+    name: str,
+    source: str,
+    agent_version: str | None = None,
+    devices: Sequence[Device] = (),
+    transport: str | None = None,
+    request_id: str | None = None,
+) -> Redemption:
+    """Exchange a code for a new ``provisioning`` node and its credential.
+
+    Order: charge the attempt (committed), find the code, then one transaction
+    that spends it with a conditional UPDATE (``redeemed_at IS NULL``) and
+    creates the node. Two redeemers of one code serialise on that row: the
+    second finds it spent and gets the ordinary invalid answer, and a failure
+    after spending rolls the spend back with the node, so no orphan remains.
+    """
+    await charge_attempt(conn, source)
+    name = check_node_name(name)
+    code_id = await _find_code(conn, code.strip(), name)
+    credential = await mint_node_credential()
+    try:
+        async with conn.transaction():
+            spent = await (await conn.execute(_SPEND, (code_id,))).fetchone()
+            if spent is None:
+                raise _invalid()
+            organization_id, node_name, trust_domain, locality = spent
+            taken = await (
+                await conn.execute("SELECT 1 FROM nodes WHERE organization_id = %s AND name = %s", (organization_id, node_name))
+            ).fetchone()
+            if taken is not None:
+                raise _name_taken(node_name)
+            node_id = uuid4()
+            events = [
+                NodeCreated(name=node_name, trust_domain=trust_domain, locality=locality, transport=transport),
+                NodePaired(credential_id=credential.id, agent_version=agent_version, devices=normalize_devices(devices)),
+            ]
+            state, recorded = await append_node_events(
+                conn,
+                None,
+                events,
+                node_id=node_id,
+                organization_id=organization_id,
+                actor=f"pairing:{code_id}",
+                request_id=request_id,
+            )
+            await store_node_credential(conn, credential, node_id=node_id, organization_id=organization_id)
+            await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
+    except psycopg.errors.UniqueViolation as exc:
+        if exc.diag.constraint_name == "nodes_name_per_org":
+            raise _name_taken(name) from None
+        raise
+    log.info("node paired", extra={"action": "node_paired", "node_id": str(node_id), "pairing_id": str(code_id)})
+    return Redemption(node_id=node_id, organization_id=organization_id, credential=credential.token, scopes=credential.scopes)

@@ -1,0 +1,163 @@
+"""Which heartbeats are worth an event: coalescing, decided without I/O.
+
+A thousand nodes beating every 10 s would append 100 events a second that say
+nothing. So a beat is recorded in the log only when it changes something the
+scheduler or an operator acts on — the device set, resident models, the agent
+version or process start, a status promotion — or when the last recorded beat
+is older than the event interval. Every other beat only refreshes
+``node_liveness`` (a measurement, outside the fold).
+
+Free memory is a measurement that jitters on every beat. A change counts when
+it crosses the busy line (a GPU's free VRAM reaching or leaving zero) or moves
+by at least :data:`MEMORY_TOLERANCE_FRACTION` of the device's total (and at
+least :data:`MEMORY_TOLERANCE_FLOOR_MB`), so the folded device set stays within
+that tolerance of what the node last said, and the periodic beat re-anchors it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Iterable, Protocol
+
+from msgspec.structs import replace
+
+from umbra.events.types import Device, NodeHeartbeat, ResidentModel
+
+from .nodes import PROMOTABLE, is_busy
+
+#: Free-memory moves smaller than this share of the total are jitter.
+MEMORY_TOLERANCE_FRACTION = 0.02
+#: ... and smaller than this many MB, whatever the total.
+MEMORY_TOLERANCE_FLOOR_MB = 128
+
+#: Reasons that change what could run where (blocked jobs deserve a second look).
+CAPACITY_REASONS = frozenset({"devices", "memory", "models", "promotion"})
+
+
+class HeartbeatBasis(Protocol):
+    """What the decision needs to know about the node as last recorded."""
+
+    status: str
+    devices: tuple[Device, ...]
+    agent_version: str | None
+    agent_started_at: datetime | None
+    #: ``recorded_at`` of the last ``node.heartbeat`` event, None before the first.
+    last_heartbeat_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReport:
+    """One beat as the agent sent it. ``None`` means "not reported, unchanged"."""
+
+    devices: tuple[Device, ...] | None = None
+    agent_version: str | None = None
+    agent_started_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatDecision:
+    event: NodeHeartbeat | None
+    reasons: tuple[str, ...]
+
+    @property
+    def changes_capacity(self) -> bool:
+        return bool(CAPACITY_REASONS.intersection(self.reasons))
+
+
+def normalize_devices(devices: Iterable[Device]) -> tuple[Device, ...]:
+    """Devices in a canonical order: by label, accelerators and models sorted.
+
+    Devices are identified by label within a node, so two reports listing the
+    same devices in another order are the same set.
+    """
+    return tuple(
+        replace(
+            d,
+            accelerators=tuple(sorted(set(d.accelerators))),
+            resident_models=tuple(sorted(d.resident_models, key=lambda m: (m.slug, m.vram_held_mb))),
+        )
+        for d in sorted(devices, key=lambda d: d.label)
+    )
+
+
+def _shape(d: Device) -> tuple:
+    return (d.kind, d.vram_total_mb, d.ram_total_mb, d.compute_units, d.throughput_factor, d.accelerators)
+
+
+def _moved(old_free: int, new_free: int, total: int) -> bool:
+    tolerance = max(MEMORY_TOLERANCE_FLOOR_MB, total * MEMORY_TOLERANCE_FRACTION)
+    return abs(new_free - old_free) >= tolerance
+
+
+def _models(d: Device) -> frozenset[str]:
+    return frozenset(m.slug for m in d.resident_models)
+
+
+def _held(models: tuple[ResidentModel, ...]) -> dict[str, int]:
+    return {m.slug: m.vram_held_mb for m in models}
+
+
+def device_changes(old: tuple[Device, ...], new: tuple[Device, ...]) -> set[str]:
+    """The material differences between two normalized device sets.
+
+    ``devices``: a device appeared, disappeared or changed kind, totals,
+    accelerators or throughput; ``memory``: free memory crossed the busy line or
+    moved beyond the tolerance; ``models``: resident models came or went (or
+    the VRAM one holds moved beyond the tolerance).
+    """
+    before = {d.label: d for d in old}
+    after = {d.label: d for d in new}
+    changes: set[str] = set()
+    if before.keys() != after.keys():
+        changes.add("devices")
+    for label in before.keys() & after.keys():
+        a, b = before[label], after[label]
+        if _shape(a) != _shape(b):
+            changes.add("devices")
+        if (
+            is_busy(a) != is_busy(b)
+            or _moved(a.vram_free_mb, b.vram_free_mb, b.vram_total_mb)
+            or _moved(a.ram_free_mb, b.ram_free_mb, b.ram_total_mb)
+        ):
+            changes.add("memory")
+        if _models(a) != _models(b):
+            changes.add("models")
+        else:
+            held_a, held_b = _held(a.resident_models), _held(b.resident_models)
+            if any(_moved(held_a[s], held_b[s], b.vram_total_mb) for s in held_a):
+                changes.add("models")
+    return changes
+
+
+def decide_heartbeat(
+    current: HeartbeatBasis, report: HeartbeatReport, now: datetime, *, event_interval_seconds: int
+) -> HeartbeatDecision:
+    """The ``node.heartbeat`` event this beat deserves, or None (liveness only).
+
+    The event always carries the full device set (the fold replaces it) and
+    carries ``agent_started_at`` only when the agent reports a process start
+    that differs from the recorded one, so a restart is recorded once, not
+    every beat.
+    """
+    reasons: list[str] = []
+    devices = current.devices if report.devices is None else normalize_devices(report.devices)
+    if report.devices is not None:
+        reasons.extend(sorted(device_changes(current.devices, devices)))
+    if report.agent_version is not None and report.agent_version != current.agent_version:
+        reasons.append("agent_version")
+    restarted = report.agent_started_at is not None and report.agent_started_at != current.agent_started_at
+    if restarted:
+        reasons.append("agent_restart")
+    if current.status in PROMOTABLE:
+        reasons.append("promotion")
+    if current.last_heartbeat_at is None or now - current.last_heartbeat_at >= timedelta(seconds=event_interval_seconds):
+        reasons.append("periodic")
+    if not reasons:
+        return HeartbeatDecision(None, ())
+    event = NodeHeartbeat(
+        agent_version=report.agent_version if report.agent_version is not None else current.agent_version,
+        devices=devices,
+        agent_started_at=report.agent_started_at if restarted else None,
+    )
+    return HeartbeatDecision(event, tuple(reasons))

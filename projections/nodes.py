@@ -1,0 +1,198 @@
+"""The ``nodes`` projection: a pure fold of each node's event stream.
+
+``fold`` is the only code that turns node events into a row; commands apply it
+to the events they just appended and ``rebuild`` applies it to the whole log,
+so a live row and a rebuilt one are equal or ``verify`` says where they differ.
+
+``last_heartbeat_at`` here is when the last ``node.heartbeat`` *event* was
+recorded (coalescing reads it); when the node was last *heard from* is
+``node_liveness.last_seen_at``, a measurement deliberately outside the fold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+import msgspec
+import psycopg
+
+from umbra.domain.nodes import after_draining, after_heartbeat, after_revoked, after_went_offline
+from umbra.events.store import RecordedEvent
+from umbra.events.types import (
+    Device,
+    NodeCreated,
+    NodeCredentialRevoked,
+    NodeDraining,
+    NodeHeartbeat,
+    NodePaired,
+    NodeRetired,
+    NodeWentOffline,
+    decode_event,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    id: UUID
+    organization_id: UUID
+    name: str
+    status: str
+    trust_domain: str
+    locality: str | None
+    transport: str | None
+    agent_version: str | None
+    agent_started_at: datetime | None
+    last_heartbeat_at: datetime | None
+    devices: tuple[Device, ...]
+    version: int
+    position: int
+    created_at: datetime
+    updated_at: datetime
+
+    def as_row(self) -> dict[str, Any]:
+        """The comparable row shape shared by :func:`rebuild` and :func:`live`."""
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        row["devices"] = msgspec.to_builtins(self.devices)
+        return row
+
+
+def fold(state: NodeState | None, recorded: RecordedEvent) -> NodeState:
+    """Apply one recorded node event. Pure: the same inputs give the same row."""
+    event = recorded.event
+    if state is None:
+        if not isinstance(event, NodeCreated):
+            raise ValueError(f"{recorded.stream} v{recorded.version}: a node stream must open with node.created")
+        return NodeState(
+            id=UUID(recorded.stream.split(":", 1)[1]),
+            organization_id=recorded.organization_id,
+            name=event.name,
+            status="provisioning",
+            trust_domain=event.trust_domain,
+            locality=event.locality,
+            transport=event.transport,
+            agent_version=None,
+            agent_started_at=None,
+            last_heartbeat_at=None,
+            devices=(),
+            version=recorded.version,
+            position=recorded.position,
+            created_at=recorded.recorded_at,
+            updated_at=recorded.recorded_at,
+        )
+    stamp = {"version": recorded.version, "position": recorded.position, "updated_at": recorded.recorded_at}
+    if isinstance(event, NodePaired):
+        return dataclasses.replace(state, agent_version=event.agent_version, devices=event.devices, **stamp)
+    if isinstance(event, NodeHeartbeat):
+        return dataclasses.replace(
+            state,
+            status=after_heartbeat(state.status),
+            devices=event.devices,
+            agent_version=event.agent_version if event.agent_version is not None else state.agent_version,
+            agent_started_at=event.agent_started_at if event.agent_started_at is not None else state.agent_started_at,
+            last_heartbeat_at=recorded.recorded_at,
+            **stamp,
+        )
+    if isinstance(event, NodeWentOffline):
+        return dataclasses.replace(state, status=after_went_offline(state.status), **stamp)
+    if isinstance(event, NodeDraining):
+        return dataclasses.replace(state, status=after_draining(state.status), **stamp)
+    if isinstance(event, NodeRetired):
+        return dataclasses.replace(state, status="retired", **stamp)
+    if isinstance(event, NodeCredentialRevoked):
+        return dataclasses.replace(state, status=after_revoked(state.status), **stamp)
+    raise ValueError(f"{recorded.stream} v{recorded.version}: {recorded.type} is not a node event")
+
+
+_COLUMNS = (
+    "id, organization_id, name, status, trust_domain, locality, transport, agent_version, agent_started_at, "
+    "last_heartbeat_at, devices, version, position, created_at, updated_at"
+)
+
+_WRITE = f"""
+INSERT INTO nodes ({_COLUMNS})
+VALUES (%(id)s, %(organization_id)s, %(name)s, %(status)s, %(trust_domain)s, %(locality)s, %(transport)s,
+        %(agent_version)s, %(agent_started_at)s, %(last_heartbeat_at)s, %(devices)s::jsonb, %(version)s,
+        %(position)s, %(created_at)s, %(updated_at)s)
+ON CONFLICT (id) DO UPDATE SET
+    name = EXCLUDED.name, status = EXCLUDED.status, trust_domain = EXCLUDED.trust_domain,
+    locality = EXCLUDED.locality, transport = EXCLUDED.transport, agent_version = EXCLUDED.agent_version,
+    agent_started_at = EXCLUDED.agent_started_at, last_heartbeat_at = EXCLUDED.last_heartbeat_at,
+    devices = EXCLUDED.devices, version = EXCLUDED.version, position = EXCLUDED.position,
+    updated_at = EXCLUDED.updated_at
+"""
+
+
+async def write(conn: psycopg.AsyncConnection, state: NodeState) -> None:
+    """Upsert the row for ``state`` on the caller's connection (and transaction)."""
+    params = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    params["devices"] = msgspec.json.encode(state.devices).decode()
+    await conn.execute(_WRITE, params)
+
+
+_devices_type = tuple[Device, ...]
+
+
+def from_row(row: tuple) -> NodeState:
+    """A ``nodes`` row (selected as :data:`COLUMNS`) as a :class:`NodeState`."""
+    values = list(row[:15])
+    values[10] = msgspec.convert(values[10], _devices_type)
+    return NodeState(*values)
+
+
+#: The column list :func:`from_row` expects, for readers that join other tables.
+COLUMNS = ", ".join(f"n.{c.strip()}" for c in _COLUMNS.split(","))
+
+
+async def load(
+    conn: psycopg.AsyncConnection,
+    node_id: UUID,
+    *,
+    organization_id: UUID | None = None,
+    for_update: bool = False,
+) -> NodeState | None:
+    """One node row; ``organization_id`` scopes it, ``for_update`` locks it."""
+    query = f"SELECT {COLUMNS} FROM nodes n WHERE n.id = %s AND (%s::uuid IS NULL OR n.organization_id = %s)"
+    if for_update:
+        query += " FOR UPDATE"
+    row = await (await conn.execute(query, (node_id, organization_id, organization_id))).fetchone()
+    return None if row is None else from_row(row)
+
+
+async def live(conn: psycopg.AsyncConnection, organization_id: UUID | None = None) -> list[dict[str, Any]]:
+    """The stored rows, ordered by id, in :meth:`NodeState.as_row` shape."""
+    cursor = await conn.execute(
+        f"SELECT {COLUMNS} FROM nodes n WHERE %s::uuid IS NULL OR n.organization_id = %s ORDER BY n.id",
+        (organization_id, organization_id),
+    )
+    return [from_row(row).as_row() for row in await cursor.fetchall()]
+
+
+_NODE_EVENTS = """
+SELECT position, stream, version, organization_id, data::text, metadata::text, recorded_at
+FROM events
+WHERE stream LIKE 'node:%%' AND (%s::uuid IS NULL OR organization_id = %s)
+ORDER BY position
+"""
+
+
+async def rebuild(conn: psycopg.AsyncConnection, organization_id: UUID | None = None) -> list[dict[str, Any]]:
+    """Fold every node stream from the log in memory; the rows ``live`` should equal."""
+    states: dict[str, NodeState] = {}
+    async with conn.cursor() as cursor:
+        await cursor.execute(_NODE_EVENTS, (organization_id, organization_id))
+        async for position, stream, version, org, data, metadata, recorded_at in cursor:
+            recorded = RecordedEvent(
+                position=position,
+                stream=stream,
+                version=version,
+                organization_id=org,
+                event=decode_event(data),
+                metadata=msgspec.json.decode(metadata),
+                recorded_at=recorded_at,
+            )
+            states[stream] = fold(states.get(stream), recorded)
+    return [state.as_row() for state in sorted(states.values(), key=lambda s: s.id)]

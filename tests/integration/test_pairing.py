@@ -1,0 +1,165 @@
+"""Pairing: every answer, single use under a race, and the rate limit charged first."""
+
+from __future__ import annotations
+
+import anyio
+import psycopg
+import pytest
+
+from umbra.compute.auth import NODE_SCOPES, VerifiedTokenCache, authenticate
+from umbra.compute.pairing import ATTEMPTS_PER_WINDOW, charge_attempt, issue_pairing_code, redeem_pairing_code
+from umbra.errors import Conflict, InvalidRequest, RateLimited, Unauthenticated
+from umbra.events import store
+from umbra.events.types import Device
+from umbra.security import verify_secret
+
+pytestmark = pytest.mark.anyio
+
+GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=24000, accelerators=("cuda",))
+
+
+async def footprint(conn) -> tuple:
+    """Everything a redemption could write, to prove a refusal wrote none of it."""
+    row = await (await conn.execute(
+        "SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM nodes), (SELECT count(*) FROM node_credentials), "
+        "(SELECT count(*) FROM pairing_codes WHERE redeemed_at IS NOT NULL)")).fetchone()
+    return tuple(row)
+
+
+async def redeem(conn, code, name="gpu-box", source="10.0.0.1", **kw):
+    return await redeem_pairing_code(conn, code=code, name=name, source=source, **kw)
+
+
+async def test_a_code_is_six_digits_stored_only_as_a_hash_and_no_node_exists_yet(conn, org):
+    org_id, _ = org
+    issued = await issue_pairing_code(conn, org_id, "gpu-box", ttl_seconds=600)
+    assert len(issued.code) == 6 and issued.code.isdigit() and issued.node_name == "gpu-box"
+    (stored,) = await (await conn.execute("SELECT code_hash FROM pairing_codes")).fetchall()
+    assert issued.code not in stored[0] and verify_secret(stored[0], issued.code)
+    assert stored[0].startswith("$argon2id$")
+    assert await footprint(conn) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("ttl", [59, 1801])
+async def test_the_lifetime_is_bounded(conn, org, ttl):
+    with pytest.raises(InvalidRequest):
+        await issue_pairing_code(conn, org[0], "gpu-box", ttl_seconds=ttl)
+
+
+async def test_redeeming_creates_a_provisioning_node_and_a_four_scope_credential(conn, org):
+    org_id, _ = org
+    issued = await issue_pairing_code(conn, org_id, "gpu-box", trust_domain="lab", locality="rack-2")
+    redeemed = await redeem(conn, issued.code, agent_version="1.0", devices=[GPU])
+    assert redeemed.organization_id == org_id and set(redeemed.scopes) == set(NODE_SCOPES)
+    row = await (await conn.execute(
+        "SELECT name, status, trust_domain, locality, agent_version, organization_id FROM nodes WHERE id = %s",
+        (redeemed.node_id,))).fetchone()
+    assert row == ("gpu-box", "provisioning", "lab", "rack-2", "1.0", org_id)
+    history = await store.read_stream(conn, store.node_stream(redeemed.node_id))
+    assert [r.type for r in history] == ["node.created", "node.paired"]
+    assert history[1].event.devices == (GPU,)
+    who = await authenticate(conn, redeemed.credential, VerifiedTokenCache())
+    assert (who.kind, who.node_id, who.organization_id) == ("node", redeemed.node_id, org_id)
+    assert who.scopes == frozenset(NODE_SCOPES)
+    stored = (await (await conn.execute("SELECT secret_hash FROM node_credentials")).fetchone())[0]
+    assert redeemed.credential not in stored
+
+
+async def test_wrong_expired_and_used_codes_get_one_identical_answer(conn, org):
+    org_id, _ = org
+    used = await issue_pairing_code(conn, org_id, "gpu-box")
+    await redeem(conn, used.code)
+    expiring = await issue_pairing_code(conn, org_id, "other", ttl_seconds=60)
+    before = await footprint(conn)
+    answers = []
+    wrong = "000000" if used.code != "000000" else "000001"
+    await conn.execute("SET umbra.clock_offset = '61 seconds'")
+    for code, name in [(wrong, "gpu-box"), (expiring.code, "other"), (used.code, "gpu-box"), ("12ab", "gpu-box")]:
+        with pytest.raises(Unauthenticated) as refused:
+            await redeem(conn, code, name=name)
+        answers.append((refused.value.status, refused.value.to_json()))
+    assert answers[0][1]["error"] == "pairing_code_invalid" and answers[0][0] == 401
+    assert all(answer == answers[0] for answer in answers)
+    assert await footprint(conn) == before
+
+
+async def test_a_code_for_another_name_says_so_and_stays_usable(conn, org):
+    org_id, _ = org
+    issued = await issue_pairing_code(conn, org_id, "gpu-box")
+    with pytest.raises(Conflict) as refused:
+        await redeem(conn, issued.code, name="cpu-box")
+    assert refused.value.code == "pairing_name_mismatch" and refused.value.status == 409
+    assert await footprint(conn) == (0, 0, 0, 0)
+    await redeem(conn, issued.code, name="gpu-box")
+
+
+async def test_a_taken_name_is_refused_and_writes_nothing(conn, org):
+    org_id, _ = org
+    first = await issue_pairing_code(conn, org_id, "gpu-box")
+    await redeem(conn, first.code)
+    second = await issue_pairing_code(conn, org_id, "gpu-box")
+    before = await footprint(conn)
+    with pytest.raises(Conflict) as refused:
+        await redeem(conn, second.code)
+    assert refused.value.code == "node_name_taken"
+    assert await footprint(conn) == before
+
+
+async def test_the_same_name_in_another_organization_is_not_taken(conn, org):
+    from umbra.compute.accounts import create_organization
+
+    other, _ = await create_organization(conn, "globex")
+    await redeem(conn, (await issue_pairing_code(conn, org[0], "gpu-box")).code)
+    redeemed = await redeem(conn, (await issue_pairing_code(conn, other, "gpu-box")).code)
+    assert redeemed.organization_id == other
+
+
+async def test_two_redeemers_racing_on_one_code_one_wins_and_no_orphan_node(db_url, conn, org):
+    issued = await issue_pairing_code(conn, org[0], "gpu-box")
+    outcomes: list[str] = []
+
+    async def redeemer(i: int):
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            try:
+                await redeem(c, issued.code, source=f"10.0.0.{i}")
+                outcomes.append("won")
+            except Unauthenticated as exc:
+                outcomes.append(exc.code)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(redeemer, i)
+    assert sorted(outcomes) == ["pairing_code_invalid"] * 3 + ["won"]
+    assert await footprint(conn) == (2, 1, 1, 1)
+
+
+async def test_the_rate_limit_is_charged_before_the_code_is_checked(conn, org):
+    issued = await issue_pairing_code(conn, org[0], "gpu-box")
+    wrong = f"{(int(issued.code) + 1) % 1_000_000:06d}"
+    for _ in range(ATTEMPTS_PER_WINDOW):
+        with pytest.raises(Unauthenticated):
+            await redeem(conn, wrong)
+    before = await footprint(conn)
+    with pytest.raises(RateLimited) as limited:
+        await redeem(conn, issued.code)
+    assert limited.value.status == 429 and 1 <= limited.value.retry_after <= 900
+    assert await footprint(conn) == before
+    # Another address has its own budget.
+    await redeem(conn, issued.code, source="10.0.0.2")
+
+
+async def test_the_window_resets(conn, org):
+    for _ in range(ATTEMPTS_PER_WINDOW):
+        await charge_attempt(conn, "10.0.0.9")
+    with pytest.raises(RateLimited) as limited:
+        await charge_attempt(conn, "10.0.0.9")
+    await conn.execute("SELECT set_config('umbra.clock_offset', %s, false)", (f"{limited.value.retry_after} seconds",))
+    await charge_attempt(conn, "10.0.0.9")
+    rows = (await (await conn.execute("SELECT count(*) FROM pairing_attempts WHERE source = '10.0.0.9'")).fetchone())[0]
+    assert rows == 1  # the spent window was dropped when the next one opened
+
+
+async def test_charging_must_commit_on_its_own(conn):
+    async with conn.transaction():
+        with pytest.raises(RuntimeError):
+            await charge_attempt(conn, "10.0.0.1")

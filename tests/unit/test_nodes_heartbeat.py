@@ -1,0 +1,120 @@
+"""Heartbeat coalescing and promotion, decided without a database."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from msgspec.structs import replace
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from umbra.domain.heartbeat import HeartbeatReport, decide_heartbeat, device_changes, normalize_devices
+from umbra.events.types import Device, ResidentModel
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=20000, ram_total_mb=0,
+             accelerators=("cuda",), resident_models=(ResidentModel(slug="gemma4:26b", vram_held_mb=4000),))
+CPU = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=30000)
+
+
+@dataclass
+class Recorded:
+    status: str = "online"
+    devices: tuple = normalize_devices([GPU, CPU])
+    agent_version: str | None = "1.0"
+    agent_started_at: datetime | None = NOW - timedelta(hours=1)
+    last_heartbeat_at: datetime | None = NOW - timedelta(seconds=30)
+
+
+def decide(current=None, **report):
+    return decide_heartbeat(current or Recorded(), HeartbeatReport(**report), NOW, event_interval_seconds=300)
+
+
+def test_an_unchanged_beat_records_nothing():
+    decision = decide(devices=(CPU, GPU), agent_version="1.0", agent_started_at=NOW - timedelta(hours=1))
+    assert decision.event is None and decision.reasons == ()
+
+
+def test_a_beat_that_reports_nothing_new_records_nothing():
+    assert decide().event is None
+
+
+def test_the_periodic_beat_is_recorded_with_the_current_devices():
+    decision = decide(Recorded(last_heartbeat_at=NOW - timedelta(seconds=300)))
+    assert decision.reasons == ("periodic",)
+    assert decision.event.devices == Recorded().devices
+    assert decision.event.agent_started_at is None
+
+
+def test_the_first_beat_is_recorded():
+    assert "periodic" in decide(Recorded(last_heartbeat_at=None)).reasons
+
+
+@pytest.mark.parametrize("stored", ["provisioning", "offline"])
+def test_provisioning_and_offline_nodes_are_promoted(stored):
+    decision = decide(Recorded(status=stored))
+    assert "promotion" in decision.reasons and decision.changes_capacity
+
+
+@pytest.mark.parametrize("stored", ["online", "draining", "retired"])
+def test_other_statuses_are_not_a_promotion(stored):
+    assert decide(Recorded(status=stored)).event is None
+
+
+def test_agent_started_at_is_recorded_once_per_restart():
+    restarted = NOW - timedelta(seconds=5)
+    decision = decide(agent_started_at=restarted)
+    assert decision.reasons == ("agent_restart",)
+    assert decision.event.agent_started_at == restarted
+    again = decide(Recorded(agent_started_at=restarted), agent_started_at=restarted)
+    assert again.event is None
+
+
+def test_a_periodic_beat_does_not_reset_agent_started_at():
+    decision = decide(Recorded(last_heartbeat_at=NOW - timedelta(hours=1)), agent_started_at=NOW - timedelta(hours=1))
+    assert decision.event is not None and decision.event.agent_started_at is None
+
+
+def test_a_new_agent_version_is_recorded():
+    decision = decide(agent_version="1.1")
+    assert decision.reasons == ("agent_version",) and decision.event.agent_version == "1.1"
+    assert not decision.changes_capacity
+
+
+def test_devices_are_identified_by_label_and_order_does_not_matter():
+    assert device_changes(normalize_devices([GPU, CPU]), normalize_devices([CPU, GPU])) == set()
+    renamed = replace(GPU, label="gpu1")
+    assert device_changes(normalize_devices([GPU]), normalize_devices([renamed])) == {"devices"}
+
+
+def test_a_removed_device_is_a_change_and_the_set_is_replaced():
+    decision = decide(devices=(CPU,))
+    assert decision.reasons == ("devices",)
+    assert [d.label for d in decision.event.devices] == ["cpu"]
+
+
+def test_memory_jitter_is_not_a_change_but_a_real_move_is():
+    old = normalize_devices([GPU, CPU])
+    jitter = normalize_devices([replace(GPU, vram_free_mb=19900), replace(CPU, ram_free_mb=29500)])
+    assert device_changes(old, jitter) == set()
+    moved = normalize_devices([replace(GPU, vram_free_mb=8000), CPU])
+    assert device_changes(old, moved) == {"memory"}
+
+
+def test_a_gpu_running_out_of_vram_is_a_change_however_small():
+    almost = normalize_devices([replace(GPU, vram_free_mb=50), CPU])
+    full = normalize_devices([replace(GPU, vram_free_mb=0), CPU])
+    assert device_changes(almost, full) == {"memory"}
+
+
+def test_resident_models_coming_and_going_is_a_change():
+    loaded = replace(GPU, resident_models=(*GPU.resident_models, ResidentModel(slug="llama3:8b", vram_held_mb=5000)))
+    decision = decide(devices=(loaded, CPU))
+    assert "models" in decision.reasons and decision.changes_capacity
+
+
+def test_normalize_sorts_and_dedupes():
+    messy = replace(GPU, accelerators=("rocm", "cuda", "cuda"))
+    (device,) = normalize_devices([messy])
+    assert device.accelerators == ("cuda", "rocm")
