@@ -160,6 +160,27 @@ def _register_bootstrap(sub: argparse._SubParsersAction) -> None:
 REGISTRARS: list[Registrar] = [_register_bootstrap]
 
 
+def _register_agent(sub: argparse._SubParsersAction) -> None:
+    from .agent.cli import register
+
+    register(sub)
+
+
+def _register_admin_nodes(sub: argparse._SubParsersAction) -> None:
+    from .cli_admin import register
+
+    register(sub)
+
+
+def _register_events(sub: argparse._SubParsersAction) -> None:
+    from .cli_events import register
+
+    register(sub)
+
+
+REGISTRARS.extend([_register_agent, _register_admin_nodes, _register_events])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="umbra", description="Umbra Compute: event-sourced compute jobs on PostgreSQL.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,0 +1,331 @@
+// Umbra Compute live dashboard: snapshots from /v1/projections/{queue,nodes},
+// then live changes from the /v1/projections/stream Server-Sent Events.
+// No framework, no build step. Everything from the server is inserted as text
+// (textContent), never as HTML.
+"use strict";
+
+(() => {
+  const KEY_STORAGE = "umbra.apiKey";
+  const STATUSES = ["queued", "running", "blocked", "complete", "partial", "failed", "cancelled"];
+  const $ = (id) => document.getElementById(id);
+
+  let apiKey = null;
+  let source = null;
+  let retryTimer = null;
+  let retryDelay = 1000;
+  let refreshTimer = null;
+  const view = { queue: null, nodes: null, position: 0 };
+
+  // -- helpers ---------------------------------------------------------------
+
+  function h(tag, attrs, ...children) {
+    const el = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs || {})) {
+      if (value === null || value === undefined || value === false) continue;
+      if (name === "class") el.className = value;
+      else if (name === "style") el.style.cssText = value;
+      else el.setAttribute(name, value === true ? "" : String(value));
+    }
+    for (const child of children.flat()) {
+      if (child === null || child === undefined || child === false) continue;
+      el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return el;
+  }
+
+  const shortId = (id) => (id ? String(id).slice(0, 8) : "—");
+
+  function mb(n) {
+    if (n === null || n === undefined) return "—";
+    return n >= 1024 ? `${(n / 1024).toFixed(n >= 10240 ? 0 : 1)} GB` : `${n} MB`;
+  }
+
+  function ago(iso) {
+    if (!iso) return "—";
+    const s = Math.max(0, Math.round((Date.now() - Date.parse(iso)) / 1000));
+    if (s < 60) return `${s}s ago`;
+    if (s < 3600) return `${Math.floor(s / 60)}m ago`;
+    if (s < 86400) return `${Math.floor(s / 3600)}h ago`;
+    return `${Math.floor(s / 86400)}d ago`;
+  }
+
+  function until(iso) {
+    if (!iso) return "—";
+    const s = Math.round((Date.parse(iso) - Date.now()) / 1000);
+    return s >= 0 ? `${s}s` : "expired";
+  }
+
+  // -- connection state ---------------------------------------------------------
+
+  function setState(state, text) {
+    const pill = $("conn-state");
+    pill.dataset.state = state;
+    pill.textContent = text || { live: "live", connecting: "connecting…", reconnecting: "reconnecting", idle: "not connected" }[state];
+    $("banner").hidden = state !== "reconnecting";
+    document.body.dataset.connection = state;
+  }
+
+  function askForKey(message) {
+    closeStream();
+    setState("idle");
+    $("key-panel").hidden = false;
+    $("change-key").hidden = true;
+    $("key-error").hidden = !message;
+    $("key-error").textContent = message || "";
+    $("key-input").focus();
+  }
+
+  function readKey() {
+    const match = location.hash.match(/[#&]key=([^&]+)/);
+    if (match) {
+      const key = decodeURIComponent(match[1]);
+      localStorage.setItem(KEY_STORAGE, key);
+      history.replaceState(null, "", location.pathname + location.search);
+      return key;
+    }
+    return localStorage.getItem(KEY_STORAGE);
+  }
+
+  class AuthError extends Error {}
+
+  async function api(path) {
+    const response = await fetch(path, { headers: { Authorization: `Bearer ${apiKey}`, Accept: "application/json" } });
+    if (response.status === 401 || response.status === 403) {
+      let message = `The server refused this key (${response.status}).`;
+      try { message = (await response.json()).message || message; } catch (_) { /* keep the default */ }
+      throw new AuthError(message);
+    }
+    if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+    return response.json();
+  }
+
+  // -- data ---------------------------------------------------------------------------
+
+  async function refresh() {
+    try {
+      const [queue, nodes] = await Promise.all([api("/v1/projections/queue"), api("/v1/projections/nodes")]);
+      applyQueue(queue);
+      applyNodes(nodes);
+    } catch (error) {
+      if (error instanceof AuthError) askForKey(error.message);
+      else scheduleReconnect();
+    }
+  }
+
+  function refreshSoon() {
+    clearTimeout(refreshTimer);
+    refreshTimer = setTimeout(refresh, 120);
+  }
+
+  function newer(previous, next) {
+    return !previous || typeof next.position !== "number" || next.position >= (previous.position || 0);
+  }
+
+  function applyQueue(queue) {
+    if (!queue || !newer(view.queue, queue)) return;
+    view.queue = queue;
+    notePosition(queue.position);
+    renderQueue();
+  }
+
+  function applyNodes(nodes) {
+    if (!nodes || !newer(view.nodes, nodes)) return;
+    view.nodes = nodes;
+    notePosition(nodes.position);
+    renderNodes();
+    renderQueue(); // node names in the running table
+  }
+
+  function notePosition(position) {
+    if (typeof position === "number" && position > view.position) view.position = position;
+    $("position").textContent = `log #${view.position}`;
+  }
+
+  // A stream message carries a whole view ({"view": "queue", ...} or the
+  // snapshot shape itself); anything else means "something changed": re-read.
+  function onStreamMessage(event) {
+    let data;
+    try { data = JSON.parse(event.data); } catch (_) { refreshSoon(); return; }
+    const name = data.view || (event.type !== "message" ? event.type : null);
+    const body = data.data && typeof data.data === "object" ? { position: data.position, ...data.data } : data;
+    if ((name === "queue" || (!name && body.counts)) && body.counts) applyQueue(body);
+    else if ((name === "nodes" || (!name && body.nodes)) && body.nodes) applyNodes(body);
+    else refreshSoon();
+  }
+
+  // -- stream -------------------------------------------------------------------------
+
+  function closeStream() {
+    if (source) { source.close(); source = null; }
+    clearTimeout(retryTimer);
+  }
+
+  function scheduleReconnect() {
+    closeStream();
+    setState("reconnecting");
+    retryTimer = setTimeout(connect, retryDelay);
+    retryDelay = Math.min(retryDelay * 2, 15000);
+  }
+
+  function connect() {
+    closeStream();
+    if (!apiKey) { askForKey(); return; }
+    $("key-panel").hidden = true;
+    $("change-key").hidden = false;
+    if ($("conn-state").dataset.state !== "reconnecting") setState("connecting");
+    const url = `/v1/projections/stream?views=queue,nodes&access_token=${encodeURIComponent(apiKey)}`;
+    const es = new EventSource(url);
+    source = es;
+    es.onopen = () => {
+      retryDelay = 1000;
+      setState("live");
+      refresh();
+    };
+    es.onerror = () => {
+      if (source !== es) return;
+      setState("reconnecting");
+      // The browser retries by itself unless the stream is closed for good
+      // (an HTTP error): then find out why, and retry with back-off.
+      if (es.readyState === EventSource.CLOSED) {
+        api("/v1/projections/queue").then(scheduleReconnect, (error) => {
+          if (error instanceof AuthError) askForKey(error.message);
+          else scheduleReconnect();
+        });
+      }
+    };
+    es.onmessage = onStreamMessage;
+    for (const name of ["queue", "nodes", "change", "position"]) es.addEventListener(name, onStreamMessage);
+  }
+
+  // -- rendering ----------------------------------------------------------------------
+
+  function nodeName(nodeId) {
+    const node = (view.nodes?.nodes || []).find((n) => n.id === nodeId);
+    return node ? node.name : shortId(nodeId);
+  }
+
+  function placementCell(placement) {
+    if (!placement) return h("span", { class: "reason" }, "—");
+    const slow = placement.via === "ram" || String(placement.reason || "").includes("slow_path");
+    return h("span", {},
+      slow ? h("span", { class: "badge slow", title: "Runs from system RAM: slower than VRAM" }, "slow path") : null,
+      slow ? " " : null,
+      h("span", { class: "reason" }, placement.reason || ""),
+      placement.resident ? [" ", h("span", { class: "badge resident" }, "resident")] : null,
+      (placement.would_evict || []).length ? [" ", h("span", { class: "badge evict", title: placement.would_evict.join(", ") }, "evicts")] : null);
+  }
+
+  function flash(tile) {
+    tile.classList.add("flash");
+    requestAnimationFrame(() => requestAnimationFrame(() => tile.classList.remove("flash")));
+  }
+
+  function renderQueue() {
+    const queue = view.queue;
+    if (!queue) return;
+    const counts = queue.counts || {};
+    let total = 0;
+    for (const status of STATUSES) {
+      const n = counts[status] || 0;
+      total += n;
+      const el = $(`count-${status}`);
+      if (el.textContent !== String(n)) { el.textContent = String(n); flash(el.parentElement); }
+    }
+    $("queue-total").textContent = `${total} job${total === 1 ? "" : "s"}`;
+    const jobs = queue.jobs || [];
+
+    const running = jobs.filter((j) => j.status === "running" && j.placement);
+    $("running-table").tBodies[0].replaceChildren(...running.map((j) => h("tr", { "data-job": j.id },
+      h("td", { class: "id", title: j.id }, shortId(j.id)),
+      h("td", {}, j.kind),
+      h("td", {}, nodeName(j.placement.node_id || j.lease_owner), h("span", { class: "id" }, ` · ${j.placement.device_id || j.placement.device_kind || ""}`)),
+      h("td", {}, placementCell(j.placement)),
+      h("td", { class: "num" }, `${j.attempt}/${j.max_attempts}`),
+      h("td", { class: "num", "data-until": j.lease_expires_at || "" }, until(j.lease_expires_at)))));
+    $("running-empty").hidden = running.length > 0;
+
+    const blocked = jobs.filter((j) => j.status === "blocked");
+    $("blocked-table").tBodies[0].replaceChildren(...blocked.map((j) => h("tr", { "data-job": j.id },
+      h("td", { class: "id", title: j.id }, shortId(j.id)),
+      h("td", {}, j.kind),
+      h("td", { class: "reason" }, j.blocked_reason || j.error || "—"),
+      h("td", { class: "num", "data-ago": j.blocked_at || j.updated_at || "" }, ago(j.blocked_at || j.updated_at)))));
+    $("blocked-empty").hidden = blocked.length > 0;
+  }
+
+  function meter(label, total, free) {
+    const used = Math.max(0, total - free);
+    const share = total > 0 ? used / total : 0;
+    const cls = share >= 0.97 ? "bar full" : share >= 0.8 ? "bar high" : "bar";
+    return h("div", { class: "meter", title: `${mb(used)} used of ${mb(total)}` },
+      h("span", {}, label),
+      h("div", { class: cls }, h("span", { style: `width:${(share * 100).toFixed(1)}%` })),
+      h("span", { class: "figure" }, `${mb(used)} / ${mb(total)}`));
+  }
+
+  function deviceBlock(device) {
+    const unified = device.kind !== "gpu_discrete";
+    const busy = device.kind !== "cpu" && device.vram_total_mb > 0 && device.vram_free_mb <= 0;
+    const models = device.resident_models || [];
+    return h("div", { class: "device", "data-device": device.label },
+      h("div", { class: "device-head" },
+        h("span", { class: "device-label" }, device.label, busy ? [" ", h("span", { class: "busy" }, "busy")] : null),
+        h("span", { class: "device-kind" }, device.kind.replace("_", " "), (device.accelerators || []).length ? ` · ${device.accelerators.join(", ")}` : "")),
+      device.vram_total_mb > 0 ? meter("VRAM", device.vram_total_mb, device.vram_free_mb) : null,
+      unified && device.ram_total_mb > 0 ? meter("RAM", device.ram_total_mb, device.ram_free_mb) : null,
+      models.length ? h("div", { class: "models" }, models.map((m) =>
+        h("span", { class: "chip", title: `${mb(m.vram_held_mb)} held` }, m.slug, m.vram_held_mb ? ` · ${mb(m.vram_held_mb)}` : ""))) : null);
+  }
+
+  function renderNodes() {
+    const nodes = view.nodes?.nodes || [];
+    const online = nodes.filter((n) => n.status === "online").length;
+    $("nodes-summary").textContent = nodes.length ? `${online} of ${nodes.length} online` : "";
+    $("nodes-empty").hidden = nodes.length > 0;
+    $("nodes").replaceChildren(...nodes.map((n) => h("article", { class: "node", "data-node": n.id },
+      h("div", { class: "node-head" },
+        h("span", { class: "node-name" }, n.name),
+        h("span", {},
+          h("span", { class: "status", "data-status": n.status }, n.status),
+          n.stored_status && n.stored_status !== n.status ? h("span", { class: "stored", title: "stored status" }, `stored: ${n.stored_status}`) : null)),
+      h("div", { class: "node-attrs" },
+        h("span", {}, `trust: ${n.trust_domain || "local"}`),
+        n.locality ? h("span", {}, n.locality) : null,
+        n.agent_version ? h("span", {}, `agent ${n.agent_version}`) : null,
+        h("span", { "data-ago": n.last_heartbeat_at || "" }, `heartbeat ${ago(n.last_heartbeat_at)}`),
+        n.schedulable === false && n.status === "online" ? h("span", { class: "busy" }, "no free device") : null),
+      (n.devices || []).map(deviceBlock))));
+  }
+
+  function tick() {
+    for (const el of document.querySelectorAll("[data-until]")) el.textContent = until(el.dataset.until);
+    for (const el of document.querySelectorAll("[data-ago]")) {
+      const prefix = el.textContent.startsWith("heartbeat") ? "heartbeat " : "";
+      el.textContent = prefix + ago(el.dataset.ago);
+    }
+  }
+
+  // -- start ------------------------------------------------------------------------------
+
+  document.addEventListener("DOMContentLoaded", () => {
+    $("key-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      const key = $("key-input").value.trim();
+      if (!key) return;
+      localStorage.setItem(KEY_STORAGE, key);
+      apiKey = key;
+      $("key-input").value = "";
+      retryDelay = 1000;
+      connect();
+    });
+    $("change-key").addEventListener("click", () => {
+      localStorage.removeItem(KEY_STORAGE);
+      apiKey = null;
+      askForKey();
+    });
+    setInterval(tick, 1000);
+    apiKey = readKey();
+    if (apiKey) connect();
+    else askForKey();
+  });
+})();

@@ -1,0 +1,143 @@
+"""``umbra agent``: pair once with a code, then heartbeat, claim and run jobs.
+
+The first run (with --code) redeems the pairing code and saves the node
+credential; every later run reuses the saved credential. SIGTERM or SIGINT
+stops polling and lets the current job finish within --grace seconds; a
+second signal gives up on it at once. Either way the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import anyio
+
+from umbra.errors import InvalidRequest
+
+from .client import AgentClient, ServiceError
+from .credentials import CredentialFile, StoredCredential
+from .devices import DeviceSpecError, discover, parse_device_spec
+from .handlers import HandlerRegistry, load_object
+from .runner import Agent, AgentConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVER = "http://127.0.0.1:8080"
+
+
+def agent_version() -> str:
+    try:
+        return version("umbra-compute")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _device(text: str):
+    try:
+        return parse_device_spec(text)
+    except DeviceSpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _handler_spec(text: str) -> tuple[str, str]:
+    kind, sep, target = text.partition("=")
+    if not sep or not kind.strip() or ":" not in target:
+        raise argparse.ArgumentTypeError(f"--handler must look like KIND=package.module:function, got {text!r}")
+    return kind.strip(), target.strip()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "agent",
+        help="run the reference agent on this machine",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+    )
+    p.add_argument("--server", default=None, help=f"controller URL (default: the saved one, else UMBRA_SERVER or {DEFAULT_SERVER})")
+    p.add_argument("--code", help="six-digit pairing code (first run only)")
+    p.add_argument("--name", help="node name the pairing code was issued for")
+    p.add_argument("--credential-file", type=Path, help="where the node credential is kept (default: <data dir>/agent/credential.json)")
+    p.add_argument("--device", type=_device, action="append", default=[], metavar="JSON",
+                   help="report this device instead of discovering (repeatable; a Device object as in API.md)")
+    p.add_argument("--handler", type=_handler_spec, action="append", default=[], metavar="KIND=MODULE:FUNC",
+                   help="add or replace the handler for a job kind (repeatable)")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds a running job may continue after SIGTERM (default 30)")
+    p.add_argument("--claim-wait", type=float, default=30.0, help="long-poll seconds per claim request, 0..60 (default 30)")
+    p.add_argument("--heartbeat", type=float, default=10.0, help="heartbeat seconds until the server names an interval (default 10)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.set_defaults(func=run_agent)
+
+
+def run_agent(args) -> int:
+    from umbra.logs import configure_logging
+    from umbra.settings import load_settings
+
+    configure_logging(args.log_level.upper())
+    if not 0 <= args.claim_wait <= 60:
+        raise InvalidRequest("--claim-wait must be between 0 and 60 seconds.")
+    store = CredentialFile(args.credential_file) if args.credential_file else CredentialFile.default(load_settings().data_dir)
+    registry = HandlerRegistry.default()
+    for kind, target in args.handler:
+        registry.register(kind, load_object(target))
+    overrides = list(args.device)
+
+    def devices():
+        return overrides or discover()
+
+    return anyio.run(_main, args, store, registry, devices)
+
+
+async def _pair(args, store: CredentialFile, devices) -> StoredCredential:
+    if store.exists():
+        raise InvalidRequest(f"{store.path} already holds a credential; run without --code, or remove it to pair again.")
+    if not args.name:
+        raise InvalidRequest("--name is required with --code: the name the pairing code was issued for.")
+    server = args.server or os.environ.get("UMBRA_SERVER") or DEFAULT_SERVER
+    async with AgentClient(server) as client:
+        answer = await client.redeem(code=args.code, name=args.name, agent_version=agent_version(), devices=devices())
+    stored = StoredCredential(
+        server=server, node_id=answer["node_id"], name=args.name, credential=answer["credential"],
+        scopes=tuple(answer.get("scopes") or ()),
+    )
+    store.save(stored)
+    print(f"paired as {args.name} (node {stored.node_id}); credential saved to {store.path}", flush=True)
+    return stored
+
+
+async def _main(args, store: CredentialFile, registry: HandlerRegistry, devices) -> int:
+    stored = await _pair(args, store, devices) if args.code else store.load()
+    if args.name and args.name != stored.name:
+        raise InvalidRequest(f"{store.path} belongs to node {stored.name!r}, not {args.name!r}; use --credential-file.")
+    config = AgentConfig(
+        agent_version=agent_version(),
+        heartbeat_seconds=args.heartbeat,
+        claim_wait_seconds=args.claim_wait,
+        grace_seconds=args.grace,
+    )
+    async with AgentClient(args.server or stored.server, stored.credential) as client:
+        agent = Agent(client, registry, devices, config)
+        fatal: ServiceError | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signals, agent)
+            log.info("agent started", extra={"action": "agent_started", "node_id": stored.node_id, "kinds": ",".join(registry.kinds)})
+            try:
+                await agent.run()
+            except ServiceError as exc:  # a rejected credential: retrying cannot help
+                fatal = exc
+            tg.cancel_scope.cancel()
+    if fatal is not None:
+        raise fatal
+    log.info("agent stopped", extra={"action": "agent_stopped", "node_id": stored.node_id})
+    return 0
+
+
+async def _stop_on_signals(agent: Agent) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("stop requested", extra={"action": "agent_stopping", "signal": signal.Signals(signum).name,
+                                              "immediately": agent.stopping})
+            agent.stop(immediately=agent.stopping)

@@ -1,0 +1,187 @@
+"""The agent protocol over HTTP (API.md, "Pairing" and "Agent protocol").
+
+One method per endpoint, nothing else: retries, back-off and scheduling are the
+runner's business. A refusal from the server is raised as :class:`ServiceError`
+carrying the contract's stable ``error`` code, so callers branch on codes, never
+on message text. Transport failures (refused connection, timeout) surface as
+``httpx.TransportError``.
+"""
+
+from __future__ import annotations
+
+import email.utils
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+import httpx
+import msgspec
+
+from umbra.errors import UmbraError
+from umbra.events.types import Device
+
+#: Extra seconds the HTTP client waits beyond a long-poll's ``wait``: the
+#: server answers 204 at ``wait`` seconds, so only a dead server takes longer.
+LONG_POLL_SLACK_SECONDS = 15.0
+#: Timeout for every other request.
+REQUEST_TIMEOUT_SECONDS = 20.0
+
+
+class ServiceError(UmbraError):
+    """The server refused a request with a contract error code."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None) -> None:
+        super().__init__(code, message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A claimed job: the Job object, its placement and when the lease ends."""
+
+    job: dict[str, Any]
+    placement: dict[str, Any]
+    lease_expires_at: datetime
+    #: Lease length as the server sees it (expiry minus the server's Date
+    #: header), so a skewed local clock does not shorten the renew cadence.
+    lease_seconds: float
+
+    @property
+    def job_id(self) -> str:
+        return self.job["id"]
+
+    @property
+    def kind(self) -> str:
+        return self.job["kind"]
+
+    @property
+    def attempt(self) -> int:
+        return int(self.job["attempt"])
+
+    @property
+    def payload(self) -> Any:
+        return self.job.get("payload")
+
+
+def parse_time(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _server_now(response: httpx.Response) -> datetime:
+    header = response.headers.get("date")
+    if header:
+        try:
+            return email.utils.parsedate_to_datetime(header)
+        except (TypeError, ValueError):
+            pass
+    return datetime.now(timezone.utc)
+
+
+def seconds_until(expires_at: datetime, response: httpx.Response) -> float:
+    """Seconds from the server's "now" (its Date header) to ``expires_at``."""
+    return max(0.0, (expires_at - _server_now(response)).total_seconds())
+
+
+def raise_for_error(response: httpx.Response) -> None:
+    """Raise :class:`ServiceError` for a 4xx/5xx answer, with its contract error code."""
+    if response.status_code < 400:
+        return
+    code, message = "http_error", response.reason_phrase or f"HTTP {response.status_code}"
+    try:
+        body = response.json()
+        code = str(body.get("error") or code)
+        message = str(body.get("message") or message)
+    except (ValueError, AttributeError):
+        pass
+    retry_after = response.headers.get("retry-after")
+    raise ServiceError(
+        response.status_code,
+        code,
+        message,
+        retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
+    )
+
+
+def _devices_json(devices: Sequence[Device]) -> list[Any]:
+    return msgspec.to_builtins(list(devices))
+
+
+class AgentClient:
+    """An async HTTP client for one server, optionally holding a node credential."""
+
+    def __init__(self, server: str, credential: str | None = None, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        headers = {"User-Agent": "umbra-agent"}
+        if credential:
+            headers["Authorization"] = f"Bearer {credential}"
+        self._http = httpx.AsyncClient(
+            base_url=server.rstrip("/"), headers=headers, timeout=REQUEST_TIMEOUT_SECONDS, transport=transport
+        )
+
+    async def __aenter__(self) -> "AgentClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, path: str, body: Any = None, *, timeout: float | None = None, params=None) -> httpx.Response:
+        kwargs: dict[str, Any] = {"params": params}
+        if body is not None:
+            kwargs["content"] = msgspec.json.encode(body)
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        response = await self._http.post(path, **kwargs)
+        raise_for_error(response)
+        return response
+
+    async def redeem(self, *, code: str, name: str, agent_version: str, devices: Sequence[Device]) -> dict[str, Any]:
+        """``POST /v1/pairings/redeem`` → ``{"node_id", "credential", "scopes"}``."""
+        body = {"code": code, "name": name, "agent_version": agent_version, "devices": _devices_json(devices)}
+        return (await self._post("/v1/pairings/redeem", body)).json()
+
+    async def heartbeat(
+        self, *, devices: Sequence[Device], agent_version: str, agent_started_at: datetime
+    ) -> dict[str, Any]:
+        """``POST /v1/agent/heartbeat``; the answer carries the node's status."""
+        body = {
+            "devices": _devices_json(devices),
+            "agent_version": agent_version,
+            "agent_started_at": agent_started_at.isoformat(),
+        }
+        return (await self._post("/v1/agent/heartbeat", body)).json()
+
+    async def claim(self, wait: float) -> Claim | None:
+        """Long-poll ``POST /v1/agent/claim?wait=S``: a :class:`Claim`, or None on 204."""
+        response = await self._post(
+            "/v1/agent/claim", params={"wait": int(wait)}, timeout=wait + LONG_POLL_SLACK_SECONDS
+        )
+        if response.status_code == 204:
+            return None
+        body = response.json()
+        expires = parse_time(body["lease_expires_at"])
+        return Claim(
+            job=body["job"],
+            placement=body.get("placement") or {},
+            lease_expires_at=expires,
+            lease_seconds=seconds_until(expires, response),
+        )
+
+    async def renew(self, job_id: str, attempt: int) -> float:
+        """Extend the lease; returns its new length in seconds (server clock)."""
+        response = await self._post(f"/v1/agent/jobs/{job_id}/renew", {"attempt": attempt})
+        return seconds_until(parse_time(response.json()["lease_expires_at"]), response)
+
+    async def complete(self, job_id: str, attempt: int, result: Any) -> dict[str, Any]:
+        return (await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result})).json()
+
+    async def fail(self, job_id: str, attempt: int, error: str, *, retry: bool) -> dict[str, Any]:
+        body = {"attempt": attempt, "error": error, "retry": retry}
+        return (await self._post(f"/v1/agent/jobs/{job_id}/fail", body)).json()
+
+    async def add_children(self, job_id: str, attempt: int, children: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        body = {"attempt": attempt, "children": list(children)}
+        return (await self._post(f"/v1/agent/jobs/{job_id}/children", body)).json()["children"]

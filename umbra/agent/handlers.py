@@ -1,0 +1,159 @@
+"""Job handlers: the code an agent runs for each job kind.
+
+A handler is a callable taking the :class:`~umbra.agent.client.Claim` and
+returning the job's result (any JSON value), or :class:`Decompose` to split the
+job into children. It may be ``async`` or plain; a plain one runs in a worker
+thread so it never stalls heartbeats or lease renewal.
+
+Failures: a handler that raises fails the job with the exception's message.
+Whether the server should retry is the handler's call: raise
+:class:`RetryableError` (or any exception with ``retryable = True``) for a
+transient failure; anything else is final. A job whose kind no handler claims
+fails non-retryably: another attempt on the same agent would fail the same way.
+
+Handlers are found in the ``umbra.handlers`` entry-point group (entry point
+name = job kind), so a package adds kinds without touching this code; the
+built-ins ``echo`` and ``sleep`` exist for demos and tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Awaitable, Callable, Union
+
+import anyio
+from anyio import to_thread
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "umbra.handlers"
+
+Handler = Callable[[Any], Union[Any, Awaitable[Any]]]
+
+
+class RetryableError(Exception):
+    """A transient failure: the server requeues the job with back-off."""
+
+    retryable = True
+
+
+class PermanentError(Exception):
+    """A failure another attempt cannot fix (bad payload, unsupported input)."""
+
+    retryable = False
+
+
+class UnknownKind(PermanentError):
+    def __init__(self, kind: str, known: list[str]) -> None:
+        super().__init__(
+            f"No handler for job kind {kind!r} on this agent (it handles: {', '.join(known) or 'nothing'})."
+        )
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Child:
+    """One child job, as ``POST /v1/agent/jobs/{id}/children`` takes it."""
+
+    kind: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    requires: dict[str, Any] = field(default_factory=dict)
+    priority: int | None = None
+    idempotency_key: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"kind": self.kind, "payload": self.payload, "requires": self.requires}
+        if self.priority is not None:
+            body["priority"] = self.priority
+        if self.idempotency_key is not None:
+            body["idempotency_key"] = self.idempotency_key
+        return body
+
+
+@dataclass(frozen=True)
+class Decompose:
+    """Returned by a handler to turn its job into a parent of ``children``."""
+
+    children: list[Child]
+
+
+def is_retryable(exc: BaseException) -> bool:
+    return bool(getattr(exc, "retryable", False))
+
+
+async def echo(claim) -> Any:
+    """Returns the payload unchanged."""
+    return claim.payload
+
+
+async def sleep(claim) -> dict[str, float]:
+    """Sleeps ``payload["seconds"]`` (0..86400) and reports how long."""
+    payload = claim.payload if isinstance(claim.payload, dict) else {}
+    seconds = payload.get("seconds", 1)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        raise PermanentError("sleep needs payload {\"seconds\": number}.")
+    if not 0 <= seconds <= 86_400:
+        raise PermanentError("sleep's seconds must be between 0 and 86400.")
+    await anyio.sleep(seconds)
+    return {"slept": seconds}
+
+
+BUILTINS: dict[str, Handler] = {"echo": echo, "sleep": sleep}
+
+
+def load_object(spec: str) -> Handler:
+    """Resolve ``module:attribute`` (the entry-point syntax) to a callable."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"handler {spec!r} must look like package.module:function")
+    target: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"handler {spec!r} is not callable")
+    return target
+
+
+class HandlerRegistry:
+    """Job kind → handler."""
+
+    def __init__(self, handlers: dict[str, Handler] | None = None) -> None:
+        self._handlers: dict[str, Handler] = dict(handlers or {})
+
+    @classmethod
+    def default(cls) -> "HandlerRegistry":
+        """The built-ins, then every installed ``umbra.handlers`` entry point."""
+        registry = cls(BUILTINS)
+        registry.load_entry_points()
+        return registry
+
+    def register(self, kind: str, handler: Handler) -> None:
+        self._handlers[kind] = handler
+
+    def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
+        for point in entry_points(group=group):
+            try:
+                self.register(point.name, point.load())
+            except Exception:
+                log.exception("handler entry point failed to load", extra={"action": "handler_load_failed", "kind": point.name})
+
+    @property
+    def kinds(self) -> list[str]:
+        return sorted(self._handlers)
+
+    async def run(self, claim) -> Any:
+        """Run the handler for ``claim.kind``; raises what the handler raises."""
+        handler = self._handlers.get(claim.kind)
+        if handler is None:
+            raise UnknownKind(claim.kind, self.kinds)
+        if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None)):
+            return await handler(claim)
+        result = await to_thread.run_sync(handler, claim, abandon_on_cancel=True)
+        if inspect.isawaitable(result):
+            result = await result
+        return result

@@ -1,0 +1,102 @@
+"""``umbra admin`` commands for nodes: pairing codes, drain, retire, revoke.
+
+They talk to the database directly (like ``create-org``) and call the same
+commands as the HTTP API, so a node drained from the shell records the same
+``node.draining`` event, attributed to ``cli``. The pairing code is printed
+once and is never logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+#: The actor recorded in events these commands append.
+CLI_ACTOR = "cli"
+
+
+def _admin_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The ``admin`` group's subcommand table, created by the bootstrap registrar."""
+    admin = sub.choices["admin"]
+    for action in admin._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    raise RuntimeError("the admin command group has no subcommands")
+
+
+async def _pairing_code(conn, args) -> int:
+    from umbra.compute.accounts import require_organization
+    from umbra.compute.pairing import issue_pairing_code
+
+    async with conn.transaction():
+        await require_organization(conn, args.org)
+        issued = await issue_pairing_code(
+            conn, args.org, args.name, trust_domain=args.trust_domain, locality=args.locality, ttl_seconds=args.ttl
+        )
+    expires = issued.expires_at.isoformat().replace("+00:00", "Z")
+    if args.json:
+        print(json.dumps({"code": issued.code, "node_name": issued.node_name, "expires_at": expires}))
+    else:
+        print(f"pairing code for {issued.node_name}: {issued.code} (single use, expires {expires})")
+        print(f"on the node: umbra agent --server URL --name {issued.node_name} --code {issued.code}")
+    return 0
+
+
+def _node_json(state) -> dict:
+    return {"node_id": str(state.id), "name": state.name, "stored_status": state.status}
+
+
+def _node_command(name: str):
+    async def run(conn, args) -> int:
+        from umbra.compute import credentials, nodes
+
+        if name == "drain":
+            state = await nodes.drain_node(conn, args.org, args.node_id, actor=CLI_ACTOR)
+            out = _node_json(state)
+        elif name == "retire":
+            state = await nodes.retire_node(conn, args.org, args.node_id, actor=CLI_ACTOR)
+            out = _node_json(state)
+        else:
+            state, revoked = await credentials.revoke_node(conn, args.org, args.node_id, actor=CLI_ACTOR)
+            out = {**_node_json(state), "revoked_credentials": [str(c) for c in revoked]}
+        if args.json:
+            print(json.dumps(out))
+        else:
+            for key, value in out.items():
+                print(f"{key}: {','.join(value) if isinstance(value, list) else value}")
+        return 0
+
+    return run
+
+
+_NODE_HELP = {
+    "drain": "let the node finish its current work and take no new",
+    "retire": "take the node out of service for good",
+    "revoke": "revoke the node's credentials; its agent is refused at once",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from umbra.cli import _uuid, _with_database
+
+    admin = _admin_subparsers(sub)
+    p = admin.add_parser(
+        "pairing-code",
+        help="issue a single-use pairing code for a named node",
+        description="Issue a six-digit, single-use pairing code bound to a node name. "
+        "It is shown once; the node is created when an agent redeems it.",
+    )
+    p.add_argument("--org", type=_uuid, required=True, help="organization id")
+    p.add_argument("--name", required=True, help="the node name the code is bound to")
+    p.add_argument("--ttl", type=int, default=600, help="lifetime in seconds, 60..1800 (default 600)")
+    p.add_argument("--trust-domain", default="local", help="trust domain of the node (default local)")
+    p.add_argument("--locality", default=None, help="where the node is (free text)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_with_database(_pairing_code))
+
+    for name, help_text in _NODE_HELP.items():
+        p = admin.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        p.add_argument("--org", type=_uuid, required=True, help="organization id")
+        p.add_argument("node_id", type=_uuid, help="node id")
+        p.add_argument("--json", action="store_true", help="print JSON")
+        p.set_defaults(func=_with_database(_node_command(name)))

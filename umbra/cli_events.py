@@ -1,0 +1,241 @@
+"""``umbra events tail|replay`` and ``umbra verify``: reading the log as an auditor.
+
+``tail`` and ``replay`` are HTTP clients: they see what an API key of one
+organization may see (``events:read``), nothing more. ``tail`` pages through
+``GET /v1/events``; with ``--follow`` it holds ``/v1/events/stream`` open and,
+after a dropped connection, resumes with ``Last-Event-ID`` so no event is missed
+or printed twice. ``replay`` folds a job's history with the queue projection's
+own fold, so what it prints is exactly what a rebuild would store.
+
+``verify`` is an operator command on the database itself: it rebuilds every
+projection from the log and diffs it against the live tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+from datetime import datetime
+from typing import Any, AsyncIterator, Iterable
+from uuid import UUID
+
+import anyio
+import httpx
+import msgspec
+
+from umbra.errors import InvalidRequest
+
+DEFAULT_SERVER = "http://127.0.0.1:8080"
+PAGE_SIZE = 1000
+
+
+# -- HTTP ------------------------------------------------------------------------
+
+
+def _client(args) -> httpx.AsyncClient:
+    key = args.api_key or os.environ.get("UMBRA_API_KEY")
+    if not key:
+        raise InvalidRequest("An API key with events:read is required: pass --api-key or set UMBRA_API_KEY.")
+    server = args.server or os.environ.get("UMBRA_SERVER") or DEFAULT_SERVER
+    return httpx.AsyncClient(
+        base_url=server.rstrip("/"),
+        headers={"Authorization": f"Bearer {key}", "User-Agent": "umbra-cli"},
+        timeout=httpx.Timeout(30.0, read=None),
+    )
+
+
+async def _get_json(client: httpx.AsyncClient, path: str, **params) -> Any:
+    from umbra.agent.client import raise_for_error
+
+    response = await client.get(path, params=params or None)
+    raise_for_error(response)
+    return response.json()
+
+
+# -- SSE ---------------------------------------------------------------------------
+
+
+class SseParser:
+    """Server-Sent Events, one line at a time: a message per blank line.
+
+    Handles what the service sends (``id``, ``event``, ``data``, ``retry``,
+    comments); ``last_id`` is where a reconnect resumes.
+    """
+
+    def __init__(self) -> None:
+        self.last_id: str | None = None
+        self._event = ""
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> tuple[str, str, str | None] | None:
+        """Returns ``(event, data, id)`` when ``line`` ends a message."""
+        if line == "":
+            message = (self._event or "message", "\n".join(self._data), self.last_id) if self._data else None
+            self._event, self._data = "", []
+            return message
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id" and "\0" not in value:
+            self.last_id = value
+        return None
+
+
+# -- tail ------------------------------------------------------------------------
+
+
+def format_event(event: dict[str, Any], as_json: bool) -> str:
+    if as_json:
+        return json.dumps(event, separators=(",", ":"))
+    data = json.dumps(event.get("data", {}), separators=(",", ":"))
+    return f"{event['position']:>8}  {event['recorded_at']}  {event['type']:<18} {event['stream']}  {data}"
+
+
+async def _page_through(client: httpx.AsyncClient, after: int, as_json: bool) -> int:
+    while True:
+        page = await _get_json(client, "/v1/events", after=after, limit=PAGE_SIZE)
+        for event in page["events"]:
+            print(format_event(event, as_json), flush=True)
+        if not page["events"]:
+            return after
+        after = int(page["next"])
+
+
+async def _follow(client: httpx.AsyncClient, after: int, as_json: bool) -> None:
+    from umbra.agent.client import raise_for_error
+    from umbra.agent.runner import backoff_delay
+
+    failures = 0
+    while True:
+        parser = SseParser()
+        try:
+            headers = {"Accept": "text/event-stream", "Last-Event-ID": str(after)}
+            async with client.stream("GET", "/v1/events/stream", headers=headers) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise_for_error(response)
+                failures = 0
+                async for line in response.aiter_lines():
+                    message = parser.feed(line.rstrip("\r\n"))
+                    if message is None:
+                        continue
+                    event = json.loads(message[1])
+                    after = max(after, int(event["position"]))
+                    print(format_event(event, as_json), flush=True)
+        except httpx.TransportError as exc:
+            failures += 1
+            delay = backoff_delay(failures, 0.5, 15.0)
+            print(f"umbra: stream interrupted ({type(exc).__name__}); resuming after {after} in {delay:.1f}s", file=sys.stderr)
+            await anyio.sleep(delay)
+            continue
+        # The server ended the stream (it is shutting down): reconnect shortly.
+        await anyio.sleep(0.5 + random.random())
+
+
+def cmd_tail(args) -> int:
+    async def main() -> int:
+        async with _client(args) as client:
+            if args.follow:
+                await _follow(client, args.after, args.json)
+            else:
+                await _page_through(client, args.after, args.json)
+        return 0
+
+    return anyio.run(main)
+
+
+# -- replay ------------------------------------------------------------------------
+
+
+def recorded_from_json(event: dict[str, Any]):
+    """An API Event object back into the store's RecordedEvent (for the pure folds)."""
+    from umbra.events.store import RecordedEvent
+    from umbra.events.types import Event
+
+    return RecordedEvent(
+        position=int(event["position"]),
+        stream=event["stream"],
+        version=int(event["version"]),
+        organization_id=UUID(event["organization_id"]),
+        event=msgspec.convert({**event["data"], "type": event["type"]}, Event),
+        metadata=event.get("metadata") or {},
+        recorded_at=datetime.fromisoformat(event["recorded_at"].replace("Z", "+00:00")),
+    )
+
+
+def state_json(state: Any) -> dict[str, Any]:
+    row = state.as_row() if hasattr(state, "as_row") else dataclasses.asdict(state)
+    return json.loads(msgspec.json.encode(row, enc_hook=str))
+
+
+def replay(events: Iterable[dict[str, Any]], *, up_to: int | None = None):
+    """Fold a job's events in order; yields ``(event, status after it)`` and returns the state."""
+    from umbra.projections.jobs import fold
+
+    state = None
+    steps = []
+    for event in events:
+        if up_to is not None and int(event["position"]) > up_to:
+            break
+        state = fold(state, recorded_from_json(event))
+        steps.append((event, state.status))
+    return steps, state
+
+
+def cmd_replay(args) -> int:
+    async def main() -> int:
+        async with _client(args) as client:
+            history = await _get_json(client, f"/v1/jobs/{args.job_id}/events")
+        steps, state = replay(history["events"], up_to=args.as_of)
+        if state is None:
+            raise InvalidRequest(f"Job {args.job_id} had no events at or before position {args.as_of}.")
+        if args.json:
+            print(json.dumps({"events": [e for e, _ in steps], "state": state_json(state)}))
+            return 0
+        for event, status in steps:
+            print(f"{format_event(event, False)}  -> {status}")
+        print()
+        for key, value in state_json(state).items():
+            print(f"{key:>17}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+        return 0
+
+    return anyio.run(main)
+
+
+# -- registration ------------------------------------------------------------------
+
+
+def _add_http_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=None, help=f"service URL (default UMBRA_SERVER or {DEFAULT_SERVER})")
+    p.add_argument("--api-key", default=None, help="API key with events:read (default UMBRA_API_KEY)")
+    p.add_argument("--json", action="store_true", help="print JSON (one object per line for tail)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from umbra.cli import _uuid
+
+    events = sub.add_parser("events", help="read the event log: tail it, replay a job")
+    events_sub = events.add_subparsers(dest="events_command", required=True)
+
+    p = events_sub.add_parser("tail", help="print the organization's events in commit order",
+                              description="Print the organization's events in commit order; --follow keeps streaming.")
+    p.add_argument("--follow", "-f", action="store_true", help="keep streaming new events (resumes after disconnects)")
+    p.add_argument("--after", type=int, default=0, help="start after this log position (default 0: from the beginning)")
+    _add_http_options(p)
+    p.set_defaults(func=cmd_tail)
+
+    p = events_sub.add_parser("replay", help="print a job's events and the state they fold to",
+                              description="Print a job's events, the status after each, and the state they fold to.")
+    p.add_argument("job_id", type=_uuid)
+    p.add_argument("--as-of", type=int, default=None, help="fold only events at or before this log position")
+    _add_http_options(p)
+    p.set_defaults(func=cmd_replay)
