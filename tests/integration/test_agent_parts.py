@@ -1,0 +1,134 @@
+"""The agent's pure parts and local state, without a server or database:
+device discovery parsing, reporting drift, back-off, handlers, the credential
+file, and the CLI's SSE reader."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+from types import SimpleNamespace
+
+import pytest
+
+from umbra.agent.credentials import CredentialFile, CredentialFileError, StoredCredential
+from umbra.agent.devices import DeviceSpecError, cpu_device, parse_device_spec, parse_nvidia_smi, steady
+from umbra.agent.handlers import HandlerRegistry, PermanentError, RetryableError, UnknownKind, is_retryable
+from umbra.agent.runner import backoff_delay
+from umbra.cli_events import SseParser
+from umbra.events.types import Device
+
+pytestmark = pytest.mark.anyio
+
+NVIDIA_OUTPUT = """0, NVIDIA GeForce RTX 4090, 24564, 23012
+1, NVIDIA A100-SXM4-80GB, 81920, [N/A]
+NVIDIA-SMI has failed because it couldn't communicate with the driver on one line
+2, Tesla T4, 15360, 15100
+"""
+
+
+def test_nvidia_smi_lines_become_discrete_cuda_devices_and_unreadable_lines_are_skipped():
+    devices = parse_nvidia_smi(NVIDIA_OUTPUT)
+    assert [d.label for d in devices] == ["cuda:0 NVIDIA GeForce RTX 4090", "cuda:2 Tesla T4"]
+    first = devices[0]
+    assert first.kind == "gpu_discrete" and first.accelerators == ("cuda",)
+    assert (first.vram_total_mb, first.vram_free_mb, first.ram_total_mb) == (24564, 23012, 0)
+
+
+def test_cpu_device_reports_system_memory():
+    cpu = cpu_device()
+    assert cpu.kind == "cpu" and cpu.ram_total_mb > 0 and 0 < cpu.ram_free_mb <= cpu.ram_total_mb
+    assert cpu.compute_units and cpu.compute_units >= 1
+
+
+def test_device_override_is_a_strict_device_object():
+    device = parse_device_spec('{"kind": "gpu_discrete", "label": "g0", "vram_total_mb": 8192, "vram_free_mb": 8000}')
+    assert device == Device(kind="gpu_discrete", label="g0", vram_total_mb=8192, vram_free_mb=8000)
+    with pytest.raises(DeviceSpecError):
+        parse_device_spec('{"kind": "tpu", "label": "t"}')
+    with pytest.raises(DeviceSpecError):
+        parse_device_spec("not json")
+
+
+def test_small_memory_drift_keeps_the_previous_report_and_real_changes_pass():
+    before = [Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=40000)]
+    drifted = [Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=40300)]
+    assert steady(before, drifted) == before
+    moved = [Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=30000)]
+    assert steady(before, moved) == moved
+    new_gpu = [*drifted, Device(kind="gpu_discrete", label="g", vram_total_mb=8192, vram_free_mb=8192)]
+    assert steady(before, new_gpu) == [before[0], new_gpu[1]]
+    resized = [Device(kind="cpu", label="cpu", ram_total_mb=131072, ram_free_mb=40300)]
+    assert steady(before, resized) == resized
+    assert steady(None, drifted) == drifted
+
+
+def test_backoff_grows_exponentially_is_capped_and_jittered():
+    rng = random.Random(7)
+    delays = [backoff_delay(n, 0.5, 30.0, rng) for n in range(1, 12)]
+    for n, delay in enumerate(delays, start=1):
+        ceiling = min(30.0, 0.5 * 2 ** (n - 1))
+        assert ceiling / 2 <= delay <= ceiling
+    assert max(delays) <= 30.0 and delays[-1] >= 15.0
+    assert len({round(backoff_delay(3, 0.5, 30.0, rng), 6) for _ in range(20)}) > 1
+
+
+def _claim(kind: str, payload=None):
+    return SimpleNamespace(kind=kind, payload=payload, job={"id": "j", "kind": kind, "payload": payload})
+
+
+async def test_builtin_handlers_echo_and_sleep():
+    registry = HandlerRegistry.default()
+    assert {"echo", "sleep"} <= set(registry.kinds)
+    assert await registry.run(_claim("echo", {"a": [1, 2]})) == {"a": [1, 2]}
+    assert await registry.run(_claim("sleep", {"seconds": 0.01})) == {"slept": 0.01}
+    with pytest.raises(PermanentError):
+        await registry.run(_claim("sleep", {"seconds": "soon"}))
+
+
+async def test_unknown_kind_is_a_permanent_failure_naming_the_kind():
+    with pytest.raises(UnknownKind) as info:
+        await HandlerRegistry.default().run(_claim("transcode"))
+    assert not is_retryable(info.value) and "'transcode'" in str(info.value) and "echo" in str(info.value)
+
+
+async def test_sync_handlers_run_in_a_thread_and_retryability_is_the_handlers_choice():
+    def flaky(claim):
+        raise RetryableError("GPU busy, try later")
+
+    def broken(claim):
+        raise ValueError("bad input")
+
+    registry = HandlerRegistry({"flaky": flaky, "broken": broken, "sum": lambda c: sum(c.payload)})
+    assert await registry.run(_claim("sum", [1, 2, 3])) == 6
+    with pytest.raises(RetryableError) as retryable:
+        await registry.run(_claim("flaky"))
+    assert is_retryable(retryable.value)
+    with pytest.raises(ValueError) as final:
+        await registry.run(_claim("broken"))
+    assert not is_retryable(final.value)
+
+
+def test_credential_file_is_written_private_and_refused_when_readable_by_others(tmp_path):
+    store = CredentialFile(tmp_path / "agent" / "credential.json")
+    credential = StoredCredential(server="http://s", node_id="n", name="box", credential="un_x_y", scopes=("compute:claim",))
+    store.save(credential)
+    assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.path.parent.stat().st_mode) == 0o700
+    assert store.load() == credential
+    assert [p.name for p in store.path.parent.iterdir()] == ["credential.json"]
+    with pytest.raises(CredentialFileError, match="already holds"):
+        store.save(credential)
+    os.chmod(store.path, 0o644)
+    with pytest.raises(CredentialFileError, match="chmod 600"):
+        store.load()
+    with pytest.raises(CredentialFileError, match="pair first"):
+        CredentialFile(tmp_path / "missing.json").load()
+
+
+def test_sse_parser_reads_ids_events_multiline_data_and_skips_comments():
+    parser = SseParser()
+    lines = ["retry: 2000", "", ": ping", "", "id: 7", "event: job.submitted", 'data: {"a":', "data: 1}", "", "data: x", ""]
+    messages = [m for m in map(parser.feed, lines) if m is not None]
+    assert messages == [("job.submitted", '{"a":\n1}', "7"), ("message", "x", "7")]
+    assert parser.last_id == "7"
