@@ -83,23 +83,8 @@ def bearer_token(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        return query_token(request)
-    return token.strip()
-
-
-def query_token(request: Request) -> str | None:
-    """``?access_token=`` on GET Server-Sent-Events routes only.
-
-    A browser's EventSource cannot send an Authorization header, so the
-    dashboard's streams put the key in the query string. Everywhere else the
-    parameter is ignored, so a token in a URL never works for JSON routes. The
-    access log never records query strings (see middleware).
-    """
-    info = getattr(request.scope.get("route"), "endpoint_info", None)
-    if request.method != "GET" or info is None or info.produces != "text/event-stream":
         return None
-    token = request.query_params.get("access_token", "").strip()
-    return token or None
+    return token.strip()
 
 
 async def principal(request: Request, conn, *any_of_scopes: str) -> Principal:
