@@ -37,13 +37,14 @@ class HeartbeatResult:
 
 _BEAT = f"""
 WITH seen AS (
-    INSERT INTO node_liveness (node_id, last_seen_at) VALUES (%(node)s, umbra_now())
+    INSERT INTO node_liveness (node_id, last_seen_at)
+    SELECT id, umbra_now() FROM nodes WHERE id = %(node)s AND organization_id = %(org)s
     ON CONFLICT (node_id) DO UPDATE SET last_seen_at = EXCLUDED.last_seen_at
     RETURNING last_seen_at
 )
 SELECT {projection.COLUMNS}, seen.last_seen_at, umbra_now()
 FROM nodes n, seen
-WHERE n.id = %(node)s AND n.organization_id = %(org)s
+WHERE n.id = %(node)s
 """
 
 

@@ -1,0 +1,179 @@
+"""Nodes, pairing and models over real HTTP: shapes, revocation, tenancy, refusals."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from umbra.compute.accounts import create_api_key, create_organization
+from umbra.compute.auth import NODE_SCOPES
+
+pytestmark = pytest.mark.anyio
+
+GPU = {"kind": "gpu_discrete", "label": "gpu0", "vram_total_mb": 24576, "vram_free_mb": 24000, "ram_total_mb": 0,
+       "ram_free_mb": 0, "throughput_factor": 8.0, "accelerators": ["cuda"],
+       "resident_models": [{"slug": "gemma4:26b", "vram_held_mb": 4000}]}
+CPU = {"kind": "cpu", "label": "cpu", "vram_total_mb": 0, "vram_free_mb": 0, "ram_total_mb": 65536,
+       "ram_free_mb": 30000, "throughput_factor": 1.0, "accelerators": [], "resident_models": []}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+async def client(live_server):
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as c:
+        yield c
+
+
+async def pair(client, key: str, name: str = "gpu-box", devices=(GPU, CPU)) -> tuple[str, str]:
+    issued = await client.post("/v1/pairings", json={"name": name}, headers=bearer(key))
+    assert issued.status_code == 201, issued.text
+    redeemed = await client.post(
+        "/v1/pairings/redeem",
+        json={"code": issued.json()["code"], "name": name, "agent_version": "1.0", "devices": list(devices)},
+    )
+    assert redeemed.status_code == 201, redeemed.text
+    return redeemed.json()["node_id"], redeemed.json()["credential"]
+
+
+async def footprint(conn) -> tuple:
+    row = await (await conn.execute(
+        "SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM nodes), (SELECT count(*) FROM node_liveness), "
+        "(SELECT count(*) FROM pairing_codes), (SELECT count(*) FROM models), "
+        "(SELECT count(*) FROM node_credentials WHERE revoked_at IS NOT NULL)")).fetchone()
+    return tuple(row)
+
+
+async def test_pair_beat_and_read_a_node(client, org):
+    _, key = org
+    issued = await client.post("/v1/pairings", json={"name": "gpu-box", "ttl_seconds": 120}, headers=bearer(key))
+    assert issued.status_code == 201
+    body = issued.json()
+    assert body["node_name"] == "gpu-box" and len(body["code"]) == 6 and body["expires_at"].endswith("Z")
+    assert (await client.get("/v1/nodes", headers=bearer(key))).json() == {"nodes": []}
+    redeemed = await client.post("/v1/pairings/redeem", json={"code": body["code"], "name": "gpu-box",
+                                                                "agent_version": "1.0", "devices": [GPU, CPU]})
+    assert redeemed.status_code == 201 and set(redeemed.json()["scopes"]) == set(NODE_SCOPES)
+    node_id, credential = redeemed.json()["node_id"], redeemed.json()["credential"]
+    node = (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()
+    assert (node["status"], node["stored_status"], node["schedulable"], node["last_heartbeat_at"]) == (
+        "provisioning", "provisioning", False, None)
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": [GPU, CPU], "agent_version": "1.0",
+                                                          "agent_started_at": "2026-03-01T08:00:00Z"},
+                             headers=bearer(credential))
+    assert beat.status_code == 200
+    assert beat.json() == {"node_id": node_id, "status": "online", "heartbeat_interval_seconds": 10}
+    (node,) = (await client.get("/v1/nodes", headers=bearer(key))).json()["nodes"]
+    assert {k: node[k] for k in ("id", "name", "status", "stored_status", "trust_domain", "agent_version",
+                                 "agent_started_at", "schedulable")} == {
+        "id": node_id, "name": "gpu-box", "status": "online", "stored_status": "online", "trust_domain": "local",
+        "agent_version": "1.0", "agent_started_at": "2026-03-01T08:00:00Z", "schedulable": True}
+    assert node["last_heartbeat_at"].endswith("Z") and "locality" in node
+    assert [d["label"] for d in node["devices"]] == ["cpu", "gpu0"]
+    assert node["devices"][1]["resident_models"] == [{"slug": "gemma4:26b", "vram_held_mb": 4000}]
+
+
+async def test_a_revoked_credential_fails_at_once(client, org):
+    _, key = org
+    node_id, credential = await pair(client, key)
+    for _ in range(2):  # the second beat is served from the verified-token cache
+        assert (await client.post("/v1/agent/heartbeat", json={}, headers=bearer(credential))).status_code == 200
+    revoked = await client.post(f"/v1/nodes/{node_id}/revoke", headers=bearer(key))
+    assert revoked.status_code == 200 and revoked.json()["status"] == "offline"
+    refused = await client.post("/v1/agent/heartbeat", json={}, headers=bearer(credential))
+    assert refused.status_code == 401 and refused.json()["error"] == "unauthenticated"
+    assert (await client.get("/v1/models", headers=bearer(credential))).status_code == 401
+
+
+async def test_drain_and_retire(client, org):
+    _, key = org
+    node_id, credential = await pair(client, key)
+    await client.post("/v1/agent/heartbeat", json={}, headers=bearer(credential))
+    drained = await client.post(f"/v1/nodes/{node_id}/drain", headers=bearer(key))
+    assert drained.status_code == 200 and (drained.json()["status"], drained.json()["schedulable"]) == ("draining", False)
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": [CPU]}, headers=bearer(credential))
+    assert beat.json()["status"] == "draining"
+    assert (await client.post(f"/v1/nodes/{node_id}/retire", headers=bearer(key))).json()["status"] == "retired"
+    refused = await client.post(f"/v1/nodes/{node_id}/drain", headers=bearer(key))
+    assert refused.status_code == 409 and refused.json()["error"] == "node_retired"
+
+
+async def test_another_organizations_node_is_not_found(client, conn, org):
+    _, key = org
+    node_id, credential = await pair(client, key)
+    other_org, other_key = await create_organization(conn, "globex")
+    _, other_credential = await pair(client, other_key, "other-box")
+    before = await footprint(conn)
+    for method, path in [("GET", f"/v1/nodes/{node_id}"), ("POST", f"/v1/nodes/{node_id}/drain"),
+                         ("POST", f"/v1/nodes/{node_id}/retire"), ("POST", f"/v1/nodes/{node_id}/revoke")]:
+        answer = await client.request(method, path, headers=bearer(other_key))
+        assert answer.status_code == 404 and answer.json()["error"] == "node_not_found", path
+    assert (await client.get(f"/v1/nodes/{node_id}", headers=bearer(other_credential))).status_code == 404
+    assert [n["name"] for n in (await client.get("/v1/nodes", headers=bearer(other_key))).json()["nodes"]] == ["other-box"]
+    assert await footprint(conn) == before
+    own = await client.get(f"/v1/nodes/{node_id}", headers=bearer(credential))
+    assert own.status_code == 200 and own.json()["id"] == node_id
+    assert (await client.get("/v1/nodes", headers=bearer(credential))).status_code == 403
+    assert (await client.get("/v1/nodes/not-a-uuid", headers=bearer(key))).json()["error"] == "node_not_found"
+
+
+async def test_refused_requests_write_nothing(client, conn, org):
+    org_id, key = org
+    reader = await create_api_key(conn, org_id, ["jobs:read"])
+    node_id, credential = await pair(client, key)
+    before = await footprint(conn)
+    attempts = [
+        ("POST", "/v1/pairings", {"name": "x"}, None, 401, "unauthenticated"),
+        ("POST", "/v1/pairings", {"name": "x"}, reader, 403, "forbidden"),
+        ("POST", "/v1/pairings", {"name": "x", "ttl_seconds": 59}, key, 422, "invalid_request"),
+        ("POST", "/v1/pairings", {"name": "x", "colour": "red"}, key, 422, "invalid_request"),
+        ("POST", "/v1/agent/heartbeat", {"devices": [{**CPU, "vram_fre_mb": 1}]}, credential, 422, "invalid_request"),
+        ("POST", "/v1/agent/heartbeat", {"devices": [CPU, CPU]}, credential, 422, "invalid_request"),
+        ("POST", "/v1/agent/heartbeat", {}, key, 403, "forbidden"),
+        ("POST", f"/v1/nodes/{node_id}/drain", None, reader, 403, "forbidden"),
+        ("POST", f"/v1/nodes/{node_id}/revoke", None, credential, 403, "forbidden"),
+        ("PUT", "/v1/models/gemma4:26b", {"vram_min_mb": 1}, reader, 403, "forbidden"),
+        ("PUT", "/v1/models/gemma4:26b", {"kind": "llm"}, key, 422, "invalid_request"),
+        ("PUT", "/v1/models/gemma4:26b", {"vram_min_mb": 16000, "vram_preferred_mb": 8000}, key, 422, "invalid_request"),
+        ("PUT", "/v1/models/-bad", {"vram_min_mb": 1}, key, 422, "invalid_request"),
+    ]
+    for method, path, body, token, status, code in attempts:
+        answer = await client.request(method, path, json=body, headers=bearer(token) if token else {})
+        assert (answer.status_code, answer.json()["error"]) == (status, code), (path, body, answer.text)
+        assert answer.json()["message"]
+    assert await footprint(conn) == before
+
+
+async def test_the_model_registry_is_per_organization(client, conn, org):
+    org_id, key = org
+    _, credential = await pair(client, key)
+    put = await client.put("/v1/models/gemma4:26b", json={"vram_min_mb": 16000, "vram_preferred_mb": 20000,
+                                                          "requires_accelerators": ["cuda"]}, headers=bearer(key))
+    assert put.status_code == 200
+    assert {k: put.json()[k] for k in ("slug", "kind", "vram_min_mb", "ram_min_mb", "ram_floor_mb")} == {
+        "slug": "gemma4:26b", "kind": "llm", "vram_min_mb": 16000, "ram_min_mb": None, "ram_floor_mb": 16000}
+    replaced = await client.put("/v1/models/gemma4:26b", json={"vram_min_mb": 18000, "ram_min_mb": 20000},
+                                headers=bearer(key))
+    assert (replaced.json()["vram_min_mb"], replaced.json()["requires_accelerators"]) == (18000, [])
+    await client.put("/v1/models/meta-llama/Llama-3-8B", json={"vram_min_mb": 8000}, headers=bearer(key))
+    reader = await create_api_key(conn, org_id, ["jobs:read"])
+    for token in (key, reader, credential):
+        listed = await client.get("/v1/models", headers=bearer(token))
+        assert [m["slug"] for m in listed.json()["models"]] == ["gemma4:26b", "meta-llama/Llama-3-8B"]
+    _, other_key = await create_organization(conn, "globex")
+    assert (await client.get("/v1/models", headers=bearer(other_key))).json() == {"models": []}
+
+
+async def test_the_twenty_first_redeem_is_429_with_retry_after(client, org):
+    _, key = org
+    code = (await client.post("/v1/pairings", json={"name": "gpu-box"}, headers=bearer(key))).json()["code"]
+    wrong = f"{(int(code) + 1) % 1_000_000:06d}"
+    for _ in range(20):
+        answer = await client.post("/v1/pairings/redeem", json={"code": wrong, "name": "gpu-box"})
+        assert answer.status_code == 401 and answer.json()["error"] == "pairing_code_invalid"
+    limited = await client.post("/v1/pairings/redeem", json={"code": code, "name": "gpu-box"})
+    assert limited.status_code == 429 and limited.json()["error"] == "rate_limited"
+    assert 1 <= int(limited.headers["Retry-After"]) <= 900
+    assert (await client.get("/v1/nodes", headers=bearer(key))).json() == {"nodes": []}

@@ -1,0 +1,150 @@
+"""Heartbeats against the database: promotion, coalescing, restarts, staleness."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from umbra.compute.heartbeat import heartbeat
+from umbra.compute.nodes import drain_node, mark_stale_nodes_offline, node_view, retire_node
+from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
+from umbra.domain.heartbeat import HeartbeatReport
+from umbra.events import store
+from umbra.events.types import Device, ResidentModel
+
+pytestmark = pytest.mark.anyio
+
+GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=24000, accelerators=("cuda",))
+CPU = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=30000)
+STARTED = datetime(2026, 3, 1, 8, 0, tzinfo=timezone.utc)
+
+
+async def pair(conn, org_id, name="gpu-box"):
+    issued = await issue_pairing_code(conn, org_id, name)
+    return (await redeem_pairing_code(conn, code=issued.code, name=name, source="10.0.0.1", devices=[GPU, CPU])).node_id
+
+
+async def beat(conn, org_id, node_id, **report):
+    report.setdefault("devices", (GPU, CPU))
+    return await heartbeat(conn, org_id, node_id, HeartbeatReport(**report), event_interval_seconds=300)
+
+
+async def types(conn, node_id) -> list[str]:
+    return [r.type for r in await store.read_stream(conn, store.node_stream(node_id))]
+
+
+async def offset(conn, seconds: int) -> None:
+    await conn.execute("SELECT set_config('umbra.clock_offset', %s, false)", (f"{seconds} seconds",))
+
+
+async def test_the_first_beat_promotes_a_provisioning_node(conn, org):
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    assert (await node_view(conn, node_id)).status == "provisioning"
+    result = await beat(conn, org_id, node_id, agent_version="1.0")
+    assert (result.status, result.recorded, result.changed_capacity) == ("online", True, True)
+    view = await node_view(conn, node_id, organization_id=org_id)
+    assert (view.status, view.stored_status, view.schedulable) == ("online", "online", True)
+    assert view.last_seen_at is not None
+    assert await types(conn, node_id) == ["node.created", "node.paired", "node.heartbeat"]
+
+
+async def test_unchanged_beats_append_nothing_but_refresh_liveness(conn, org):
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id, agent_version="1.0", agent_started_at=STARTED)
+    head = await store.head_position(conn)
+    seen = []
+    for i in range(5):
+        await offset(conn, i * 10)
+        jitter = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=30000 - i * 50)
+        result = await beat(conn, org_id, node_id, devices=(jitter, GPU), agent_version="1.0", agent_started_at=STARTED)
+        assert (result.recorded, result.status) == (False, "online")
+        seen.append((await node_view(conn, node_id)).last_seen_at)
+    assert await store.head_position(conn) == head
+    assert seen == sorted(seen) and len(set(seen)) == 5
+
+
+async def test_an_unchanged_beat_is_recorded_after_the_event_interval(conn, org):
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    await offset(conn, 299)
+    assert not (await beat(conn, org_id, node_id)).recorded
+    await offset(conn, 301)
+    assert (await beat(conn, org_id, node_id)).recorded
+    assert await types(conn, node_id) == ["node.created", "node.paired", "node.heartbeat", "node.heartbeat"]
+
+
+async def test_agent_started_at_is_recorded_on_restart_not_every_beat(conn, org):
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    for _ in range(3):
+        await beat(conn, org_id, node_id, agent_started_at=STARTED)
+    await offset(conn, 400)  # a periodic beat must not reset it either
+    await beat(conn, org_id, node_id, agent_started_at=STARTED)
+    history = [r.event for r in await store.read_stream(conn, store.node_stream(node_id)) if r.type == "node.heartbeat"]
+    assert [e.agent_started_at for e in history] == [STARTED, None]
+    assert (await node_view(conn, node_id)).state.agent_started_at == STARTED
+    restarted = STARTED + timedelta(hours=2)
+    assert (await beat(conn, org_id, node_id, agent_started_at=restarted)).recorded
+    assert (await node_view(conn, node_id)).state.agent_started_at == restarted
+
+
+async def test_a_beat_replaces_the_device_set(conn, org):
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    loaded = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=0,
+                    resident_models=(ResidentModel(slug="gemma4:26b", vram_held_mb=24000),))
+    result = await beat(conn, org_id, node_id, devices=(loaded,))
+    assert result.recorded and result.changed_capacity
+    view = await node_view(conn, node_id)
+    assert [d.label for d in view.devices] == ["gpu0"] and view.resident_models == {"gemma4:26b"}
+    assert view.schedulable is False  # its one device is a GPU with no free VRAM
+
+
+@pytest.mark.parametrize("command,status", [(drain_node, "draining"), (retire_node, "retired")])
+async def test_a_beat_never_resurrects_a_draining_or_retired_node(conn, org, command, status):
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    await command(conn, org_id, node_id)
+    await offset(conn, 400)
+    result = await beat(conn, org_id, node_id, devices=(CPU,))
+    assert result.recorded and result.status == status
+    view = await node_view(conn, node_id)
+    assert (view.status, view.stored_status, view.schedulable) == (status, status, False)
+
+
+async def test_a_silent_node_reads_offline_and_the_sweep_records_it(conn, org):
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    quiet_id = await pair(conn, org_id, "never-beats")
+    await beat(conn, org_id, node_id)
+    await offset(conn, 44)
+    assert (await node_view(conn, node_id)).status == "online"
+    assert await mark_stale_nodes_offline(conn) == []
+    await offset(conn, 46)
+    view = await node_view(conn, node_id)
+    assert (view.status, view.stored_status, view.schedulable) == ("offline", "online", False)
+    assert await mark_stale_nodes_offline(conn) == [node_id]
+    assert await mark_stale_nodes_offline(conn) == []
+    assert (await node_view(conn, node_id)).stored_status == "offline"
+    assert (await node_view(conn, quiet_id)).status == "provisioning"  # intent never expires
+    went = (await store.read_stream(conn, store.node_stream(node_id)))[-1]
+    assert went.type == "node.went_offline" and went.event.last_seen_at is not None
+    assert (await beat(conn, org_id, node_id)).status == "online"
+    assert (await node_view(conn, node_id)).stored_status == "online"
+
+
+async def test_a_node_of_another_organization_cannot_be_beaten_for(conn, org):
+    from umbra.compute.accounts import create_organization
+    from umbra.errors import NotFound
+
+    other, _ = await create_organization(conn, "globex")
+    node_id = await pair(conn, org[0])
+    with pytest.raises(NotFound):
+        await beat(conn, other, node_id)
+    assert (await node_view(conn, node_id)).last_seen_at is None
