@@ -13,7 +13,7 @@ from umbra.db import open_pool
 from umbra.events.listener import LogListener
 from umbra.settings import Settings
 
-from . import dashboard, events, health, metrics, nodes, openapi, pairing
+from . import dashboard, events, health, metrics, nodes, openapi, pairing, projections
 from .errors import HANDLERS
 from .longpoll import WaiterHub
 from .middleware import RequestContext
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 #: Route modules, each exposing ``routes``; the table every check (auth
 #: matrix, OpenAPI) walks.
-ROUTE_MODULES = [health, events, metrics, openapi, pairing, nodes, dashboard]
+ROUTE_MODULES = [health, events, metrics, openapi, pairing, nodes, dashboard, projections]
 
 
 def all_routes():

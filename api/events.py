@@ -21,7 +21,7 @@ from umbra.events import store
 from .http import json_response, path_uuid, principal
 from .params import bounded_int, query_int
 from .routing import endpoint
-from .sse import LogWatch, message, sse_stream, wait_budget
+from .sse import LogWatch, message, sse_stream, stream_principal, wait_budget
 
 #: Largest page a client may ask for; the stream reads in batches of this size.
 MAX_PAGE = 1000
@@ -82,7 +82,7 @@ async def stream_events(request: Request):
     services = request.app.state.services
     after = resume_position(request)
     async with services.pool.connection() as conn:
-        who = await principal(request, conn, "events:read")
+        who = await stream_principal(request, conn, "events:read")
     watch: LogWatch = request.app.state.log_watch
     return sse_stream(
         _log_messages(services, watch, who.organization_id, after), name="events", watch=watch
@@ -128,7 +128,10 @@ routes = [
         summary="The organization's events as a resumable Server-Sent-Events stream (id = position).",
         auth="api_key",
         scopes=("events:read",),
-        query={"after": (int, False, "Start after this position; the Last-Event-ID header takes precedence.")},
+        query={
+            "after": (int, False, "Start after this position; the Last-Event-ID header takes precedence."),
+            "access_token": (str, False, "The API key, for EventSource clients that cannot send headers."),
+        },
         produces="text/event-stream",
         response=EventOut,
     ),

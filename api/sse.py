@@ -22,9 +22,13 @@ from uuid import UUID
 
 import anyio
 import msgspec
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from umbra import metrics
+from umbra.compute.auth import Principal, authenticate
+
+from .http import bearer_token
 
 #: Seconds of silence after which a stream sends a ``: ping`` comment line.
 PING_SECONDS = 15.0
@@ -81,6 +85,21 @@ class LogWatch:
 
                 tg.start_soon(first, signal)
                 tg.start_soon(first, everyone)
+
+
+async def stream_principal(request: Request, conn, *any_of_scopes: str) -> Principal:
+    """Like :func:`umbra.api.http.principal`, also accepting ``?access_token=``.
+
+    A browser's EventSource cannot send an Authorization header, so streams
+    take the token from the query string too. The access log never records
+    query strings, so the token is not written anywhere.
+    """
+    token = bearer_token(request) or request.query_params.get("access_token")
+    who = await authenticate(conn, token, request.app.state.services.token_cache)
+    if any_of_scopes:
+        who.require(*any_of_scopes)
+    request.state.principal = who
+    return who
 
 
 def jittered(seconds: float) -> float:

@@ -1,0 +1,204 @@
+"""Projection snapshots, their live SSE stream, and verification.
+
+A snapshot is read in one ``REPEATABLE READ`` transaction together with the
+organization's head position, so ``position`` is exactly the log position the
+rows reflect. The stream sends a full ``queue`` and ``nodes`` view on open and
+then, whenever the log moves (a hint) or time passes (the safety poll), a fresh
+view of each one that changed: a job or node row folded a newer event, or a
+node's *effective* status flipped with no event at all (a node going stale
+reads ``offline`` 45 s after its last heartbeat, before the sweeper records
+``node.went_offline``). Messages carry whole views, so a client never has to
+merge partial updates; ``changed`` lists the job ids that moved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+from uuid import UUID
+
+import msgspec
+from starlette.requests import Request
+
+from umbra.compute import nodes as node_reads
+from umbra.events import store
+from umbra.events.types import JOB_STATUSES
+from umbra.projections import jobs as job_rows
+from umbra.projections.verify import verify
+
+from .http import json_response, principal
+from .nodes import node_out
+from .params import query_int, query_list
+from .routing import endpoint
+from .sse import LogWatch, message, sse_stream, stream_principal, wait_budget
+
+#: Non-terminal jobs listed in a queue view (running first, then by priority and age).
+MAX_LISTED_JOBS = 1000
+DEFAULT_LISTED_JOBS = 200
+VIEWS = ("queue", "nodes")
+READ_SCOPES = ("jobs:read", "events:read")
+
+_COUNTS = "SELECT status, count(*) FROM jobs WHERE organization_id = %s GROUP BY status"
+_OPEN_JOBS = f"""
+SELECT {job_rows.SELECT_LIST} FROM jobs
+WHERE organization_id = %s AND status IN ('queued', 'running', 'blocked')
+ORDER BY status = 'running' DESC, priority, seq
+LIMIT %s
+"""
+_MOVED_JOBS = "SELECT id FROM jobs WHERE organization_id = %s AND position > %s ORDER BY position LIMIT 1000"
+
+
+class QueueView(msgspec.Struct, kw_only=True):
+    position: int
+    counts: dict[str, int]
+    jobs: list[dict[str, Any]]
+    #: True when more non-terminal jobs exist than are listed.
+    truncated: bool = False
+
+
+class NodesView(msgspec.Struct, kw_only=True):
+    position: int
+    nodes: list[dict[str, Any]]
+
+
+class VerifyResult(msgspec.Struct, kw_only=True):
+    ok: bool
+    differences: list[dict[str, Any]]
+
+
+async def _snapshot_transaction(conn):
+    await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+
+
+async def read_queue(conn, organization_id: UUID, limit: int) -> dict[str, Any]:
+    """The queue view; call inside a snapshot transaction."""
+    position = await store.head_position(conn, organization_id)
+    counts = {status: 0 for status in JOB_STATUSES}
+    counts.update(dict(await (await conn.execute(_COUNTS, (organization_id,))).fetchall()))
+    rows = await (await conn.execute(_OPEN_JOBS, (organization_id, limit + 1))).fetchall()
+    listed = [job_rows.to_json(job_rows.from_db(row)) for row in rows[:limit]]
+    return {"position": position, "counts": counts, "jobs": listed, "truncated": len(rows) > limit}
+
+
+async def read_nodes(conn, organization_id: UUID, stale_seconds: int) -> dict[str, Any]:
+    """The nodes view with effective statuses; call inside a snapshot transaction."""
+    position = await store.head_position(conn, organization_id)
+    views = await node_reads.load_schedulable_view(conn, organization_id, stale_seconds=stale_seconds)
+    return {"position": position, "nodes": [msgspec.to_builtins(node_out(v)) for v in views]}
+
+
+async def queue_snapshot(request: Request):
+    limit = query_int(request, "limit", default=DEFAULT_LISTED_JOBS, minimum=0, maximum=MAX_LISTED_JOBS)
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, *READ_SCOPES)
+        async with conn.transaction():
+            await _snapshot_transaction(conn)
+            view = await read_queue(conn, who.organization_id, limit)
+    return json_response(view)
+
+
+async def nodes_snapshot(request: Request):
+    services = request.app.state.services
+    async with services.pool.connection() as conn:
+        who = await principal(request, conn, *READ_SCOPES, "nodes:admin")
+        async with conn.transaction():
+            await _snapshot_transaction(conn)
+            view = await read_nodes(conn, who.organization_id, services.settings.heartbeat_stale_seconds)
+    return json_response(view)
+
+
+async def verify_projections(request: Request):
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "nodes:admin")
+        differences = await verify(conn, who.organization_id)
+    return json_response({"ok": not differences, "differences": differences})
+
+
+async def stream_projections(request: Request):
+    services = request.app.state.services
+    views = query_list(request, "views", allowed=VIEWS, default=VIEWS)
+    async with services.pool.connection() as conn:
+        who = await stream_principal(request, conn, *READ_SCOPES)
+    watch: LogWatch = request.app.state.log_watch
+    return sse_stream(_view_messages(services, watch, who.organization_id, views), name="projections", watch=watch)
+
+
+def _node_key(node: dict[str, Any]) -> tuple:
+    """What makes a node worth re-sending: any folded change, or its effective reading."""
+    return (node["updated_at"], node["status"], node["schedulable"], node["last_heartbeat_at"] is None)
+
+
+async def _view_messages(services, watch: LogWatch, organization_id: UUID, views: tuple[str, ...]) -> AsyncIterator[bytes]:
+    stale = services.settings.heartbeat_stale_seconds
+    last_position: int | None = None
+    sent_nodes: dict[str, tuple] | None = None
+    while not watch.stopped:
+        signal = watch.signal(organization_id)
+        out: list[bytes] = []  # built with a connection, sent without one
+        async with services.pool.connection() as conn:
+            async with conn.transaction():
+                await _snapshot_transaction(conn)
+                head = await store.head_position(conn, organization_id)
+                if "queue" in views and (last_position is None or head > last_position):
+                    queue = await read_queue(conn, organization_id, DEFAULT_LISTED_JOBS)
+                    if last_position is not None:
+                        moved = await (await conn.execute(_MOVED_JOBS, (organization_id, last_position))).fetchall()
+                        queue["changed"] = [str(job_id) for (job_id,) in moved]
+                    out.append(message(queue, event="queue"))
+                if "nodes" in views:
+                    nodes = await read_nodes(conn, organization_id, stale)
+                    keys = {n["id"]: _node_key(n) for n in nodes["nodes"]}
+                    if keys != sent_nodes:
+                        changed = [i for i, k in keys.items() if sent_nodes is None or sent_nodes.get(i) != k]
+                        out.append(message({**nodes, "changed": changed}, event="nodes"))
+                        sent_nodes = keys
+        last_position = head
+        for chunk in out:
+            yield chunk
+        await watch.wait(signal, wait_budget(services.settings.poll_fallback_seconds))
+        yield b""
+
+
+routes = [
+    endpoint(
+        "GET",
+        "/v1/projections/queue",
+        queue_snapshot,
+        summary="Job counts by status and the open jobs, as of a log position.",
+        auth="api_key",
+        scopes=READ_SCOPES,
+        query={"limit": (int, False, f"Open jobs to list, 0..{MAX_LISTED_JOBS} (default {DEFAULT_LISTED_JOBS}).")},
+        response=QueueView,
+    ),
+    endpoint(
+        "GET",
+        "/v1/projections/nodes",
+        nodes_snapshot,
+        summary="Every node with its effective status, as of a log position.",
+        auth="api_key",
+        scopes=(*READ_SCOPES, "nodes:admin"),
+        response=NodesView,
+    ),
+    endpoint(
+        "GET",
+        "/v1/projections/stream",
+        stream_projections,
+        summary="Server-Sent Events: a queue and nodes view on open, then each view again when it changes.",
+        auth="api_key",
+        scopes=READ_SCOPES,
+        query={
+            "views": (str, False, "Comma-separated views: queue, nodes (default both)."),
+            "access_token": (str, False, "The API key, for EventSource clients that cannot send headers."),
+        },
+        produces="text/event-stream",
+        response=QueueView,
+    ),
+    endpoint(
+        "POST",
+        "/v1/projections/verify",
+        verify_projections,
+        summary="Rebuild the organization's projections from the log and compare them with the live views.",
+        auth="api_key",
+        scopes=("nodes:admin",),
+        response=VerifyResult,
+    ),
+]

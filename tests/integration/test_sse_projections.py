@@ -1,0 +1,74 @@
+"""The projection stream: views on open, a fresh view on each change, stale nodes pushed."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import httpx
+import pytest
+
+from tests.integration.test_events_api_projections import pair, submit
+from tests.integration.test_sse import SseReader
+from umbra.compute.heartbeat import heartbeat
+from umbra.domain.heartbeat import HeartbeatReport
+from umbra.events import store
+from umbra.events.types import Device
+
+pytestmark = pytest.mark.anyio
+
+CPU = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=30000)
+
+
+async def _next(reader: SseReader, event: str, timeout: float = 10) -> dict:
+    with anyio.fail_after(timeout):
+        while True:
+            message = await reader.next_message()
+            if message.get("event") == event:
+                return json.loads(message["data"])
+
+
+async def test_stream_sends_views_then_changes_tagged_with_positions(conn, org, live_server):
+    org_id, key = org
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
+        # access_token: what a browser EventSource (no headers) uses.
+        async with client.stream("GET", "/v1/projections/stream", params={"access_token": key}) as response:
+            assert response.status_code == 200
+            reader = SseReader(response)
+            queue = await _next(reader, "queue")
+            nodes = await _next(reader, "nodes")
+            assert queue["counts"]["queued"] == 0 and nodes["nodes"] == []
+            job_id = await submit(conn, org_id)
+            queue = await _next(reader, "queue")
+            assert queue["counts"]["queued"] == 1 and queue["changed"] == [str(job_id)]
+            assert queue["position"] == await store.head_position(conn, org_id)
+            node_id = await pair(conn, org_id, "box-1")
+            nodes = await _next(reader, "nodes")
+            assert nodes["changed"] == [str(node_id)] and nodes["nodes"][0]["status"] == "provisioning"
+            assert nodes["position"] >= queue["position"]
+            await heartbeat(conn, org_id, node_id, HeartbeatReport(devices=(CPU,)), event_interval_seconds=300)
+            nodes = await _next(reader, "nodes")
+            assert nodes["nodes"][0]["status"] == "online"
+            # Silent for longer than the stale threshold: no event is appended,
+            # yet the view reads offline and the stream pushes it.
+            await conn.execute("UPDATE node_liveness SET last_seen_at = now() - interval '1 minute' WHERE node_id = %s", (node_id,))
+            nodes = await _next(reader, "nodes")
+            assert nodes["nodes"][0]["status"] == "offline"
+            assert nodes["changed"] == [str(node_id)]
+
+
+async def test_views_filter_and_bad_views_are_refused(conn, org, live_server):
+    org_id, key = org
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
+        refused = await client.get("/v1/projections/stream", params={"views": "queue,bogus"}, headers=headers)
+        unauthenticated = await client.get("/v1/projections/stream", params={"access_token": "uk_no_such"})
+        async with client.stream("GET", "/v1/projections/stream", params={"views": "nodes"}, headers=headers) as response:
+            reader = SseReader(response)
+            first = await reader.next_message()
+            await submit(conn, org_id)
+            await pair(conn, org_id, "box-2")
+            second = await reader.next_message()
+    assert refused.status_code == 422 and refused.json()["field"] == "views"
+    assert unauthenticated.status_code == 401
+    assert (first["event"], second["event"]) == ("nodes", "nodes")
