@@ -9,11 +9,12 @@ import anyio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
+from umbra.compute import sweeper
 from umbra.db import open_pool
 from umbra.events.listener import LogListener
 from umbra.settings import Settings
 
-from . import dashboard, events, health, metrics, nodes, openapi, pairing, projections
+from . import agent, agent_jobs, dashboard, events, health, jobs, metrics, nodes, openapi, pairing, projections
 from .errors import HANDLERS
 from .longpoll import WaiterHub
 from .middleware import RequestContext
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 #: Route modules, each exposing ``routes``; the table every check (auth
 #: matrix, OpenAPI) walks.
-ROUTE_MODULES = [health, events, metrics, openapi, pairing, nodes, dashboard, projections]
+ROUTE_MODULES = [health, events, metrics, openapi, pairing, nodes, dashboard, projections, jobs, agent_jobs, agent]
 
 
 def all_routes():
@@ -49,6 +50,8 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
             async with anyio.create_task_group() as tg:
                 await tg.start(listener.run)
                 tg.start_soon(waiters.safety_poll, pool)
+                # From startup, not on first request: a restarted server must recover leases.
+                tg.start_soon(sweeper.run, settings, database_url)
                 yield
                 app.state.stop_streams()
                 tg.cancel_scope.cancel()

@@ -1,0 +1,102 @@
+"""Agent routes for a job the node holds: renew, complete, fail, decompose.
+
+Each names the attempt it holds (the fencing token). Not the holder, or a
+stale attempt, is 409 ``job_not_claimed_by_this_node``; a cancelled job is 409
+``job_cancelled``; neither changes anything. The organization and the node
+come from the credential, never from the request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+from starlette.requests import Request
+from starlette.responses import Response
+
+from umbra.compute import claims
+from umbra.compute.claims import ChildRequest
+from umbra.projections import jobs as queue
+
+from .http import json_response, path_uuid, principal, read_json
+from .jobs import read_items
+from .routing import endpoint
+
+Attempt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+
+
+class RenewRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    attempt: Attempt
+
+
+class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    attempt: Attempt
+    result: Any = None
+
+
+class FailRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    attempt: Attempt
+    error: Annotated[str, Meta(max_length=10_000)]
+    #: Retry after the backoff while attempts remain (the default), or fail now.
+    retry: bool = True
+
+
+class ChildrenRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    attempt: Attempt
+    children: Annotated[list[ChildRequest], Meta(min_length=1, max_length=10_000)]
+
+
+async def renew(request: Request) -> Response:
+    job_id = path_uuid(request, code="job_not_found")
+    services = request.app.state.services
+    async with services.pool.connection() as conn:
+        who = await principal(request, conn, "compute:claim", "compute:complete")
+        body = await read_json(request, RenewRequest)
+        row = await claims.renew(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
+                                 attempt=body.attempt, lease_seconds=services.settings.lease_seconds)  # fmt: skip
+    return json_response({"lease_expires_at": queue.timestamp(row.lease_expires_at), "attempt": row.attempt})
+
+
+async def complete(request: Request) -> Response:
+    job_id = path_uuid(request, code="job_not_found")
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "compute:complete")
+        body = await read_json(request, CompleteRequest)
+        row = await claims.complete(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
+                                    attempt=body.attempt, result=body.result)  # fmt: skip
+    return json_response(queue.to_json(row))
+
+
+async def fail(request: Request) -> Response:
+    job_id = path_uuid(request, code="job_not_found")
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "compute:complete")
+        body = await read_json(request, FailRequest)
+        row = await claims.fail(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
+                                attempt=body.attempt, error=body.error, retry=body.retry)  # fmt: skip
+    return json_response(queue.to_json(row))
+
+
+async def children(request: Request) -> Response:
+    job_id = path_uuid(request, code="job_not_found")
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "compute:complete")
+        body = await read_items(request, ChildrenRequest)
+        rows = await claims.add_children(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
+                                         attempt=body.attempt, children=body.children)  # fmt: skip
+    return json_response({"children": [queue.to_json(row) for row in rows]}, status=201)
+
+
+routes = [
+    endpoint("POST", "/v1/agent/jobs/{id}/renew", renew, summary="Extend the lease on a held job.",
+             auth="node", scopes=("compute:claim", "compute:complete"), body=RenewRequest),
+    endpoint("POST", "/v1/agent/jobs/{id}/complete", complete, summary="Report a held job's result.",
+             auth="node", scopes=("compute:complete",), body=CompleteRequest),
+    endpoint("POST", "/v1/agent/jobs/{id}/fail", fail,
+             summary="Report a failure: retryable ones requeue with exponential backoff until max_attempts.",
+             auth="node", scopes=("compute:complete",), body=FailRequest),
+    endpoint("POST", "/v1/agent/jobs/{id}/children", children,
+             summary="Split a held job into children; the parent becomes a container that settles with them.",
+             auth="node", scopes=("compute:complete",), body=ChildrenRequest, success=(201,)),
+]  # fmt: skip

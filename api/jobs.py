@@ -1,0 +1,114 @@
+"""Job routes for submitters and readers (API keys): submit, batch, list, read, cancel."""
+
+from __future__ import annotations
+
+import re
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from umbra.compute import jobs
+from umbra.compute.jobs import BatchRequest, JobRequest
+from umbra.errors import InvalidRequest, NotFound
+from umbra.projections import jobs as queue
+
+from .http import json_response, path_uuid, principal, read_json
+from .routing import endpoint
+
+#: Page size bounds for ``GET /v1/jobs``.
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+
+_ITEM = re.compile(r"^(?:jobs|children)\[(\d+)\]")
+
+
+async def read_items(request: Request, type_: type):
+    """Decode a body whose list items are numbered; a refusal names the failing item's ``index``."""
+    try:
+        return await read_json(request, type_)
+    except InvalidRequest as exc:
+        match = _ITEM.match(str(exc.extra.get("field") or ""))
+        if match and "index" not in exc.extra:
+            exc.extra["index"] = int(match.group(1))
+        raise
+
+
+async def submit_job(request: Request) -> Response:
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:write")
+        spec = await read_json(request, JobRequest)
+        rows, created = await jobs.submit(conn, who.organization_id, [spec], actor=who.actor, batch=False)
+    return json_response(queue.to_json(rows[0]), status=201 if created else 200)
+
+
+async def submit_batch(request: Request) -> Response:
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:write")
+        batch = await read_items(request, BatchRequest)
+        rows, created = await jobs.submit(conn, who.organization_id, batch.jobs, actor=who.actor, batch=True)
+    return json_response({"jobs": [queue.to_json(row) for row in rows]}, status=201 if created else 200)
+
+
+def _int_param(request: Request, name: str, default: int, *, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer.", field=name) from None
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name} must be between {low} and {high}.", field=name)
+    return value
+
+
+async def list_jobs(request: Request) -> Response:
+    statuses = jobs.parse_statuses(request.query_params.get("status"))
+    limit = _int_param(request, "limit", DEFAULT_LIMIT, low=1, high=MAX_LIMIT)
+    after = _int_param(request, "after", 0, low=0, high=2**63 - 1)
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:read")
+        rows, cursor = await jobs.list_jobs(conn, who.organization_id, statuses=statuses, limit=limit, after=after)
+    return json_response({"jobs": [queue.to_json(row) for row in rows], "next": str(cursor) if cursor else None})
+
+
+async def get_job(request: Request) -> Response:
+    job_id = path_uuid(request, code="job_not_found")
+    as_of = request.query_params.get("as_of")
+    position = None if as_of is None else _int_param(request, "as_of", 0, low=0, high=2**63 - 1)
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:read", "compute:read")
+        row = await jobs.get_job(conn, who.organization_id, job_id, as_of=position)
+    if who.kind == "node" and row.lease_owner != who.node_id:
+        # A node credential sees only the jobs it holds or held.
+        raise NotFound("job_not_found", f"No job {job_id}.")
+    return json_response(queue.to_json(row))
+
+
+async def cancel_job(request: Request) -> Response:
+    job_id = path_uuid(request, code="job_not_found")
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:write")
+        row = await jobs.cancel(conn, who.organization_id, job_id, actor=who.actor)
+    return json_response(queue.to_json(row))
+
+
+routes = [
+    endpoint("POST", "/v1/jobs", submit_job, summary="Submit a job (an idempotency key already used returns its job, 200).",
+             auth="api_key", scopes=("jobs:write",), body=JobRequest, success=(201, 200)),
+    endpoint("POST", "/v1/jobs/batch", submit_batch,
+             summary="Submit up to 10,000 jobs, all or nothing; a refusal names the failing item's index.",
+             auth="api_key", scopes=("jobs:write",), body=BatchRequest, success=(201, 200)),
+    endpoint("GET", "/v1/jobs", list_jobs, summary="List jobs in submission order, paged by cursor.",
+             auth="api_key", scopes=("jobs:read",),
+             query={"status": (str, False, "comma-separated statuses, e.g. queued,running"),
+                    "limit": (int, False, f"page size, 1..{MAX_LIMIT}, default {DEFAULT_LIMIT}"),
+                    "after": (int, False, "the previous page's `next` cursor")}),
+    endpoint("GET", "/v1/jobs/{id}", get_job,
+             summary="Read a job, or as it stood after log position as_of (a node reads only jobs it holds or held).",
+             auth="api_key|node", scopes=("jobs:read", "compute:read"),
+             query={"as_of": (int, False, "a log position: fold the job's events up to it")}),
+    endpoint("POST", "/v1/jobs/{id}/cancel", cancel_job,
+             summary="Cancel a job (a running holder learns on its next renew/complete); terminal → 409 job_terminal.",
+             auth="api_key", scopes=("jobs:write",)),
+]  # fmt: skip

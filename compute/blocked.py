@@ -1,0 +1,131 @@
+"""Blocked jobs: work no registered device of the organization could ever run.
+
+A job like that is ``blocked`` with a reason naming the shortfall instead of
+sitting in the queue looking alive. "Could ever run" is judged against every
+node that may take new work in future (not draining or retired) as if it were
+online and idle: device totals and capabilities, not the memory free this
+second (see :func:`umbra.domain.eligibility.blocking_reason`). An organization
+with no such node blocks everything, and its first pairing unblocks it.
+
+:func:`reexamine_blocked` returns blocked jobs to the queue when something
+could now run them. Call it, inside the transaction that changed them, wherever
+node, device or model state changes: pairing, a heartbeat whose devices
+changed, a model registry update. It is cheap when nothing is blocked (one
+index probe).
+
+This module also reads the organization's fleet (nodes, their devices and
+effective status) and model registry in the shape eligibility needs; the claim
+path uses the same readers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+from uuid import UUID
+
+import msgspec
+import psycopg
+
+from umbra.domain.eligibility import NodeView, blocking_reason
+from umbra.domain.models import RegisteredModel
+from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
+from umbra.events import store
+from umbra.events.types import Device, JobBlocked, JobUnblocked, Requirements
+from umbra.projections import jobs as queue
+
+log = logging.getLogger(__name__)
+
+_NODES = """
+SELECT n.id, n.name, n.status, n.trust_domain, n.devices::text, l.last_seen_at, umbra_now()
+FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
+WHERE n.organization_id = %s AND (%s::uuid IS NULL OR n.id = %s)
+ORDER BY n.name
+"""
+_devices = msgspec.json.Decoder(tuple[Device, ...])
+
+
+async def read_nodes(
+    conn: psycopg.AsyncConnection,
+    organization_id: UUID,
+    *,
+    node_id: UUID | None = None,
+    stale_seconds: int = DEFAULT_STALE_SECONDS,
+) -> list[NodeView]:
+    """The organization's nodes (or one of them) with their *effective* status, by the database clock."""
+    cursor = await conn.execute(_NODES, (organization_id, node_id, node_id))
+    return [
+        NodeView(
+            id=nid,
+            name=name,
+            status=effective_status(status, last_seen, now, stale_seconds=stale_seconds),
+            trust_domain=trust_domain,
+            devices=_devices.decode(devices),
+        )
+        for nid, name, status, trust_domain, devices, last_seen, now in await cursor.fetchall()
+    ]
+
+
+async def read_models(conn: psycopg.AsyncConnection, organization_id: UUID) -> dict[str, RegisteredModel]:
+    """The organization's model registry keyed by slug."""
+    from .models import load_models  # imported here: compute.models re-examines blocked jobs through this module
+
+    return await load_models(conn, organization_id)
+
+
+class BlockingJudge:
+    """``blocking_reason`` over one snapshot of the fleet, memoised per requirement shape.
+
+    A batch of 10,000 jobs usually has a handful of distinct requirements; each
+    is judged once.
+    """
+
+    def __init__(self, models: Mapping[str, RegisteredModel], nodes: Sequence[NodeView]) -> None:
+        self._models = models
+        self._nodes = nodes
+        self._memo: dict[Requirements, str | None] = {}
+
+    @classmethod
+    async def load(cls, conn: psycopg.AsyncConnection, organization_id: UUID) -> "BlockingJudge":
+        return cls(await read_models(conn, organization_id), await read_nodes(conn, organization_id))
+
+    def reason(self, requires: Requirements) -> str | None:
+        if requires not in self._memo:
+            self._memo[requires] = blocking_reason(requires, self._models, self._nodes)
+        return self._memo[requires]
+
+
+_BLOCKED = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE organization_id = %s AND status = 'blocked' ORDER BY seq FOR UPDATE SKIP LOCKED"
+
+
+async def reexamine_blocked(
+    conn: psycopg.AsyncConnection, organization_id: UUID, *, metadata: Mapping[str, Any] | None = None
+) -> int:
+    """Unblock every blocked job of the organization that some device could now run.
+
+    Runs in the caller's transaction (as a savepoint when one is open). A job
+    still blocked whose shortfall changed gets its new reason, keeping the time
+    it was first blocked. Blocked jobs another transaction holds are left for
+    the next re-examination. Returns how many jobs went back to the queue.
+    """
+    async with conn.transaction():
+        rows = [queue.from_db(r) for r in await (await conn.execute(_BLOCKED, (organization_id,))).fetchall()]
+        if not rows:
+            return 0
+        judge = await BlockingJudge.load(conn, organization_id)
+        changes: list[queue.Change] = []
+        unblocked = 0
+        for row in rows:
+            reason = judge.reason(row.requires)
+            if reason is None:
+                changes.append(queue.Change(row.id, organization_id, row, [JobUnblocked()]))
+                unblocked += 1
+            elif reason != row.blocked_reason:
+                changes.append(queue.Change(row.id, organization_id, row, [JobBlocked(reason=reason)]))
+        if not changes:
+            return 0
+        written = await queue.record(conn, changes, metadata=metadata or {"actor": "reexamine"})
+        await store.publish(conn, [(organization_id, max(r.position for r in written), unblocked)])
+    if unblocked:
+        log.info("blocked jobs unblocked", extra={"action": "jobs_unblocked", "organization_id": str(organization_id), "count": unblocked})
+    return unblocked

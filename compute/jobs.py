@@ -1,0 +1,311 @@
+"""Submitting, cancelling and reading jobs; settling parents.
+
+Every command here is one transaction: load (and lock) what it decides on,
+decide events, :func:`umbra.projections.jobs.record` them (append, fold,
+write), then publish one hint. A refused command raises before anything is
+appended, so it writes nothing.
+
+Submission is all-or-nothing for a batch: every item is validated (the request
+struct, then each named project) before the one ``append_many`` statement and
+the one multi-row write. Idempotency keys are scoped to the organization: a key
+already used returns the job it created (and appends nothing); two submissions
+racing on a new key both insert, the unique constraint refuses the loser's row,
+and the loser's transaction is retried and finds the winner's job.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Mapping, Sequence
+from uuid import UUID, uuid4
+
+import msgspec
+import psycopg
+from msgspec import Meta
+
+from umbra.compute.accounts import project_exists
+from umbra.domain.jobs import decide_cancel
+from umbra.domain.settlement import settle
+from umbra.errors import InvalidRequest, NotFound
+from umbra.events import store
+from umbra.events.types import JOB_STATUSES, TERMINAL_JOB_STATUSES, Event, JobBlocked, JobSettled, JobSubmitted, Requirements
+from umbra.projections import jobs as queue
+from umbra.projections.jobs import Change, JobRow
+
+from .blocked import BlockingJudge
+
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
+Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Name = Annotated[str, Meta(min_length=1, max_length=200)]
+MaxAttempts = Annotated[int, Meta(ge=1, le=100)]
+IdempotencyKey = Annotated[str, Meta(min_length=1, max_length=200)]
+
+#: The most jobs one batch may carry.
+MAX_BATCH = 10_000
+
+
+class RequiresRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    vram_min_mb: Megabytes = 0
+    ram_min_mb: Megabytes = 0
+    models: list[Name] = []
+    trust_domains: list[Name] = []
+    accelerators: list[Name] = []
+    max_runtime_s: Annotated[int, Meta(ge=1)] | None = None
+    prefer_node: UUID | None = None
+
+    def to_requirements(self) -> Requirements:
+        return Requirements(
+            vram_min_mb=self.vram_min_mb,
+            ram_min_mb=self.ram_min_mb,
+            models=tuple(dict.fromkeys(self.models)),
+            trust_domains=tuple(dict.fromkeys(self.trust_domains)),
+            accelerators=tuple(dict.fromkeys(self.accelerators)),
+            max_runtime_s=self.max_runtime_s,
+            prefer_node=self.prefer_node,
+        )
+
+
+class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST /v1/jobs`` and each item of a batch."""
+
+    kind: Name
+    payload: dict[str, Any] = {}
+    requires: RequiresRequest = msgspec.field(default_factory=RequiresRequest)
+    priority: Priority = 100
+    max_attempts: MaxAttempts = 3
+    project_id: UUID | None = None
+    lang: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    idempotency_key: IdempotencyKey | None = None
+
+
+class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    jobs: Annotated[list[JobRequest], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+def submitted_events(
+    *,
+    kind: str,
+    payload: dict[str, Any],
+    requires: Requirements,
+    priority: int,
+    max_attempts: int,
+    project_id: UUID | None,
+    lang: str | None,
+    idempotency_key: str | None,
+    requested_by: str | None,
+    judge: BlockingJudge,
+    parent_job_id: UUID | None = None,
+) -> list[Event]:
+    """A new job's first events: submitted, and blocked when nothing could ever run it."""
+    events: list[Event] = [
+        JobSubmitted(
+            kind=kind, priority=priority, max_attempts=max_attempts, requires=requires, payload=payload,
+            project_id=project_id, lang=lang, parent_job_id=parent_job_id, idempotency_key=idempotency_key,
+            requested_by=requested_by,
+        )
+    ]  # fmt: skip
+    reason = judge.reason(requires)
+    if reason is not None:
+        events.append(JobBlocked(reason=reason))
+    return events
+
+
+_BY_KEYS = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE organization_id = %s AND idempotency_key = ANY(%s)"
+
+
+async def jobs_by_idempotency_key(conn: psycopg.AsyncConnection, organization_id: UUID, keys: Sequence[str]) -> dict[str, JobRow]:
+    if not keys:
+        return {}
+    cursor = await conn.execute(_BY_KEYS, (organization_id, list(keys)))
+    return {row.idempotency_key: row for row in map(queue.from_db, await cursor.fetchall())}  # type: ignore[misc]
+
+
+async def submit(
+    conn: psycopg.AsyncConnection, organization_id: UUID, specs: Sequence[JobRequest], *, actor: str | None, batch: bool
+) -> tuple[list[JobRow], int]:
+    """Submit jobs; returns the job for each spec (in order) and how many were created.
+
+    ``batch`` adds the failing item's ``index`` to a refusal.
+    """
+    for attempt in range(3):
+        try:
+            async with conn.transaction():
+                return await _submit(conn, organization_id, specs, actor=actor, batch=batch)
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.constraint_name != "jobs_idempotency_per_org" or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _submit(
+    conn: psycopg.AsyncConnection, organization_id: UUID, specs: Sequence[JobRequest], *, actor: str | None, batch: bool
+) -> tuple[list[JobRow], int]:
+    checked: set[UUID] = set()
+    for index, spec in enumerate(specs):
+        if spec.project_id is not None and spec.project_id not in checked:
+            if not await project_exists(conn, organization_id, spec.project_id):
+                extra = {"index": index} if batch else {}
+                raise NotFound("project_not_found", f"No project {spec.project_id} in this organization.", **extra)
+            checked.add(spec.project_id)
+    existing = await jobs_by_idempotency_key(
+        conn, organization_id, list({s.idempotency_key for s in specs if s.idempotency_key})
+    )
+    judge: BlockingJudge | None = None
+    changes: list[Change] = []
+    slots: list[JobRow | int] = []
+    new_keys: dict[str, int] = {}
+    for spec in specs:
+        key = spec.idempotency_key
+        if key is not None and key in existing:
+            slots.append(existing[key])
+            continue
+        if key is not None and key in new_keys:
+            slots.append(new_keys[key])
+            continue
+        judge = judge or await BlockingJudge.load(conn, organization_id)
+        events = submitted_events(
+            kind=spec.kind, payload=spec.payload, requires=spec.requires.to_requirements(), priority=spec.priority,
+            max_attempts=spec.max_attempts, project_id=spec.project_id, lang=spec.lang, idempotency_key=key,
+            requested_by=actor, judge=judge,
+        )  # fmt: skip
+        if key is not None:
+            new_keys[key] = len(changes)
+        slots.append(len(changes))
+        changes.append(Change(uuid4(), organization_id, None, events))
+    rows = await queue.record(conn, changes, metadata={"actor": actor}) if changes else []
+    if rows:
+        queued = sum(1 for row in rows if row.status == "queued")
+        await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])
+    return [rows[slot] if isinstance(slot, int) else slot for slot in slots], len(rows)
+
+
+# -- settlement ---------------------------------------------------------------------
+
+_CHILD_STATUSES = "SELECT status FROM jobs WHERE parent_job_id = %s"
+
+
+async def settle_parents(
+    conn: psycopg.AsyncConnection, finished: Sequence[JobRow], *, metadata: Mapping[str, Any] | None = None
+) -> list[JobRow]:
+    """Settle the parents of jobs that just ended, in the caller's transaction.
+
+    Called after the children's rows are written, so the child statuses read
+    here include them. Parents are locked after their children and in id order
+    (the same order every command uses), and a parent that settles may settle
+    its own parent in turn.
+    """
+    pending = sorted(
+        {(r.parent_job_id, r.organization_id) for r in finished if r.parent_job_id and r.status in TERMINAL_JOB_STATUSES},
+        key=lambda p: str(p[0]),
+    )
+    settled: list[JobRow] = []
+    while pending:
+        parent_id, organization_id = pending.pop(0)
+        parent = await queue.load(conn, parent_id, organization_id, lock=True)  # type: ignore[arg-type]
+        if parent is None or parent.status in TERMINAL_JOB_STATUSES or parent.children_total == 0:
+            continue
+        statuses = [r[0] for r in await (await conn.execute(_CHILD_STATUSES, (parent_id,))).fetchall()]
+        outcome = settle(statuses, expected_children=parent.children_total)
+        if outcome is None:
+            continue
+        event = JobSettled(
+            outcome=outcome.outcome, detail=outcome.detail,
+            children_total=outcome.children_total, children_failed=outcome.children_failed,
+        )  # fmt: skip
+        [row] = await queue.record(conn, [Change(parent.id, organization_id, parent, [event])], metadata=metadata)
+        settled.append(row)
+        if row.parent_job_id is not None:
+            pending.append((row.parent_job_id, organization_id))
+    return settled
+
+
+async def record_and_settle(
+    conn: psycopg.AsyncConnection, changes: Sequence[Change], *, metadata: Mapping[str, Any] | None = None
+) -> tuple[list[JobRow], int]:
+    """:func:`record`, then settle parents of whatever ended; returns the rows and the last position."""
+    rows = await queue.record(conn, changes, metadata=metadata)
+    settled = await settle_parents(conn, rows, metadata=metadata)
+    return rows, max(r.position for r in [*rows, *settled])
+
+
+# -- cancel ---------------------------------------------------------------------------
+
+_OPEN_DESCENDANTS = f"""
+WITH RECURSIVE tree(id, depth) AS (
+    SELECT id, 1 FROM jobs WHERE parent_job_id = %(root)s
+    UNION ALL
+    SELECT j.id, t.depth + 1 FROM jobs j JOIN tree t ON j.parent_job_id = t.id
+)
+SELECT {queue.SELECT_LIST} FROM jobs JOIN tree USING (id)
+WHERE jobs.status NOT IN ('complete', 'failed', 'cancelled', 'partial')
+ORDER BY tree.depth DESC, jobs.id
+FOR UPDATE OF jobs
+"""
+
+
+async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, *, actor: str | None) -> JobRow:
+    """Cancel a job: queued or blocked ends at once; running ends and its holder learns on next renew/complete.
+
+    Cancelling a container cancels its open descendants too (they are locked
+    first, deepest first, so the child-before-parent lock order holds).
+    """
+    async with conn.transaction():
+        row = await queue.load(conn, job_id, organization_id)
+        if row is None:
+            raise NotFound("job_not_found", f"No job {job_id}.")
+        decide_cancel(status=row.status, by=actor)  # refuse early, before taking locks
+        descendants = [queue.from_db(r) for r in await (await conn.execute(_OPEN_DESCENDANTS, {"root": job_id})).fetchall()]
+        row = await queue.load(conn, job_id, organization_id, lock=True)
+        assert row is not None
+        changes = [Change(row.id, organization_id, row, [decide_cancel(status=row.status, by=actor)])]
+        changes += [
+            Change(d.id, organization_id, d, [decide_cancel(status=d.status, by=actor, reason="parent_cancelled")])
+            for d in descendants
+        ]
+        rows, position = await record_and_settle(conn, changes, metadata={"actor": actor})
+        await store.publish(conn, [(organization_id, position, 0)])
+    return rows[0]
+
+
+# -- reads ------------------------------------------------------------------------------
+
+_LIST = f"""
+SELECT {queue.SELECT_LIST} FROM jobs
+WHERE organization_id = %s AND (%s::text[] IS NULL OR status = ANY(%s)) AND seq > %s
+ORDER BY seq LIMIT %s
+"""
+
+
+async def get_job(
+    conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, *, as_of: int | None = None
+) -> JobRow:
+    """The job now, or as it stood after log position ``as_of`` (a fold of its events up to there)."""
+    if as_of is None:
+        row = await queue.load(conn, job_id, organization_id)
+    else:
+        events = await store.read_stream(conn, store.job_stream(job_id), up_to_position=as_of)
+        row = None
+        if events and events[0].organization_id == organization_id:
+            for event_record in events:
+                row = queue.fold(row, event_record)
+    if row is None:
+        raise NotFound("job_not_found", f"No job {job_id}" + (f" at position {as_of}." if as_of is not None else "."))
+    return row
+
+
+def parse_statuses(raw: str | None) -> list[str] | None:
+    if not raw:
+        return None
+    statuses = [s.strip() for s in raw.split(",") if s.strip()]
+    unknown = [s for s in statuses if s not in JOB_STATUSES]
+    if unknown:
+        raise InvalidRequest(f"status must be among {', '.join(JOB_STATUSES)}; unknown: {', '.join(unknown)}.", field="status")
+    return statuses
+
+
+async def list_jobs(
+    conn: psycopg.AsyncConnection, organization_id: UUID, *, statuses: list[str] | None, limit: int, after: int
+) -> tuple[list[JobRow], int | None]:
+    """A page in submission order; the cursor is the last job's ``seq`` (None at the end)."""
+    cursor = await conn.execute(_LIST, (organization_id, statuses, statuses, after, limit))
+    rows = [queue.from_db(r) for r in await cursor.fetchall()]
+    return rows, (rows[-1].seq if len(rows) == limit else None)

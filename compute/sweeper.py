@@ -1,0 +1,211 @@
+"""The sweeper: time-driven changes, appended as events.
+
+Each tick, in separate command transactions:
+
+* **expired leases** → ``job.lease_expired``: back to ``queued`` with
+  ``not_before`` = now + ``lease_expired_delay_seconds`` (only the holder is
+  known to be gone), or ``failed`` when attempts are spent; parents settle;
+* **stale nodes** → ``compute.nodes.mark_stale_nodes_offline`` appends
+  ``node.went_offline`` (skipped while that module does not provide it);
+* **blocked past the schedule timeout** → ``job.failed`` (reason
+  ``blocked_timeout``, error = the blocking reason), so parents still settle;
+* **delayed jobs now due** → one hint per organization, so long-polls waiting
+  for work wake when a backoff or lease-expiry delay ends rather than at their
+  next poll.
+
+It runs inside the server from startup, in exactly one process at a time:
+:func:`run` holds a session-level advisory lock on a dedicated connection
+while it leads; the others retry every few seconds, so when the leader dies
+(its session ends and the lock with it) another takes over.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Callable
+from uuid import UUID
+
+import anyio
+import psycopg
+from anyio.abc import TaskStatus
+
+from umbra import metrics
+from umbra.db import assume_service_role
+from umbra.domain.jobs import decide_lease_expiry
+from umbra.events import store
+from umbra.events.types import JobFailed
+from umbra.projections import jobs as queue
+from umbra.projections.jobs import Change
+from umbra.settings import Settings
+
+from .jobs import record_and_settle
+
+log = logging.getLogger(__name__)
+
+#: Session advisory lock held by the leading sweeper ("umbraswp" in ASCII).
+SWEEPER_LOCK_KEY = 0x756D627261737770
+#: Rows handled per transaction; a larger backlog takes several.
+SWEEP_BATCH = 500
+_METADATA = {"actor": "sweeper"}
+
+_EXPIRED = f"""
+SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
+WHERE status = 'running' AND lease_expires_at < umbra_now()
+ORDER BY lease_expires_at LIMIT %s
+FOR UPDATE SKIP LOCKED
+"""
+_BLOCKED_TOO_LONG = f"""
+SELECT {queue.SELECT_LIST} FROM jobs
+WHERE status = 'blocked' AND blocked_at <= umbra_now() - make_interval(secs => %s)
+ORDER BY blocked_at LIMIT %s
+FOR UPDATE SKIP LOCKED
+"""
+_DUE = """
+SELECT organization_id, count(*), max(position) FROM jobs
+WHERE status = 'queued' AND not_before > %s AND not_before <= %s
+GROUP BY organization_id
+"""
+
+
+@dataclass
+class SweepReport:
+    """What one tick did. ``now`` is the database time the tick started at."""
+
+    now: datetime | None = None
+    leases_requeued: int = 0
+    leases_failed: int = 0
+    nodes_offline: int = 0
+    blocked_failed: int = 0
+    jobs_woken: int = 0
+
+    @property
+    def actions(self) -> int:
+        return self.leases_requeued + self.leases_failed + self.nodes_offline + self.blocked_failed
+
+
+async def sweep_once(conn: psycopg.AsyncConnection, settings: Settings, *, since: datetime | None = None) -> SweepReport:
+    """One tick. ``since`` is the previous tick's ``now``: jobs due after it are announced."""
+    report = SweepReport(now=(await (await conn.execute("SELECT umbra_now()")).fetchone())[0])
+    while await _expire_leases(conn, settings, report) == SWEEP_BATCH:
+        pass
+    report.nodes_offline = await _mark_stale_nodes(conn, settings)
+    while await _fail_blocked(conn, settings, report) == SWEEP_BATCH:
+        pass
+    if since is not None:
+        await _announce_due(conn, since, report)
+    for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
+                          ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed)):
+        metrics.count_sweeper_action(action, count)
+    if report.actions:
+        log.info("sweep", extra={"action": "sweep", "leases_requeued": report.leases_requeued,
+                                 "leases_failed": report.leases_failed, "nodes_offline": report.nodes_offline,
+                                 "blocked_failed": report.blocked_failed})  # fmt: skip
+    return report
+
+
+async def _expire_leases(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport) -> int:
+    async with conn.transaction():
+        records = await (await conn.execute(_EXPIRED, (SWEEP_BATCH,))).fetchall()
+        if not records:
+            return 0
+        changes = []
+        for record in records:
+            row, now = queue.from_db(record), record[-1]
+            event = decide_lease_expiry(attempt=row.attempt, max_attempts=row.max_attempts, node_id=row.lease_owner,
+                                        now=now, delay_seconds=settings.lease_expired_delay_seconds)  # fmt: skip
+            changes.append(Change(row.id, row.organization_id, row, [event]))
+        rows, _ = await record_and_settle(conn, changes, metadata=_METADATA)
+        requeued = [r for r in rows if r.status == "queued"]
+        report.leases_requeued += len(requeued)
+        report.leases_failed += len(rows) - len(requeued)
+        claimable_now = settings.lease_expired_delay_seconds == 0
+        await store.publish(conn, _hints(rows, lambda r: claimable_now and r.status == "queued"))
+    for row in rows:
+        log.info("lease expired", extra={"action": "lease_swept", "job_id": str(row.id), "status": row.status})
+    return len(records)
+
+
+async def _fail_blocked(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport) -> int:
+    async with conn.transaction():
+        records = await (await conn.execute(_BLOCKED_TOO_LONG, (settings.blocked_timeout_seconds, SWEEP_BATCH))).fetchall()
+        if not records:
+            return 0
+        changes = []
+        for row in map(queue.from_db, records):
+            event = JobFailed(attempt=row.attempt, error=row.blocked_reason or "blocked", reason="blocked_timeout")
+            changes.append(Change(row.id, row.organization_id, row, [event]))
+        rows, _ = await record_and_settle(conn, changes, metadata=_METADATA)
+        report.blocked_failed += len(rows)
+        await store.publish(conn, _hints(rows, lambda r: False))
+    return len(records)
+
+
+def _hints(rows: list[queue.JobRow], claimable: Callable[[queue.JobRow], bool]) -> list[tuple[UUID, int, int]]:
+    return [(r.organization_id, r.position, 1 if claimable(r) else 0) for r in rows]
+
+
+async def _announce_due(conn: psycopg.AsyncConnection, since: datetime, report: SweepReport) -> None:
+    """Hint for jobs whose ``not_before`` fell in (since, now]: each window is announced once."""
+    async with conn.transaction():
+        due = await (await conn.execute(_DUE, (since, report.now))).fetchall()
+        if due:
+            await store.publish(conn, [(org, position, count) for org, count, position in due])
+            report.jobs_woken += sum(count for _, count, _ in due)
+
+
+def _stale_node_sweeper() -> Callable[..., Any] | None:
+    """``compute.nodes.mark_stale_nodes_offline`` when the nodes module provides it."""
+    try:
+        from umbra.compute import nodes
+    except ImportError:
+        return None
+    return getattr(nodes, "mark_stale_nodes_offline", None)
+
+
+async def _mark_stale_nodes(conn: psycopg.AsyncConnection, settings: Settings) -> int:
+    mark = _stale_node_sweeper()
+    if mark is None:
+        return 0
+    total = 0
+    while True:
+        marked = await mark(conn, stale_seconds=settings.heartbeat_stale_seconds, limit=SWEEP_BATCH)
+        total += len(marked)
+        if len(marked) < SWEEP_BATCH:
+            return total
+
+
+async def run(
+    settings: Settings,
+    database_url: str,
+    *,
+    retry_seconds: float = 5.0,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Lead the sweep when no other process does; retry leadership every ``retry_seconds``."""
+    task_status.started()
+    delay = 0.5
+    while True:
+        try:
+            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+                await assume_service_role(conn)
+                while not (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEPER_LOCK_KEY,))).fetchone())[0]:
+                    await anyio.sleep(retry_seconds)
+                log.info("sweeper leading", extra={"action": "sweeper_leading", "backend_pid": conn.info.backend_pid})
+                delay = 0.5
+                since: datetime | None = None
+                while True:
+                    try:
+                        report = await sweep_once(conn, settings, since=since)
+                        since = report.now
+                    except (psycopg.OperationalError, psycopg.InterfaceError):
+                        raise
+                    except Exception:  # a bad tick must not stop recovery for good
+                        log.exception("sweep failed", extra={"action": "sweep_failed"})
+                    await anyio.sleep(settings.sweep_interval_seconds)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            log.warning("sweeper connection lost", extra={"action": "sweeper_lost", "error": str(exc)[:200]})
+            await anyio.sleep(delay + random.uniform(0, delay))
+            delay = min(delay * 2, retry_seconds)

@@ -1,0 +1,279 @@
+"""Eligibility: can this device run this job at all, and from which memory?
+
+Eligibility is a yes/no per device and says nothing about speed; ranking the
+eligible devices is :mod:`umbra.domain.placement`. Keeping the questions apart
+is the point: a CPU is slow, not incapable, so a model that fits its RAM runs
+there instead of not running at all, while a device that is too small is never
+offered the work.
+
+:func:`judge_device` returns a :class:`Verdict` carrying either the memory the
+job would run from (``via`` = ``vram`` or ``ram``) or the *first* rule the
+device fails, as one of :data:`REASONS`. The claim path and the explain view
+call the same function, so what a job is told about a device is what decided
+its claim. Rules, in the order they are checked:
+
+1. the node is effectively ``online`` (``node_offline``, ``node_provisioning``,
+   ``node_draining``, ``node_retired``);
+2. the node's trust domain is one the job allows (``trust_domain``). A job
+   naming no trust domains accepts every node of its organization: nodes are
+   already the organization's own, and ``trust_domains`` narrows further when
+   the submitter asks;
+3. every model the job names is registered (``model_not_registered``);
+4. the device supports every accelerator the job and its models require
+   (``accelerator_missing``);
+5. a non-CPU device with no free VRAM is busy (``device_busy``): a resident
+   model holds its memory whether or not it is generating;
+6. memory: the job fits the VRAM available to it → ``via vram`` (never on a
+   ``cpu`` device, which has none); else, on a unified-memory device (``cpu``,
+   ``gpu_integrated``), it fits the RAM available to it → ``via ram``, the
+   slow path. A discrete GPU out of VRAM is *not* eligible: the work would
+   really run on the CPU, which is its own device (``vram_insufficient``); a
+   unified device that fits neither fails ``ram_insufficient``.
+
+Memory arithmetic. The VRAM a job needs is the larger of its own
+``vram_min_mb`` and the sum of its models' VRAM floors (a job naming two models
+holds both). The RAM it needs is the larger of its ``ram_min_mb`` and the sum
+of its models' RAM floors, where a model (or a job) with a VRAM floor but no
+RAM floor needs at least its VRAM floor in RAM: its size does not shrink on the
+processor, and "no RAM floor measured" must not read as "any RAM will do". The
+memory available to a job is the device's free memory plus what the job's own
+models already hold there (a resident model is not loaded twice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal, Mapping, Sequence
+from uuid import UUID
+
+import msgspec
+
+from umbra.events.types import Device, Requirements
+
+from .models import RegisteredModel
+
+#: Every reason a device can be ineligible, as the explain view reports them.
+REASONS = (
+    "node_offline",
+    "node_provisioning",
+    "node_draining",
+    "node_retired",
+    "trust_domain",
+    "accelerator_missing",
+    "vram_insufficient",
+    "ram_insufficient",
+    "device_busy",
+    "model_not_registered",
+)
+
+#: Devices whose memory *is* system RAM.
+UNIFIED_MEMORY_KINDS = frozenset({"cpu", "gpu_integrated"})
+
+#: Node statuses that take no new work even if the node is reachable.
+NOT_ACCEPTING = frozenset({"draining", "retired"})
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """What eligibility needs to know about a node. ``status`` is the *effective* status."""
+
+    id: UUID
+    name: str
+    status: str
+    trust_domain: str
+    devices: tuple[Device, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One device's answer for one job: ``via`` when eligible, else ``reason``."""
+
+    node_id: UUID
+    node_name: str
+    device_label: str
+    device_kind: str
+    via: Literal["vram", "ram"] | None = None
+    reason: str | None = None
+    #: Every model the job names is already resident on this device.
+    resident: bool = False
+    #: Resident models that would be unloaded to give the job's models their preferred memory.
+    would_evict: tuple[str, ...] = ()
+    #: True when the job states a VRAM need but runs from system RAM.
+    slow_path: bool = False
+    #: For memory verdicts: MB needed and MB available on the path judged.
+    needed_mb: int = 0
+    available_mb: int = 0
+
+    @property
+    def eligible(self) -> bool:
+        return self.via is not None
+
+
+def vram_needed(requires: Requirements, models: Mapping[str, RegisteredModel]) -> int:
+    return max(requires.vram_min_mb, sum(models[slug].vram_min_mb for slug in requires.models if slug in models))
+
+
+def ram_needed(requires: Requirements, models: Mapping[str, RegisteredModel]) -> int:
+    own = requires.ram_min_mb or requires.vram_min_mb
+    return max(own, sum(models[slug].ram_floor_mb for slug in requires.models if slug in models))
+
+
+def required_accelerators(requires: Requirements, models: Mapping[str, RegisteredModel]) -> frozenset[str]:
+    wanted = set(requires.accelerators)
+    for slug in requires.models:
+        if slug in models:
+            wanted.update(models[slug].requires_accelerators)
+    return frozenset(wanted)
+
+
+def missing_models(requires: Requirements, models: Mapping[str, RegisteredModel]) -> tuple[str, ...]:
+    return tuple(slug for slug in requires.models if slug not in models)
+
+
+def is_busy(device: Device) -> bool:
+    return device.kind != "cpu" and device.vram_free_mb <= 0
+
+
+def judge_device(
+    node: NodeView, device: Device, requires: Requirements, models: Mapping[str, RegisteredModel]
+) -> Verdict:
+    """Apply the rules in order; the first failure is the verdict's ``reason``."""
+    base = Verdict(node_id=node.id, node_name=node.name, device_label=device.label, device_kind=device.kind)
+    if node.status != "online":
+        return replace(base, reason=f"node_{node.status}")
+    if requires.trust_domains and node.trust_domain not in requires.trust_domains:
+        return replace(base, reason="trust_domain")
+    if missing_models(requires, models):
+        return replace(base, reason="model_not_registered")
+    if not required_accelerators(requires, models) <= set(device.accelerators):
+        return replace(base, reason="accelerator_missing")
+    if is_busy(device):
+        return replace(base, reason="device_busy")
+
+    resident_here = {m.slug: m.vram_held_mb for m in device.resident_models}
+    held = sum(resident_here.get(slug, 0) for slug in requires.models)
+    resident = bool(requires.models) and all(slug in resident_here for slug in requires.models)
+    to_load = [models[slug] for slug in requires.models if slug not in resident_here]
+
+    vram_need = vram_needed(requires, models)
+    vram_available = device.vram_free_mb + held
+    if device.kind != "cpu" and vram_available >= vram_need:
+        wanted = sum(max(m.vram_preferred_mb or 0, m.vram_min_mb) for m in to_load)
+        return replace(
+            base,
+            via="vram",
+            resident=resident,
+            would_evict=_evictions(device, requires, wanted - device.vram_free_mb),
+            needed_mb=vram_need,
+            available_mb=vram_available,
+        )
+    ram_need = ram_needed(requires, models)
+    ram_available = device.ram_free_mb + held
+    if device.kind in UNIFIED_MEMORY_KINDS and ram_available >= ram_need:
+        wanted = sum(m.ram_floor_mb for m in to_load)
+        return replace(
+            base,
+            via="ram",
+            resident=resident,
+            would_evict=_evictions(device, requires, wanted - device.ram_free_mb),
+            slow_path=vram_need > 0,
+            needed_mb=ram_need,
+            available_mb=ram_available,
+        )
+    if device.kind == "gpu_discrete":
+        return replace(base, reason="vram_insufficient", needed_mb=vram_need, available_mb=vram_available)
+    return replace(base, reason="ram_insufficient", needed_mb=ram_need, available_mb=ram_available)
+
+
+def _evictions(device: Device, requires: Requirements, shortfall_mb: int) -> tuple[str, ...]:
+    """Resident models (not the job's own) to unload, largest first, to cover the shortfall."""
+    if shortfall_mb <= 0:
+        return ()
+    others = sorted(
+        (m for m in device.resident_models if m.slug not in requires.models),
+        key=lambda m: (-m.vram_held_mb, m.slug),
+    )
+    chosen: list[str] = []
+    freed = 0
+    for model in others:
+        if freed >= shortfall_mb:
+            break
+        chosen.append(model.slug)
+        freed += model.vram_held_mb
+    return tuple(sorted(chosen))
+
+
+def judge_node(node: NodeView, requires: Requirements, models: Mapping[str, RegisteredModel]) -> list[Verdict]:
+    """Verdicts for every device of ``node``, in the node's device order."""
+    return [judge_device(node, device, requires, models) for device in node.devices]
+
+
+def at_capacity(node: NodeView) -> NodeView:
+    """The node as if online and idle: every device's memory free, nothing resident.
+
+    Blocking asks whether a job could *ever* run, so it judges against device
+    totals and capabilities rather than the memory free at this moment.
+    """
+    devices = tuple(
+        msgspec.structs.replace(d, vram_free_mb=d.vram_total_mb, ram_free_mb=d.ram_total_mb, resident_models=())
+        for d in node.devices
+    )
+    return NodeView(id=node.id, name=node.name, status="online", trust_domain=node.trust_domain, devices=devices)
+
+
+def blocking_reason(
+    requires: Requirements, models: Mapping[str, RegisteredModel], nodes: Sequence[NodeView]
+) -> str | None:
+    """Why no registered device could ever run the job, or ``None`` if one could.
+
+    Judged against every node that may take new work in future (not draining or
+    retired), as if it were online and idle. The reason names the shortfall so a
+    person can act on it, e.g. ``no_eligible_device: needs 40000 MB VRAM,
+    largest is 24576 MB (gpu-box/gpu0)``.
+    """
+    missing = missing_models(requires, models)
+    if missing:
+        return f"model_not_registered: {', '.join(missing)}"
+    candidates = [at_capacity(node) for node in nodes if node.status not in NOT_ACCEPTING]
+    if not any(node.devices for node in candidates):
+        return "no_eligible_device: no active node with devices is registered"
+    verdicts = [v for node in candidates for v in judge_node(node, requires, models)]
+    if any(v.eligible for v in verdicts):
+        return None
+    return "no_eligible_device: " + "; ".join(_shortfalls(requires, models, candidates, verdicts))
+
+
+def _shortfalls(
+    requires: Requirements, models: Mapping[str, RegisteredModel], nodes: Sequence[NodeView], verdicts: Sequence[Verdict]
+) -> list[str]:
+    reasons = {v.reason for v in verdicts}
+    clauses: list[str] = []
+    if reasons == {"trust_domain"}:
+        return [f"no node in trust domain {', '.join(requires.trust_domains)}"]
+    devices = {(n.name, d.label): d for n in nodes for d in n.devices}
+    if "vram_insufficient" in reasons or "ram_insufficient" in reasons:
+        memory = [v for v in verdicts if v.reason in ("vram_insufficient", "ram_insufficient")]
+        gpus = [v for v in memory if v.device_kind != "cpu"]
+        if gpus:
+            best = max(gpus, key=lambda v: devices[(v.node_name, v.device_label)].vram_total_mb)
+            largest = devices[(best.node_name, best.device_label)].vram_total_mb
+            clauses.append(
+                f"needs {vram_needed(requires, models)} MB VRAM, largest is {largest} MB "
+                f"({best.node_name}/{best.device_label})"
+            )
+        unified = [v for v in memory if v.device_kind in UNIFIED_MEMORY_KINDS]
+        if unified:
+            best = max(unified, key=lambda v: devices[(v.node_name, v.device_label)].ram_total_mb)
+            largest = devices[(best.node_name, best.device_label)].ram_total_mb
+            clauses.append(
+                f"needs {ram_needed(requires, models)} MB RAM, largest is {largest} MB "
+                f"({best.node_name}/{best.device_label})"
+            )
+    if "accelerator_missing" in reasons:
+        wanted = ", ".join(sorted(required_accelerators(requires, models)))
+        clauses.append(f"needs accelerator {wanted}, which no eligible device supports")
+    if "device_busy" in reasons:
+        clauses.append("some GPUs report no VRAM at all")
+    if "trust_domain" in reasons and not clauses:
+        clauses.append(f"no node in trust domain {', '.join(requires.trust_domains)}")
+    return clauses

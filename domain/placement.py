@@ -1,0 +1,104 @@
+"""Preference: ranking the devices that are eligible for a job.
+
+Ranking never decides *whether* a device may run a job (that is
+:mod:`umbra.domain.eligibility`); it orders the ones that may. The score is the
+device's ``throughput_factor``, discounted by what arriving costs: a resident
+model beats a load (×0.7 when the job's models must be loaded) and a load beats
+an eviction (×0.4 when somebody's warm model would be unloaded). A job that
+names no model loads nothing and is not discounted. A job that prefers a node
+(``requires.prefer_node``) scores ×1.5 there: local affinity.
+
+Every placement carries a machine-readable reason, recorded in the claim event
+so a queue shows which jobs run on the slow path and why:
+``placed:<device kind>``, ``placed:slow_path:ram_not_vram``, and the same with
+``local_affinity`` instead of ``placed`` on the preferred node.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from umbra.events.types import Placement, Requirements
+
+from .eligibility import NodeView, Verdict, judge_node
+from .models import RegisteredModel
+
+#: Score multiplier when the job's models must be loaded first.
+LOAD_FACTOR = 0.7
+#: Score multiplier when loading them would evict a resident model.
+EVICT_FACTOR = 0.4
+#: Score multiplier on the node the job prefers.
+AFFINITY_FACTOR = 1.5
+
+
+def score(verdict: Verdict, throughput_factor: float, requires: Requirements) -> float:
+    value = throughput_factor
+    if verdict.would_evict:
+        value *= EVICT_FACTOR
+    elif requires.models and not verdict.resident:
+        value *= LOAD_FACTOR
+    if requires.prefer_node is not None and verdict.node_id == requires.prefer_node:
+        value *= AFFINITY_FACTOR
+    return value
+
+
+def reason(verdict: Verdict, requires: Requirements) -> str:
+    prefix = "local_affinity" if requires.prefer_node is not None and verdict.node_id == requires.prefer_node else "placed"
+    if verdict.slow_path:
+        return f"{prefix}:slow_path:ram_not_vram"
+    return f"{prefix}:{verdict.device_kind}"
+
+
+def estimated_seconds(requires: Requirements, models: Mapping[str, RegisteredModel], verdict: Verdict) -> float | None:
+    """Seconds before the work can start: loading the models not already resident.
+
+    ``None`` when nothing is known (no model named, or no load time registered).
+    """
+    if verdict.resident or not requires.models:
+        return 0.0 if verdict.resident else None
+    known = [models[slug].load_seconds for slug in requires.models if slug in models and models[slug].load_seconds]
+    return float(sum(known)) if known else None
+
+
+def placements(
+    nodes: Sequence[NodeView], requires: Requirements, models: Mapping[str, RegisteredModel]
+) -> tuple[list[Placement], list[Verdict]]:
+    """Every eligible device as a :class:`Placement`, best first, and every ineligible verdict.
+
+    Ties keep node order, then device order, so the ranking is deterministic.
+    """
+    eligible: list[tuple[float, int, Placement]] = []
+    ineligible: list[Verdict] = []
+    order = 0
+    for node in nodes:
+        for device, verdict in zip(node.devices, judge_node(node, requires, models)):
+            order += 1
+            if not verdict.eligible:
+                ineligible.append(verdict)
+                continue
+            value = score(verdict, device.throughput_factor, requires)
+            eligible.append(
+                (
+                    -value,
+                    order,
+                    Placement(
+                        node_id=node.id,
+                        device_id=device.label,
+                        device_kind=device.kind,
+                        reason=reason(verdict, requires),
+                        via=verdict.via or "vram",
+                        resident=verdict.resident,
+                        would_evict=verdict.would_evict,
+                        score=round(value, 6),
+                        estimated_seconds=estimated_seconds(requires, models, verdict),
+                    ),
+                )
+            )
+    eligible.sort(key=lambda item: (item[0], item[1]))
+    return [placement for _, _, placement in eligible], ineligible
+
+
+def best_placement(node: NodeView, requires: Requirements, models: Mapping[str, RegisteredModel]) -> Placement | None:
+    """The best device of one node for the job, or ``None`` if no device is eligible."""
+    ranked, _ = placements([node], requires, models)
+    return ranked[0] if ranked else None

@@ -1,0 +1,350 @@
+"""The queue projection: one ``jobs`` row per job, a pure fold of its stream.
+
+:func:`fold` is the only place a job's state changes. Commands call
+:func:`record`, which appends their events, folds them onto the current row
+and writes the result in the caller's transaction; :func:`rebuild` folds the
+whole log with the same function, so the live table and a fresh fold can only
+differ if the table was written some other way, which :func:`diff` reports.
+Every timestamp the fold sets comes from the event's ``recorded_at`` (the
+database clock at append), never from Python's clock, so a rebuild reproduces
+the live rows exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from datetime import datetime, timezone
+from typing import Any, Mapping, Sequence
+from uuid import UUID
+
+import msgspec
+import psycopg
+
+from umbra.domain.jobs import LEASE_EXPIRED_ERROR
+from umbra.events import store
+from umbra.events.store import PendingAppend, RecordedEvent
+from umbra.events.types import (
+    Event,
+    JobBlocked,
+    JobCancelled,
+    JobClaimed,
+    JobCompleted,
+    JobDecomposed,
+    JobFailed,
+    JobLeaseExpired,
+    JobLeaseRenewed,
+    JobReleased,
+    JobRequeued,
+    JobSettled,
+    JobSubmitted,
+    JobUnblocked,
+    Placement,
+    Requirements,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """A ``jobs`` row; field order is column order."""
+
+    id: UUID
+    organization_id: UUID
+    kind: str
+    status: str
+    requested_by: str | None
+    priority: int
+    requires: Requirements
+    payload: dict[str, Any]
+    project_id: UUID | None
+    lang: str | None
+    attempt: int
+    max_attempts: int
+    not_before: datetime | None
+    parent_job_id: UUID | None
+    idempotency_key: str | None
+    lease_owner: UUID | None
+    lease_expires_at: datetime | None
+    result: Any
+    error: str | None
+    placement: Placement | None
+    blocked_reason: str | None
+    blocked_at: datetime | None
+    children_total: int
+    seq: int
+    version: int
+    position: int
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+COLUMNS = tuple(f.name for f in fields(JobRow))
+
+
+# -- the fold -------------------------------------------------------------------
+
+
+def job_id_of(stream: str) -> UUID:
+    return UUID(stream.removeprefix("job:"))
+
+
+def fold(state: JobRow | None, recorded: RecordedEvent) -> JobRow:
+    """Apply one recorded job event. Pure: the same inputs always give the same row."""
+    event, at = recorded.event, recorded.recorded_at
+    if state is None:
+        if not isinstance(event, JobSubmitted):
+            raise ValueError(f"{recorded.stream} does not start with job.submitted")
+        return _submitted(recorded, event)
+    row = _apply(state, event, at)
+    return replace(row, version=recorded.version, position=recorded.position, updated_at=at)
+
+
+def _submitted(recorded: RecordedEvent, e: JobSubmitted) -> JobRow:
+    at = recorded.recorded_at
+    return JobRow(
+        id=job_id_of(recorded.stream), organization_id=recorded.organization_id, kind=e.kind, status="queued",
+        requested_by=e.requested_by, priority=e.priority, requires=e.requires, payload=e.payload,
+        project_id=e.project_id, lang=e.lang, attempt=0, max_attempts=e.max_attempts, not_before=None,
+        parent_job_id=e.parent_job_id, idempotency_key=e.idempotency_key, lease_owner=None, lease_expires_at=None,
+        result=None, error=None, placement=None, blocked_reason=None, blocked_at=None, children_total=0,
+        seq=recorded.position, version=recorded.version, position=recorded.position, created_at=at, updated_at=at,
+        started_at=None, finished_at=None,
+    )  # fmt: skip
+
+
+_RELEASED = {"lease_owner": None, "lease_expires_at": None, "placement": None}
+
+
+def _apply(s: JobRow, e: Event, at: datetime) -> JobRow:
+    match e:
+        case JobClaimed():
+            return replace(
+                s, status="running", attempt=e.attempt, lease_owner=e.node_id, lease_expires_at=e.lease_expires_at,
+                placement=e.placement, started_at=s.started_at or at,
+            )  # fmt: skip
+        case JobLeaseRenewed():
+            return replace(s, lease_expires_at=e.lease_expires_at)
+        case JobCompleted():
+            return replace(s, status="complete", result=e.result, error=None, lease_expires_at=None, finished_at=at)
+        case JobFailed():
+            return replace(s, status="failed", error=e.error, lease_expires_at=None, finished_at=at)
+        case JobRequeued():
+            return replace(s, status="queued", error=e.error, not_before=e.not_before, **_RELEASED)
+        case JobLeaseExpired() if e.requeued:
+            return replace(s, status="queued", error=LEASE_EXPIRED_ERROR, not_before=e.not_before, **_RELEASED)
+        case JobLeaseExpired():
+            return replace(s, status="failed", error=LEASE_EXPIRED_ERROR, lease_owner=None, lease_expires_at=None,
+                           finished_at=at)  # fmt: skip
+        case JobReleased():
+            return replace(s, status="queued", **_RELEASED)
+        case JobBlocked():
+            since = s.blocked_at if s.status == "blocked" else at
+            return replace(s, status="blocked", blocked_reason=e.reason, blocked_at=since, **_RELEASED)
+        case JobUnblocked():
+            return replace(s, status="queued", blocked_reason=None, blocked_at=None)
+        case JobDecomposed():
+            return replace(s, status="running", lease_owner=None, lease_expires_at=None,
+                           children_total=len(e.children))  # fmt: skip
+        case JobSettled():
+            summary = {"detail": e.detail, "children_total": e.children_total, "children_failed": e.children_failed}
+            return replace(s, status=e.outcome, result=summary, error=e.detail if e.outcome == "partial" else None,
+                           finished_at=at)  # fmt: skip
+        case JobCancelled():
+            # The holder is kept so its next renew/complete learns "cancelled".
+            return replace(s, status="cancelled", lease_expires_at=None, finished_at=at)
+    raise ValueError(f"not a job event: {type(e).__name__}")
+
+
+# -- the API's Job object ---------------------------------------------------------
+
+
+def timestamp(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    return value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def requires_json(requires: Requirements) -> dict[str, Any]:
+    out = msgspec.structs.asdict(requires)
+    out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+    out["prefer_node"] = str(requires.prefer_node) if requires.prefer_node else None
+    return out
+
+
+def to_json(row: JobRow) -> dict[str, Any]:
+    """The API's Job object (API.md), plus ``blocked_reason``."""
+    return {
+        "id": str(row.id),
+        "organization_id": str(row.organization_id),
+        "kind": row.kind,
+        "status": row.status,
+        "priority": row.priority,
+        "requires": requires_json(row.requires),
+        "payload": row.payload,
+        "project_id": str(row.project_id) if row.project_id else None,
+        "lang": row.lang,
+        "attempt": row.attempt,
+        "max_attempts": row.max_attempts,
+        "not_before": timestamp(row.not_before),
+        "parent_job_id": str(row.parent_job_id) if row.parent_job_id else None,
+        "idempotency_key": row.idempotency_key,
+        "requested_by": row.requested_by,
+        "lease_owner": str(row.lease_owner) if row.lease_owner else None,
+        "lease_expires_at": timestamp(row.lease_expires_at),
+        "result": row.result,
+        "error": row.error,
+        "placement": placement_json(row.placement),
+        "blocked_reason": row.blocked_reason,
+        "created_at": timestamp(row.created_at),
+        "started_at": timestamp(row.started_at),
+        "finished_at": timestamp(row.finished_at),
+        "position": row.position,
+    }
+
+
+def placement_json(placement: Placement | None) -> dict[str, Any] | None:
+    if placement is None:
+        return None
+    out = msgspec.to_builtins(placement)
+    out["would_evict"] = list(placement.would_evict)
+    return out
+
+
+# -- reading and writing rows -----------------------------------------------------
+
+_JSON_COLUMNS = frozenset({"requires", "payload", "result", "placement"})
+SELECT_LIST = ", ".join(f"{c}::text" if c in _JSON_COLUMNS else c for c in COLUMNS)
+_JSON_TYPES = {"requires": Requirements, "payload": dict[str, Any], "result": Any, "placement": Placement | None}
+_decoders = {name: msgspec.json.Decoder(t) for name, t in _JSON_TYPES.items()}
+_encoder = msgspec.json.Encoder()
+
+
+def from_db(record: Sequence[Any]) -> JobRow:
+    """A row selected with :data:`SELECT_LIST` (extra trailing columns are ignored)."""
+    values = dict(zip(COLUMNS, record))
+    for name, decoder in _decoders.items():
+        raw = values[name]
+        values[name] = None if raw is None else decoder.decode(raw)
+    return JobRow(**values)
+
+
+_SQL_TYPES = {
+    "id": "uuid", "organization_id": "uuid", "project_id": "uuid", "parent_job_id": "uuid", "lease_owner": "uuid",
+    "priority": "int", "attempt": "int", "max_attempts": "int", "children_total": "int", "version": "int",
+    "seq": "bigint", "position": "bigint", "not_before": "timestamptz", "lease_expires_at": "timestamptz",
+    "blocked_at": "timestamptz", "created_at": "timestamptz", "updated_at": "timestamptz",
+    "started_at": "timestamptz", "finished_at": "timestamptz",
+}  # fmt: skip
+_UPSERT = (
+    f"INSERT INTO jobs ({', '.join(COLUMNS)}) SELECT "
+    + ", ".join(f"{c}::jsonb" if c in _JSON_COLUMNS else c for c in COLUMNS)
+    + " FROM unnest("
+    + ", ".join(f"%s::{_SQL_TYPES.get(c, 'text')}[]" for c in COLUMNS)
+    + f") AS r({', '.join(COLUMNS)}) ON CONFLICT (id) DO UPDATE SET "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in COLUMNS if c not in ("id", "organization_id", "seq", "created_at"))
+)
+
+
+def _column_value(row: JobRow, name: str) -> Any:
+    value = getattr(row, name)
+    if name in _JSON_COLUMNS:
+        return None if value is None else _encoder.encode(value).decode()
+    return value
+
+
+async def write_rows(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> None:
+    """Upsert rows in one statement (a batch of 10,000 is still one round trip)."""
+    if not rows:
+        return
+    columns = [[_column_value(row, name) for row in rows] for name in COLUMNS]
+    await conn.execute(_UPSERT, columns)
+
+
+_LOAD = f"SELECT {SELECT_LIST} FROM jobs WHERE id = %s AND organization_id = %s"
+
+
+async def load(conn: psycopg.AsyncConnection, job_id: UUID, organization_id: UUID, *, lock: bool = False) -> JobRow | None:
+    """One job of one organization (another organization's is simply absent)."""
+    cursor = await conn.execute(_LOAD + (" FOR UPDATE" if lock else ""), (job_id, organization_id))
+    record = await cursor.fetchone()
+    return from_db(record) if record else None
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """Events to append to one job's stream; ``state`` is its current row (None when new)."""
+
+    job_id: UUID
+    organization_id: UUID
+    state: JobRow | None
+    events: Sequence[Event]
+
+
+async def record(
+    conn: psycopg.AsyncConnection, changes: Sequence[Change], *, metadata: Mapping[str, Any] | None = None
+) -> list[JobRow]:
+    """Append, fold and write: the body of every job command, in the caller's transaction.
+
+    Returns the new rows in the order of ``changes``. All appends are one
+    statement and all row writes another, however many jobs change.
+    """
+    batch = [
+        PendingAppend(store.job_stream(c.job_id), c.state.version if c.state else 0, c.events, c.organization_id, metadata)
+        for c in changes
+    ]
+    recorded = await store.append_many(conn, batch)
+    rows: list[JobRow] = []
+    offset = 0
+    for change in changes:
+        state = change.state
+        for event_record in recorded[offset : offset + len(change.events)]:
+            state = fold(state, event_record)
+        offset += len(change.events)
+        assert state is not None
+        rows.append(state)
+    await write_rows(conn, rows)
+    return rows
+
+
+# -- rebuild and verification -------------------------------------------------------
+
+_LIVE = f"SELECT {SELECT_LIST} FROM jobs WHERE %s::uuid IS NULL OR organization_id = %s ORDER BY seq"
+
+
+async def live(conn: psycopg.AsyncConnection, organization_id: UUID | None = None) -> dict[UUID, JobRow]:
+    cursor = await conn.execute(_LIVE, (organization_id, organization_id))
+    return {row.id: row for row in map(from_db, await cursor.fetchall())}
+
+
+async def rebuild(
+    conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *, page: int = 5000
+) -> dict[UUID, JobRow]:
+    """Fold every job stream in the log from nothing; nothing is written."""
+    rows: dict[UUID, JobRow] = {}
+    after = 0
+    while True:
+        events = await store.read_log(conn, after=after, limit=page, organization_id=organization_id)
+        for event_record in events:
+            if event_record.stream.startswith("job:"):
+                job_id = job_id_of(event_record.stream)
+                rows[job_id] = fold(rows.get(job_id), event_record)
+        if len(events) < page:
+            return rows
+        after = events[-1].position
+
+
+def diff(rebuilt: Mapping[UUID, JobRow], current: Mapping[UUID, JobRow]) -> list[dict[str, Any]]:
+    """Differences between a rebuild and the live rows, column by column."""
+    out: list[dict[str, Any]] = []
+    for job_id in sorted(set(rebuilt) | set(current), key=str):
+        a, b = rebuilt.get(job_id), current.get(job_id)
+        if a is None or b is None:
+            out.append({"view": "queue", "id": str(job_id), "field": None,
+                        "rebuilt": a is not None, "live": b is not None})  # fmt: skip
+            continue
+        for name in COLUMNS:
+            if getattr(a, name) != getattr(b, name):
+                out.append({"view": "queue", "id": str(job_id), "field": name,
+                            "rebuilt": repr(getattr(a, name)), "live": repr(getattr(b, name))})  # fmt: skip
+    return out
