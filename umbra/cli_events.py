@@ -14,7 +14,6 @@ projection from the log and diffs it against the live tables.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -25,7 +24,6 @@ from uuid import UUID
 
 import anyio
 import httpx
-import msgspec
 
 from umbra.errors import InvalidRequest
 
@@ -157,24 +155,26 @@ def cmd_tail(args) -> int:
 
 
 def recorded_from_json(event: dict[str, Any]):
-    """An API Event object back into the store's RecordedEvent (for the pure folds)."""
+    """An API Event object back into the store's RecordedEvent, decoded as stored events are."""
     from umbra.events.store import RecordedEvent
-    from umbra.events.types import Event
+    from umbra.events.types import decode_event
 
     return RecordedEvent(
         position=int(event["position"]),
         stream=event["stream"],
         version=int(event["version"]),
         organization_id=UUID(event["organization_id"]),
-        event=msgspec.convert({**event["data"], "type": event["type"]}, Event),
+        event=decode_event(json.dumps({**event["data"], "type": event["type"]})),
         metadata=event.get("metadata") or {},
         recorded_at=datetime.fromisoformat(event["recorded_at"].replace("Z", "+00:00")),
     )
 
 
 def state_json(state: Any) -> dict[str, Any]:
-    row = state.as_row() if hasattr(state, "as_row") else dataclasses.asdict(state)
-    return json.loads(msgspec.json.encode(row, enc_hook=str))
+    """The folded row as the API's Job object."""
+    from umbra.projections.jobs import to_json
+
+    return to_json(state)
 
 
 def replay(events: Iterable[dict[str, Any]], *, up_to: int | None = None):
@@ -211,6 +211,52 @@ def cmd_replay(args) -> int:
     return anyio.run(main)
 
 
+# -- verify ------------------------------------------------------------------------
+
+#: Seconds between "still working" lines while a long verification runs.
+PROGRESS_SECONDS = 5.0
+
+_LOG_SIZE = """
+SELECT count(*), count(DISTINCT stream) FROM events WHERE %s::uuid IS NULL OR organization_id = %s
+"""
+
+
+def format_difference(difference: dict[str, Any]) -> str:
+    view, row_id, field = difference["view"], difference["id"], difference["field"]
+    if field is None:
+        side = "only in the rebuild" if difference["rebuilt"] else "only in the live table"
+        return f"{view} {row_id}: row {side}"
+    return f"{view} {row_id}: {field}: rebuilt {difference['rebuilt']} != live {difference['live']}"
+
+
+async def _progress(started: float) -> None:
+    while True:
+        await anyio.sleep(PROGRESS_SECONDS)
+        print(f"umbra verify: still folding ({anyio.current_time() - started:.0f}s)", file=sys.stderr, flush=True)
+
+
+async def _verify(conn, args) -> int:
+    from umbra.projections.verify import verify
+
+    events, streams = await (await conn.execute(_LOG_SIZE, (args.org, args.org))).fetchone()
+    scope = f"organization {args.org}" if args.org else "all organizations"
+    print(f"umbra verify: rebuilding from {events} events in {streams} streams ({scope})", file=sys.stderr, flush=True)
+    started = anyio.current_time()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_progress, started)
+        differences = await verify(conn, args.org)
+        tg.cancel_scope.cancel()
+    elapsed = anyio.current_time() - started
+    if args.json:
+        print(json.dumps({"ok": not differences, "differences": differences}))
+    else:
+        for difference in differences:
+            print(format_difference(difference))
+        verdict = f"{len(differences)} difference(s)" if differences else "views match the log"
+        print(f"{verdict} ({events} events, {elapsed:.1f}s)")
+    return 1 if differences else 0
+
+
 # -- registration ------------------------------------------------------------------
 
 
@@ -221,7 +267,7 @@ def _add_http_options(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from umbra.cli import _uuid
+    from umbra.cli import _uuid, _with_database
 
     events = sub.add_parser("events", help="read the event log: tail it, replay a job")
     events_sub = events.add_subparsers(dest="events_command", required=True)
@@ -239,3 +285,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--as-of", type=int, default=None, help="fold only events at or before this log position")
     _add_http_options(p)
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser(
+        "verify",
+        help="rebuild the projections from the log and diff them against the live tables",
+        description="Rebuild the queue and node views from the event log (on the database directly) and "
+        "compare them row by row with the live tables. Exits 1 when anything differs.",
+    )
+    p.add_argument("--org", type=_uuid, default=None, help="only this organization (default: all)")
+    p.add_argument("--json", action="store_true", help='print {"ok", "differences"} as JSON')
+    p.set_defaults(func=_with_database(_verify))
