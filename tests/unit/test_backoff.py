@@ -1,0 +1,56 @@
+"""Retry backoff: min(5 s × 2^(attempt−1), 600 s), and when a failure is retried at all."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from uuid import uuid4
+
+import pytest
+
+from umbra.domain.backoff import backoff_seconds, should_retry
+from umbra.domain.jobs import NotHolder, JobWasCancelled, check_holder, decide_failure, decide_lease_expiry
+from umbra.events.types import JobFailed, JobRequeued
+
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def test_the_backoff_schedule_doubles_from_five_seconds_and_caps_at_ten_minutes():
+    assert [backoff_seconds(a) for a in range(1, 10)] == [5, 10, 20, 40, 80, 160, 320, 600, 600]
+    assert backoff_seconds(1000) == 600
+    assert backoff_seconds(0) == 5
+
+
+def test_retry_only_while_attempts_remain_and_only_when_asked():
+    assert should_retry(retry_requested=True, attempt=2, max_attempts=3)
+    assert not should_retry(retry_requested=True, attempt=3, max_attempts=3)
+    assert not should_retry(retry_requested=False, attempt=1, max_attempts=3)
+
+
+def test_a_retryable_failure_requeues_after_the_backoff_else_fails_with_why():
+    event = decide_failure(attempt=2, max_attempts=3, error="oom", retry=True, now=NOW)
+    assert event == JobRequeued(attempt=2, error="oom", not_before=NOW + timedelta(seconds=10))
+    assert decide_failure(attempt=3, max_attempts=3, error="oom", retry=True, now=NOW) == JobFailed(
+        attempt=3, error="oom", reason="attempts_exhausted"
+    )
+    assert decide_failure(attempt=1, max_attempts=3, error="bad input", retry=False, now=NOW).reason == "not_retryable"
+
+
+def test_an_expired_lease_requeues_with_the_delay_until_attempts_are_spent():
+    node = uuid4()
+    requeued = decide_lease_expiry(attempt=1, max_attempts=2, node_id=node, now=NOW, delay_seconds=2)
+    assert (requeued.requeued, requeued.not_before) == (True, NOW + timedelta(seconds=2))
+    assert decide_lease_expiry(attempt=2, max_attempts=2, node_id=node, now=NOW, delay_seconds=2).requeued is False
+
+
+def test_fencing_refuses_everyone_but_the_holder_at_its_attempt():
+    node, other = uuid4(), uuid4()
+    check_holder(status="running", lease_owner=node, attempt=2, node_id=node, claimed_attempt=2)
+    for who, attempt in ((other, 2), (node, 1)):
+        with pytest.raises(NotHolder):
+            check_holder(status="running", lease_owner=node, attempt=2, node_id=who, claimed_attempt=attempt)
+    with pytest.raises(NotHolder):
+        check_holder(status="queued", lease_owner=None, attempt=2, node_id=node, claimed_attempt=2)
+    with pytest.raises(JobWasCancelled):
+        check_holder(status="cancelled", lease_owner=node, attempt=2, node_id=node, claimed_attempt=2)
+    with pytest.raises(NotHolder):  # cancelled, but this caller never held that attempt
+        check_holder(status="cancelled", lease_owner=node, attempt=2, node_id=node, claimed_attempt=1)

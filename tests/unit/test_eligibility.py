@@ -1,0 +1,168 @@
+"""Eligibility: one verdict per device, the first failing rule as its reason."""
+
+from __future__ import annotations
+
+from uuid import uuid4
+
+import pytest
+
+from umbra.domain.eligibility import REASONS, NodeView, blocking_reason, judge_device, judge_node
+from umbra.domain.models import RegisteredModel
+from umbra.events.types import Device, Requirements, ResidentModel
+
+GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=20000, accelerators=("cuda",))
+IGPU = Device(kind="gpu_integrated", label="igpu", vram_total_mb=4096, vram_free_mb=2000, ram_total_mb=32768,
+              ram_free_mb=30000, accelerators=("metal",))  # fmt: skip
+CPU = Device(kind="cpu", label="cpu", ram_total_mb=16384, ram_free_mb=12000)
+GEMMA = RegisteredModel(slug="gemma", vram_min_mb=16000)
+MODELS = {"gemma": GEMMA, "tiny": RegisteredModel(slug="tiny", vram_min_mb=1000, ram_min_mb=1500),
+          "cudaonly": RegisteredModel(slug="cudaonly", vram_min_mb=100, requires_accelerators=("cuda",))}  # fmt: skip
+
+
+def node(*devices: Device, status: str = "online", trust_domain: str = "local", name: str = "box") -> NodeView:
+    return NodeView(id=uuid4(), name=name, status=status, trust_domain=trust_domain, devices=devices)
+
+
+def judge(device: Device, registry=MODELS, status: str = "online", trust_domain: str = "local", **requires):
+    return judge_device(node(device, status=status, trust_domain=trust_domain), device, Requirements(**requires), registry)
+
+
+@pytest.mark.parametrize("status", ["offline", "provisioning", "draining", "retired"])
+def test_a_node_that_is_not_online_is_ineligible_with_its_status(status):
+    verdict = judge(GPU, status=status)
+    assert (verdict.eligible, verdict.reason) == (False, f"node_{status}")
+    assert verdict.reason in REASONS
+
+
+def test_no_trust_domains_accepts_any_node_of_the_organization():
+    assert judge(GPU, trust_domain="lab").eligible
+    assert judge(GPU, trust_domain="lab", trust_domains=("lab", "local")).eligible
+    assert judge(GPU, trust_domain="cloud", trust_domains=("local",)).reason == "trust_domain"
+
+
+def test_an_unregistered_model_is_named_as_the_reason():
+    assert judge(GPU, models=("nope",)).reason == "model_not_registered"
+
+
+def test_accelerators_of_the_job_and_of_its_models_must_be_supported():
+    assert judge(CPU, accelerators=("cuda",)).reason == "accelerator_missing"
+    assert judge(IGPU, models=("cudaonly",)).reason == "accelerator_missing"
+    assert judge(GPU, models=("cudaonly",)).eligible
+
+
+def test_a_gpu_with_no_free_vram_is_busy_but_a_cpu_never_is():
+    full = Device(kind="gpu_discrete", label="g", vram_total_mb=8000, vram_free_mb=0)
+    assert judge(full).reason == "device_busy"
+    assert judge(CPU).eligible  # a CPU reports no VRAM at all
+
+
+def test_fitting_free_vram_runs_via_vram():
+    verdict = judge(GPU, vram_min_mb=20000)
+    assert (verdict.via, verdict.slow_path, verdict.reason) == ("vram", False, None)
+
+
+def test_a_discrete_gpu_out_of_vram_is_not_eligible_even_with_ram_reported():
+    gpu = Device(kind="gpu_discrete", label="g", vram_total_mb=8000, vram_free_mb=4000, ram_total_mb=64000, ram_free_mb=64000)
+    verdict = judge(gpu, vram_min_mb=6000)
+    assert (verdict.eligible, verdict.reason, verdict.needed_mb, verdict.available_mb) == (False, "vram_insufficient", 6000, 4000)
+
+
+def test_a_unified_device_out_of_vram_falls_back_to_ram_the_slow_path():
+    verdict = judge(IGPU, vram_min_mb=8000)
+    assert (verdict.via, verdict.slow_path) == ("ram", True)
+    assert judge(IGPU, vram_min_mb=8000, ram_min_mb=40000).reason == "ram_insufficient"
+
+
+def test_a_cpu_is_eligible_whenever_ram_fits():
+    assert judge(CPU).via == "ram"
+    assert judge(CPU).slow_path is False  # nothing asked for VRAM
+    assert judge(CPU, ram_min_mb=12000).eligible
+    assert judge(CPU, ram_min_mb=12001).reason == "ram_insufficient"
+
+
+def test_a_vram_floor_without_a_ram_floor_needs_that_much_ram_from_system_memory():
+    small = Device(kind="cpu", label="cpu", ram_total_mb=8192, ram_free_mb=8000)
+    assert judge(small, models=("gemma",)).reason == "ram_insufficient"  # 16000 MB VRAM floor stands in for RAM
+    assert judge(CPU, models=("gemma",)).reason == "ram_insufficient"  # 12000 free < 16000
+    roomy = Device(kind="cpu", label="cpu", ram_total_mb=32768, ram_free_mb=20000)
+    assert judge(roomy, models=("gemma",)).via == "ram"
+    # The job's own VRAM floor counts the same way when it gives no RAM floor.
+    assert judge(small, vram_min_mb=9000).reason == "ram_insufficient"
+    # A measured RAM floor is used as measured.
+    assert judge(Device(kind="cpu", label="c", ram_total_mb=2048, ram_free_mb=1600), models=("tiny",)).eligible
+
+
+def test_models_named_together_need_the_sum_of_their_floors():
+    gpu = Device(kind="gpu_discrete", label="g", vram_total_mb=20000, vram_free_mb=16500)
+    assert judge(gpu, models=("gemma",)).eligible
+    assert judge(gpu, models=("gemma", "tiny")).reason == "vram_insufficient"
+
+
+def test_a_resident_model_counts_toward_the_job_that_needs_it():
+    warm = Device(kind="gpu_discrete", label="g", vram_total_mb=24576, vram_free_mb=4000,
+                  resident_models=(ResidentModel(slug="gemma", vram_held_mb=17000),))  # fmt: skip
+    verdict = judge(warm, models=("gemma",))
+    assert (verdict.via, verdict.resident, verdict.would_evict) == ("vram", True, ())
+    assert judge(warm, vram_min_mb=16000).reason == "vram_insufficient"  # the warm model is not this job's
+
+
+def test_loading_to_the_preferred_size_names_the_models_it_would_evict():
+    preferring = {"big": RegisteredModel(slug="big", vram_min_mb=8000, vram_preferred_mb=14000)}
+    crowded = Device(kind="gpu_discrete", label="g", vram_total_mb=24576, vram_free_mb=9000,
+                     resident_models=(ResidentModel(slug="a", vram_held_mb=3000), ResidentModel(slug="b", vram_held_mb=9000)))  # fmt: skip
+    verdict = judge(crowded, preferring, models=("big",))
+    assert (verdict.eligible, verdict.would_evict) == (True, ("b",))  # the largest resident covers the 5000 MB shortfall
+    roomy = Device(kind="gpu_discrete", label="g", vram_total_mb=24576, vram_free_mb=20000)
+    assert judge(roomy, preferring, models=("big",)).would_evict == ()
+
+
+def test_the_first_failing_rule_wins():
+    assert judge(CPU, status="offline", models=("nope",), accelerators=("cuda",)).reason == "node_offline"
+    assert judge(CPU, trust_domain="x", trust_domains=("y",), models=("nope",)).reason == "trust_domain"
+    assert judge(CPU, models=("nope",), accelerators=("cuda",)).reason == "model_not_registered"
+    full = Device(kind="gpu_discrete", label="g", vram_total_mb=8000, vram_free_mb=0)
+    assert judge(full, accelerators=("cuda",)).reason == "accelerator_missing"
+
+
+def test_judge_node_gives_one_verdict_per_device_in_order():
+    box = node(GPU, CPU)
+    verdicts = judge_node(box, Requirements(vram_min_mb=10000), MODELS)
+    assert [(v.device_label, v.via, v.reason) for v in verdicts] == [("gpu0", "vram", None), ("cpu", "ram", None)]
+    verdicts = judge_node(box, Requirements(vram_min_mb=22000), MODELS)
+    assert [(v.device_label, v.reason) for v in verdicts] == [("gpu0", "vram_insufficient"), ("cpu", "ram_insufficient")]
+
+
+# -- blocking: could anything *ever* run it? ----------------------------------------
+
+
+def test_blocking_judges_device_totals_not_the_memory_free_right_now():
+    busy = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=0, accelerators=("cuda",))
+    assert blocking_reason(Requirements(vram_min_mb=20000), MODELS, [node(busy, status="offline")]) is None
+
+
+def test_blocking_names_the_shortfall_and_the_largest_device():
+    fleet = [node(GPU, name="gpu-box"), node(Device(kind="gpu_discrete", label="g", vram_total_mb=8192, vram_free_mb=8000), name="small")]
+    reason = blocking_reason(Requirements(vram_min_mb=40000, ram_min_mb=1), MODELS, fleet)
+    assert reason == "no_eligible_device: needs 40000 MB VRAM, largest is 24576 MB (gpu-box/gpu0)"
+    with_cpu = [node(GPU, CPU, name="gpu-box")]
+    reason = blocking_reason(Requirements(vram_min_mb=40000), MODELS, with_cpu)
+    assert reason == ("no_eligible_device: needs 40000 MB VRAM, largest is 24576 MB (gpu-box/gpu0); "
+                      "needs 40000 MB RAM, largest is 16384 MB (gpu-box/cpu)")  # fmt: skip
+
+
+def test_blocking_on_an_unregistered_model_says_so():
+    assert blocking_reason(Requirements(models=("gemma", "nope")), MODELS, [node(GPU)]) == "model_not_registered: nope"
+
+
+def test_draining_and_retired_nodes_cannot_unblock_anything_but_offline_ones_can():
+    needs_gpu = Requirements(accelerators=("cuda",))
+    assert blocking_reason(needs_gpu, MODELS, [node(GPU, status="offline")]) is None
+    assert blocking_reason(needs_gpu, MODELS, [node(GPU, status="provisioning")]) is None
+    for status in ("draining", "retired"):
+        assert blocking_reason(needs_gpu, MODELS, [node(GPU, status=status)]).startswith("no_eligible_device")
+
+
+def test_an_empty_fleet_blocks_with_a_reason_and_other_shortfalls_are_named():
+    assert blocking_reason(Requirements(), MODELS, []) == "no_eligible_device: no active node with devices is registered"
+    assert "trust domain secure" in blocking_reason(Requirements(trust_domains=("secure",)), MODELS, [node(GPU)])
+    assert "accelerator rocm" in blocking_reason(Requirements(accelerators=("rocm",)), MODELS, [node(GPU, CPU)])

@@ -1,0 +1,134 @@
+"""The queue fold: each event's effect on a job row, timestamps from recorded_at only."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from uuid import uuid4
+
+import pytest
+
+from umbra.events.store import RecordedEvent
+from umbra.events.types import (
+    JobBlocked, JobCancelled, JobClaimed, JobCompleted, JobDecomposed, JobFailed, JobLeaseExpired, JobLeaseRenewed,
+    JobReleased, JobRequeued, JobSettled, JobSubmitted, JobUnblocked, NodeDraining, Placement, Requirements,
+)  # fmt: skip
+from umbra.projections.jobs import fold, to_json
+
+JOB, ORG, NODE = uuid4(), uuid4(), uuid4()
+T0 = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
+PLACEMENT = Placement(node_id=NODE, device_id="gpu0", device_kind="gpu_discrete", reason="placed:gpu_discrete")
+
+
+class Log:
+    """Folds events one by one as the store would record them, a second apart."""
+
+    def __init__(self) -> None:
+        self.row = None
+        self.version = 0
+
+    def at(self, version: int) -> datetime:
+        return T0 + timedelta(seconds=version)
+
+    def __call__(self, event):
+        self.version += 1
+        recorded = RecordedEvent(position=100 + self.version, stream=f"job:{JOB}", version=self.version,
+                                 organization_id=ORG, event=event, metadata={}, recorded_at=self.at(self.version))  # fmt: skip
+        self.row = fold(self.row, recorded)
+        return self.row
+
+
+def submitted(**overrides):
+    fields = {"kind": "echo", "priority": 0, "max_attempts": 2, "requires": Requirements(vram_min_mb=5)}
+    return JobSubmitted(**{**fields, **overrides})
+
+
+def claimed(attempt: int, log: Log):
+    return JobClaimed(attempt=attempt, node_id=NODE, placement=PLACEMENT, lease_expires_at=log.at(log.version) + timedelta(seconds=60))
+
+
+def test_a_submitted_job_is_queued_in_submission_order_and_priority_zero_stays_zero():
+    row = Log()(submitted())
+    assert (row.id, row.organization_id, row.status, row.priority, row.attempt) == (JOB, ORG, "queued", 0, 0)
+    assert (row.seq, row.position, row.version, row.created_at) == (101, 101, 1, T0 + timedelta(seconds=1))
+
+
+def test_claim_renew_complete():
+    log = Log()
+    log(submitted())
+    row = log(claimed(1, log))
+    assert (row.status, row.attempt, row.lease_owner, row.placement, row.started_at) == ("running", 1, NODE, PLACEMENT, log.at(2))
+    row = log(JobLeaseRenewed(attempt=1, lease_expires_at=log.at(99)))
+    assert row.lease_expires_at == log.at(99)
+    row = log(JobCompleted(attempt=1, result={"ok": True}))
+    assert (row.status, row.result, row.lease_expires_at, row.finished_at, row.version) == ("complete", {"ok": True}, None, log.at(4), 4)
+
+
+def test_requeue_release_and_expiry_return_the_job_to_the_queue_released():
+    log = Log()
+    log(submitted())
+    log(claimed(1, log))
+    row = log(JobRequeued(attempt=1, error="oom", not_before=log.at(50)))
+    assert (row.status, row.error, row.not_before, row.lease_owner, row.placement) == ("queued", "oom", log.at(50), None, None)
+    first_start = row.started_at
+    log(claimed(2, log))
+    row = log(JobReleased(attempt=2))
+    assert (row.status, row.attempt, row.started_at) == ("queued", 2, first_start)  # the attempt is never given back
+    log(claimed(3, log))
+    row = log(JobLeaseExpired(attempt=3, node_id=NODE, requeued=False))
+    assert (row.status, row.finished_at, row.lease_owner) == ("failed", log.at(7), None)
+    assert row.error.startswith("lease expired")
+
+
+def test_blocked_keeps_its_first_time_when_the_reason_changes_and_unblocks_to_queued():
+    log = Log()
+    log(submitted())
+    row = log(JobBlocked(reason="no_eligible_device: a"))
+    assert (row.status, row.blocked_reason, row.blocked_at) == ("blocked", "no_eligible_device: a", log.at(2))
+    row = log(JobBlocked(reason="no_eligible_device: b"))
+    assert (row.blocked_reason, row.blocked_at) == ("no_eligible_device: b", log.at(2))
+    row = log(JobUnblocked())
+    assert (row.status, row.blocked_reason, row.blocked_at) == ("queued", None, None)
+    log(JobBlocked(reason="again"))
+    row = log(JobFailed(attempt=0, error="again", reason="blocked_timeout"))
+    assert (row.status, row.error) == ("failed", "again")
+
+
+def test_decomposition_makes_a_released_running_container_that_settles():
+    log = Log()
+    log(submitted())
+    log(claimed(1, log))
+    children = (uuid4(), uuid4())
+    row = log(JobDecomposed(attempt=1, children=children))
+    assert (row.status, row.lease_owner, row.lease_expires_at, row.children_total) == ("running", None, None, 2)
+    row = log(JobSettled(outcome="partial", detail="1 of 2 children failed", children_total=2, children_failed=1))
+    assert (row.status, row.error, row.finished_at) == ("partial", "1 of 2 children failed", log.at(4))
+    assert row.result == {"detail": "1 of 2 children failed", "children_total": 2, "children_failed": 1}
+
+
+def test_cancelling_a_running_job_keeps_the_holder_so_it_can_be_told():
+    log = Log()
+    log(submitted())
+    log(claimed(1, log))
+    row = log(JobCancelled(by="key:x"))
+    assert (row.status, row.lease_owner, row.attempt, row.lease_expires_at) == ("cancelled", NODE, 1, None)
+
+
+def test_a_stream_must_start_with_submission_and_hold_only_job_events():
+    with pytest.raises(ValueError):
+        Log()(JobCancelled())
+    log = Log()
+    log(submitted())
+    with pytest.raises(ValueError):
+        log(NodeDraining())
+
+
+def test_the_job_object_has_every_api_field_with_rfc3339_utc_timestamps():
+    log = Log()
+    log(submitted(idempotency_key="k"))
+    body = to_json(log(claimed(1, log)))
+    assert {"id", "organization_id", "kind", "status", "priority", "requires", "payload", "project_id", "lang",
+            "attempt", "max_attempts", "not_before", "parent_job_id", "idempotency_key", "lease_owner",
+            "lease_expires_at", "result", "error", "placement", "created_at", "started_at", "finished_at"} <= set(body)  # fmt: skip
+    assert body["created_at"] == "2026-05-01T12:00:01Z" and body["lease_expires_at"] == "2026-05-01T12:01:01Z"
+    assert body["requires"]["vram_min_mb"] == 5 and body["requires"]["models"] == []
+    assert body["placement"]["device_id"] == "gpu0" and body["priority"] == 0
