@@ -1,0 +1,126 @@
+"""``POST /v1/agent/claim?wait=S``: the long-poll an idle agent parks on.
+
+The request authenticates on a pooled connection and gives it back; it then
+waits in the process's :class:`~umbra.api.longpoll.WaiterHub` holding no
+connection at all, and each claim attempt borrows one only for its own
+transaction. A thousand idle agents therefore cost a thousand small objects in
+memory, not a thousand database connections.
+
+A client that hangs up while waiting claims nothing: a task watches
+``receive()`` for ``http.disconnect`` and cancels the wait. A claim attempt is
+never cut in half (the hub shields it), so if one committed just as the client
+left, the job is released at once (``job.released``) instead of sitting leased
+to a node that will never hear of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+from uuid import UUID
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from umbra import metrics
+from umbra.compute import claims
+from umbra.errors import Forbidden, UmbraError
+
+from .http import json_response, principal
+from .longpoll import WaiterHub
+from .params import query_int
+from .routing import endpoint
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT_SECONDS = 60
+DEFAULT_WAIT_SECONDS = 30
+
+
+class ClaimOut(msgspec.Struct, kw_only=True):
+    """A claimed job, its placement, and when the lease runs out unless renewed."""
+
+    job: dict[str, Any]
+    placement: dict[str, Any]
+    lease_expires_at: str
+
+
+async def _watch_disconnect(request: Request, gone: anyio.Event, scope: anyio.CancelScope) -> None:
+    while True:
+        try:
+            message = await request.receive()
+        except UmbraError:  # an oversized body: stop reading, the wait goes on
+            return
+        if message["type"] == "http.disconnect":
+            gone.set()
+            scope.cancel()
+            return
+
+
+async def claim(request: Request) -> Response:
+    services = request.app.state.services
+    hub: WaiterHub = request.app.state.waiters
+    async with services.pool.connection() as conn:
+        who = await principal(request, conn, "compute:claim")
+    wait = query_int(request, "wait", default=DEFAULT_WAIT_SECONDS, minimum=0, maximum=MAX_WAIT_SECONDS)
+    if who.node_id is None:
+        raise Forbidden("Only a node credential can claim jobs.")
+    node_id: UUID = who.node_id
+    settings = services.settings
+
+    async def attempt() -> claims.ClaimResult | None:
+        async with services.pool.connection() as conn:
+            return await claims.claim(
+                conn,
+                node_id=node_id,
+                organization_id=who.organization_id,
+                lease_seconds=settings.lease_seconds,
+                stale_seconds=settings.heartbeat_stale_seconds,
+            )
+
+    started = time.monotonic()
+    gone = anyio.Event()
+    result: claims.ClaimResult | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_disconnect, request, gone, tg.cancel_scope)
+        result = await hub.wait_for(who.organization_id, attempt, timeout=wait)
+        tg.cancel_scope.cancel()
+    elapsed = time.monotonic() - started
+    if gone.is_set():
+        metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(elapsed)
+        if result is not None:
+            await _release(services, result, node_id)
+        return Response(status_code=204)
+    if result is None:
+        metrics.CLAIM_WAIT.labels(outcome="timeout").observe(elapsed)
+        return Response(status_code=204)
+    metrics.CLAIM_WAIT.labels(outcome="claimed").observe(elapsed)
+    return json_response(result.to_json())
+
+
+async def _release(services, result: claims.ClaimResult, node_id: UUID) -> None:
+    with anyio.CancelScope(shield=True):
+        async with services.pool.connection() as conn:
+            released = await claims.release(conn, result.job_id, node_id, result.attempt)
+    log.info(
+        "claim released: client left",
+        extra={"action": "claim_released_client_gone", "job_id": str(result.job_id), "node_id": str(node_id), "released": released},
+    )
+
+
+routes = [
+    endpoint(
+        "POST",
+        "/v1/agent/claim",
+        claim,
+        summary="Long-poll for a job this node is eligible for; 204 when none arrives within `wait` seconds.",
+        auth="node",
+        scopes=("compute:claim",),
+        query={"wait": (int, False, f"Seconds to wait, 0..{MAX_WAIT_SECONDS} (default {DEFAULT_WAIT_SECONDS}).")},
+        success=(200, 204),
+        response=ClaimOut,
+    )
+]

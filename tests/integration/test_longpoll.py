@@ -1,0 +1,263 @@
+"""The long-poll claim through a real HTTP server: wake on submit, no herd, eligibility,
+no connection held while waiting, disconnects, listener reconnects."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+
+import anyio
+import httpx
+import pytest
+
+from tests.conftest import LiveServer
+from tests.helpers import eventually
+from umbra.compute.heartbeat import heartbeat
+from umbra.compute.jobs import JobRequest, RequiresRequest, submit
+from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
+from umbra.domain.heartbeat import HeartbeatReport
+from umbra.events import store
+from umbra.events.types import Device
+
+pytestmark = pytest.mark.anyio
+
+CPU = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=30000)
+GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=24000, accelerators=("cuda",))
+_sources = itertools.count(1)
+
+
+async def online_node(conn, org_id: uuid.UUID, name: str, devices=(CPU,)) -> tuple[uuid.UUID, str]:
+    issued = await issue_pairing_code(conn, org_id, name)
+    redeemed = await redeem_pairing_code(
+        conn, code=issued.code, name=name, source=f"10.9.{next(_sources)}.1", devices=list(devices)
+    )
+    await heartbeat(conn, org_id, redeemed.node_id, HeartbeatReport(devices=tuple(devices)), event_interval_seconds=300)
+    return redeemed.node_id, redeemed.credential
+
+
+async def submit_job(conn, org_id: uuid.UUID, **requires) -> uuid.UUID:
+    [row], _ = await submit(
+        conn, org_id, [JobRequest(kind="echo", requires=RequiresRequest(**requires))], actor="test", batch=False
+    )
+    return row.id
+
+
+async def job_status(conn, job_id: uuid.UUID) -> str:
+    return (await (await conn.execute("SELECT status FROM jobs WHERE id = %s", (job_id,))).fetchone())[0]
+
+
+async def claimed_events(conn, job_id: uuid.UUID) -> list[str]:
+    return [r.type for r in await store.read_stream(conn, store.job_stream(job_id)) if r.type == "job.claimed"]
+
+
+def _auth(credential: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {credential}"}
+
+
+async def _true(value):
+    return value
+
+
+@pytest.fixture
+def server(db_url):
+    """Safety poll far away (30 s): a fast answer can only come from a notification.
+    A pool of 4: twenty parked long-polls could not each be holding a connection."""
+    with LiveServer(db_url, UMBRA_POLL_FALLBACK_SECONDS="30", UMBRA_POOL_SIZE="4") as live:
+        yield live
+
+
+async def test_a_parked_long_poll_wakes_on_submit(conn, org, server):
+    org_id, _ = org
+    _, credential = await online_node(conn, org_id, "box")
+    hub = server.app.state.waiters
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        async with anyio.create_task_group() as tg:
+            responses: list[httpx.Response] = []
+
+            async def poll():
+                responses.append(await client.post("/v1/agent/claim", params={"wait": 30}, headers=_auth(credential)))
+
+            tg.start_soon(poll)
+            await eventually(lambda: _true(hub.waiting(org_id) == 1))
+            started = time.monotonic()
+            job_id = await submit_job(conn, org_id)
+            await eventually(lambda: _true(responses), timeout=10)
+            assert time.monotonic() - started < 5
+    [response] = responses
+    assert response.status_code == 200
+    body = response.json()
+    assert body["job"]["id"] == str(job_id) and body["job"]["status"] == "running"
+    assert body["placement"]["device_kind"] == "cpu" and body["placement"]["reason"]
+    assert body["lease_expires_at"].endswith("Z")
+    assert await claimed_events(conn, job_id) == ["job.claimed"]
+
+
+async def test_timeout_is_204_and_waiting_holds_no_database_connection(conn, org, server):
+    org_id, _ = org
+    _, credential = await online_node(conn, org_id, "box")
+    pool = server.app.state.services.pool
+    hub = server.app.state.waiters
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        responses: list[httpx.Response] = []
+
+        async def poll():
+            responses.append(await client.post("/v1/agent/claim", params={"wait": 3}, headers=_auth(credential)))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(20):
+                tg.start_soon(poll)
+
+            def parked_and_pool_idle():
+                stats = pool.get_stats()
+                return _true(
+                    hub.waiting(org_id) == 20
+                    and stats.get("requests_waiting", 0) == 0
+                    and stats["pool_available"] == stats["pool_size"]
+                )
+
+            # All twenty parked at once on a pool of four, none borrowing a connection.
+            await eventually(parked_and_pool_idle)
+            assert pool.get_stats()["pool_size"] <= 4
+    assert [r.status_code for r in responses] == [204] * 20
+    assert all(r.content == b"" for r in responses)
+
+
+async def test_one_job_many_waiters_exactly_one_claim_and_the_rest_keep_waiting(conn, org, server):
+    org_id, _ = org
+    credentials = [(await online_node(conn, org_id, f"box-{i}"))[1] for i in range(5)]
+    hub = server.app.state.waiters
+    responses: list[httpx.Response] = []
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
+        async def poll(credential):
+            responses.append(await client.post("/v1/agent/claim", params={"wait": 6}, headers=_auth(credential)))
+
+        async with anyio.create_task_group() as tg:
+            for credential in credentials:
+                tg.start_soon(poll, credential)
+            await eventually(lambda: _true(hub.waiting(org_id) == 5))
+            job_id = await submit_job(conn, org_id)
+            await eventually(lambda: _true(len(responses) == 1))
+            assert hub.waiting(org_id) == 4  # the others are still parked, not answered
+    assert sorted(r.status_code for r in responses) == [200, 204, 204, 204, 204]
+    assert await claimed_events(conn, job_id) == ["job.claimed"]
+
+
+async def test_only_an_eligible_waiter_gets_the_job_even_when_an_ineligible_one_is_older(conn, org, server):
+    org_id, _ = org
+    _, cpu_only = await online_node(conn, org_id, "cpu-box", devices=(CPU,))
+    gpu_node, gpu = await online_node(conn, org_id, "gpu-box", devices=(GPU, CPU))
+    hub = server.app.state.waiters
+    results: dict[str, httpx.Response] = {}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
+        async def poll(name, credential, wait):
+            results[name] = await client.post("/v1/agent/claim", params={"wait": wait}, headers=_auth(credential))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poll, "cpu", cpu_only, 5)
+            await eventually(lambda: _true(hub.waiting(org_id) == 1))  # the CPU box is the oldest waiter
+            tg.start_soon(poll, "gpu", gpu, 30)
+            await eventually(lambda: _true(hub.waiting(org_id) == 2))
+            job_id = await submit_job(conn, org_id, vram_min_mb=16000, accelerators=["cuda"])
+            await eventually(lambda: _true("gpu" in results), timeout=10)
+            assert "cpu" not in results and hub.waiting(org_id) == 1
+    assert results["gpu"].status_code == 200
+    assert results["gpu"].json()["job"]["id"] == str(job_id)
+    assert results["gpu"].json()["placement"]["node_id"] == str(gpu_node)
+    assert results["cpu"].status_code == 204
+
+
+async def test_a_client_that_disconnects_while_waiting_claims_nothing(conn, org, server):
+    org_id, _ = org
+    _, credential = await online_node(conn, org_id, "box")
+    hub = server.app.state.waiters
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        scope = anyio.CancelScope()
+
+        async def poll_then_hang_up():
+            with scope:
+                await client.post("/v1/agent/claim", params={"wait": 30}, headers=_auth(credential))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poll_then_hang_up)
+            await eventually(lambda: _true(hub.waiting(org_id) == 1))
+            scope.cancel()
+    await eventually(lambda: _true(hub.waiting(org_id) == 0))  # the server noticed and left
+    job_id = await submit_job(conn, org_id)
+    assert await job_status(conn, job_id) == "queued"
+    assert await claimed_events(conn, job_id) == []
+
+
+async def test_a_claim_that_races_a_disconnect_is_released_at_once(db_url, conn, org):
+    """Driven in-process through ASGI so the race is exact: the client is gone
+    before the (shielded) claim attempt commits."""
+    from umbra.api.app import create_app
+    from umbra.settings import load_settings
+
+    org_id, _ = org
+    _, credential = await online_node(conn, org_id, "box")
+    job_id = await submit_job(conn, org_id)
+    app = create_app(load_settings({"UMBRA_DATABASE_URL": db_url}), db_url)
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/agent/claim", "raw_path": b"/v1/agent/claim",
+        "query_string": b"wait=30", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80),
+        "headers": [(b"authorization", f"Bearer {credential}".encode()), (b"host", b"test")],
+    }  # fmt: skip
+    async with app.router.lifespan_context(app):
+        await app(scope, receive, send)
+    assert sent[0]["status"] == 204
+    types = [r.type for r in await store.read_stream(conn, store.job_stream(job_id))]
+    assert types[-2:] == ["job.claimed", "job.released"]
+    assert await job_status(conn, job_id) == "queued"
+
+
+async def test_waiters_are_still_woken_after_the_listener_reconnects(conn, org, server):
+    org_id, _ = org
+    _, credential = await online_node(conn, org_id, "box")
+    listener = server.app.state.services.listener
+    hub = server.app.state.waiters
+    await conn.execute("SELECT pg_terminate_backend(%s)", (listener.backend_pid,))
+    await eventually(lambda: _true(listener.reconnects >= 1 and listener.connected.is_set()))
+    responses: list[httpx.Response] = []
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
+        async def poll():
+            responses.append(await client.post("/v1/agent/claim", params={"wait": 30}, headers=_auth(credential)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poll)
+            await eventually(lambda: _true(hub.waiting(org_id) == 1))
+            started = time.monotonic()
+            job_id = await submit_job(conn, org_id)
+            await eventually(lambda: _true(responses), timeout=10)
+            assert time.monotonic() - started < 5
+    assert responses[0].status_code == 200 and responses[0].json()["job"]["id"] == str(job_id)
+
+
+async def test_refusals(conn, org, server):
+    org_id, api_key = org
+    _, credential = await online_node(conn, org_id, "box")
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        too_long = await client.post("/v1/agent/claim", params={"wait": 61}, headers=_auth(credential))
+        negative = await client.post("/v1/agent/claim", params={"wait": -1}, headers=_auth(credential))
+        words = await client.post("/v1/agent/claim", params={"wait": "soon"}, headers=_auth(credential))
+        anonymous = await client.post("/v1/agent/claim", params={"wait": 0})
+        with_api_key = await client.post("/v1/agent/claim", params={"wait": 0}, headers=_auth(api_key))
+        immediate = await client.post("/v1/agent/claim", params={"wait": 0}, headers=_auth(credential))
+    for response in (too_long, negative, words):
+        assert response.status_code == 422
+        assert response.json()["error"] == "invalid_request" and response.json()["field"] == "wait"
+    assert anonymous.status_code == 401
+    assert with_api_key.status_code == 403
+    assert immediate.status_code == 204
