@@ -235,30 +235,22 @@ _SQL_TYPES = {
     "seq": "bigint", "position": "bigint", "not_before": "timestamptz", "lease_expires_at": "timestamptz",
     "blocked_at": "timestamptz", "created_at": "timestamptz", "updated_at": "timestamptz",
     "started_at": "timestamptz", "finished_at": "timestamptz",
+    "requires": "jsonb", "payload": "jsonb", "result": "jsonb", "placement": "jsonb",
 }  # fmt: skip
+#: Rows travel as one JSON document (msgspec encodes 10,000 rows in milliseconds;
+#: psycopg's per-element array dumping took most of a batch submit's time).
 _UPSERT = (
-    f"INSERT INTO jobs ({', '.join(COLUMNS)}) SELECT "
-    + ", ".join(f"{c}::jsonb" if c in _JSON_COLUMNS else c for c in COLUMNS)
-    + " FROM unnest("
-    + ", ".join(f"%s::{_SQL_TYPES.get(c, 'text')}[]" for c in COLUMNS)
-    + f") AS r({', '.join(COLUMNS)}) ON CONFLICT (id) DO UPDATE SET "
+    f"INSERT INTO jobs ({', '.join(COLUMNS)}) SELECT {', '.join(COLUMNS)} FROM jsonb_to_recordset(%s::jsonb) AS r("
+    + ", ".join(f"{c} {_SQL_TYPES.get(c, 'text')}" for c in COLUMNS)
+    + ") ON CONFLICT (id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in COLUMNS if c not in ("id", "organization_id", "seq", "created_at"))
 )
 
 
-def _column_value(row: JobRow, name: str) -> Any:
-    value = getattr(row, name)
-    if name in _JSON_COLUMNS:
-        return None if value is None else _encoder.encode(value).decode()
-    return value
-
-
 async def write_rows(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> None:
     """Upsert rows in one statement (a batch of 10,000 is still one round trip)."""
-    if not rows:
-        return
-    columns = [[_column_value(row, name) for row in rows] for name in COLUMNS]
-    await conn.execute(_UPSERT, columns)
+    if rows:
+        await conn.execute(_UPSERT, (_encoder.encode(rows).decode(),))
 
 
 _LOAD = f"SELECT {SELECT_LIST} FROM jobs WHERE id = %s AND organization_id = %s"

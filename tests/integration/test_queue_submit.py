@@ -1,0 +1,161 @@
+"""Submitting jobs: defaults, idempotency per organization, projects, batches, blocking."""
+
+from __future__ import annotations
+
+import anyio
+import psycopg
+import pytest
+
+from umbra.compute import jobs
+from umbra.compute.accounts import create_organization, create_project
+from umbra.errors import NotFound
+from umbra.events import store
+from umbra.projections import jobs as queue
+
+from .queue_support import CPU8, GPU24, add_node, beat, register_model, spec, submit
+
+pytestmark = pytest.mark.anyio
+
+
+async def footprint(conn) -> tuple[int, int]:
+    row = await (await conn.execute(
+        "SELECT (SELECT count(*) FROM events WHERE type = 'job.submitted'), (SELECT count(*) FROM jobs)")).fetchone()
+    return tuple(row)
+
+
+async def test_defaults_and_priority_zero_stays_zero(conn, org):
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [GPU24])
+    default = await submit(conn, org_id)
+    urgent = await submit(conn, org_id, priority=0, max_attempts=1, payload={"x": [1, 2]}, lang="de")
+    assert (default.priority, default.max_attempts, default.status) == (100, 3, "queued")
+    assert (urgent.priority, urgent.max_attempts, urgent.payload, urgent.lang) == (0, 1, {"x": [1, 2]}, "de")
+    [submitted] = await store.read_stream(conn, store.job_stream(urgent.id))
+    assert submitted.type == "job.submitted" and submitted.event.priority == 0
+
+
+async def test_the_same_idempotency_key_returns_the_first_job_and_appends_nothing(conn, org):
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [GPU24])
+    first, created = await jobs.submit(conn, org_id, [spec(idempotency_key="k1")], actor="t", batch=False)
+    assert created == 1
+    head = await store.head_position(conn)
+    again, created = await jobs.submit(conn, org_id, [spec("other-kind", idempotency_key="k1")], actor="t", batch=False)
+    assert (created, again[0].id, again[0].kind) == (0, first[0].id, "echo")
+    assert await store.head_position(conn) == head
+
+
+async def test_idempotency_keys_are_scoped_to_the_organization(conn, org):
+    org_id, _ = org
+    other_id, _ = await create_organization(conn, "other")
+    mine = await submit(conn, org_id, idempotency_key="shared")
+    theirs = await submit(conn, other_id, idempotency_key="shared")
+    assert mine.id != theirs.id and theirs.organization_id == other_id
+
+
+async def test_racing_submissions_with_one_key_make_one_job(db_url, org):
+    org_id, _ = org
+    ids = []
+
+    async def one():
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            rows, _ = await jobs.submit(c, org_id, [spec(idempotency_key="race")], actor="t", batch=False)
+            ids.append(rows[0].id)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(8):
+            tg.start_soon(one)
+    assert len(set(ids)) == 1 and len(ids) == 8
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        assert await footprint(c) == (1, 1)
+
+
+async def test_a_project_must_exist_in_the_submitters_own_tenant(conn, org):
+    org_id, _ = org
+    other_id, _ = await create_organization(conn, "other")
+    mine = await create_project(conn, org_id, "book")
+    theirs = await create_project(conn, other_id, "their book")
+    assert (await submit(conn, org_id, project_id=str(mine))).project_id == mine
+    before = await footprint(conn)
+    for project in (theirs, "00000000-0000-4000-8000-000000000000"):
+        with pytest.raises(NotFound) as refused:
+            await submit(conn, org_id, project_id=str(project))
+        assert refused.value.code == "project_not_found"
+    assert await footprint(conn) == before
+
+
+async def test_a_batch_is_one_append_in_request_order_and_all_or_nothing(conn, org):
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [GPU24])
+    project = await create_project(conn, org_id, "p")
+    specs = [spec(payload={"i": i}, project_id=str(project), idempotency_key=f"k{i % 900}") for i in range(1000)]
+    head = await store.head_position(conn)
+    rows, created = await jobs.submit(conn, org_id, specs, actor="t", batch=True)
+    assert created == 900 and [r.payload["i"] for r in rows[:900]] == list(range(900))
+    assert [r.id for r in rows[900:]] == [r.id for r in rows[:100]]  # a repeated key in one batch is one job
+    positions = sorted(r.position for r in rows[:900])
+    assert positions == list(range(positions[0], positions[0] + 900)) and positions[0] > head
+    before = await footprint(conn)
+    bad = [spec(payload={"i": i}) for i in range(5)] + [spec(project_id="00000000-0000-4000-8000-000000000000")]
+    with pytest.raises(NotFound) as refused:
+        await jobs.submit(conn, org_id, bad, actor="t", batch=True)
+    assert refused.value.extra == {"index": 5}
+    assert await footprint(conn) == before
+
+
+async def test_a_job_nothing_could_run_is_blocked_with_the_shortfall_and_unblocked_by_a_bigger_node(conn, org):
+    org_id, _ = org
+    await add_node(conn, org_id, "small", [GPU24, CPU8])
+    job = await submit(conn, org_id, requires={"vram_min_mb": 40000})
+    assert job.status == "blocked"
+    assert job.blocked_reason == ("no_eligible_device: needs 40000 MB VRAM, largest is 24576 MB (small/gpu0); "
+                                  "needs 40000 MB RAM, largest is 8192 MB (small/cpu)")  # fmt: skip
+    runnable = await submit(conn, org_id, requires={"vram_min_mb": 20000})
+    assert runnable.status == "queued"
+    big = GPU24.__class__(kind="gpu_discrete", label="h100", vram_total_mb=81920, vram_free_mb=80000, accelerators=("cuda",))
+    await add_node(conn, org_id, "big", [big], online=False)  # pairing alone re-examines: offline nodes count
+    row = await queue.load(conn, job.id, org_id)
+    assert (row.status, row.blocked_reason) == ("queued", None)
+    types = [r.type for r in await store.read_stream(conn, store.job_stream(job.id))]
+    assert types == ["job.submitted", "job.blocked", "job.unblocked"]
+
+
+async def test_an_unregistered_model_blocks_until_it_is_registered(conn, org):
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [GPU24])
+    job = await submit(conn, org_id, requires={"models": ["gemma4:26b"]})
+    assert (job.status, job.blocked_reason) == ("blocked", "model_not_registered: gemma4:26b")
+    await register_model(conn, org_id, "gemma4:26b", vram_min_mb=30000)  # registered, but too big for the fleet
+    row = await queue.load(conn, job.id, org_id)
+    assert row.status == "blocked" and row.blocked_reason.startswith("no_eligible_device: needs 30000 MB VRAM")
+    assert row.blocked_at == (await store.read_stream(conn, store.job_stream(job.id)))[1].recorded_at
+    await register_model(conn, org_id, "gemma4:26b", vram_min_mb=16000)
+    assert (await queue.load(conn, job.id, org_id)).status == "queued"
+
+
+async def test_a_heartbeat_with_new_devices_unblocks(conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU8])
+    job = await submit(conn, org_id, requires={"accelerators": ["cuda"]})
+    assert job.status == "blocked"
+    await beat(conn, org_id, node, [CPU8, GPU24])
+    assert (await queue.load(conn, job.id, org_id)).status == "queued"
+
+
+async def test_an_empty_fleet_blocks_and_the_first_pairing_unblocks(conn, org):
+    org_id, _ = org
+    job = await submit(conn, org_id)
+    assert (job.status, job.blocked_reason) == ("blocked", "no_eligible_device: no active node with devices is registered")
+    await add_node(conn, org_id, "first", [CPU8], online=False)
+    assert (await queue.load(conn, job.id, org_id)).status == "queued"
+
+
+async def test_submitting_notifies_once_with_the_claimable_count(db_url, conn, org):
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [GPU24])
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
+        await listener.execute(f"LISTEN {store.LOG_CHANNEL}")
+        specs = [spec() for _ in range(5)] + [spec(requires={"vram_min_mb": 10**6})]
+        rows, _ = await jobs.submit(conn, org_id, specs, actor="t", batch=True)
+        notes = [n async for n in listener.notifies(timeout=1.0)]
+    assert [store.parse_hint(n.payload) for n in notes] == [(org_id, max(r.position for r in rows), 5)]
