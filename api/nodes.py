@@ -280,7 +280,7 @@ async def put_model(request: Request):
             reference_throughput=body.reference_throughput,
             load_seconds=body.load_seconds,
         )
-        stored = await models.upsert_model(conn, who.organization_id, spec)
+        stored = await models.upsert_model(conn, who.organization_id, spec, request_id=_request_id(request))
     return json_response(model_out(stored))
 
 

@@ -19,7 +19,8 @@ from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.events import store
 from umbra.projections import nodes as projection
 
-from .nodes import append_node_events, node_not_found
+from .blocked import reexamine_blocked
+from .nodes import append_node_events, capacity_cause, node_not_found
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ async def heartbeat(
                 actor=f"node:{node_id}",
                 request_id=request_id,
             )
+            if decision.changes_capacity:
+                await reexamine_blocked(conn, organization_id, metadata=capacity_cause(node_id, request_id))
             await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
         else:
             state = locked

@@ -17,6 +17,9 @@ import psycopg
 from umbra.domain.models import RegisteredModel
 from umbra.errors import InvalidRequest
 
+from .blocked import reexamine_blocked
+from .nodes import capacity_cause
+
 log = logging.getLogger(__name__)
 
 #: Slugs such as ``gemma4:26b`` or ``meta-llama/Llama-3-8B``.
@@ -71,8 +74,10 @@ def check_model(model: RegisteredModel) -> None:
             raise InvalidRequest("requires_accelerators entries must be 1..50 characters.", field="requires_accelerators")
 
 
-async def upsert_model(conn: psycopg.AsyncConnection, organization_id: UUID, model: RegisteredModel) -> RegisteredModel:
-    """Create or replace the organization's model ``model.slug``."""
+async def upsert_model(
+    conn: psycopg.AsyncConnection, organization_id: UUID, model: RegisteredModel, *, request_id: str | None = None
+) -> RegisteredModel:
+    """Create or replace the organization's model ``model.slug``; blocked jobs get a second look."""
     check_model(model)
     async with conn.transaction():
         row = await (
@@ -92,6 +97,7 @@ async def upsert_model(conn: psycopg.AsyncConnection, organization_id: UUID, mod
             )
         ).fetchone()
         stored = _model(row)
+        await reexamine_blocked(conn, organization_id, metadata=capacity_cause(None, request_id))
     log.info("model registered", extra={"action": "model_upserted", "slug": model.slug})
     return stored
 

@@ -138,6 +138,14 @@ async def append_node_events(
     return state, recorded
 
 
+def capacity_cause(node_id: UUID | None, request_id: str | None) -> dict[str, str]:
+    """Metadata for blocked-job re-examination caused by a node or registry change."""
+    cause = {"actor": "reexamine", "causation": f"node:{node_id}" if node_id else "models"}
+    if request_id:
+        cause["request_id"] = request_id
+    return cause
+
+
 async def _transition(
     conn, organization_id: UUID, node_id: UUID, event: Event, check, actor: str | None, request_id: str | None
 ) -> NodeState:
