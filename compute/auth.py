@@ -4,9 +4,11 @@ Tokens are ``<kind>_<prefix>_<secret>``. The prefix narrows the lookup; each
 candidate row's argon2id hash is verified against the *whole* token, so two
 credentials sharing a prefix can never authenticate as each other.
 
-argon2id is slow on purpose (tens of ms), too slow to run on every agent
-request. :class:`VerifiedTokenCache` remembers tokens that verified, keyed by a
-SHA-256 of the token (the token itself is never kept). That is safe because:
+argon2id is slow on purpose (tens of ms): it runs in a worker thread, so a
+verification never stalls the event loop serving every other request and
+long-poll, and it is too slow to run on every agent request, so
+:class:`VerifiedTokenCache` remembers tokens that verified, keyed by a SHA-256
+of the token (the token itself is never kept). That is safe because:
 a cache hit still requires presenting the full token (a SHA-256 preimage is as
 hard as guessing the token); every hit re-checks ``revoked_at`` on the row by
 primary key, so a revocation takes effect on the next request in every server
@@ -19,6 +21,7 @@ import time
 from dataclasses import dataclass
 from uuid import UUID
 
+import anyio
 import psycopg
 from psycopg import sql
 
@@ -110,7 +113,7 @@ async def authenticate(conn: psycopg.AsyncConnection, token: str | None, cache: 
         raise Unauthenticated("The bearer token has been revoked.")
     rows = await (await conn.execute(_LOOKUP[kind], (token_prefix(token, kind),))).fetchall()
     for credential_id, organization_id, secret_hash, scopes, node_id in rows:
-        if verify_secret(secret_hash, token):
+        if await anyio.to_thread.run_sync(verify_secret, secret_hash, token):
             principal = Principal(
                 kind="node" if kind == NODE_CREDENTIAL_KIND else "api_key",
                 credential_id=credential_id,

@@ -163,3 +163,23 @@ async def test_charging_must_commit_on_its_own(conn):
     async with conn.transaction():
         with pytest.raises(RuntimeError):
             await charge_attempt(conn, "10.0.0.1")
+
+
+async def test_two_codes_for_one_name_racing_leave_one_node(db_url, conn, org):
+    codes = [(await issue_pairing_code(conn, org[0], "gpu-box")).code for _ in range(2)]
+    assert codes[0] != codes[1]
+    outcomes: list[str] = []
+
+    async def redeemer(code: str):
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            try:
+                await redeem(c, code)
+                outcomes.append("won")
+            except Conflict as exc:
+                outcomes.append(exc.code)
+
+    async with anyio.create_task_group() as tg:
+        for code in codes:
+            tg.start_soon(redeemer, code)
+    assert sorted(outcomes) == ["node_name_taken", "won"]
+    assert await footprint(conn) == (2, 1, 1, 1)
