@@ -1,0 +1,204 @@
+"""The reference agent against a live server: pairing, heartbeats, claiming,
+renewing, completing, failing, decomposing, and being cancelled or revoked.
+
+The agent runs in-process here (its loop is plain anyio); the signal and
+credential-file behaviour of the ``umbra agent`` process is in
+``test_agent_process.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import datetime
+
+import anyio
+import httpx
+import pytest
+
+from tests.conftest import LiveServer
+from tests.helpers import eventually
+from umbra.agent.client import AgentClient, ServiceError
+from umbra.agent.handlers import BUILTINS, Child, Decompose, HandlerRegistry, RetryableError
+from umbra.agent.runner import Agent, AgentConfig
+from umbra.events.types import Device
+
+pytestmark = pytest.mark.anyio
+
+CPU = Device(kind="cpu", label="cpu0", ram_total_mb=16384, ram_free_mb=12000, compute_units=8)
+GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=24000, accelerators=("cuda",))
+
+
+@pytest.fixture
+def server(db_url):
+    """A live server with a 3 s lease and 1 s heartbeats, so renewals and status changes happen within a test."""
+    env = {"UMBRA_LEASE_SECONDS": "3", "UMBRA_HEARTBEAT_INTERVAL_SECONDS": "1", "UMBRA_SWEEP_INTERVAL_SECONDS": "0.2"}
+    with LiveServer(db_url, **env) as live:
+        yield live
+
+
+@pytest.fixture
+async def api(server, org):
+    async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {org[1]}"}) as client:
+        yield client
+
+
+async def pair(server, api, name: str, devices=(CPU, GPU)) -> dict:
+    code = (await api.post("/v1/pairings", json={"name": name})).json()["code"]
+    async with AgentClient(server.url) as client:
+        return await client.redeem(code=code, name=name, agent_version="test-1", devices=list(devices))
+
+
+@contextlib.asynccontextmanager
+async def running_agent(server, credential: str, handlers=None, devices=(CPU, GPU), **config):
+    registry = HandlerRegistry({**BUILTINS, **(handlers or {})})
+    settings = {"agent_version": "test-1", "claim_wait_seconds": 2.0, "grace_seconds": 5.0, **config}
+    async with AgentClient(server.url, credential) as client:
+        agent = Agent(client, registry, lambda: list(devices), AgentConfig(**settings))
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            yield agent
+            agent.stop()
+
+
+async def submit(api, kind: str, payload=None, **fields) -> dict:
+    response = await api.post("/v1/jobs", json={"kind": kind, "payload": payload or {}, **fields})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+async def job_in(api, job_id: str, *statuses: str) -> dict | None:
+    job = (await api.get(f"/v1/jobs/{job_id}")).json()
+    return job if job["status"] in statuses else None
+
+
+async def event_types(api, job_id: str) -> list[str]:
+    return [e["type"] for e in (await api.get(f"/v1/jobs/{job_id}/events")).json()["events"]]
+
+
+async def test_agent_heartbeats_its_devices_and_start_time_and_goes_online(server, api):
+    paired = await pair(server, api, "box-1")
+    assert set(paired["scopes"]) >= {"compute:heartbeat", "compute:claim", "compute:complete"}
+    async with running_agent(server, paired["credential"]) as agent:
+        node = await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+        assert agent.node_status == "online"
+    assert [d["label"] for d in node["devices"]] == ["cpu0", "gpu0"]
+    assert node["agent_version"] == "test-1"
+    assert datetime.fromisoformat(node["agent_started_at"].replace("Z", "+00:00")) == agent.started_at
+
+
+async def _node_if(api, node_id: str, status: str):
+    node = (await api.get(f"/v1/nodes/{node_id}")).json()
+    return node if node["status"] == status else None
+
+
+async def test_echo_and_sleep_complete_with_their_results_and_sleep_renews_its_lease(server, api):
+    paired = await pair(server, api, "box-2")
+    async with running_agent(server, paired["credential"]) as agent:
+        echo = await submit(api, "echo", {"text": "hello", "n": [1, 2]})
+        slow = await submit(api, "sleep", {"seconds": 2.5})
+        done_echo = await eventually(lambda: job_in(api, echo["id"], "complete", "failed"), timeout=15)
+        done_sleep = await eventually(lambda: job_in(api, slow["id"], "complete", "failed"), timeout=15)
+    assert done_echo["status"] == "complete" and done_echo["result"] == {"text": "hello", "n": [1, 2]}
+    assert done_sleep["status"] == "complete" and done_sleep["result"] == {"slept": 2.5}
+    assert done_sleep["attempt"] == 1 and done_sleep["placement"]["node_id"] == paired["node_id"]
+    history = await event_types(api, slow["id"])
+    assert history[:2] == ["job.submitted", "job.claimed"] and history[-1] == "job.completed"
+    assert "job.lease_renewed" in history, "a 2.5 s job under a 3 s lease must be renewed"
+    assert {o.status for o in agent.outcomes} == {"complete"}
+
+
+async def test_unknown_kind_fails_at_once_without_retry(server, api):
+    paired = await pair(server, api, "box-3")
+    async with running_agent(server, paired["credential"]):
+        job = await submit(api, "transcode", {"file": "a.mp4"}, max_attempts=3)
+        await eventually(lambda: job_in(api, job["id"], "failed", "complete"), timeout=15)
+        failed = (await api.get(f"/v1/jobs/{job['id']}")).json()
+    assert failed["status"] == "failed" and failed["attempt"] == 1
+    assert "No handler for job kind 'transcode'" in failed["error"]
+    assert await event_types(api, job["id"]) == ["job.submitted", "job.claimed", "job.failed"]
+
+
+async def test_handler_exception_fails_the_job_with_its_message(server, api):
+    def broken(claim):
+        raise ValueError(f"frame {claim.payload['frame']} is corrupt")
+
+    paired = await pair(server, api, "box-4")
+    async with running_agent(server, paired["credential"], {"decode": broken}):
+        job = await submit(api, "decode", {"frame": 7})
+        failed = await eventually(lambda: job_in(api, job["id"], "failed", "complete"), timeout=15)
+    assert failed["error"] == "frame 7 is corrupt" and failed["attempt"] == 1
+
+
+async def test_retryable_handler_error_requeues_with_backoff(server, api):
+    async def flaky(claim):
+        raise RetryableError("model server busy")
+
+    paired = await pair(server, api, "box-5")
+    async with running_agent(server, paired["credential"], {"infer": flaky}) as agent:
+        job = await submit(api, "infer", {}, max_attempts=3)
+        await eventually(lambda: _has_outcome(agent, "retrying"), timeout=15)
+    requeued = (await api.get(f"/v1/jobs/{job['id']}")).json()
+    assert requeued["status"] == "queued" and requeued["error"] == "model server busy"
+    assert requeued["attempt"] == 1 and requeued["not_before"] is not None
+    assert (await event_types(api, job["id"]))[-1] == "job.requeued"
+
+
+async def _has_outcome(agent: Agent, status: str) -> bool:
+    return any(o.status == status for o in agent.outcomes)
+
+
+async def test_handler_can_decompose_a_job_and_the_parent_settles(server, api):
+    async def split(claim):
+        return Decompose([Child("echo", {"part": i}) for i in range(3)])
+
+    paired = await pair(server, api, "box-6")
+    async with running_agent(server, paired["credential"], {"split": split}):
+        parent = await submit(api, "split", {})
+        settled = await eventually(lambda: job_in(api, parent["id"], "complete", "partial", "failed"), timeout=20)
+    assert settled["status"] == "complete"
+    children = (await api.get("/v1/jobs", params={"limit": 50})).json()["jobs"]
+    parts = sorted(j["result"]["part"] for j in children if j["parent_job_id"] == parent["id"])
+    assert parts == [0, 1, 2]
+    assert "job.decomposed" in await event_types(api, parent["id"])
+
+
+async def test_a_cancelled_job_is_abandoned_and_the_agent_moves_on(server, api):
+    paired = await pair(server, api, "box-7")
+    async with running_agent(server, paired["credential"]) as agent:
+        long = await submit(api, "sleep", {"seconds": 60})
+        await eventually(lambda: job_in(api, long["id"], "running"))
+        assert (await api.post(f"/v1/jobs/{long['id']}/cancel")).status_code == 200
+        await eventually(lambda: _has_outcome(agent, "lost"), timeout=10)
+        quick = await submit(api, "echo", {"after": "cancel"})
+        await eventually(lambda: job_in(api, quick["id"], "complete"), timeout=10)
+    assert (await event_types(api, long["id"]))[-1] == "job.cancelled"
+    assert [o.detail for o in agent.outcomes if o.status == "lost"] == ["job_cancelled"]
+
+
+async def test_a_revoked_credential_stops_the_agent_with_unauthenticated(server, api):
+    paired = await pair(server, api, "box-8")
+
+    async def revoke_once_online():
+        await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+        assert (await api.post(f"/v1/nodes/{paired['node_id']}/revoke")).status_code == 200
+
+    async with AgentClient(server.url, paired["credential"]) as client:
+        agent = Agent(client, HandlerRegistry(BUILTINS), lambda: [CPU], AgentConfig(agent_version="t", claim_wait_seconds=1))
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(revoke_once_online)
+                with pytest.raises(ServiceError) as refused:
+                    await agent.run()
+    assert refused.value.code == "unauthenticated" and refused.value.status == 401
+
+
+async def test_retiring_the_node_stops_the_agent(server, api):
+    paired = await pair(server, api, "box-9")
+    async with AgentClient(server.url, paired["credential"]) as client:
+        agent = Agent(client, HandlerRegistry(BUILTINS), lambda: [CPU], AgentConfig(agent_version="t", claim_wait_seconds=1))
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                await tg.start(agent.run)
+                await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+                assert (await api.post(f"/v1/nodes/{paired['node_id']}/retire")).status_code == 200
+    assert agent.node_status == "retired" and agent.stopping
