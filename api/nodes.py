@@ -1,4 +1,4 @@
-"""Nodes over HTTP: the agent's heartbeat, administration, reads, and the model registry.
+"""Nodes over HTTP: the agent's heartbeat, administration and reads.
 
 Handlers are thin: authenticate, decode the body strictly, call one command in
 :mod:`umbra.compute`, render. Another organization's node is 404
@@ -15,9 +15,8 @@ import msgspec
 from msgspec import Meta
 from starlette.requests import Request
 
-from umbra.compute import credentials, heartbeat, models, nodes
+from umbra.compute import credentials, heartbeat, nodes
 from umbra.domain.heartbeat import HeartbeatReport
-from umbra.domain.models import RegisteredModel
 from umbra.domain.nodes import is_busy
 from umbra.errors import InvalidRequest
 from umbra.events.types import Device, ResidentModel
@@ -111,34 +110,6 @@ class NodeList(msgspec.Struct, kw_only=True):
     nodes: list[NodeOut]
 
 
-class ModelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    kind: Word = "llm"
-    vram_min_mb: Megabytes
-    vram_preferred_mb: Megabytes | None = None
-    ram_min_mb: Megabytes | None = None
-    requires_accelerators: Annotated[list[Word], Meta(max_length=32)] = []
-    reference_throughput: Annotated[float, Meta(gt=0)] | None = None
-    load_seconds: Annotated[float, Meta(ge=0)] | None = None
-
-
-class ModelOut(msgspec.Struct, kw_only=True):
-    slug: str
-    kind: str
-    vram_min_mb: int
-    vram_preferred_mb: int | None
-    ram_min_mb: int | None
-    #: RAM needed from system memory: ``ram_min_mb``, or the VRAM floor when unmeasured.
-    ram_floor_mb: int
-    requires_accelerators: list[str]
-    reference_throughput: float | None
-    load_seconds: float | None
-    updated_at: str | None
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    models: list[ModelOut]
-
-
 def rfc3339(value: datetime | None) -> str | None:
     return None if value is None else value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
 
@@ -164,21 +135,6 @@ def node_out(view: nodes.NodeView) -> NodeOut:
     )
 
 
-def model_out(m: RegisteredModel) -> ModelOut:
-    return ModelOut(
-        slug=m.slug,
-        kind=m.kind,
-        vram_min_mb=m.vram_min_mb,
-        vram_preferred_mb=m.vram_preferred_mb,
-        ram_min_mb=m.ram_min_mb,
-        ram_floor_mb=m.ram_floor_mb,
-        requires_accelerators=list(m.requires_accelerators),
-        reference_throughput=m.reference_throughput,
-        load_seconds=m.load_seconds,
-        updated_at=rfc3339(m.updated_at),
-    )
-
-
 def _stale(request: Request) -> int:
     return request.app.state.services.settings.heartbeat_stale_seconds
 
@@ -200,7 +156,7 @@ async def agent_heartbeat(request: Request):
             report,
             event_interval_seconds=services.settings.heartbeat_event_seconds,
             stale_seconds=services.settings.heartbeat_stale_seconds,
-            request_id=_request_id(request),
+            request_id=request_id(request),
         )
     interval = services.settings.heartbeat_interval_seconds
     return json_response(HeartbeatOut(node_id=result.node_id, status=result.status, heartbeat_interval_seconds=interval))
@@ -238,50 +194,24 @@ def _admin_action(command):
     return handle
 
 
-def _request_id(request: Request) -> str | None:
+def request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
 async def _drain(request, conn, who, node_id):
-    await nodes.drain_node(conn, who.organization_id, node_id, actor=who.actor, request_id=_request_id(request))
+    await nodes.drain_node(conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request))
 
 
 async def _retire(request, conn, who, node_id):
-    await nodes.retire_node(conn, who.organization_id, node_id, actor=who.actor, request_id=_request_id(request))
+    await nodes.retire_node(conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request))
 
 
 async def _revoke(request, conn, who, node_id):
     _, revoked = await credentials.revoke_node(
-        conn, who.organization_id, node_id, actor=who.actor, request_id=_request_id(request)
+        conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request)
     )
     for credential_id in revoked:
         request.app.state.services.token_cache.forget_credential(credential_id)
-
-
-async def list_models(request: Request):
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:read", "nodes:admin", "compute:read")
-        registry = await models.list_models(conn, who.organization_id)
-    return json_response(ModelList(models=[model_out(m) for m in registry]))
-
-
-async def put_model(request: Request):
-    slug = request.path_params["slug"]
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "nodes:admin")
-        body = await read_json(request, ModelRequest)
-        spec = RegisteredModel(
-            slug=slug,
-            kind=body.kind,
-            vram_min_mb=body.vram_min_mb,
-            vram_preferred_mb=body.vram_preferred_mb,
-            ram_min_mb=body.ram_min_mb,
-            requires_accelerators=tuple(body.requires_accelerators),
-            reference_throughput=body.reference_throughput,
-            load_seconds=body.load_seconds,
-        )
-        stored = await models.upsert_model(conn, who.organization_id, spec, request_id=_request_id(request))
-    return json_response(model_out(stored))
 
 
 def _admin_route(verb: str, command, summary: str):
@@ -328,23 +258,4 @@ routes = [
     _admin_route("drain", _drain, "Drain a node: it finishes current work and takes no new."),
     _admin_route("retire", _retire, "Retire a node for good."),
     _admin_route("revoke", _revoke, "Revoke the node's credentials; they fail on their next request."),
-    endpoint(
-        "GET",
-        "/v1/models",
-        list_models,
-        summary="The organization's model registry.",
-        auth="api_key|node",
-        scopes=("jobs:read", "nodes:admin", "compute:read"),
-        response=ModelList,
-    ),
-    endpoint(
-        "PUT",
-        "/v1/models/{slug:path}",
-        put_model,
-        summary="Create or replace a model in the organization's registry.",
-        auth="api_key",
-        scopes=("nodes:admin",),
-        body=ModelRequest,
-        response=ModelOut,
-    ),
 ]

@@ -18,7 +18,7 @@ from umbra.compute import pairing
 from umbra.compute.auth import NODE_SCOPES
 
 from .http import client_address, json_response, principal, read_json
-from .nodes import Devices, Label, Word, rfc3339, to_devices
+from .nodes import Devices, Label, Word, request_id, rfc3339, to_devices
 from .routing import endpoint
 
 
@@ -80,7 +80,7 @@ async def redeem_pairing(request: Request):
             agent_version=body.agent_version,
             devices=devices,
             transport=body.transport,
-            request_id=getattr(request.state, "request_id", None),
+            request_id=request_id(request),
         )
     out = RedeemOut(node_id=redeemed.node_id, credential=redeemed.credential, scopes=list(redeemed.scopes))
     return json_response(out, status=201, headers={"Cache-Control": "no-store"})

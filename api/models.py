@@ -1,0 +1,108 @@
+"""The per-organization model registry over HTTP."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+from starlette.requests import Request
+
+from umbra.compute import models
+from umbra.domain.models import RegisteredModel
+
+from .http import json_response, principal, read_json
+from .nodes import Megabytes, Word, request_id, rfc3339
+from .routing import endpoint
+
+
+class ModelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    kind: Word = "llm"
+    vram_min_mb: Megabytes
+    vram_preferred_mb: Megabytes | None = None
+    ram_min_mb: Megabytes | None = None
+    requires_accelerators: Annotated[list[Word], Meta(max_length=32)] = []
+    reference_throughput: Annotated[float, Meta(gt=0)] | None = None
+    load_seconds: Annotated[float, Meta(ge=0)] | None = None
+
+
+class ModelOut(msgspec.Struct, kw_only=True):
+    slug: str
+    kind: str
+    vram_min_mb: int
+    vram_preferred_mb: int | None
+    ram_min_mb: int | None
+    #: RAM needed from system memory: ``ram_min_mb``, or the VRAM floor when unmeasured.
+    ram_floor_mb: int
+    requires_accelerators: list[str]
+    reference_throughput: float | None
+    load_seconds: float | None
+    updated_at: str | None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    models: list[ModelOut]
+
+
+def model_out(m: RegisteredModel) -> ModelOut:
+    return ModelOut(
+        slug=m.slug,
+        kind=m.kind,
+        vram_min_mb=m.vram_min_mb,
+        vram_preferred_mb=m.vram_preferred_mb,
+        ram_min_mb=m.ram_min_mb,
+        ram_floor_mb=m.ram_floor_mb,
+        requires_accelerators=list(m.requires_accelerators),
+        reference_throughput=m.reference_throughput,
+        load_seconds=m.load_seconds,
+        updated_at=rfc3339(m.updated_at),
+    )
+
+
+async def list_models(request: Request):
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:read", "nodes:admin", "compute:read")
+        registry = await models.list_models(conn, who.organization_id)
+    return json_response(ModelList(models=[model_out(m) for m in registry]))
+
+
+async def put_model(request: Request):
+    slug = request.path_params["slug"]
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "nodes:admin")
+        body = await read_json(request, ModelRequest)
+        spec = RegisteredModel(
+            slug=slug,
+            kind=body.kind,
+            vram_min_mb=body.vram_min_mb,
+            vram_preferred_mb=body.vram_preferred_mb,
+            ram_min_mb=body.ram_min_mb,
+            requires_accelerators=tuple(body.requires_accelerators),
+            reference_throughput=body.reference_throughput,
+            load_seconds=body.load_seconds,
+        )
+        stored = await models.upsert_model(conn, who.organization_id, spec, request_id=request_id(request))
+    return json_response(model_out(stored))
+
+
+routes = [
+    endpoint(
+        "GET",
+        "/v1/models",
+        list_models,
+        summary="The organization's model registry.",
+        auth="api_key|node",
+        scopes=("jobs:read", "nodes:admin", "compute:read"),
+        response=ModelList,
+    ),
+    endpoint(
+        "PUT",
+        "/v1/models/{slug:path}",
+        put_model,
+        summary="Create or replace a model in the organization's registry.",
+        auth="api_key",
+        scopes=("nodes:admin",),
+        body=ModelRequest,
+        response=ModelOut,
+    ),
+]
