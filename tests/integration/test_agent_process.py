@@ -1,0 +1,165 @@
+"""``umbra agent`` as a real process: pairing once into a private credential
+file, reusing it, and SIGTERM (finish the current job, or give it back after
+the grace period; exit 0 either way)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from tests.conftest import LiveServer
+from tests.helpers import eventually
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE = json.dumps({"kind": "cpu", "label": "cpu0", "ram_total_mb": 8192, "ram_free_mb": 8000})
+
+
+@pytest.fixture
+def server(db_url):
+    env = {"UMBRA_LEASE_SECONDS": "3", "UMBRA_HEARTBEAT_INTERVAL_SECONDS": "1", "UMBRA_SWEEP_INTERVAL_SECONDS": "0.2"}
+    with LiveServer(db_url, **env) as live:
+        yield live
+
+
+@pytest.fixture
+async def api(server, org):
+    async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {org[1]}"}) as client:
+        yield client
+
+
+class AgentProcess:
+    """``python -m umbra.cli agent ...`` with its output drained into memory."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        self.stdout = b""
+        self.stderr = b""
+
+    async def _drain(self, stream, name: str) -> None:
+        async for chunk in stream:
+            setattr(self, name, getattr(self, name) + chunk)
+
+    async def wait(self, timeout: float = 30) -> int:
+        with anyio.fail_after(timeout):
+            return await self.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def agent_process(*args: str):
+    command = [sys.executable, "-m", "umbra.cli", "agent", "--claim-wait", "2", "--device", DEVICE, *args]
+    process = await anyio.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    wrapper = AgentProcess(process)
+    async with process, anyio.create_task_group() as tg:
+        tg.start_soon(wrapper._drain, process.stdout, "stdout")
+        tg.start_soon(wrapper._drain, process.stderr, "stderr")
+        try:
+            yield wrapper
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+async def _code(api, name: str) -> str:
+    return (await api.post("/v1/pairings", json={"name": name})).json()["code"]
+
+
+async def _job(api, job_id: str, *statuses: str):
+    job = (await api.get(f"/v1/jobs/{job_id}")).json()
+    return job if job["status"] in statuses else None
+
+
+async def _online_node(api, name: str):
+    nodes = (await api.get("/v1/nodes")).json()["nodes"]
+    return next((n for n in nodes if n["name"] == name and n["status"] == "online"), None)
+
+
+async def _submit(api, kind: str, payload: dict) -> str:
+    response = await api.post("/v1/jobs", json={"kind": kind, "payload": payload})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+async def test_pairs_into_a_private_file_and_sigterm_finishes_the_current_job(server, api, tmp_path):
+    credential_file = tmp_path / "agent" / "credential.json"
+    code = await _code(api, "proc-1")
+    async with agent_process("--server", server.url, "--code", code, "--name", "proc-1",
+                             "--credential-file", str(credential_file), "--grace", "20") as agent:
+        node = await eventually(lambda: _online_node(api, "proc-1"), timeout=20)
+        running = await _submit(api, "sleep", {"seconds": 2})
+        await eventually(lambda: _job(api, running, "running"), timeout=10)
+        waiting = await _submit(api, "echo", {"left": "behind"})
+        agent.process.send_signal(signal.SIGTERM)
+        assert await agent.wait() == 0, agent.stderr.decode()
+    assert (await _job(api, running, "complete"))["result"] == {"slept": 2}
+    assert await _job(api, waiting, "queued"), "a stopping agent takes no new work"
+    assert f"paired as proc-1 (node {node['id']})" in agent.stdout.decode()
+    assert stat.S_IMODE(credential_file.stat().st_mode) == 0o600
+    stored = json.loads(credential_file.read_text())
+    assert stored["node_id"] == node["id"] and stored["server"] == server.url
+    assert stored["credential"] not in agent.stderr.decode() + agent.stdout.decode(), "the credential is never logged"
+    assert code not in agent.stderr.decode()
+
+
+async def test_a_restart_reuses_the_credential_and_gives_a_job_back_after_the_grace_period(server, api, tmp_path):
+    credential_file = tmp_path / "credential.json"
+    code = await _code(api, "proc-2")
+    async with agent_process("--server", server.url, "--code", code, "--name", "proc-2",
+                             "--credential-file", str(credential_file)) as first:
+        first_node = await eventually(lambda: _online_node(api, "proc-2"), timeout=20)
+        first.process.send_signal(signal.SIGTERM)
+        assert await first.wait() == 0
+
+    async with agent_process("--credential-file", str(credential_file), "--grace", "0.5") as second:
+        await eventually(lambda: _restarted(api, first_node), timeout=20)
+        stuck = await _submit(api, "sleep", {"seconds": 600})
+        await eventually(lambda: _job(api, stuck, "running"), timeout=10)
+        second.process.send_signal(signal.SIGTERM)
+        assert await second.wait(timeout=15) == 0, second.stderr.decode()
+    given_back = await _job(api, stuck, "queued")
+    assert given_back and given_back["error"] == "The agent stopped before the job finished."
+    events = (await api.get(f"/v1/jobs/{stuck}/events")).json()["events"]
+    assert [e["type"] for e in events] == ["job.submitted", "job.claimed", "job.requeued"]
+    assert "paired as" not in second.stdout.decode()
+
+
+async def _restarted(api, before: dict):
+    node = (await api.get(f"/v1/nodes/{before['id']}")).json()
+    return node["status"] == "online" and node["agent_started_at"] != before["agent_started_at"]
+
+
+async def run_cli(*argv: str) -> tuple[int, str]:
+    """``umbra ARGV`` as a process (it configures logging, which must not leak into this one)."""
+    done = await anyio.run_process([sys.executable, "-m", "umbra.cli", *argv], cwd=ROOT, check=False)
+    return done.returncode, done.stderr.decode()
+
+
+async def test_refusals_are_one_line_and_never_overwrite_a_credential(tmp_path):
+    missing = tmp_path / "none.json"
+    status, err = await run_cli("agent", "--credential-file", str(missing), "--server", "http://127.0.0.1:9")
+    assert status == 1 and err.startswith("umbra: credential_file: No credential at") and err.count("\n") == 1
+    existing = tmp_path / "cred.json"
+    existing.write_text("{}")
+    existing.chmod(0o600)
+    status, err = await run_cli("agent", "--credential-file", str(existing), "--code", "123456", "--name", "x")
+    assert status == 1 and "already holds a credential" in err and err.count("\n") == 1
+    assert existing.read_text() == "{}"
+
+
+async def test_a_wrong_pairing_code_is_refused_with_the_servers_code(server, tmp_path):
+    target = tmp_path / "cred.json"
+    status, err = await run_cli("agent", "--server", server.url, "--code", "000000", "--name", "nobody",
+                                "--credential-file", str(target), "--device", DEVICE)
+    assert status == 1 and err.startswith("umbra: pairing_code_invalid:") and err.count("\n") == 1
+    assert not target.exists()
