@@ -1,0 +1,183 @@
+"""Explain's one-sentence summaries: what a person reads first, and can act on.
+
+Each sentence is built from the same verdicts the explain lists carry (and, for
+a blocked job, from the blocking reason :func:`blocking_reason` computes), so
+the summary can never say something the lists contradict. Numbers come from
+the rules' own arithmetic (``needed_mb``/``available_mb`` of a verdict), never
+recomputed here.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Mapping, Sequence
+
+from umbra.events.types import Placement, Requirements
+
+from .eligibility import NodeView, missing_models, required_accelerators
+from .explain import EligibleDevice, IneligibleDevice, QueueStanding
+from .models import RegisteredModel
+
+#: How a blocking reason's code reads in a sentence.
+_BLOCKING_CODES = {
+    "no_eligible_device": "no registered device could ever run it",
+    "model_not_registered": "it names a model that is not registered",
+}
+#: Node-level reasons, in the order their clauses are written.
+_NODE_STATES = {
+    "node_offline": "offline",
+    "node_provisioning": "still provisioning (paired, never heard from)",
+    "node_draining": "draining",
+    "node_retired": "retired",
+}
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def _be(n: int) -> str:
+    return "is" if n == 1 else "are"
+
+
+def moment(value: datetime) -> str:
+    return value.astimezone(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _where(node_name: str | None, placement: Placement) -> str:
+    return f"{node_name or str(placement.node_id)[:8]}/{placement.device_id}"
+
+
+def _largest(refused: Sequence[IneligibleDevice], reason: str, memory: str) -> str | None:
+    matching = [r for r in refused if r.reason == reason]
+    if not matching:
+        return None
+    best = max(matching, key=lambda r: r.available_mb or 0)  # max keeps the first of equals
+    return (
+        f"needs {best.needed_mb} MB {memory}, the largest free is {best.available_mb} MB "
+        f"on {best.node_name}/{best.device_label}"
+    )
+
+
+def refusal_clauses(
+    refused: Sequence[IneligibleDevice], requires: Requirements, models: Mapping[str, RegisteredModel]
+) -> list[str]:
+    """Why no device can take the job now, most actionable first (memory, then capabilities, then nodes)."""
+    clauses = [c for c in (_largest(refused, "vram_insufficient", "VRAM"), _largest(refused, "ram_insufficient", "RAM")) if c]
+    busy = sum(1 for r in refused if r.reason == "device_busy")
+    if busy:
+        clauses.append(f"{_count(busy, 'GPU')} {_be(busy)} busy (no free VRAM)")
+    lacking = sum(1 for r in refused if r.reason == "accelerator_missing")
+    if lacking:
+        wanted = ", ".join(sorted(required_accelerators(requires, models)))
+        clauses.append(f"{_count(lacking, 'device')} {'lacks' if lacking == 1 else 'lack'} {wanted}")
+    if any(r.reason == "model_not_registered" for r in refused):
+        clauses.append(f"model {', '.join(missing_models(requires, models))} is not registered")
+    outside = len({r.node_id for r in refused if r.reason == "trust_domain"})
+    if outside:
+        clauses.append(f"{_count(outside, 'node')} {_be(outside)} outside trust domain {', '.join(requires.trust_domains)}")
+    for reason, state in _NODE_STATES.items():
+        count = len({r.node_id for r in refused if r.reason == reason})
+        if count:
+            clauses.append(f"{_count(count, 'node')} {_be(count)} {state}")
+    bare = sum(1 for r in refused if r.device_label is None and r.reason is None)
+    if bare:
+        clauses.append(f"{_count(bare, 'node')} {'reports' if bare == 1 else 'report'} no devices")
+    return clauses
+
+
+def queued_summary(
+    eligible: Sequence[EligibleDevice],
+    refused: Sequence[IneligibleDevice],
+    *,
+    nodes: Sequence[NodeView],
+    requires: Requirements,
+    models: Mapping[str, RegisteredModel],
+    standing: QueueStanding,
+    not_before: datetime | None,
+) -> str:
+    """Where a queued job would run and what keeps it waiting, or why nothing can take it now."""
+    not_due = (
+        f"it is not due until {moment(not_before)} ({standing.due_in_seconds:.0f} s from now, a retry backoff)"
+        if not_before is not None and standing.due_in_seconds > 0
+        else None
+    )
+    if not eligible:
+        clauses = refusal_clauses(refused, requires, models) if nodes else ["no nodes are paired in this organization"]
+        return "No device can take it now: " + "; ".join([*clauses, *([not_due] if not_due else [])]) + "."
+    best = eligible[0]
+    head = (
+        f"Can run on {_count(len(eligible), 'device')}; the best is {best.node_name}/{best.device_label} "
+        f"via {best.via} (score {best.score:g}, {best.placement_reason})"
+    )
+    waits = [w for w in (not_due,) if w]
+    if standing.ahead:
+        waits.append(f"{_count(standing.ahead, 'job')} ahead of it in the queue would be claimed first by the same nodes")
+    if not waits:
+        waits.append("nothing holds it back: the next claim by an eligible node takes it")
+    return head + "; " + " and ".join(waits) + "."
+
+
+def describe_blocking(reason: str) -> str:
+    code, _, detail = reason.partition(": ")
+    phrase = _BLOCKING_CODES.get(code, code)
+    return f"{phrase}: {detail}" if detail else phrase
+
+
+def blocked_summary(*, stored: str | None, current: str | None, fails_at: datetime | None) -> str:
+    """A blocked job's sentence from the reason judged now (the function the queue stores it with)."""
+    if current is None:
+        return (
+            f"Blocked ({stored}), but a device could run it now; it returns to the queue at the next "
+            "re-examination (a pairing, a heartbeat with changed devices, or a model update)."
+        )
+    deadline = f"; it fails at {moment(fails_at)} unless a node or model change lets it run" if fails_at else ""
+    return f"Blocked because {describe_blocking(current)}{deadline}."
+
+
+def placed_summary(
+    *,
+    status: str,
+    placement: Placement | None,
+    node_name: str | None,
+    attempt: int,
+    max_attempts: int,
+    lease_seconds_left: float | None,
+    error: str | None,
+    result: Any,
+    children: tuple[int, int] | None,
+) -> str:
+    """A running or finished job: where it ran and how it ended.
+
+    ``children`` is ``(total, finished)`` for a job that was split into
+    children (a container), None otherwise.
+    """
+    where = _where(node_name, placement) if placement else None
+    if status == "running":
+        if children is not None:
+            total, finished = children
+            return f"Running as a container: {finished} of {_count(total, 'child', 'children')} finished; it settles when all have."
+        if placement is None:
+            return f"Running, attempt {attempt} of {max_attempts}."
+        head = f"Running on {where} via {placement.via} ({placement.reason}), attempt {attempt} of {max_attempts}"
+        if lease_seconds_left is None:
+            return head + "."
+        if lease_seconds_left >= 0:
+            return head + f"; its lease expires in {lease_seconds_left:.0f} s."
+        return head + f"; its lease expired {-lease_seconds_left:.0f} s ago and the sweeper will requeue or fail it."
+    if status == "complete":
+        if children is not None and isinstance(result, dict) and result.get("detail"):
+            return f"Complete: {result['detail']}."
+        return f"Complete on {where} after attempt {attempt}." if where else f"Complete after attempt {attempt}."
+    if status == "partial":
+        return f"Partial: {error}."
+    if status == "failed":
+        if attempt == 0:
+            return f"Failed without running: {error}."
+        on = f" on {where}" if where else ""
+        return f"Failed after attempt {attempt} of {max_attempts}{on}: {error}."
+    if status == "cancelled":
+        if where:
+            return f"Cancelled while running on {where}."
+        return f"Cancelled while waiting, after {_count(attempt, 'attempt')}." if attempt else "Cancelled before it ran."
+    raise ValueError(f"not a placed or finished status: {status}")
