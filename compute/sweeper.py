@@ -189,23 +189,32 @@ async def run(
     delay = 0.5
     while True:
         try:
-            async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-                await assume_service_role(conn)
-                while not (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEPER_LOCK_KEY,))).fetchone())[0]:
-                    await anyio.sleep(retry_seconds)
-                log.info("sweeper leading", extra={"action": "sweeper_leading", "backend_pid": conn.info.backend_pid})
-                delay = 0.5
-                since: datetime | None = None
-                while True:
-                    try:
-                        report = await sweep_once(conn, settings, since=since)
-                        since = report.now
-                    except (psycopg.OperationalError, psycopg.InterfaceError):
-                        raise
-                    except Exception:  # a bad tick must not stop recovery for good
-                        log.exception("sweep failed", extra={"action": "sweep_failed"})
-                    await anyio.sleep(settings.sweep_interval_seconds)
+            conn = await psycopg.AsyncConnection.connect(database_url, autocommit=True)
+            delay = 0.5
+            try:
+                await _lead(conn, settings, retry_seconds)
+            finally:
+                with anyio.CancelScope(shield=True):  # close even when the server is shutting down
+                    await conn.close()
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             log.warning("sweeper connection lost", extra={"action": "sweeper_lost", "error": str(exc)[:200]})
             await anyio.sleep(delay + random.uniform(0, delay))
             delay = min(delay * 2, retry_seconds)
+
+
+async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds: float) -> None:
+    """Wait for leadership on ``conn``, then sweep every interval until the connection fails."""
+    await assume_service_role(conn)
+    while not (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEPER_LOCK_KEY,))).fetchone())[0]:
+        await anyio.sleep(retry_seconds)
+    log.info("sweeper leading", extra={"action": "sweeper_leading", "backend_pid": conn.info.backend_pid})
+    since: datetime | None = None
+    while True:
+        try:
+            report = await sweep_once(conn, settings, since=since)
+            since = report.now
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            raise
+        except Exception:  # a bad tick must not stop recovery for good
+            log.exception("sweep failed", extra={"action": "sweep_failed"})
+        await anyio.sleep(settings.sweep_interval_seconds)

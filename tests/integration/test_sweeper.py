@@ -1,0 +1,163 @@
+"""The sweeper: lease recovery, stale nodes, blocked timeouts, due wake-ups, one leader."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import anyio
+import psycopg
+import pytest
+
+from umbra.compute import claims, jobs, sweeper
+from umbra.compute.sweeper import SWEEPER_LOCK_KEY, sweep_once
+from umbra.events import store
+from umbra.projections import jobs as queue
+from umbra.settings import load_settings
+
+from tests.helpers import eventually
+
+from .queue_support import CPU64, add_node, set_clock, spec, submit
+
+pytestmark = pytest.mark.anyio
+
+SETTINGS = load_settings({})
+
+
+async def claim(conn, org_id, node_id, lease_seconds=30):
+    return await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=lease_seconds)
+
+
+async def test_an_expired_lease_requeues_after_a_short_delay_and_fails_when_attempts_are_spent(conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    job = await submit(conn, org_id, max_attempts=2)
+    await claim(conn, org_id, node)
+    await set_clock(conn, 29)
+    assert (await sweep_once(conn, SETTINGS)).leases_requeued == 0  # not yet expired
+    await set_clock(conn, 31)
+    report = await sweep_once(conn, SETTINGS)
+    assert (report.leases_requeued, report.leases_failed) == (1, 0)
+    [*_, expired] = await store.read_stream(conn, store.job_stream(job.id))
+    row = await queue.load(conn, job.id, org_id)
+    assert expired.type == "job.lease_expired" and expired.event.node_id == node and expired.event.requeued
+    assert (row.status, row.lease_owner, row.attempt) == ("queued", None, 1)
+    assert row.not_before == expired.recorded_at + timedelta(seconds=SETTINGS.lease_expired_delay_seconds)
+    assert await claim(conn, org_id, node) is None  # held back for the delay
+    await set_clock(conn, 31 + SETTINGS.lease_expired_delay_seconds)
+    assert (await claim(conn, org_id, node)).attempt == 2
+    await set_clock(conn, 31 + SETTINGS.lease_expired_delay_seconds + 31)
+    report = await sweep_once(conn, SETTINGS)
+    assert (report.leases_requeued, report.leases_failed) == (0, 1)
+    row = await queue.load(conn, job.id, org_id)
+    assert (row.status, row.error) == ("failed", "lease expired: the holding node stopped renewing")
+
+
+async def test_a_lapsed_lease_is_still_the_holders_until_swept(conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    job = await submit(conn, org_id)
+    got = await claim(conn, org_id, node, lease_seconds=5)
+    await set_clock(conn, 10)
+    done = await claims.complete(conn, organization_id=org_id, node_id=node, job_id=job.id, attempt=got.attempt, result=1)
+    assert done.status == "complete"
+    assert (await sweep_once(conn, SETTINGS)).leases_requeued == 0
+
+
+async def test_stale_nodes_are_marked_offline_in_the_log(conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    await set_clock(conn, SETTINGS.heartbeat_stale_seconds + 1)
+    assert (await sweep_once(conn, SETTINGS)).nodes_offline == 1
+    types = [r.type for r in await store.read_stream(conn, store.node_stream(node))]
+    assert types[-1] == "node.went_offline"
+    assert (await sweep_once(conn, SETTINGS)).nodes_offline == 0
+
+
+async def test_a_job_blocked_past_the_timeout_fails_with_its_reason(conn, org):
+    org_id, _ = org
+    await add_node(conn, org_id, "n", [CPU64])
+    job = await submit(conn, org_id, requires={"accelerators": ["rocm"]})
+    assert job.status == "blocked"
+    settings = dataclasses.replace(SETTINGS, blocked_timeout_seconds=600)
+    await set_clock(conn, 599)
+    assert (await sweep_once(conn, settings)).blocked_failed == 0
+    await set_clock(conn, 601)
+    assert (await sweep_once(conn, settings)).blocked_failed == 1
+    row = await queue.load(conn, job.id, org_id)
+    assert (row.status, row.error) == ("failed", job.blocked_reason)
+
+
+async def test_jobs_that_became_due_since_the_last_tick_are_announced_once(db_url, conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    job = await submit(conn, org_id)
+    got = await claim(conn, org_id, node)
+    await claims.fail(conn, organization_id=org_id, node_id=node, job_id=job.id, attempt=got.attempt, error="x", retry=True)
+    first = await sweep_once(conn, SETTINGS)  # not due yet: backoff is 5 s
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
+        await listener.execute(f"LISTEN {store.LOG_CHANNEL}")
+        await set_clock(conn, 6)
+        second = await sweep_once(conn, SETTINGS, since=first.now)
+        third = await sweep_once(conn, SETTINGS, since=second.now)
+        notes = [store.parse_hint(n.payload) for n in [n async for n in listener.notifies(timeout=0.5)]]
+    assert (second.jobs_woken, third.jobs_woken) == (1, 0)
+    row = await queue.load(conn, job.id, org_id)
+    assert notes == [(org_id, row.position, 1)]
+
+
+async def _lock_holder(conn) -> int | None:
+    row = await (await conn.execute(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "AND ((classid::bigint << 32) | objid::bigint) = %s", (SWEEPER_LOCK_KEY,))).fetchone()
+    return row[0] if row else None
+
+
+async def test_one_sweeper_leads_and_another_takes_over_when_it_dies(db_url, conn):
+    settings = dataclasses.replace(SETTINGS, sweep_interval_seconds=0.05)
+    async with anyio.create_task_group() as tg:
+        for _ in range(2):
+            tg.start_soon(lambda: sweeper.run(settings, db_url, retry_seconds=0.1))
+        leader = await eventually(lambda: _lock_holder(conn))
+
+        async def follower_connected():
+            row = await (await conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> %s "
+                "AND pid <> pg_backend_pid() AND backend_type = 'client backend'", (leader,))).fetchone()
+            return row[0] >= 1
+
+        await eventually(follower_connected)  # it retries leadership without holding the lock
+        assert await _lock_holder(conn) == leader
+        await conn.execute("SELECT pg_terminate_backend(%s)", (leader,))
+
+        async def new_leader():
+            holder = await _lock_holder(conn)
+            return holder if holder not in (None, leader) else None
+
+        await eventually(new_leader)
+        tg.cancel_scope.cancel()
+
+
+async def test_the_server_sweeps_from_startup(live_server, db_url, org):
+    org_id, _ = org
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+        node = await add_node(c, org_id, "n", [CPU64])
+        job = await submit(c, org_id)
+        await claims.claim(c, node_id=node, organization_id=org_id, lease_seconds=1)
+
+        async def requeued():
+            return (await queue.load(c, job.id, org_id)).status == "queued"
+
+        await eventually(requeued)
+        assert [r.metadata.get("actor") for r in await store.read_stream(c, store.job_stream(job.id))][-1] == "sweeper"
+
+
+async def test_a_batch_of_expired_leases_is_swept_in_one_tick(conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    await jobs.submit(conn, org_id, [spec() for _ in range(30)], actor="t", batch=True)
+    for _ in range(30):
+        await claim(conn, org_id, node)
+    await set_clock(conn, 31)
+    assert (await sweep_once(conn, SETTINGS)).leases_requeued == 30
