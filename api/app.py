@@ -14,7 +14,7 @@ from umbra.db import open_pool
 from umbra.events.listener import LogListener
 from umbra.settings import Settings
 
-from . import agent, agent_jobs, dashboard, events, health, jobs, metrics, models, nodes, openapi, pairing, projections
+from . import agent, agent_jobs, dashboard, events, explain, health, jobs, metrics, models, nodes, openapi, pairing, projections
 from .errors import HANDLERS
 from .longpoll import WaiterHub
 from .middleware import RequestContext
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 #: Route modules, each exposing ``routes``; the table every check (auth
 #: matrix, OpenAPI) walks.
-ROUTE_MODULES = [health, events, metrics, openapi, pairing, nodes, models, dashboard, projections, jobs, agent_jobs, agent]
+ROUTE_MODULES = [health, events, metrics, openapi, pairing, nodes, models, dashboard, projections, jobs, explain, agent_jobs, agent]
 
 
 def all_routes():

@@ -1,0 +1,35 @@
+"""``GET /v1/jobs/{id}/explain``: why a job is (not) running, per node and device."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from umbra.compute.explain import explain
+from umbra.domain.explain import Explanation
+
+from .http import json_response, path_uuid, principal
+from .routing import endpoint
+
+
+async def explain_job(request: Request) -> Response:
+    job_id = path_uuid(request, code="job_not_found")
+    settings = request.app.state.services.settings
+    async with request.app.state.services.pool.connection() as conn:
+        who = await principal(request, conn, "jobs:read")
+        answer = await explain(
+            conn,
+            who.organization_id,
+            job_id,
+            stale_seconds=settings.heartbeat_stale_seconds,
+            blocked_timeout_seconds=settings.blocked_timeout_seconds,
+        )
+    return json_response(answer)
+
+
+routes = [
+    endpoint("GET", "/v1/jobs/{id}/explain", explain_job,
+             summary="Why a job is or is not running: eligible devices best first, the first rule every other "
+                     "device fails, and one sentence to act on.",
+             auth="api_key", scopes=("jobs:read",), response=Explanation),
+]  # fmt: skip

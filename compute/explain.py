@@ -1,0 +1,126 @@
+"""Explain a job: why it is (not) running, judged exactly as its claim would be.
+
+The fleet and the model registry are read with the claim's own readers
+(:func:`umbra.compute.blocked.read_nodes` with the same stale threshold, and
+:func:`read_models`), and every verdict comes from the claim's pure functions
+(:mod:`umbra.domain.explain` over :mod:`umbra.domain.placement`). A blocked
+job's reason is judged with :func:`blocking_reason`, the function the queue
+stored it with, so the two cannot disagree unless the fleet changed in a way
+that has not been re-examined yet, and then the summary says so.
+
+Everything is read in one ``REPEATABLE READ, READ ONLY`` transaction (when the
+caller has none open), so the job, the fleet and the queue ahead of the job
+are one moment's state. Time comes from the database clock.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Mapping, Sequence
+from uuid import UUID
+
+import msgspec
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from umbra.domain.eligibility import NodeView, blocking_reason
+from umbra.domain.explain import Explanation, QueueStanding, competing_ahead, survey
+from umbra.domain.explain_text import blocked_summary, placed_summary, queued_summary
+from umbra.domain.models import RegisteredModel
+from umbra.domain.node_status import DEFAULT_STALE_SECONDS
+from umbra.errors import NotFound
+from umbra.events.types import Requirements
+from umbra.projections import jobs as queue
+from umbra.projections.jobs import JobRow
+
+from .blocked import read_models, read_nodes
+
+#: How long a job may stay blocked before the sweeper fails it (the settings default).
+DEFAULT_BLOCKED_TIMEOUT_SECONDS = 86_400
+
+_NOW = "SELECT umbra_now()"
+#: Due queued jobs ahead of one job in claim order, per requirement shape.
+_AHEAD = """
+SELECT requires::text, count(*) FROM jobs
+WHERE organization_id = %(org)s AND status = 'queued'
+  AND (not_before IS NULL OR not_before <= umbra_now())
+  AND (priority, seq) < (%(priority)s, %(seq)s)
+GROUP BY requires
+"""
+_CHILDREN = """
+SELECT count(*), count(*) FILTER (WHERE status IN ('complete', 'failed', 'cancelled', 'partial'))
+FROM jobs WHERE organization_id = %s AND parent_job_id = %s
+"""
+_requirements = msgspec.json.Decoder(Requirements)
+
+
+async def explain(
+    conn: psycopg.AsyncConnection,
+    organization_id: UUID,
+    job_id: UUID,
+    *,
+    stale_seconds: int = DEFAULT_STALE_SECONDS,
+    blocked_timeout_seconds: int = DEFAULT_BLOCKED_TIMEOUT_SECONDS,
+) -> Explanation:
+    """Explain one job of the organization; another organization's job is ``job_not_found``."""
+    outermost = conn.info.transaction_status == TransactionStatus.IDLE
+    async with conn.transaction():
+        if outermost:
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        row = await queue.load(conn, job_id, organization_id)
+        if row is None:
+            raise NotFound("job_not_found", f"No job {job_id}.")
+        nodes = await read_nodes(conn, organization_id, stale_seconds=stale_seconds)
+        now: datetime = (await (await conn.execute(_NOW)).fetchone())[0]  # type: ignore[index]
+        if row.status in ("queued", "blocked"):
+            models = await read_models(conn, organization_id)
+            return await _waiting(conn, row, nodes, models, now, blocked_timeout_seconds)
+        return await _placed(conn, row, nodes, now)
+
+
+async def _waiting(
+    conn: psycopg.AsyncConnection,
+    row: JobRow,
+    nodes: Sequence[NodeView],
+    models: Mapping[str, RegisteredModel],
+    now: datetime,
+    blocked_timeout_seconds: int,
+) -> Explanation:
+    eligible, ineligible = survey(nodes, row.requires, models)
+    if row.status == "blocked":
+        current = blocking_reason(row.requires, models, nodes)
+        fails_at = row.blocked_at + timedelta(seconds=blocked_timeout_seconds) if row.blocked_at else None
+        return Explanation(
+            job_id=row.id, status=row.status, eligible=eligible, ineligible=ineligible,
+            summary=blocked_summary(stored=row.blocked_reason, current=current, fails_at=fails_at),
+            blocked_reason=current,
+        )  # fmt: skip
+    able = {e.node_id for e in eligible}
+    shapes = await (await conn.execute(_AHEAD, {"org": row.organization_id, "priority": row.priority, "seq": row.seq})).fetchall()
+    ahead = competing_ahead([(_requirements.decode(r), n) for r, n in shapes], [n for n in nodes if n.id in able], models)
+    due_in = max(0.0, (row.not_before - now).total_seconds()) if row.not_before else 0.0
+    standing = QueueStanding(due_in_seconds=due_in, ahead=ahead)
+    summary = queued_summary(
+        eligible, ineligible, nodes=nodes, requires=row.requires, models=models, standing=standing,
+        not_before=row.not_before,
+    )  # fmt: skip
+    not_before = row.not_before if due_in > 0 else None
+    return Explanation(job_id=row.id, status=row.status, eligible=eligible, ineligible=ineligible, summary=summary,
+                       ahead=ahead, not_before=not_before)  # fmt: skip
+
+
+async def _placed(conn: psycopg.AsyncConnection, row: JobRow, nodes: Sequence[NodeView], now: datetime) -> Explanation:
+    names = {node.id: node.name for node in nodes}
+    node_name = names.get(row.placement.node_id) if row.placement else None
+    children = None
+    if row.children_total:
+        total, finished = await (await conn.execute(_CHILDREN, (row.organization_id, row.id))).fetchone()  # type: ignore[misc]
+        children = (max(total, row.children_total), finished)
+    lease_left = (row.lease_expires_at - now).total_seconds() if row.status == "running" and row.lease_expires_at else None
+    summary = placed_summary(
+        status=row.status, placement=row.placement, node_name=node_name, attempt=row.attempt,
+        max_attempts=row.max_attempts, lease_seconds_left=lease_left, error=row.error, result=row.result,
+        children=children,
+    )  # fmt: skip
+    return Explanation(job_id=row.id, status=row.status, eligible=[], ineligible=[], summary=summary,
+                       placement=row.placement, placement_node_name=node_name)  # fmt: skip
