@@ -1,0 +1,187 @@
+"""The job routes over real HTTP: shapes, status codes, error codes, scopes, tenancy, fencing."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import httpx
+import psycopg
+import pytest
+
+from umbra.compute import claims
+from umbra.compute.accounts import create_api_key, create_organization, create_project
+
+pytestmark = pytest.mark.anyio
+
+CPU = {"kind": "cpu", "label": "cpu", "vram_total_mb": 0, "vram_free_mb": 0, "ram_total_mb": 65536,
+       "ram_free_mb": 60000, "throughput_factor": 1.0, "accelerators": [], "resident_models": []}  # fmt: skip
+JOB_FIELDS = {"id", "organization_id", "kind", "status", "priority", "requires", "payload", "project_id", "lang",
+              "attempt", "max_attempts", "not_before", "parent_job_id", "idempotency_key", "lease_owner",
+              "lease_expires_at", "result", "error", "placement", "created_at", "started_at", "finished_at"}  # fmt: skip
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+async def client(live_server):
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as c:
+        yield c
+
+
+async def pair(client, key: str, name: str = "box") -> tuple[str, str]:
+    issued = await client.post("/v1/pairings", json={"name": name}, headers=bearer(key))
+    redeemed = await client.post("/v1/pairings/redeem", json={"code": issued.json()["code"], "name": name,
+                                                              "agent_version": "1", "devices": [CPU]})  # fmt: skip
+    node_id, credential = redeemed.json()["node_id"], redeemed.json()["credential"]
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": [CPU], "agent_version": "1"}, headers=bearer(credential))
+    assert beat.status_code == 200, beat.text
+    return node_id, credential
+
+
+async def job_count(db_url) -> int:
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        return (await (await c.execute("SELECT (SELECT count(*) FROM jobs) + (SELECT count(*) FROM events WHERE stream LIKE 'job:%%')")).fetchone())[0]
+
+
+async def test_submit_read_and_idempotency(client, org):
+    _, key = org
+    await pair(client, key)
+    created = await client.post("/v1/jobs", json={"kind": "echo", "payload": {"a": 1}, "priority": 0,
+                                                  "idempotency_key": "k"}, headers=bearer(key))  # fmt: skip
+    assert created.status_code == 201, created.text
+    job = created.json()
+    assert JOB_FIELDS <= set(job) and (job["status"], job["priority"], job["max_attempts"]) == ("queued", 0, 3)
+    assert job["created_at"].endswith("Z") and job["requires"]["vram_min_mb"] == 0
+    again = await client.post("/v1/jobs", json={"kind": "different", "idempotency_key": "k"}, headers=bearer(key))
+    assert again.status_code == 200 and again.json()["id"] == job["id"] and again.json()["kind"] == "echo"
+    read = await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))
+    assert read.status_code == 200 and read.json()["id"] == job["id"]
+    as_of = await client.get(f"/v1/jobs/{job['id']}", params={"as_of": 1}, headers=bearer(key))
+    assert as_of.status_code == 404 and as_of.json()["error"] == "job_not_found"
+
+
+async def test_refused_submissions_name_the_problem_and_write_nothing(client, org, db_url, conn):
+    org_id, key = org
+    other_id, _ = await create_organization(conn, "other")
+    theirs = await create_project(conn, other_id, "p")
+    before = await job_count(db_url)
+    cases = [
+        ({"payload": {}}, 422, "invalid_request", "kind"),
+        ({"kind": "x", "colour": "red"}, 422, "invalid_request", None),
+        ({"kind": "x", "priority": "high"}, 422, "invalid_request", "priority"),
+        ({"kind": "x", "requires": {"vram_min_mb": -1}}, 422, "invalid_request", "requires.vram_min_mb"),
+        ({"kind": "x", "requires": {"gpus": 2}}, 422, "invalid_request", None),
+        ({"kind": "x", "max_attempts": 0}, 422, "invalid_request", "max_attempts"),
+        ({"kind": "x", "project_id": str(theirs)}, 404, "project_not_found", None),
+        ({"kind": "x", "project_id": "00000000-0000-4000-8000-000000000000"}, 404, "project_not_found", None),
+    ]
+    for body, status, code, field in cases:
+        response = await client.post("/v1/jobs", json=body, headers=bearer(key))
+        assert (response.status_code, response.json()["error"]) == (status, code), (body, response.text)
+        assert response.json()["message"]
+        if field:
+            assert response.json().get("field") == field, response.text
+    malformed = await client.post("/v1/jobs", content=b"{not json", headers={**bearer(key), "content-type": "application/json"})
+    assert malformed.status_code in (400, 422) and malformed.json()["error"] == "invalid_request"
+    assert await job_count(db_url) == before
+
+
+async def test_a_batch_is_all_or_nothing_and_names_the_failing_index(client, org, db_url):
+    _, key = org
+    await pair(client, key)
+    jobs = [{"kind": "echo", "payload": {"i": i}} for i in range(3)]
+    created = await client.post("/v1/jobs/batch", json={"jobs": jobs}, headers=bearer(key))
+    assert created.status_code == 201 and [j["payload"]["i"] for j in created.json()["jobs"]] == [0, 1, 2]
+    before = await job_count(db_url)
+    bad = jobs + [{"kind": "echo", "priority": "soon"}]
+    refused = await client.post("/v1/jobs/batch", json={"jobs": bad}, headers=bearer(key))
+    assert refused.status_code == 422 and refused.json()["error"] == "invalid_request" and refused.json()["index"] == 3
+    assert "jobs[3]" in refused.json()["message"]
+    missing = jobs + [{"kind": "echo", "project_id": "00000000-0000-4000-8000-000000000000"}]
+    refused = await client.post("/v1/jobs/batch", json={"jobs": missing}, headers=bearer(key))
+    assert (refused.status_code, refused.json()["error"], refused.json()["index"]) == (404, "project_not_found", 3)
+    too_many = await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "e"}] * 10_001}, headers=bearer(key))
+    assert too_many.status_code in (413, 422)
+    assert (await client.post("/v1/jobs/batch", json={"jobs": []}, headers=bearer(key))).status_code == 422
+    assert await job_count(db_url) == before
+
+
+async def test_listing_pages_by_cursor_and_filters_by_status(client, org):
+    _, key = org
+    await pair(client, key)
+    await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "e", "payload": {"i": i}} for i in range(5)]}, headers=bearer(key))
+    blocked = await client.post("/v1/jobs", json={"kind": "gpu", "requires": {"accelerators": ["cuda"]}}, headers=bearer(key))
+    assert blocked.json()["status"] == "blocked" and blocked.json()["blocked_reason"].startswith("no_eligible_device")
+    seen, cursor = [], None
+    while True:
+        params = {"status": "queued", "limit": 2, **({"after": cursor} if cursor else {})}
+        page = (await client.get("/v1/jobs", params=params, headers=bearer(key))).json()
+        seen += [j["payload"]["i"] for j in page["jobs"]]
+        if page["next"] is None:
+            break
+        cursor = page["next"]
+    assert seen == [0, 1, 2, 3, 4]
+    both = (await client.get("/v1/jobs", params={"status": "queued,blocked"}, headers=bearer(key))).json()
+    assert len(both["jobs"]) == 6 and both["next"] is None
+    bad = await client.get("/v1/jobs", params={"status": "done"}, headers=bearer(key))
+    assert (bad.status_code, bad.json()["error"]) == (422, "invalid_request")
+    assert (await client.get("/v1/jobs", params={"limit": 0}, headers=bearer(key))).status_code == 422
+
+
+async def test_cancel_and_tenancy_and_scopes(client, org, conn):
+    org_id, key = org
+    other_id, other_key = await create_organization(conn, "other")
+    reader = await create_api_key(conn, org_id, ["jobs:read"])
+    job = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))).json()
+    for path in (f"/v1/jobs/{job['id']}", "/v1/jobs/not-a-uuid"):
+        response = await client.get(path, headers=bearer(other_key))
+        assert (response.status_code, response.json()["error"]) == (404, "job_not_found")
+    assert (await client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(other_key))).status_code == 404
+    assert (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(reader))).status_code == 403
+    assert (await client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(reader))).status_code == 403
+    assert (await client.get("/v1/jobs")).status_code == 401
+    cancelled = await client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(key))
+    assert (cancelled.status_code, cancelled.json()["status"]) == (200, "cancelled")
+    again = await client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(key))
+    assert (again.status_code, again.json()["error"]) == (409, "job_terminal")
+
+
+async def test_the_agent_routes_are_fenced_by_attempt(client, org, db_url):
+    org_id, key = org
+    node_id, credential = await pair(client, key)
+    parent = (await client.post("/v1/jobs", json={"kind": "book", "lang": "de"}, headers=bearer(key))).json()
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+        got = await claims.claim(c, node_id=UUID(node_id), organization_id=org_id, lease_seconds=60)
+    assert got.job["id"] == parent["id"] and got.attempt == 1
+    base = f"/v1/agent/jobs/{parent['id']}"
+    renewed = await client.post(f"{base}/renew", json={"attempt": 1}, headers=bearer(credential))
+    assert renewed.status_code == 200 and renewed.json()["lease_expires_at"].endswith("Z")
+    stale = await client.post(f"{base}/complete", json={"attempt": 2, "result": {}}, headers=bearer(credential))
+    assert (stale.status_code, stale.json()["error"]) == (409, "job_not_claimed_by_this_node")
+    assert (await client.post(f"{base}/renew", json={"attempt": 1}, headers=bearer(key))).status_code == 403
+    assert (await client.post(f"{base}/renew", json={"attempt": "one"}, headers=bearer(credential))).status_code == 422
+    own = await client.get(f"/v1/jobs/{parent['id']}", headers=bearer(credential))
+    assert own.status_code == 200 and own.json()["lease_owner"] == node_id
+    split = await client.post(f"{base}/children", json={"attempt": 1, "children": [
+        {"kind": "chapter", "payload": {"n": 1}}, {"kind": "chapter", "payload": {"n": 2}, "priority": 3}]},
+        headers=bearer(credential))  # fmt: skip
+    assert split.status_code == 201, split.text
+    kids = split.json()["children"]
+    assert [(k["parent_job_id"], k["lang"], k["priority"]) for k in kids] == [(parent["id"], "de", 100), (parent["id"], "de", 3)]
+    other = (await client.post("/v1/jobs", json={"kind": "e", "priority": 999}, headers=bearer(key))).json()
+    assert (await client.get(f"/v1/jobs/{other['id']}", headers=bearer(credential))).status_code == 404
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+        first = await claims.claim(c, node_id=UUID(node_id), organization_id=org_id, lease_seconds=60)
+    kid = f"/v1/agent/jobs/{first.job['id']}"
+    failed = await client.post(f"{kid}/fail", json={"attempt": 1, "error": "oom", "retry": True}, headers=bearer(credential))
+    assert (failed.status_code, failed.json()["status"], failed.json()["error"]) == (200, "queued", "oom")
+    assert failed.json()["not_before"] > failed.json()["created_at"]
+    assert first.job["id"] == kids[1]["id"]  # priority 3 before the inherited 100
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+        second = await claims.claim(c, node_id=UUID(node_id), organization_id=org_id, lease_seconds=60)
+    assert second.job["id"] == kids[0]["id"]  # the retried child waits out its backoff
+    await client.post(f"/v1/jobs/{kids[0]['id']}/cancel", headers=bearer(key))
+    gone = await client.post(f"/v1/agent/jobs/{kids[0]['id']}/complete", json={"attempt": 1}, headers=bearer(credential))
+    assert (gone.status_code, gone.json()["error"]) == (409, "job_cancelled")
