@@ -1,0 +1,115 @@
+"""Property: whatever commands ran, rebuilding the queue from the log equals the live table.
+
+Random histories of submit (single and batch, runnable or blocked), claim,
+complete, fail (retryable or not), cancel, release, decompose and lease expiry
+(the clock jumps, the sweeper runs, nodes beat again) are applied through the
+real commands; refused commands must change nothing; afterwards a fold of the
+whole log must equal the ``jobs`` table row for row.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from umbra.compute import claims, jobs
+from umbra.compute.claims import ChildRequest
+from umbra.compute.sweeper import sweep_once
+from umbra.errors import Conflict
+from umbra.events import store
+from umbra.events.types import TERMINAL_JOB_STATUSES
+from umbra.projections import jobs as queue
+from umbra.settings import load_settings
+
+from .queue_support import CPU64, GPU24, add_node, beat, set_clock, spec
+
+pytestmark = pytest.mark.anyio
+
+SETTINGS = load_settings({})
+REQUIRES = {"plain": {}, "gpu": {"accelerators": ["cuda"]}, "never": {"accelerators": ["tpu"]}}
+
+pick = st.integers(min_value=0, max_value=1000)
+command = st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, 3), st.sampled_from(sorted(REQUIRES)), st.integers(1, 3), st.integers(1, 3)),
+    st.tuples(st.just("claim"), st.integers(0, 1)),
+    st.tuples(st.just("complete"), pick),
+    st.tuples(st.just("fail"), pick, st.booleans()),
+    st.tuples(st.just("cancel"), pick),
+    st.tuples(st.just("release"), pick),
+    st.tuples(st.just("decompose"), pick, st.integers(1, 3)),
+    st.tuples(st.just("expire")),
+)
+
+
+class World:
+    def __init__(self, conn, org_id, nodes) -> None:
+        self.conn, self.org_id, self.nodes = conn, org_id, nodes
+        self.jobs: list = []
+        self.holds: list[tuple] = []  # (job_id, node_id, attempt), possibly stale
+        self.clock = 0
+
+    def hold(self, n: int):
+        return self.holds[n % len(self.holds)] if self.holds else None
+
+    async def refused_changes_nothing(self, call) -> None:
+        head = await store.head_position(self.conn)
+        try:
+            await call
+        except Conflict:
+            assert await store.head_position(self.conn) == head
+
+    async def run(self, cmd) -> None:
+        conn, org_id = self.conn, self.org_id
+        match cmd:
+            case ("submit", priority, shape, max_attempts, count):
+                specs = [spec(priority=priority, max_attempts=max_attempts, requires=REQUIRES[shape]) for _ in range(count)]
+                rows, _ = await jobs.submit(conn, org_id, specs, actor="prop", batch=count > 1)
+                self.jobs += [r.id for r in rows]
+            case ("claim", which):
+                node = self.nodes[which]
+                got = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
+                if got is not None:
+                    self.holds.append((got.job_id, node, got.attempt))
+            case ("complete", n) if (h := self.hold(n)):
+                await self.refused_changes_nothing(claims.complete(
+                    conn, organization_id=org_id, node_id=h[1], job_id=h[0], attempt=h[2], result={"n": n}))
+            case ("fail", n, retry) if (h := self.hold(n)):
+                await self.refused_changes_nothing(claims.fail(
+                    conn, organization_id=org_id, node_id=h[1], job_id=h[0], attempt=h[2], error="e", retry=retry))
+            case ("cancel", n) if self.jobs:
+                await self.refused_changes_nothing(jobs.cancel(conn, org_id, self.jobs[n % len(self.jobs)], actor="prop"))
+            case ("release", n) if (h := self.hold(n)):
+                await claims.release(conn, h[0], h[1], h[2])
+            case ("decompose", n, count) if (h := self.hold(n)):
+                children = [msgspec.convert({"kind": "part", "payload": {"i": i}}, ChildRequest) for i in range(count)]
+                await self.refused_changes_nothing(claims.add_children(
+                    conn, organization_id=org_id, node_id=h[1], job_id=h[0], attempt=h[2], children=children))
+            case ("expire",):
+                self.clock += 70
+                await set_clock(conn, self.clock)
+                await sweep_once(conn, SETTINGS)
+                await beat(conn, org_id, self.nodes[0], [GPU24])
+                await beat(conn, org_id, self.nodes[1], [CPU64])
+
+
+@pytest.fixture
+async def world(conn, org):
+    org_id, _ = org
+    nodes = [await add_node(conn, org_id, "gpu", [GPU24]), await add_node(conn, org_id, "cpu", [CPU64])]
+    return World(conn, org_id, nodes)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(history=st.lists(command, min_size=1, max_size=30))
+async def test_rebuilding_the_queue_from_the_log_equals_the_live_table(world, history):
+    for cmd in history:
+        await world.run(cmd)
+    live = await queue.live(world.conn, world.org_id)
+    assert queue.diff(await queue.rebuild(world.conn, world.org_id), live) == []
+    # Containers settle exactly when their children are all terminal.
+    for row in live.values():
+        if row.children_total and row.status == "running":
+            children = [c for c in live.values() if c.parent_job_id == row.id]
+            assert any(c.status not in TERMINAL_JOB_STATUSES for c in children)
