@@ -238,7 +238,7 @@
     $("running-table").tBodies[0].replaceChildren(...running.map((j) => h("tr", { "data-job": j.id },
       h("td", { class: "id", title: j.id }, shortId(j.id)),
       h("td", {}, j.kind),
-      h("td", {}, nodeName(j.placement.node_id || j.lease_owner), h("span", { class: "id" }, ` · ${j.placement.device_id || j.placement.device_kind || ""}`)),
+      h("td", {}, nodeName(j.placement.node_id || j.lease_owner), " ", h("span", { class: "id nowrap" }, `· ${j.placement.device_id || j.placement.device_kind || ""}`)),
       h("td", {}, placementCell(j.placement)),
       h("td", { class: "num" }, `${j.attempt}/${j.max_attempts}`),
       h("td", { class: "num", "data-until": j.lease_expires_at || "" }, until(j.lease_expires_at)))));
@@ -249,7 +249,7 @@
       h("td", { class: "id", title: j.id }, shortId(j.id)),
       h("td", {}, j.kind),
       h("td", { class: "reason" }, j.blocked_reason || j.error || "—"),
-      h("td", { class: "num", "data-ago": j.blocked_at || j.updated_at || "" }, ago(j.blocked_at || j.updated_at)))));
+      h("td", { class: "num", "data-ago": j.created_at || "" }, ago(j.created_at)))));
     $("blocked-empty").hidden = blocked.length > 0;
   }
 
