@@ -94,7 +94,8 @@ class SseParser:
 def format_event(event: dict[str, Any], as_json: bool) -> str:
     if as_json:
         return json.dumps(event, separators=(",", ":"))
-    data = json.dumps(event.get("data", {}), separators=(",", ":"))
+    data = {k: v for k, v in (event.get("data") or {}).items() if k != "type"}  # the type has its own column
+    data = json.dumps(data, separators=(",", ":"))
     return f"{event['position']:>8}  {event['recorded_at']}  {event['type']:<18} {event['stream']}  {data}"
 
 
@@ -205,7 +206,8 @@ def cmd_replay(args) -> int:
             print(f"{format_event(event, False)}  -> {status}")
         print()
         for key, value in state_json(state).items():
-            print(f"{key:>17}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+            shown = "—" if value is None else json.dumps(value) if isinstance(value, (dict, list)) else value
+            print(f"{key:>17}: {shown}")
         return 0
 
     return anyio.run(main)
