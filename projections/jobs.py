@@ -89,21 +89,24 @@ def job_id_of(stream: str) -> UUID:
     return UUID(stream.removeprefix("job:"))
 
 
-def fold(state: JobRow | None, recorded: RecordedEvent) -> JobRow:
-    """Apply one recorded job event. Pure: the same inputs always give the same row."""
+def fold(state: JobRow | None, recorded: RecordedEvent, *, job_id: UUID | None = None) -> JobRow:
+    """Apply one recorded job event. Pure: the same inputs always give the same row.
+
+    ``job_id`` spares parsing the stream name when the caller already knows it.
+    """
     event, at = recorded.event, recorded.recorded_at
     if state is None:
         if not isinstance(event, JobSubmitted):
             raise ValueError(f"{recorded.stream} does not start with job.submitted")
-        return _submitted(recorded, event)
+        return _submitted(recorded, event, job_id or job_id_of(recorded.stream))
     row = _apply(state, event, at)
     return replace(row, version=recorded.version, position=recorded.position, updated_at=at)
 
 
-def _submitted(recorded: RecordedEvent, e: JobSubmitted) -> JobRow:
+def _submitted(recorded: RecordedEvent, e: JobSubmitted, job_id: UUID) -> JobRow:
     at = recorded.recorded_at
     return JobRow(
-        id=job_id_of(recorded.stream), organization_id=recorded.organization_id, kind=e.kind, status="queued",
+        id=job_id, organization_id=recorded.organization_id, kind=e.kind, status="queued",
         requested_by=e.requested_by, priority=e.priority, requires=e.requires, payload=e.payload,
         project_id=e.project_id, lang=e.lang, attempt=0, max_attempts=e.max_attempts, not_before=None,
         parent_job_id=e.parent_job_id, idempotency_key=e.idempotency_key, lease_owner=None, lease_expires_at=None,
@@ -291,7 +294,7 @@ async def record(
     for change in changes:
         state = change.state
         for event_record in recorded[offset : offset + len(change.events)]:
-            state = fold(state, event_record)
+            state = fold(state, event_record, job_id=change.job_id)
         offset += len(change.events)
         assert state is not None
         rows.append(state)
