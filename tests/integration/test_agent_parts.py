@@ -132,3 +132,26 @@ def test_sse_parser_reads_ids_events_multiline_data_and_skips_comments():
     messages = [m for m in map(parser.feed, lines) if m is not None]
     assert messages == [("job.submitted", '{"a":\n1}', "7"), ("message", "x", "7")]
     assert parser.last_id == "7"
+
+
+def double(claim):
+    """An entry-point handler for the test below."""
+    return [2 * x for x in claim.payload]
+
+
+async def test_handlers_come_from_the_umbra_handlers_entry_point_group_and_from_module_paths(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    import umbra.agent.handlers as handlers
+
+    points = [
+        EntryPoint(name="double", value=f"{__name__}:double", group=handlers.ENTRY_POINT_GROUP),
+        EntryPoint(name="broken", value="no.such.module:fn", group=handlers.ENTRY_POINT_GROUP),
+    ]
+    monkeypatch.setattr(handlers, "entry_points", lambda group: [p for p in points if p.group == group])
+    registry = HandlerRegistry.default()
+    assert "double" in registry.kinds and "broken" not in registry.kinds, "a broken plug-in is skipped, not fatal"
+    assert await registry.run(_claim("double", [1, 2])) == [2, 4]
+    assert handlers.load_object(f"{__name__}:double") is double
+    with pytest.raises(ValueError):
+        handlers.load_object("no-colon")

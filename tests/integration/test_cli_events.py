@@ -163,3 +163,20 @@ async def test_verify_passes_on_a_consistent_database_and_reports_a_tampered_row
     report = json.loads(out)
     assert status == 1 and report["ok"] is False
     assert [(d["view"], d["id"], d["field"]) for d in report["differences"]] == [("queue", job["id"], "priority")]
+
+
+async def test_verify_shows_progress_while_a_long_rebuild_runs(cli, monkeypatch):
+    import umbra.cli_events as cli_events
+    import umbra.projections.verify as verifying
+
+    real = verifying.verify
+
+    async def slow(conn, organization_id=None):
+        await anyio.sleep(0.5)
+        return await real(conn, organization_id)
+
+    monkeypatch.setattr(cli_events, "PROGRESS_SECONDS", 0.1)
+    monkeypatch.setattr(verifying, "verify", slow)
+    status, out, err = await cli("verify")
+    assert status == 0 and "views match the log" in out
+    assert "umbra verify: still folding" in err
