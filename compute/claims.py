@@ -46,7 +46,10 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
 from .blocked import BlockingJudge, read_models, read_nodes
-from .jobs import IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, jobs_by_idempotency_key, record_and_settle, submitted_events
+from .jobs import (
+    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, jobs_by_idempotency_key, record_and_settle, refusing_nul,
+    submitted_events,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +212,11 @@ async def complete(
     conn: psycopg.AsyncConnection, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any
 ) -> JobRow:
     """The holder finished: the job completes and, if it was the last open child, its parent settles."""
+    with refusing_nul():
+        return await _complete(conn, organization_id, node_id, job_id, attempt, result)
+
+
+async def _complete(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any) -> JobRow:
     async with conn.transaction():
         row, _ = await _held(conn, organization_id, job_id, node_id, attempt)
         changes = [Change(row.id, organization_id, row, [JobCompleted(attempt=attempt, result=result)])]
@@ -228,12 +236,13 @@ async def fail(
     retry: bool,
 ) -> JobRow:
     """A retryable failure requeues with backoff while attempts remain; otherwise the job fails."""
-    async with conn.transaction():
-        row, now = await _held(conn, organization_id, job_id, node_id, attempt)
-        event = decide_failure(attempt=attempt, max_attempts=row.max_attempts, error=error, retry=retry, now=now)
-        [failed], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
-                                                     metadata={"actor": f"node:{node_id}"})  # fmt: skip
-        await store.publish(conn, [(organization_id, position, 0)])
+    with refusing_nul():
+        async with conn.transaction():
+            row, now = await _held(conn, organization_id, job_id, node_id, attempt)
+            event = decide_failure(attempt=attempt, max_attempts=row.max_attempts, error=error, retry=retry, now=now)
+            [failed], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
+                                                         metadata={"actor": f"node:{node_id}"})  # fmt: skip
+            await store.publish(conn, [(organization_id, position, 0)])
     return failed
 
 
@@ -265,6 +274,14 @@ async def add_children(
     """
     if not children:
         raise InvalidRequest("children must name at least one child.", field="children")
+    with refusing_nul():
+        return await _add_children(conn, organization_id, node_id, job_id, attempt, children)
+
+
+async def _add_children(
+    conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int,
+    children: Sequence[ChildRequest],
+) -> list[JobRow]:  # fmt: skip
     async with conn.transaction():
         parent, _ = await _held(conn, organization_id, job_id, node_id, attempt)
         keys = [c.idempotency_key for c in children if c.idempotency_key]

@@ -15,7 +15,8 @@ and the loser's transaction is retried and finds the winner's job.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Mapping, Sequence
+import contextlib
+from typing import Annotated, Any, Iterator, Mapping, Sequence
 from uuid import UUID, uuid4
 
 import msgspec
@@ -81,6 +82,18 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     jobs: Annotated[list[JobRequest], Meta(min_length=1, max_length=MAX_BATCH)]
 
 
+@contextlib.contextmanager
+def refusing_nul() -> Iterator[None]:
+    """PostgreSQL text and jsonb cannot hold U+0000; say so as a refusal, not a server error.
+
+    Wrap it around the transaction, so the refused command has rolled back.
+    """
+    try:
+        yield
+    except psycopg.errors.UntranslatableCharacter:
+        raise InvalidRequest("Strings may not contain the NUL character (\\u0000).") from None
+
+
 def submitted_events(
     *,
     kind: str,
@@ -128,8 +141,9 @@ async def submit(
     """
     for attempt in range(3):
         try:
-            async with conn.transaction():
-                return await _submit(conn, organization_id, specs, actor=actor, batch=batch)
+            with refusing_nul():
+                async with conn.transaction():
+                    return await _submit(conn, organization_id, specs, actor=actor, batch=batch)
         except psycopg.errors.UniqueViolation as exc:
             if exc.diag.constraint_name != "jobs_idempotency_per_org" or attempt == 2:
                 raise

@@ -74,6 +74,7 @@ async def test_refused_submissions_name_the_problem_and_write_nothing(client, or
         ({"kind": "x", "requires": {"vram_min_mb": -1}}, 422, "invalid_request", "requires.vram_min_mb"),
         ({"kind": "x", "requires": {"gpus": 2}}, 422, "invalid_request", None),
         ({"kind": "x", "max_attempts": 0}, 422, "invalid_request", "max_attempts"),
+        ({"kind": "x", "payload": {"text": "nul\u0000"}}, 422, "invalid_request", None),  # PostgreSQL cannot store it
         ({"kind": "x", "project_id": str(theirs)}, 404, "project_not_found", None),
         ({"kind": "x", "project_id": "00000000-0000-4000-8000-000000000000"}, 404, "project_not_found", None),
     ]
@@ -156,6 +157,8 @@ async def test_the_agent_routes_are_fenced_by_attempt(client, org, db_url):
         got = await claims.claim(c, node_id=UUID(node_id), organization_id=org_id, lease_seconds=60)
     assert got.job["id"] == parent["id"] and got.attempt == 1
     base = f"/v1/agent/jobs/{parent['id']}"
+    nul = await client.post(f"{base}/complete", json={"attempt": 1, "result": {"t": "\u0000"}}, headers=bearer(credential))
+    assert (nul.status_code, nul.json()["error"]) == (422, "invalid_request")  # refused, the job still held
     renewed = await client.post(f"{base}/renew", json={"attempt": 1}, headers=bearer(credential))
     assert renewed.status_code == 200 and renewed.json()["lease_expires_at"].endswith("Z")
     stale = await client.post(f"{base}/complete", json={"attempt": 2, "result": {}}, headers=bearer(credential))
