@@ -75,6 +75,8 @@ async def list_jobs(request: Request) -> Response:
 async def get_job(request: Request) -> Response:
     job_id = path_uuid(request, code="job_not_found")
     as_of = request.query_params.get("as_of")
+    if as_of is not None and not as_of.strip():
+        raise InvalidRequest("as_of must be a log position (an integer >= 0).", field="as_of")
     position = None if as_of is None else _int_param(request, "as_of", 0, low=0, high=2**63 - 1)
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:read", "compute:read")
