@@ -202,3 +202,11 @@ async def test_retiring_the_node_stops_the_agent(server, api):
                 await eventually(lambda: _node_if(api, paired["node_id"], "online"))
                 assert (await api.post(f"/v1/nodes/{paired['node_id']}/retire")).status_code == 200
     assert agent.node_status == "retired" and agent.stopping
+
+
+async def test_a_job_past_its_max_runtime_is_cancelled_and_failed_for_good(server, api):
+    paired = await pair(server, api, "box-10")
+    async with running_agent(server, paired["credential"]):
+        job = await submit(api, "sleep", {"seconds": 60}, requires={"max_runtime_s": 1}, max_attempts=3)
+        failed = await eventually(lambda: job_in(api, job["id"], "failed"), timeout=15)
+    assert failed["error"] == "The job exceeded its max_runtime_s." and failed["attempt"] == 1

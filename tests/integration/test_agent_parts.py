@@ -14,7 +14,7 @@ import pytest
 from umbra.agent.credentials import CredentialFile, CredentialFileError, StoredCredential
 from umbra.agent.devices import DeviceSpecError, cpu_device, parse_device_spec, parse_nvidia_smi, steady
 from umbra.agent.handlers import HandlerRegistry, PermanentError, RetryableError, UnknownKind, is_retryable
-from umbra.agent.runner import backoff_delay
+from umbra.agent.jobrun import backoff_delay
 from umbra.cli_events import SseParser
 from umbra.events.types import Device
 

@@ -1,0 +1,174 @@
+"""One claimed job on this agent: the handler, its lease renewal, and the report.
+
+The handler runs in a cancel scope with a renewal task beside it (every third
+of the lease, as the server's clock measures it). Three things can end the
+scope early, and each is reported differently:
+
+* the server says the job is no longer ours (cancelled, or the lease was lost
+  and the job re-claimed): nothing is reported, the server would refuse it;
+* the agent is stopping and the grace period ran out: the job is failed as
+  retryable, so another node picks it up after the back-off;
+* the job's ``max_runtime_s`` passed: the job is failed for good.
+
+Reports are retried on transport errors while the lease could still hold;
+after that the sweeper's lease expiry is the recovery path.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import anyio
+import httpx
+import msgspec
+
+from .client import AgentClient, Claim, ServiceError
+from .handlers import Decompose, HandlerRegistry, is_retryable
+
+log = logging.getLogger(__name__)
+
+#: Server answers meaning "this job is no longer yours": stop, report nothing.
+LOST_CODES = frozenset({"job_cancelled", "job_not_claimed_by_this_node", "job_not_found", "not_found"})
+STOPPED_MESSAGE = "The agent stopped before the job finished."
+RUNTIME_MESSAGE = "The job exceeded its max_runtime_s."
+
+
+def backoff_delay(failures: int, base: float, cap: float, rng: random.Random | None = None) -> float:
+    """Delay before retry number ``failures`` (≥ 1): half fixed, half random.
+
+    The random half spreads a fleet's retries; the fixed half keeps any single
+    agent from hammering a server that is down.
+    """
+    ceiling = min(cap, base * 2 ** max(0, failures - 1))
+    return ceiling / 2 + (rng or random).uniform(0, ceiling / 2)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one job on this agent (kept for logs and tests)."""
+
+    job_id: str
+    kind: str
+    status: str  # "complete", "failed", "retrying", "decomposed", "lost", "unreported"
+    detail: Any = None
+
+
+class JobRun:
+    def __init__(
+        self,
+        client: AgentClient,
+        registry: HandlerRegistry,
+        claim: Claim,
+        *,
+        on_rejected: Callable[[ServiceError], None],
+        backoff: tuple[float, float] = (0.5, 30.0),
+    ) -> None:
+        self.client = client
+        self.registry = registry
+        self.claim = claim
+        self._on_rejected = on_rejected
+        self._backoff = backoff
+        self._scope: anyio.CancelScope | None = None
+        self._stop_deadline: float | None = None
+        self._lost: ServiceError | None = None
+
+    def stop(self, grace_seconds: float) -> None:
+        """The agent is stopping: the handler may run ``grace_seconds`` more."""
+        deadline = anyio.current_time() + grace_seconds
+        self._stop_deadline = deadline if self._stop_deadline is None else min(self._stop_deadline, deadline)
+        if self._scope is not None:
+            self._scope.deadline = min(self._scope.deadline, deadline)
+
+    async def run(self) -> Outcome:
+        claim = self.claim
+        result: Any = None
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                max_runtime = (claim.job.get("requires") or {}).get("max_runtime_s")
+                if isinstance(max_runtime, (int, float)) and max_runtime > 0:
+                    scope.deadline = anyio.current_time() + max_runtime
+                if self._stop_deadline is not None:
+                    scope.deadline = min(scope.deadline, self._stop_deadline)
+                tg.start_soon(self._renew_loop)
+                try:
+                    result = await self.registry.run(claim)
+                    if not isinstance(result, Decompose):
+                        msgspec.json.encode(result)  # refuse a result the server could not store
+                except Exception as exc:  # the handler's failure is the job's failure
+                    failure = exc
+            self._scope = None
+            tg.cancel_scope.cancel()
+        if self._lost is not None:
+            return Outcome(claim.job_id, claim.kind, "lost", self._lost.code)
+        if scope.cancelled_caught and self._stop_deadline is not None:
+            return await self._fail(STOPPED_MESSAGE, retry=True)
+        if scope.cancelled_caught:
+            return await self._fail(RUNTIME_MESSAGE, retry=False)
+        if failure is not None:
+            return await self._fail(str(failure) or type(failure).__name__, retry=is_retryable(failure))
+        if isinstance(result, Decompose):
+            children = [child.to_json() for child in result.children]
+            return await self._report("decomposed", self.client.add_children, claim.job_id, claim.attempt, children)
+        return await self._report("complete", self.client.complete, claim.job_id, claim.attempt, result)
+
+    async def _fail(self, message: str, *, retry: bool) -> Outcome:
+        claim = self.claim
+        status = "retrying" if retry else "failed"
+        return await self._report(status, self.client.fail, claim.job_id, claim.attempt, message, retry=retry)
+
+    async def _report(self, status: str, call, *args, **kwargs) -> Outcome:
+        """Deliver an outcome, retrying transport errors while the lease could still hold."""
+        claim = self.claim
+        deadline = anyio.current_time() + max(claim.lease_seconds, 1.0)
+        failures = 0
+        while True:
+            try:
+                return Outcome(claim.job_id, claim.kind, status, await call(*args, **kwargs))
+            except ServiceError as exc:
+                if exc.status == 401:
+                    self._on_rejected(exc)
+                if exc.status < 500:
+                    log.warning("outcome refused", extra={"action": "report_refused", "job_id": claim.job_id, "code": exc.code})
+                    return Outcome(claim.job_id, claim.kind, "lost" if exc.code in LOST_CODES else "unreported", exc.code)
+                error: Exception = exc
+            except httpx.HTTPError as exc:
+                error = exc
+            failures += 1
+            delay = backoff_delay(failures, *self._backoff)
+            if anyio.current_time() + delay > deadline:
+                log.error("outcome not delivered", extra={"action": "report_failed", "job_id": claim.job_id, "error": describe(error)})
+                return Outcome(claim.job_id, claim.kind, "unreported", describe(error))
+            await anyio.sleep(delay)
+
+    async def _renew_loop(self) -> None:
+        claim = self.claim
+        interval = claim.lease_seconds / 3
+        failures = 0
+        while True:
+            await anyio.sleep(max(0.2, interval))
+            try:
+                interval = await self.client.renew(claim.job_id, claim.attempt) / 3
+                failures = 0
+            except ServiceError as exc:
+                if exc.status == 401:
+                    self._on_rejected(exc)
+                if exc.status < 500:
+                    log.warning("lease lost", extra={"action": "lease_lost", "job_id": claim.job_id, "code": exc.code})
+                    self._lost = exc
+                    if self._scope is not None:
+                        self._scope.cancel()
+                    return
+                failures += 1
+                interval = backoff_delay(failures, 0.2, claim.lease_seconds / 6)
+            except (httpx.HTTPError, ValueError, KeyError):  # unreachable, or an answer we cannot read
+                failures += 1
+                interval = backoff_delay(failures, 0.2, claim.lease_seconds / 6)
+
+
+def describe(error: Exception) -> str:
+    return error.code if isinstance(error, ServiceError) else type(error).__name__
