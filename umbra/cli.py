@@ -181,6 +181,15 @@ def _register_events(sub: argparse._SubParsersAction) -> None:
 REGISTRARS.extend([_register_agent, _register_admin_nodes, _register_events])
 
 
+def _register_jobs(sub: argparse._SubParsersAction) -> None:
+    from .cli_jobs import register
+
+    register(sub)
+
+
+REGISTRARS.append(_register_jobs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="umbra", description="Umbra Compute: event-sourced compute jobs on PostgreSQL.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -34,10 +34,10 @@ PAGE_SIZE = 1000
 # -- HTTP ------------------------------------------------------------------------
 
 
-def _client(args) -> httpx.AsyncClient:
+def _client(args, scope: str = "events:read") -> httpx.AsyncClient:
     key = args.api_key or os.environ.get("UMBRA_API_KEY")
     if not key:
-        raise InvalidRequest("An API key with events:read is required: pass --api-key or set UMBRA_API_KEY.")
+        raise InvalidRequest(f"An API key with {scope} is required: pass --api-key or set UMBRA_API_KEY.")
     server = args.server or os.environ.get("UMBRA_SERVER") or DEFAULT_SERVER
     return httpx.AsyncClient(
         base_url=server.rstrip("/"),
