@@ -95,7 +95,15 @@ class BlockingJudge:
         return self._memo[requires]
 
 
-_BLOCKED = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE organization_id = %s AND status = 'blocked' ORDER BY seq FOR UPDATE SKIP LOCKED"
+_BLOCKED_SHAPES = """
+SELECT DISTINCT requires::text, blocked_reason FROM jobs WHERE organization_id = %s AND status = 'blocked'
+"""
+_BLOCKED_WITH = f"""
+SELECT {queue.SELECT_LIST} FROM jobs
+WHERE organization_id = %s AND status = 'blocked' AND requires = ANY(%s::text[]::jsonb[])
+ORDER BY seq FOR UPDATE SKIP LOCKED
+"""
+_requirements = msgspec.json.Decoder(Requirements)
 
 
 async def reexamine_blocked(
@@ -103,16 +111,24 @@ async def reexamine_blocked(
 ) -> int:
     """Unblock every blocked job of the organization that some device could now run.
 
-    Runs in the caller's transaction (as a savepoint when one is open). A job
-    still blocked whose shortfall changed gets its new reason, keeping the time
-    it was first blocked. Blocked jobs another transaction holds are left for
-    the next re-examination. Returns how many jobs went back to the queue.
+    Runs in the caller's transaction (as a savepoint when one is open). Each
+    distinct requirement shape among the blocked jobs is judged once, and only
+    the jobs whose verdict changed are locked and written, so a heartbeat that
+    changes nothing for them costs one small read. A job still blocked whose
+    shortfall changed gets its new reason, keeping the time it was first
+    blocked. Blocked jobs another transaction holds are left for the next
+    re-examination. Returns how many jobs went back to the queue.
     """
     async with conn.transaction():
-        rows = [queue.from_db(r) for r in await (await conn.execute(_BLOCKED, (organization_id,))).fetchall()]
-        if not rows:
+        shapes = await (await conn.execute(_BLOCKED_SHAPES, (organization_id,))).fetchall()
+        if not shapes:
             return 0
         judge = await BlockingJudge.load(conn, organization_id)
+        verdicts = {text: judge.reason(_requirements.decode(text)) for text in {text for text, _ in shapes}}
+        moved = sorted({text for text, reason in shapes if verdicts[text] != reason})
+        if not moved:
+            return 0
+        rows = [queue.from_db(r) for r in await (await conn.execute(_BLOCKED_WITH, (organization_id, moved))).fetchall()]
         changes: list[queue.Change] = []
         unblocked = 0
         for row in rows:

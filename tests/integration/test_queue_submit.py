@@ -159,3 +159,16 @@ async def test_submitting_notifies_once_with_the_claimable_count(db_url, conn, o
         rows, _ = await jobs.submit(conn, org_id, specs, actor="t", batch=True)
         notes = [n async for n in listener.notifies(timeout=1.0)]
     assert [store.parse_hint(n.payload) for n in notes] == [(org_id, max(r.position for r in rows), 5)]
+
+
+async def test_reexamining_when_nothing_changed_for_blocked_jobs_writes_nothing(conn, org):
+    from umbra.compute.blocked import reexamine_blocked
+
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [CPU8])
+    await jobs.submit(conn, org_id, [spec(requires={"accelerators": ["cuda"]}) for _ in range(50)], actor="t", batch=True)
+    head = await store.head_position(conn)
+    assert await reexamine_blocked(conn, org_id) == 0
+    assert await store.head_position(conn) == head
+    await add_node(conn, org_id, "gpu", [GPU24], online=False)
+    assert (await (await conn.execute("SELECT count(*) FROM jobs WHERE status = 'queued'")).fetchone())[0] == 50
