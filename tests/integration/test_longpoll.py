@@ -261,3 +261,33 @@ async def test_refusals(conn, org, server):
     assert anonymous.status_code == 401
     assert with_api_key.status_code == 403
     assert immediate.status_code == 204
+
+
+async def test_the_safety_poll_finds_work_whose_notification_was_lost(conn, org, db_url):
+    """Jobs committed with no NOTIFY at all: the once-per-process safety poll finds them."""
+    from umbra.events.types import JobSubmitted
+    from umbra.projections import jobs as queue
+
+    org_id, _ = org
+    credentials = [(await online_node(conn, org_id, f"box-{i}"))[1] for i in range(2)]
+    with LiveServer(db_url, UMBRA_POLL_FALLBACK_SECONDS="0.3") as live:
+        hub = live.app.state.waiters
+        responses: list[httpx.Response] = []
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as client:
+
+            async def poll(credential):
+                responses.append(await client.post("/v1/agent/claim", params={"wait": 20}, headers=_auth(credential)))
+
+            async with anyio.create_task_group() as tg:
+                for credential in credentials:
+                    tg.start_soon(poll, credential)
+                await eventually(lambda: _true(hub.waiting(org_id) == 2))
+                async with conn.transaction():  # appended and folded, never published
+                    await queue.record(
+                        conn,
+                        [queue.Change(uuid.uuid4(), org_id, None, [JobSubmitted(kind="quiet", priority=100, max_attempts=3)])
+                         for _ in range(2)],
+                    )
+                await eventually(lambda: _true(len(responses) == 2), timeout=10)
+    assert [r.status_code for r in responses] == [200, 200]
+    assert {r.json()["job"]["kind"] for r in responses} == {"quiet"}
