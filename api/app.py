@@ -57,7 +57,7 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
                 tg.cancel_scope.cancel()
 
     routes = all_routes()
-    templates = {route.endpoint: route.path for route in routes}
+    templates = {route.endpoint: route.path for route in routes if hasattr(route, "endpoint")}
     app = Starlette(
         routes=routes,
         exception_handlers=HANDLERS,
