@@ -245,12 +245,75 @@
     $("running-empty").hidden = running.length > 0;
 
     const blocked = jobs.filter((j) => j.status === "blocked");
-    $("blocked-table").tBodies[0].replaceChildren(...blocked.map((j) => h("tr", { "data-job": j.id },
+    $("blocked-table").tBodies[0].replaceChildren(...blocked.map((j, i) => h("tr", { "data-job": j.id },
       h("td", { class: "id", title: j.id }, shortId(j.id)),
       h("td", {}, j.kind),
-      h("td", { class: "reason" }, j.blocked_reason || j.error || "—"),
+      h("td", {}, h("span", { class: "reason" }, j.blocked_reason || j.error || "—"), explainCell(j, i)),
       h("td", { class: "num", "data-ago": j.created_at || "" }, ago(j.created_at)))));
     $("blocked-empty").hidden = blocked.length > 0;
+    renderWaiting();
+    forgetExplanations(new Set([...blocked, ...waitingJobs()].map((j) => j.id)));
+  }
+
+  // -- explanations ---------------------------------------------------------------------
+  // Why a blocked job, or one queued longer than WAITING_SECONDS, is not running:
+  // GET /v1/jobs/{id}/explain, fetched only for rows on screen (the first
+  // MAX_EXPLAINED of each table) and kept for EXPLAIN_TTL_MS or until the job moves.
+
+  const WAITING_SECONDS = 30;
+  const EXPLAIN_TTL_MS = 10000;
+  const MAX_EXPLAINED = 25;
+  const explanations = new Map(); // job id -> { summary, at, position, pending }
+  let waitingShown = "";
+
+  function explainCell(job, index) {
+    const cached = explanations.get(job.id);
+    if (index < MAX_EXPLAINED) requestExplanation(job);
+    return h("div", { class: "explain", "data-explain": job.id }, cached?.summary || (index < MAX_EXPLAINED ? "explaining…" : ""));
+  }
+
+  function requestExplanation(job) {
+    const cached = explanations.get(job.id);
+    if (cached && (cached.pending || (Date.now() - cached.at < EXPLAIN_TTL_MS && cached.position === job.position))) return;
+    const entry = { summary: cached?.summary || null, at: 0, position: job.position, pending: true };
+    explanations.set(job.id, entry);
+    api(`/v1/jobs/${encodeURIComponent(job.id)}/explain`)
+      .then((body) => { entry.summary = body.summary; }, () => { entry.summary = entry.summary || "no explanation available"; })
+      .finally(() => {
+        entry.pending = false;
+        entry.at = Date.now();
+        for (const el of document.querySelectorAll("[data-explain]")) {
+          if (el.dataset.explain === job.id) el.textContent = entry.summary;
+        }
+      });
+  }
+
+  function forgetExplanations(shown) {
+    for (const id of explanations.keys()) if (!shown.has(id)) explanations.delete(id);
+  }
+
+  function waitingJobs() {
+    const cutoff = Date.now() - WAITING_SECONDS * 1000;
+    return (view.queue?.jobs || []).filter((j) => j.status === "queued" && Date.parse(j.created_at) <= cutoff);
+  }
+
+  function renderWaiting() {
+    const waiting = waitingJobs();
+    waitingShown = waiting.map((j) => `${j.id}@${j.position}`).join(",");
+    $("waiting-table").tBodies[0].replaceChildren(...waiting.map((j, i) => h("tr", { "data-job": j.id },
+      h("td", { class: "id", title: j.id }, shortId(j.id)),
+      h("td", {}, j.kind),
+      h("td", {}, explainCell(j, i)),
+      h("td", { class: "num", "data-ago": j.created_at || "" }, ago(j.created_at)))));
+    $("waiting-empty").hidden = waiting.length > 0;
+  }
+
+  function refreshExplanations() {
+    if (!view.queue || !apiKey) return;
+    const waiting = waitingJobs();
+    if (waiting.map((j) => `${j.id}@${j.position}`).join(",") !== waitingShown) renderWaiting();
+    const blocked = (view.queue.jobs || []).filter((j) => j.status === "blocked");
+    for (const list of [blocked, waiting]) list.slice(0, MAX_EXPLAINED).forEach(requestExplanation);
   }
 
   function meter(label, total, free) {
@@ -298,6 +361,7 @@
   }
 
   function tick() {
+    refreshExplanations();
     for (const el of document.querySelectorAll("[data-until]")) el.textContent = until(el.dataset.until);
     for (const el of document.querySelectorAll("[data-ago]")) {
       const prefix = el.textContent.startsWith("heartbeat") ? "heartbeat " : "";
