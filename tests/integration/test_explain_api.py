@@ -8,7 +8,7 @@ import pytest
 
 from umbra.compute import claims
 from umbra.compute.accounts import create_api_key, create_organization
-from umbra.compute.nodes import drain_node
+from umbra.compute.nodes import drain_node, retire_node
 from umbra.events.types import Device
 
 from .queue_support import CPU8, CPU64, GPU24, add_node, beat, register_model, submit
@@ -179,3 +179,17 @@ async def test_explain_refuses_other_organizations_unknown_ids_and_missing_scope
     assert response.status_code == 403 and response.json()["error"] == "forbidden"
     after = (await (await conn.execute("SELECT count(*), max(position) FROM events")).fetchone())
     assert after == before
+
+
+async def test_draining_or_retiring_a_node_keeps_the_stored_blocked_reason_and_explain_in_agreement(client, conn, org):
+    org_id, key = org
+    small = await add_node(conn, org_id, "small", [GPU24])
+    big = await add_node(conn, org_id, "big", [Device(kind="gpu_discrete", label="g", vram_total_mb=32768, vram_free_mb=32768)])
+    job = await submit(conn, org_id, requires={"vram_min_mb": 40000})
+    for change, expected in (
+        (lambda: drain_node(conn, org_id, big), "no_eligible_device: needs 40000 MB VRAM, largest is 24576 MB (small/gpu0)"),
+        (lambda: retire_node(conn, org_id, small), "no_eligible_device: no active node with devices is registered"),
+    ):
+        await change()
+        stored = (await client.get(f"/v1/jobs/{job.id}", headers=bearer(key))).json()["blocked_reason"]
+        assert stored == (await explain(client, key, job.id))["blocked_reason"] == expected
