@@ -102,7 +102,7 @@ async def test_a_retried_job_says_it_is_not_due_yet(client, conn, org):
 
 async def test_a_blocked_job_and_its_explanation_give_the_same_reason_as_the_fleet_changes(client, conn, org):
     org_id, key = org
-    await add_node(conn, org_id, "gpu-box", [GPU24])
+    gpu_box = await add_node(conn, org_id, "gpu-box", [GPU24])
     big = await submit(conn, org_id, requires={"vram_min_mb": 40000})
     modelled = await submit(conn, org_id, requires={"models": ["llama"]})
 
@@ -128,6 +128,10 @@ async def test_a_blocked_job_and_its_explanation_give_the_same_reason_as_the_fle
     await add_node(conn, org_id, "bigger", [Device(kind="gpu_discrete", label="g", vram_total_mb=32768, vram_free_mb=32768)],
                    online=False)  # fmt: skip
     assert "largest is 32768 MB (bigger/g)" in (await agree(big.id))["blocked_reason"]
+    # gpu-box reports a bigger card in a heartbeat: re-examined there, and explain says the same.
+    upgraded = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=36864, vram_free_mb=36864, accelerators=("cuda",))
+    await beat(conn, org_id, gpu_box, [upgraded])
+    assert "largest is 36864 MB (gpu-box/gpu0)" in (await agree(big.id))["blocked_reason"]
     await register_model(conn, org_id, "llama", vram_min_mb=30000)
     assert (await agree(modelled.id))["status"] == "queued"  # runnable on bigger once it is heard from
     huge = await add_node(conn, org_id, "huge", [Device(kind="gpu_discrete", label="g", vram_total_mb=49152, vram_free_mb=49152)])
