@@ -28,12 +28,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Annotated, Any, Mapping, Sequence
+from typing import Any, Sequence
 from uuid import UUID, uuid4
 
 import msgspec
 import psycopg
-from msgspec import Meta
 
 from umbra.domain.eligibility import is_busy
 from umbra.domain.jobs import check_holder, decide_failure
