@@ -15,7 +15,7 @@ are one moment's state. Time comes from the database clock.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Mapping, Sequence
 from uuid import UUID
 
@@ -104,7 +104,7 @@ async def _waiting(
         eligible, ineligible, nodes=nodes, requires=row.requires, models=models, standing=standing,
         not_before=row.not_before,
     )  # fmt: skip
-    not_before = row.not_before if due_in > 0 else None
+    not_before = row.not_before.astimezone(timezone.utc) if row.not_before and due_in > 0 else None
     return Explanation(job_id=row.id, status=row.status, eligible=eligible, ineligible=ineligible, summary=summary,
                        ahead=ahead, not_before=not_before)  # fmt: skip
 

@@ -197,3 +197,18 @@ async def test_draining_or_retiring_a_node_keeps_the_stored_blocked_reason_and_e
         await change()
         stored = (await client.get(f"/v1/jobs/{job.id}", headers=bearer(key))).json()["blocked_reason"]
         assert stored == (await explain(client, key, job.id))["blocked_reason"] == expected
+
+
+
+async def test_times_are_utc_whatever_the_sessions_time_zone(conn, org):
+    from umbra.compute.explain import explain as explain_job
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "gpu-box", [GPU24])
+    job = await submit(conn, org_id)
+    held = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
+    await claims.fail(conn, organization_id=org_id, node_id=node, job_id=job.id, attempt=held.attempt, error="x", retry=True)
+    await conn.execute("SET timezone = 'Asia/Kolkata'")
+    body = msgspec.json.decode(msgspec.json.encode(await explain_job(conn, org_id, job.id)))
+    assert body["not_before"].endswith("Z"), body["not_before"]
+    assert "Z (" in body["summary"]
