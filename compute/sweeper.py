@@ -11,7 +11,9 @@ Each tick, in separate command transactions:
   ``blocked_timeout``, error = the blocking reason), so parents still settle;
 * **delayed jobs now due** → one hint per organization, so long-polls waiting
   for work wake when a backoff or lease-expiry delay ends rather than at their
-  next poll.
+  next poll;
+* every :data:`REEXAMINE_SECONDS`, **blocked jobs** get a second look (see
+  :func:`sweep_once`).
 
 It runs inside the server from startup, in exactly one process at a time:
 :func:`run` holds a session-level advisory lock on a dedicated connection
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable
@@ -41,6 +44,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change
 from umbra.settings import Settings
 
+from .blocked import reexamine_blocked
 from .jobs import record_and_settle
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,8 @@ SWEEPER_LOCK_KEY = 0x756D627261737770
 #: Rows handled per transaction; a larger backlog takes several.
 SWEEP_BATCH = 500
 _METADATA = {"actor": "sweeper"}
+#: How often the loop re-examines blocked jobs on its own, in seconds.
+REEXAMINE_SECONDS = 30.0
 
 _EXPIRED = f"""
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
@@ -63,6 +69,7 @@ WHERE status = 'blocked' AND blocked_at <= umbra_now() - make_interval(secs => %
 ORDER BY blocked_at LIMIT %s
 FOR UPDATE SKIP LOCKED
 """
+_BLOCKED_ORGS = "SELECT DISTINCT organization_id FROM jobs WHERE status = 'blocked'"
 _DUE = """
 SELECT organization_id, count(*), max(position) FROM jobs
 WHERE status = 'queued' AND not_before > %s AND not_before <= %s
@@ -80,14 +87,25 @@ class SweepReport:
     nodes_offline: int = 0
     blocked_failed: int = 0
     jobs_woken: int = 0
+    jobs_unblocked: int = 0
 
     @property
     def actions(self) -> int:
         return self.leases_requeued + self.leases_failed + self.nodes_offline + self.blocked_failed
 
 
-async def sweep_once(conn: psycopg.AsyncConnection, settings: Settings, *, since: datetime | None = None) -> SweepReport:
-    """One tick. ``since`` is the previous tick's ``now``: jobs due after it are announced."""
+async def sweep_once(
+    conn: psycopg.AsyncConnection, settings: Settings, *, since: datetime | None = None, reexamine: bool = True
+) -> SweepReport:
+    """One tick. ``since`` is the previous tick's ``now``: jobs due after it are announced.
+
+    ``reexamine`` also gives every organization's blocked jobs a second look.
+    Node changes re-examine in their own transaction, but a job submitted
+    concurrently (blocked against a fleet snapshot that had not seen the
+    change) or held by another transaction at that moment would otherwise stay
+    blocked until the next change; the loop does this every
+    :data:`REEXAMINE_SECONDS`.
+    """
     report = SweepReport(now=(await (await conn.execute("SELECT umbra_now()")).fetchone())[0])
     while await _expire_leases(conn, settings, report) == SWEEP_BATCH:
         pass
@@ -96,6 +114,9 @@ async def sweep_once(conn: psycopg.AsyncConnection, settings: Settings, *, since
         pass
     if since is not None:
         await _announce_due(conn, since, report)
+    if reexamine:
+        for (organization_id,) in await (await conn.execute(_BLOCKED_ORGS)).fetchall():
+            report.jobs_unblocked += await reexamine_blocked(conn, organization_id, metadata=_METADATA)
     for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
                           ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed)):
         metrics.count_sweeper_action(action, count)
@@ -209,10 +230,14 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
         await anyio.sleep(retry_seconds)
     log.info("sweeper leading", extra={"action": "sweeper_leading", "backend_pid": conn.info.backend_pid})
     since: datetime | None = None
+    last_reexamined = -REEXAMINE_SECONDS
     while True:
         try:
-            report = await sweep_once(conn, settings, since=since)
+            reexamine = time.monotonic() - last_reexamined >= REEXAMINE_SECONDS
+            report = await sweep_once(conn, settings, since=since, reexamine=reexamine)
             since = report.now
+            if reexamine:
+                last_reexamined = time.monotonic()
         except (psycopg.OperationalError, psycopg.InterfaceError):
             raise
         except Exception:  # a bad tick must not stop recovery for good

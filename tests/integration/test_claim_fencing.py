@@ -250,3 +250,25 @@ async def test_children_refusals_write_nothing(conn, two_nodes):
     await refused("job_not_claimed_by_this_node", claims.add_children(
         conn, organization_id=org_id, node_id=b, job_id=parent.id, attempt=got.attempt, children=[child()]))
     assert await store.head_position(conn) == head
+
+
+async def test_children_completing_concurrently_settle_the_parent_exactly_once(db_url, conn, two_nodes):
+    import anyio
+    import psycopg
+
+    org_id, a, b = two_nodes
+    parent = await submit(conn, org_id)
+    got = await claim(conn, org_id, a)
+    await claims.add_children(conn, organization_id=org_id, node_id=a, job_id=parent.id, attempt=got.attempt,
+                              children=[child(payload={"n": i}) for i in range(8)])  # fmt: skip
+    held = [await claim(conn, org_id, b) for _ in range(8)]
+
+    async def finish(c_claim):
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            await claims.complete(c, organization_id=org_id, node_id=b, job_id=c_claim.job_id, attempt=1, result=None)
+
+    async with anyio.create_task_group() as tg:
+        for h in held:
+            tg.start_soon(finish, h)
+    assert [r.type for r in await stream(conn, parent.id)].count("job.settled") == 1
+    assert (await queue.load(conn, parent.id, org_id)).status == "complete"

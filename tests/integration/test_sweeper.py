@@ -161,3 +161,17 @@ async def test_a_batch_of_expired_leases_is_swept_in_one_tick(conn, org):
         await claim(conn, org_id, node)
     await set_clock(conn, 31)
     assert (await sweep_once(conn, SETTINGS)).leases_requeued == 30
+
+
+async def test_a_blocked_job_missed_by_a_node_change_is_unblocked_by_the_sweeper(db_url, conn, org):
+    org_id, _ = org
+    job = await submit(conn, org_id)
+    assert job.status == "blocked"  # nothing registered yet
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as other:
+        async with other.transaction():
+            await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (job.id,))
+            await add_node(conn, org_id, "n", [CPU64])  # its re-examination skips the held row
+    assert (await queue.load(conn, job.id, org_id)).status == "blocked"
+    assert (await sweep_once(conn, SETTINGS, reexamine=False)).jobs_unblocked == 0
+    assert (await sweep_once(conn, SETTINGS)).jobs_unblocked == 1
+    assert (await queue.load(conn, job.id, org_id)).status == "queued"
