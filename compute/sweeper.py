@@ -118,7 +118,8 @@ async def sweep_once(
         for (organization_id,) in await (await conn.execute(_BLOCKED_ORGS)).fetchall():
             report.jobs_unblocked += await reexamine_blocked(conn, organization_id, metadata=_METADATA)
     for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
-                          ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed)):
+                          ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed),
+                          ("job_unblocked", report.jobs_unblocked)):
         metrics.count_sweeper_action(action, count)
     if report.actions:
         log.info("sweep", extra={"action": "sweep", "leases_requeued": report.leases_requeued,
