@@ -16,7 +16,6 @@ import time
 
 import anyio
 import httpx
-import psycopg
 import pytest
 
 from tests.conftest import free_port
