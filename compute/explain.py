@@ -96,8 +96,9 @@ async def _waiting(
             blocked_reason=current,
         )  # fmt: skip
     able = {e.node_id for e in eligible}
-    shapes = await (await conn.execute(_AHEAD, {"org": row.organization_id, "priority": row.priority, "seq": row.seq})).fetchall()
-    ahead = competing_ahead([(_requirements.decode(r), n) for r, n in shapes], [n for n in nodes if n.id in able], models)
+    params = {"org": row.organization_id, "priority": row.priority, "seq": row.seq}
+    shapes = [(_requirements.decode(r), n) for r, n in await (await conn.execute(_AHEAD, params)).fetchall()]
+    ahead = competing_ahead(shapes, [node for node in nodes if node.id in able], models)
     due_in = max(0.0, (row.not_before - now).total_seconds()) if row.not_before else 0.0
     standing = QueueStanding(due_in_seconds=due_in, ahead=ahead)
     summary = queued_summary(
@@ -114,9 +115,12 @@ async def _placed(conn: psycopg.AsyncConnection, row: JobRow, nodes: Sequence[No
     node_name = names.get(row.placement.node_id) if row.placement else None
     children = None
     if row.children_total:
-        total, finished = await (await conn.execute(_CHILDREN, (row.organization_id, row.id))).fetchone()  # type: ignore[misc]
+        cursor = await conn.execute(_CHILDREN, (row.organization_id, row.id))
+        total, finished = await cursor.fetchone()  # type: ignore[misc]
         children = (max(total, row.children_total), finished)
-    lease_left = (row.lease_expires_at - now).total_seconds() if row.status == "running" and row.lease_expires_at else None
+    lease_left = None
+    if row.status == "running" and row.lease_expires_at:
+        lease_left = (row.lease_expires_at - now).total_seconds()
     summary = placed_summary(
         status=row.status, placement=row.placement, node_name=node_name, attempt=row.attempt,
         max_attempts=row.max_attempts, lease_seconds_left=lease_left, error=row.error, result=row.result,

@@ -63,7 +63,8 @@ def refusal_clauses(
     refused: Sequence[IneligibleDevice], requires: Requirements, models: Mapping[str, RegisteredModel]
 ) -> list[str]:
     """Why no device can take the job now, most actionable first (memory, then capabilities, then nodes)."""
-    clauses = [c for c in (_largest(refused, "vram_insufficient", "VRAM"), _largest(refused, "ram_insufficient", "RAM")) if c]
+    memory = (_largest(refused, "vram_insufficient", "VRAM"), _largest(refused, "ram_insufficient", "RAM"))
+    clauses = [clause for clause in memory if clause]
     busy = sum(1 for r in refused if r.reason == "device_busy")
     if busy:
         clauses.append(f"{_count(busy, 'GPU')} {_be(busy)} busy (no free VRAM)")
@@ -75,7 +76,8 @@ def refusal_clauses(
         clauses.append(f"model {', '.join(missing_models(requires, models))} is not registered")
     outside = len({r.node_id for r in refused if r.reason == "trust_domain"})
     if outside:
-        clauses.append(f"{_count(outside, 'node')} {_be(outside)} outside trust domain {', '.join(requires.trust_domains)}")
+        domains = ", ".join(requires.trust_domains)
+        clauses.append(f"{_count(outside, 'node')} {_be(outside)} outside trust domain {domains}")
     for reason, state in _NODE_STATES.items():
         count = len({r.node_id for r in refused if r.reason == reason})
         if count:
@@ -112,7 +114,8 @@ def queued_summary(
     )
     waits = [w for w in (not_due,) if w]
     if standing.ahead:
-        waits.append(f"{_count(standing.ahead, 'job')} ahead of it in the queue would be claimed first by the same nodes")
+        ahead = _count(standing.ahead, "job")
+        waits.append(f"{ahead} ahead of it in the queue would be claimed first by the same nodes")
     if not waits:
         waits.append("nothing holds it back: the next claim by an eligible node takes it")
     return head + "; " + " and ".join(waits) + "."
@@ -156,7 +159,8 @@ def placed_summary(
     if status == "running":
         if children is not None:
             total, finished = children
-            return f"Running as a container: {finished} of {_count(total, 'child', 'children')} finished; it settles when all have."
+            of = _count(total, "child", "children")
+            return f"Running as a container: {finished} of {of} finished; it settles when all have."
         if placement is None:
             return f"Running, attempt {attempt} of {max_attempts}."
         head = f"Running on {where} via {placement.via} ({placement.reason}), attempt {attempt} of {max_attempts}"
@@ -179,5 +183,7 @@ def placed_summary(
     if status == "cancelled":
         if where:
             return f"Cancelled while running on {where}."
-        return f"Cancelled while waiting, after {_count(attempt, 'attempt')}." if attempt else "Cancelled before it ran."
+        if attempt:
+            return f"Cancelled while waiting, after {_count(attempt, 'attempt')}."
+        return "Cancelled before it ran."
     raise ValueError(f"not a placed or finished status: {status}")

@@ -41,8 +41,8 @@ def format_explanation(body: dict[str, Any]) -> list[str]:
         width = max(len(_where(e)) for e in eligible)
         lines.append("eligible, best first:")
         for rank, e in enumerate(eligible, 1):
-            marks = "".join(
-                [" resident" if e["resident"] else "", f" evicts {','.join(e['would_evict'])}" if e["would_evict"] else ""]
+            marks = (" resident" if e["resident"] else "") + (
+                f" evicts {','.join(e['would_evict'])}" if e["would_evict"] else ""
             )
             lines.append(f"  {rank:>2}. {_where(e):<{width}}  via {e['via']:<4}  score {e['score']:<8g} "
                          f"{e['placement_reason']}{marks}")  # fmt: skip
