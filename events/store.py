@@ -32,6 +32,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
+from umbra import metrics
 from umbra.errors import ConcurrencyConflict
 
 from .types import Event, decode_event, encode_event
@@ -159,6 +160,7 @@ async def append_many(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppe
         raise _conflict(batch) from exc
     if len(returned) != len(rows):
         raise _conflict(batch)
+    metrics.count_events_appended(len(returned))
     return [
         RecordedEvent(
             position=position,

@@ -111,7 +111,12 @@ def registry_with(*extra: Collector) -> CollectorRegistry:
 
 
 def count_events_appended(n: int = 1) -> None:
-    """Call after a transaction that appended ``n`` events has committed."""
+    """Called by the event store when an append statement wrote ``n`` events.
+
+    Counted at append time: an append whose transaction later rolls back is
+    still counted, so this is an upper bound on committed events (the log's
+    head position gauge is exact).
+    """
     if n > 0:
         EVENTS_APPENDED.inc(n)
 
