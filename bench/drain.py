@@ -1,0 +1,149 @@
+"""Drain N pre-queued no-op jobs with 1, 4 and 16 agents: over HTTP and in-process.
+
+    python -m bench.drain [--jobs 2000] [--agents 1,4,16] [--modes http,inproc]
+
+* ``http``: a real ``umbra serve`` subprocess on a scratch database; nodes are
+  paired through the API (pairing code, redeem, heartbeat) and each agent is an
+  async httpx client in this process looping ``POST /v1/agent/claim?wait=1`` →
+  ``POST /v1/agent/jobs/{id}/complete``, exactly the agent protocol.
+* ``inproc``: the same loop calling the compute layer directly on a pool of 10
+  connections (the server's default), no HTTP: ``claims.claim`` and
+  ``claims.complete``, each its own transaction. The difference between the two
+  is the HTTP stack (client and server) plus the long-poll hub.
+
+The clock starts when the agents start and stops when the N-th completion has
+returned. Prints jobs/s per mode and agent count and writes
+``bench/results/drain.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+
+import anyio
+import httpx
+from psycopg_pool import AsyncConnectionPool
+
+from umbra.compute import claims
+
+from . import fleet
+from .common import print_table, scratch_database, write_json
+
+#: Lease the in-process agents ask for (the server's default).
+LEASE_SECONDS = 60
+
+
+class Tally:
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.done = 0
+        self.finished = anyio.Event()
+        self.ended_at = 0.0
+
+    def one(self) -> None:
+        self.done += 1
+        if self.done >= self.target and not self.finished.is_set():
+            self.ended_at = time.perf_counter()
+            self.finished.set()
+
+
+async def _http_agent(client: httpx.AsyncClient, credential: str, tally: Tally) -> None:
+    headers = {"Authorization": f"Bearer {credential}"}
+    while not tally.finished.is_set():
+        response = await client.post("/v1/agent/claim", params={"wait": 1}, headers=headers)
+        if response.status_code == 204:
+            continue
+        response.raise_for_status()
+        job = response.json()["job"]
+        done = await client.post(f"/v1/agent/jobs/{job['id']}/complete", json={"attempt": job["attempt"], "result": None},
+                                 headers=headers)  # fmt: skip
+        done.raise_for_status()
+        tally.one()
+
+
+async def _heartbeats(client: httpx.AsyncClient, credentials: list[str], tally: Tally) -> None:
+    while not tally.finished.is_set():
+        with anyio.move_on_after(10):
+            await tally.finished.wait()
+        for credential in credentials:
+            await fleet.beat(client, credential)
+
+
+async def drain_http(url: str, jobs: int, agents: int) -> dict:
+    org, api_key = await fleet.new_organization(url)
+    with fleet.serve(url) as server:
+        limits = httpx.Limits(max_connections=agents + 4, max_keepalive_connections=agents + 4)
+        async with httpx.AsyncClient(base_url=server.base, timeout=60, limits=limits) as client:
+            nodes = await fleet.pair_over_http(client, api_key, [f"agent-{i}" for i in range(agents)])
+            await fleet.submit_noops(url, org, jobs)
+            tally = Tally(jobs)
+            started = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_heartbeats, client, [c for _, c in nodes], tally)
+                for _, credential in nodes:
+                    tg.start_soon(_http_agent, client, credential, tally)
+                await tally.finished.wait()
+                tg.cancel_scope.cancel()
+    seconds = tally.ended_at - started
+    return {"mode": "http", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds}
+
+
+async def _inproc_agent(pool: AsyncConnectionPool, org: uuid.UUID, node_id: uuid.UUID, tally: Tally) -> None:
+    while not tally.finished.is_set():
+        async with pool.connection() as conn:
+            claimed = await claims.claim(conn, node_id=node_id, organization_id=org, lease_seconds=LEASE_SECONDS)
+        if claimed is None:
+            await anyio.sleep(0.01)
+            continue
+        async with pool.connection() as conn:
+            await claims.complete(conn, organization_id=org, node_id=node_id, job_id=claimed.job_id,
+                                  attempt=claimed.attempt, result=None)  # fmt: skip
+        tally.one()
+
+
+async def drain_inproc(url: str, jobs: int, agents: int) -> dict:
+    org, _ = await fleet.new_organization(url)
+    nodes = await fleet.pair_in_process(url, org, [f"agent-{i}" for i in range(agents)])
+    await fleet.submit_noops(url, org, jobs)
+    tally = Tally(jobs)
+    async with AsyncConnectionPool(url, min_size=10, max_size=10, kwargs={"autocommit": True}, open=False) as pool:
+        await pool.wait()
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for node_id, _ in nodes:
+                tg.start_soon(_inproc_agent, pool, org, node_id, tally)
+            await tally.finished.wait()
+            tg.cancel_scope.cancel()
+    seconds = tally.ended_at - started
+    return {"mode": "inproc", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds}
+
+
+RUNNERS = {"http": drain_http, "inproc": drain_inproc}
+
+
+def run(jobs: int, agent_counts: list[int], modes: list[str]) -> list[dict]:
+    results = []
+    for mode in modes:
+        for agents in agent_counts:
+            with scratch_database("umbra_bench_drain") as url:
+                results.append(anyio.run(RUNNERS[mode], url, jobs, agents))
+            print(f"  {mode} x{agents}: {results[-1]['jobs_per_s']:,.0f} jobs/s", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--agents", default="1,4,16")
+    parser.add_argument("--modes", default="http,inproc")
+    args = parser.parse_args()
+    results = run(args.jobs, [int(a) for a in args.agents.split(",")], args.modes.split(","))
+    rows = [[r["mode"], r["agents"], r["jobs"], r["seconds"], r["jobs_per_s"]] for r in results]
+    print_table("Drain no-op jobs (claim + complete per job)", ["mode", "agents", "jobs", "seconds", "jobs/s"], rows)
+    print(f"\nwrote {write_json('drain', {'results': results})}")
+
+
+if __name__ == "__main__":
+    main()
