@@ -2,8 +2,8 @@
 
 The request authenticates on a pooled connection and gives it back; it then
 waits in the process's :class:`~umbra.api.longpoll.WaiterHub` holding no
-connection at all, and each claim attempt borrows one only for its own
-transaction. A thousand idle agents therefore cost a thousand small objects in
+connection at all, and each claim attempt joins the next group-commit batch
+(:mod:`umbra.compute.group_commit`), which borrows one connection per batch. A thousand idle agents therefore cost a thousand small objects in
 memory, not a thousand database connections.
 
 A client that hangs up while waiting claims nothing: a task watches
@@ -71,15 +71,16 @@ async def claim(request: Request) -> Response:
     node_id: UUID = who.node_id
     settings = services.settings
 
+    group = request.app.state.group_commit
+
     async def attempt() -> claims.ClaimResult | None:
-        async with services.pool.connection() as conn:
-            return await claims.claim(
-                conn,
-                node_id=node_id,
-                organization_id=who.organization_id,
-                lease_seconds=settings.lease_seconds,
-                stale_seconds=settings.heartbeat_stale_seconds,
-            )
+        # Claims from many agents share a transaction (umbra.compute.group_commit).
+        return await group.claim(
+            node_id=node_id,
+            organization_id=who.organization_id,
+            lease_seconds=settings.lease_seconds,
+            stale_seconds=settings.heartbeat_stale_seconds,
+        )
 
     started = time.monotonic()
     gone = anyio.Event()

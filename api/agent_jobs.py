@@ -1,6 +1,8 @@
 """Agent routes for a job the node holds: renew, complete, fail, decompose.
 
-Each names the attempt it holds (the fencing token). Not the holder, or a
+Each names the attempt it holds (the fencing token). Renewals and completions
+from many agents share transactions (:mod:`umbra.compute.group_commit`); each
+is still decided on its own locked row. Not the holder, or a
 stale attempt, is 409 ``job_not_claimed_by_this_node``; a cancelled job is 409
 ``job_cancelled``; neither changes anything. The organization and the node
 come from the credential, never from the request.
@@ -52,9 +54,11 @@ async def renew(request: Request) -> Response:
     services = request.app.state.services
     async with services.pool.connection() as conn:
         who = await principal(request, conn, "compute:claim", "compute:complete")
-        body = await read_json(request, RenewRequest)
-        row = await claims.renew(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
-                                 attempt=body.attempt, lease_seconds=services.settings.lease_seconds)  # fmt: skip
+    body = await read_json(request, RenewRequest)
+    row = await request.app.state.group_commit.renew(
+        organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
+        lease_seconds=services.settings.lease_seconds,
+    )  # fmt: skip
     return json_response({"lease_expires_at": queue.timestamp(row.lease_expires_at), "attempt": row.attempt})
 
 
@@ -62,9 +66,10 @@ async def complete(request: Request) -> Response:
     job_id = path_uuid(request, code="job_not_found")
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "compute:complete")
-        body = await read_json(request, CompleteRequest)
-        row = await claims.complete(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
-                                    attempt=body.attempt, result=body.result)  # fmt: skip
+    body = await read_json(request, CompleteRequest)
+    row = await request.app.state.group_commit.complete(
+        organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt, result=body.result
+    )  # fmt: skip
     return json_response(queue.to_json(row))
 
 

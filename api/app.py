@@ -10,6 +10,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
 from umbra.compute import sweeper
+from umbra.compute.group_commit import GroupCommit, HintNotifier
 from umbra.db import open_pool
 from umbra.events.listener import LogListener
 from umbra.settings import Settings
@@ -46,9 +47,15 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
                 listener.on_hint(subscriber.on_hint)
                 listener.on_reconnect(subscriber.on_reconnect)
             app.state.waiters, app.state.log_watch = waiters, log_watch
+            # Agents' claims, renewals and completions share transactions; their hints
+            # are sent after commit, outside the data transactions.
+            notifier = HintNotifier(pool)
+            app.state.group_commit = GroupCommit(pool, notifier)
             app.state.stop_streams = lambda: (waiters.stop(), log_watch.stop())
             async with anyio.create_task_group() as tg:
                 await tg.start(listener.run)
+                await tg.start(notifier.run)
+                await tg.start(app.state.group_commit.run)
                 tg.start_soon(waiters.safety_poll, pool)
                 # From startup, not on first request: a restarted server must recover leases.
                 tg.start_soon(sweeper.run, settings, database_url)

@@ -1,0 +1,259 @@
+"""Several agents' claims, renewals and completions as commands of one transaction.
+
+:mod:`umbra.compute.group_commit` gathers commands that arrive while the
+previous batch commits and runs them here, in the caller's transaction. Each
+command is still a command: it loads (its row, its node), decides with the same
+pure rules as :mod:`umbra.compute.claims` (``check_holder`` for fencing,
+``best_placement`` for eligibility), and its events go to its own stream and
+are folded onto its own row. What the batch shares is the statements: one
+``FOR UPDATE`` of every held row, one read of the claiming nodes, one scan per
+organization, one ``append_many``, one multi-row write, one commit.
+
+A refusal (not the holder, cancelled, no such job) is decided before anything
+is written and answers only its own command: :func:`stage` returns it as that
+command's outcome, and the others go on. Two commands naming the same job are
+not decided against each other here: the second is handed back for the next
+batch, where it sees the first one's result.
+
+Claims follow :func:`umbra.compute.claims.claim`: the organization's queued,
+due jobs in (priority, seq) order, each requirement shape judged once per node,
+and only rows the node is eligible for are locked (``FOR UPDATE SKIP LOCKED``,
+re-checking queued and due in the locking statement). Claimers are served in
+arrival order, each the first locked row it is eligible for, which is what the
+same claims run one after another would have taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Sequence
+from uuid import UUID
+
+import msgspec
+import psycopg
+
+from umbra.domain.eligibility import NodeView, is_busy
+from umbra.domain.jobs import check_holder
+from umbra.domain.node_status import effective_status
+from umbra.domain.placement import best_placement
+from umbra.errors import NotFound, UmbraError
+from umbra.events import store
+from umbra.events.types import Device, Event, JobClaimed, JobCompleted, JobLeaseRenewed, Placement, Requirements
+from umbra.projections import jobs as queue
+from umbra.projections.jobs import JobRow
+
+from .blocked import read_models
+from .claims import MAX_SCAN_PAGES, SCAN_PAGE, ClaimResult
+from .jobs import settle_parents
+
+
+@dataclass(eq=False)
+class Command:
+    """One agent's request. ``kind`` is ``claim``, ``renew`` or ``complete``."""
+
+    kind: str
+    organization_id: UUID
+    node_id: UUID
+    job_id: UUID | None = None
+    attempt: int = 0
+    lease_seconds: int = 60
+    stale_seconds: int = 45
+    result: Any = None
+    #: Set by the batch: the command's answer (a ClaimResult, None, a JobRow) or the refusal to raise.
+    outcome: Any = None
+    error: BaseException | None = None
+
+    @property
+    def actor(self) -> dict[str, str]:
+        return {"actor": f"node:{self.node_id}"}
+
+
+@dataclass
+class _Staged:
+    command: Command
+    state: JobRow
+    event: Event
+    placement: Placement | None = None
+    row: JobRow | None = field(default=None)
+
+
+_LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE"
+_NODES = """
+SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, n.devices::text, l.last_seen_at, umbra_now()
+FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
+WHERE n.id = ANY(%s)
+"""
+_SCAN = """
+SELECT id, priority, seq, requires::text FROM jobs
+WHERE organization_id = %(org)s AND status = 'queued'
+  AND (not_before IS NULL OR not_before <= umbra_now())
+  AND (priority, seq) > (%(priority)s, %(seq)s)
+  AND NOT (requires = ANY(%(skip)s::text[]::jsonb[]))
+ORDER BY priority, seq
+LIMIT %(limit)s
+"""
+_LOCK_QUEUED = f"""
+SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
+WHERE id = ANY(%(ids)s) AND organization_id = %(org)s AND status = 'queued'
+  AND (not_before IS NULL OR not_before <= umbra_now())
+ORDER BY priority, seq
+FOR UPDATE SKIP LOCKED
+"""
+_devices = msgspec.json.Decoder(tuple[Device, ...])
+_requirements = msgspec.json.Decoder(Requirements)
+
+
+async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> tuple[list[_Staged], list[Command]]:
+    """Load and decide every command; returns the staged changes and the commands deferred to the next batch."""
+    staged: list[_Staged] = []
+    deferred: list[Command] = []
+    held = [c for c in commands if c.kind != "claim"]
+    if held:
+        staged += await _stage_held(conn, held, deferred)
+    claimers = [c for c in commands if c.kind == "claim"]
+    if claimers:
+        staged += await _stage_claims(conn, claimers)
+    return staged, deferred
+
+
+async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> list[tuple[UUID, int, int]]:
+    """Append every staged event, fold each onto its own row, write the rows, settle parents; returns hints."""
+    if not staged:
+        return []
+    batch = [store.PendingAppend(store.job_stream(s.state.id), s.state.version, [s.event], s.state.organization_id,
+                                 s.command.actor) for s in staged]  # fmt: skip
+    recorded = await store.append_many(conn, batch)
+    for item, event_record in zip(staged, recorded):
+        item.row = queue.fold(item.state, event_record, job_id=item.state.id)
+    await queue.write_rows(conn, [s.row for s in staged])  # type: ignore[misc]
+    last: dict[UUID, int] = {}
+    # Parents are locked after their children and in id order, as in every other command.
+    for item in sorted((s for s in staged if s.row and s.row.parent_job_id), key=lambda s: str(s.row.parent_job_id)):  # type: ignore[union-attr]
+        for settled in await settle_parents(conn, [item.row], metadata=item.command.actor):  # type: ignore[list-item]
+            last[settled.organization_id] = max(last.get(settled.organization_id, 0), settled.position)
+    for item in staged:
+        row = item.row
+        assert row is not None
+        last[row.organization_id] = max(last.get(row.organization_id, 0), row.position)
+    return [(org, position, 0) for org, position in last.items()]
+
+
+def answer(staged: Sequence[_Staged]) -> None:
+    """After commit: each staged command's outcome."""
+    for item in staged:
+        row = item.row
+        assert row is not None
+        if item.command.kind == "claim":
+            item.command.outcome = ClaimResult(
+                job_id=row.id, attempt=row.attempt, job=queue.to_json(row),
+                placement=queue.placement_json(item.placement) or {},
+                lease_expires_at=queue.timestamp(row.lease_expires_at) or "",
+            )  # fmt: skip
+        else:
+            item.command.outcome = row
+
+
+# -- renew and complete ----------------------------------------------------------------
+
+
+def decide_held(command: Command, row: JobRow | None, now: datetime) -> Event:
+    """The event a renew or complete appends, or the refusal it raises (before anything is written)."""
+    if row is None or row.organization_id != command.organization_id:
+        raise NotFound("job_not_found", f"No job {command.job_id}.")
+    check_holder(status=row.status, lease_owner=row.lease_owner, attempt=row.attempt, node_id=command.node_id,
+                 claimed_attempt=command.attempt)  # fmt: skip
+    if command.kind == "renew":
+        return JobLeaseRenewed(attempt=command.attempt, lease_expires_at=now + timedelta(seconds=command.lease_seconds))
+    return JobCompleted(attempt=command.attempt, result=command.result)
+
+
+async def _stage_held(conn: psycopg.AsyncConnection, held: Sequence[Command], deferred: list[Command]) -> list[_Staged]:
+    ids = sorted({c.job_id for c in held}, key=str)
+    records = await (await conn.execute(_LOCK_HELD, (ids,))).fetchall()
+    rows: dict[UUID, tuple[JobRow, datetime]] = {r[0]: (queue.from_db(r), r[-1]) for r in records}
+    now = records[0][-1] if records else None
+    staged: list[_Staged] = []
+    seen: set[UUID] = set()
+    for command in held:
+        assert command.job_id is not None
+        if command.job_id in seen:
+            deferred.append(command)
+            continue
+        seen.add(command.job_id)
+        row = rows.get(command.job_id, (None, now))[0]
+        try:
+            event = decide_held(command, row, now)  # type: ignore[arg-type]
+        except UmbraError as refusal:
+            command.error = refusal
+            continue
+        staged.append(_Staged(command, row, event))  # type: ignore[arg-type]
+    return staged
+
+
+# -- claims ------------------------------------------------------------------------------
+
+
+async def _read_nodes(conn: psycopg.AsyncConnection, claimers: Sequence[Command]) -> dict[UUID, tuple[UUID, NodeView]]:
+    records = await (await conn.execute(_NODES, (list({c.node_id for c in claimers}),))).fetchall()
+    stale = {c.node_id: c.stale_seconds for c in claimers}
+    return {
+        nid: (org, NodeView(id=nid, name=name, trust_domain=trust, devices=_devices.decode(devices),
+                            status=effective_status(status, last_seen, now, stale_seconds=stale[nid])))
+        for nid, org, name, status, trust, devices, last_seen, now in records
+    }  # fmt: skip
+
+
+async def _stage_claims(conn: psycopg.AsyncConnection, claimers: Sequence[Command]) -> list[_Staged]:
+    nodes = await _read_nodes(conn, claimers)
+    by_org: dict[UUID, list[tuple[Command, NodeView]]] = {}
+    for command in claimers:
+        org, node = nodes.get(command.node_id, (None, None))
+        if node is None or org != command.organization_id or node.status != "online" or all(is_busy(d) for d in node.devices):
+            continue  # outcome stays None: nothing this node may take
+        by_org.setdefault(command.organization_id, []).append((command, node))
+    staged: list[_Staged] = []
+    for org, waiting in by_org.items():
+        staged += await _claim_for_org(conn, org, waiting)
+    return staged
+
+
+async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]]) -> list[_Staged]:
+    models = await read_models(conn, org)
+    judged: dict[tuple[UUID, str], Placement | None] = {}
+    staged: list[_Staged] = []
+    skip: list[str] = []
+    after = (-(2**31), 0)
+    for _ in range(MAX_SCAN_PAGES):
+        params = {"org": org, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE}
+        page = await (await conn.execute(_SCAN, params)).fetchall()
+        shapes: dict[UUID, str] = {}
+        for job_id, _priority, _seq, requires in page:
+            shapes[job_id] = requires
+            for _command, node in waiting:
+                if (node.id, requires) not in judged:
+                    judged[node.id, requires] = best_placement(node, _requirements.decode(requires), models)
+            if requires not in skip and all(judged[node.id, requires] is None for _, node in waiting):
+                skip.append(requires)
+        # Each waiting claimer's first len(waiting) eligible rows: enough for it even if earlier claimers take theirs.
+        wanted: list[UUID] = []
+        for _command, node in waiting:
+            mine = [job_id for job_id, requires in shapes.items() if judged[node.id, requires] is not None]
+            wanted += mine[: len(waiting)]
+        if wanted:
+            locked = await (await conn.execute(_LOCK_QUEUED, {"ids": list(dict.fromkeys(wanted)), "org": org})).fetchall()
+            free = [(queue.from_db(r), r[-1]) for r in locked]
+            for command, node in list(waiting):
+                for index, (row, now) in enumerate(free):
+                    placement = judged[node.id, shapes[row.id]]
+                    if placement is not None:
+                        event = JobClaimed(attempt=row.attempt + 1, node_id=node.id, placement=placement,
+                                           lease_expires_at=now + timedelta(seconds=command.lease_seconds))  # fmt: skip
+                        staged.append(_Staged(command, row, event, placement))
+                        del free[index]
+                        waiting.remove((command, node))
+                        break
+        if not waiting or len(page) < SCAN_PAGE:
+            break
+        after = (page[-1][1], page[-1][2])
+    return staged

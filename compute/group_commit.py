@@ -1,0 +1,201 @@
+"""Group commit: agents' claims, renewals and completions share transactions.
+
+Every job transition appends to the log under one advisory lock held to
+commit (see :mod:`umbra.events.store`), so one transaction per transition caps
+a server at one commit flush per transition. :class:`GroupCommit` is a
+per-process batcher in front of those commands: a command queues up while the
+previous batch commits, and the next free worker takes everything queued as one
+batch, one transaction (:mod:`umbra.compute.batch_commands` runs it: each
+command still loads, decides, appends to its own stream, folds and writes its
+own row; the statements and the commit are shared).
+
+* A refusal (fencing: not the holder, a stale attempt, a cancelled job) is
+  decided before anything is written and answers only its own command.
+* Anything else that fails the batch (a :class:`ConcurrencyConflict`, a
+  deadlock, a string PostgreSQL cannot store) rolls the whole batch back, and
+  its commands are then run one by one through the ordinary single-command
+  functions of :mod:`umbra.compute.claims`, each in its own transaction, so
+  each gets exactly the answer it would have had alone.
+
+Hints are not sent from the batch transaction. ``NOTIFY`` takes a cluster-wide
+lock at commit and holds it across the commit flush, so notifying transactions
+cannot share a flush (``docs/PERFORMANCE.md`` has the measurements).
+:class:`HintNotifier` merges the hints of committed batches and sends them from
+one small transaction at a time, after the data they point at is visible.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Iterable
+from uuid import UUID
+
+import anyio
+from anyio.abc import TaskStatus
+from psycopg_pool import AsyncConnectionPool
+
+from umbra.events import store
+from umbra.projections.jobs import JobRow
+
+from . import batch_commands, claims
+from .batch_commands import Command
+
+log = logging.getLogger(__name__)
+
+#: Most commands one batch carries; more wait for the next batch.
+MAX_BATCH = 256
+#: Batches in flight at once: one gathers and decides while another commits.
+WORKERS = 2
+
+_NOTIFY = "SELECT pg_notify(%s, payload) FROM unnest(%s::text[]) AS payload"
+
+
+class HintNotifier:
+    """Coalesces log hints and sends them from one small transaction per tick.
+
+    A tick starts as soon as a hint arrives while none is being sent; hints
+    that arrive during a send go out together in the next one, merged per
+    organization (highest position, summed claimable count) as
+    :func:`umbra.events.store.publish` merges them within a transaction.
+    """
+
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self._pool = pool
+        self._pending: dict[UUID, list[int]] = {}
+        self._ready = anyio.Event()
+        #: Transactions sent, for benchmarks and tests.
+        self.ticks = 0
+
+    def hint(self, hints: Iterable[tuple[UUID, int, int]]) -> None:
+        for org, position, claimable in hints:
+            slot = self._pending.setdefault(org, [0, 0])
+            slot[0] = max(slot[0], position)
+            slot[1] += claimable
+        if self._pending:
+            self._ready.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await self._ready.wait()
+            self._ready = anyio.Event()
+            pending, self._pending = self._pending, {}
+            payloads = [store.hint_payload(org, position, claimable) for org, (position, claimable) in pending.items()]
+            try:
+                async with self._pool.connection() as conn:
+                    await conn.execute(_NOTIFY, (store.LOG_CHANNEL, payloads))
+                self.ticks += 1
+            except Exception as exc:  # hints are hints: listeners also poll
+                log.warning("hints not sent", extra={"action": "hints_not_sent", "error": str(exc)[:200]})
+
+
+class GroupCommit:
+    """The per-process batcher. Start :meth:`run` in the server's task group, then call the commands."""
+
+    def __init__(self, pool: AsyncConnectionPool, notifier: HintNotifier, *, workers: int = WORKERS,
+                 max_batch: int = MAX_BATCH) -> None:  # fmt: skip
+        self._pool = pool
+        self._notifier = notifier
+        self._workers = workers
+        self._max_batch = max_batch
+        self._queue: deque[tuple[Command, anyio.Event]] = deque()
+        self._ready = anyio.Event()
+        #: Counters for benchmarks and tests: batches committed, commands in them, batches retried one by one.
+        self.batches = 0
+        self.commands = 0
+        self.fallbacks = 0
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(self._workers):
+                tg.start_soon(self._worker)
+            task_status.started()
+
+    @property
+    def queued(self) -> int:
+        """Commands waiting for a batch."""
+        return len(self._queue)
+
+    # -- the commands (the same arguments and answers as umbra.compute.claims) ------------
+
+    async def claim(self, *, node_id: UUID, organization_id: UUID, lease_seconds: int,
+                    stale_seconds: int) -> claims.ClaimResult | None:  # fmt: skip
+        return await self._call(Command("claim", organization_id, node_id, lease_seconds=lease_seconds,
+                                        stale_seconds=stale_seconds))  # fmt: skip
+
+    async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int) -> JobRow:
+        return await self._call(Command("renew", organization_id, node_id, job_id, attempt, lease_seconds=lease_seconds))
+
+    async def complete(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any) -> JobRow:
+        return await self._call(Command("complete", organization_id, node_id, job_id, attempt, result=result))
+
+    async def _call(self, command: Command) -> Any:
+        done = anyio.Event()
+        self._queue.append((command, done))
+        self._ready.set()
+        await done.wait()
+        if command.error is not None:
+            raise command.error
+        return command.outcome
+
+    # -- batches ------------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            while not self._queue:
+                if self._ready.is_set():
+                    self._ready = anyio.Event()
+                await self._ready.wait()
+            batch = [self._queue.popleft() for _ in range(min(self._max_batch, len(self._queue)))]
+            with anyio.CancelScope(shield=True):
+                deferred = await self._execute(batch)
+            for item in batch:
+                if item in deferred:
+                    self._queue.append(item)
+                    self._ready.set()
+                else:
+                    item[1].set()
+
+    async def _execute(self, batch: list[tuple[Command, anyio.Event]]) -> list[tuple[Command, anyio.Event]]:
+        commands = [command for command, _ in batch]
+        try:
+            async with self._pool.connection() as conn:
+                async with conn.transaction():
+                    staged, deferred = await batch_commands.stage(conn, commands)
+                    hints = await batch_commands.write(conn, staged)
+        except Exception as exc:
+            log.warning("batch rolled back; its commands run one by one",
+                        extra={"action": "group_commit_fallback", "commands": len(commands), "error": str(exc)[:200]})  # fmt: skip
+            self.fallbacks += 1
+            for command in commands:
+                command.outcome, command.error = None, None
+                await self._alone(command)
+            return []
+        batch_commands.answer(staged)
+        self.batches += 1
+        self.commands += len(commands) - len(deferred)
+        self._notifier.hint(hints)
+        return [item for item in batch if item[0] in deferred]
+
+    async def _alone(self, command: Command) -> None:
+        """Run one command in its own transaction through the single-command path."""
+        try:
+            async with self._pool.connection() as conn:
+                if command.kind == "claim":
+                    command.outcome = await claims.claim(
+                        conn, node_id=command.node_id, organization_id=command.organization_id,
+                        lease_seconds=command.lease_seconds, stale_seconds=command.stale_seconds,
+                    )  # fmt: skip
+                elif command.kind == "renew":
+                    command.outcome = await claims.renew(
+                        conn, organization_id=command.organization_id, node_id=command.node_id,
+                        job_id=command.job_id, attempt=command.attempt, lease_seconds=command.lease_seconds,
+                    )  # fmt: skip
+                else:
+                    command.outcome = await claims.complete(
+                        conn, organization_id=command.organization_id, node_id=command.node_id,
+                        job_id=command.job_id, attempt=command.attempt, result=command.result,
+                    )  # fmt: skip
+        except Exception as exc:
+            command.error = exc

@@ -1,0 +1,198 @@
+"""Group commit: several agents' commands in one transaction, each still its own command.
+
+Commands are queued before the workers start, so they are known to land in
+one batch; ``GroupCommit.batches`` and ``fallbacks`` say how they ran.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any, Awaitable, Callable
+
+import anyio
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from umbra.compute import claims
+from umbra.compute.group_commit import GroupCommit, HintNotifier
+from umbra.errors import Conflict, InvalidRequest, NotFound
+from umbra.events import store
+from umbra.projections.verify import verify
+
+from .queue_support import CPU64, GPU24, add_node, submit
+
+pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def group_commit(db_url: str):
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=4, kwargs={"autocommit": True}, open=False) as pool:
+        notifier = HintNotifier(pool)
+        group = GroupCommit(pool, notifier)
+        async with anyio.create_task_group() as tg:
+            yield group, notifier, tg
+            tg.cancel_scope.cancel()
+
+
+async def in_one_batch(group: GroupCommit, tg, calls: list[Callable[[], Awaitable[Any]]]) -> list[Any]:
+    """Queue every call, then start the workers: they take all of them as one batch."""
+    results: list[Any] = [None] * len(calls)
+    done = anyio.Event()
+    left = len(calls)
+
+    async def run(index: int, call) -> None:
+        nonlocal left
+        try:
+            results[index] = await call()
+        except Exception as exc:  # the command's own answer
+            results[index] = exc
+        left -= 1
+        if not left:
+            done.set()
+
+    for index, call in enumerate(calls):
+        tg.start_soon(run, index, call)
+    while group.queued < len(calls):
+        await anyio.sleep(0)
+    await tg.start(group.run)
+    await done.wait()
+    return results
+
+
+async def claim_now(conn, org_id, node_id):
+    return await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60)
+
+
+async def test_a_batch_of_claims_never_gives_one_job_twice(db_url, conn, org):
+    org_id, _ = org
+    nodes = [await add_node(conn, org_id, f"box{i}", [CPU64]) for i in range(6)]
+    jobs = [(await submit(conn, org_id)).id for _ in range(4)]
+    async with group_commit(db_url) as (group, _, tg):
+        calls = [lambda n=n: group.claim(node_id=n, organization_id=org_id, lease_seconds=60, stale_seconds=45) for n in nodes]
+        results = await in_one_batch(group, tg, calls)
+    claimed = [r for r in results if r is not None]
+    assert sorted(str(r.job_id) for r in claimed) == sorted(str(j) for j in jobs)
+    # Served in arrival order: the first four claimers got the four jobs, in queue order.
+    assert [r.job_id if r else None for r in results] == [*jobs, None, None]
+    assert group.batches == 1 and group.fallbacks == 0
+    for result, node_id in zip(claimed, nodes):
+        assert result.job["lease_owner"] == str(node_id) and result.attempt == 1
+        assert result.placement["device_kind"] == "cpu"
+    assert await verify(conn) == []
+
+
+async def test_a_batch_claim_takes_only_jobs_the_node_is_eligible_for(db_url, conn, org):
+    org_id, _ = org
+    cpu_node = await add_node(conn, org_id, "cpu-box", [CPU64])
+    gpu_node = await add_node(conn, org_id, "gpu-box", [GPU24])
+    gpu_job = (await submit(conn, org_id, requires={"vram_min_mb": 16000, "accelerators": ["cuda"]})).id
+    cpu_job = (await submit(conn, org_id, requires={"ram_min_mb": 32000})).id
+    async with group_commit(db_url) as (group, _, tg):
+        calls = [lambda n=n: group.claim(node_id=n, organization_id=org_id, lease_seconds=60, stale_seconds=45)
+                 for n in (cpu_node, gpu_node)]  # fmt: skip
+        first, second = await in_one_batch(group, tg, calls)
+    assert (first.job_id, second.job_id) == (cpu_job, gpu_job)
+    assert second.placement["device_kind"] == "gpu_discrete"
+
+
+async def test_a_batch_claim_never_crosses_organizations(db_url, conn, org):
+    from umbra.compute.accounts import create_organization
+
+    org_id, _ = org
+    other_id, _ = await create_organization(conn, "other")
+    ours = await add_node(conn, org_id, "ours", [CPU64])
+    theirs = await add_node(conn, other_id, "theirs", [CPU64])
+    await submit(conn, org_id)
+    async with group_commit(db_url) as (group, _, tg):
+        calls = [
+            lambda: group.claim(node_id=theirs, organization_id=other_id, lease_seconds=60, stale_seconds=45),
+            # A node claiming in an organization it does not belong to gets nothing.
+            lambda: group.claim(node_id=theirs, organization_id=org_id, lease_seconds=60, stale_seconds=45),
+            lambda: group.claim(node_id=ours, organization_id=org_id, lease_seconds=60, stale_seconds=45),
+        ]
+        results = await in_one_batch(group, tg, calls)
+    assert results[0] is None and results[1] is None
+    assert results[2] is not None and results[2].job["organization_id"] == str(org_id)
+
+
+async def test_a_fencing_refusal_answers_only_its_own_command(db_url, conn, org):
+    org_id, _ = org
+    a = await add_node(conn, org_id, "a", [CPU64])
+    b = await add_node(conn, org_id, "b", [CPU64])
+    job_a, job_b = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
+    held_a, held_b = await claim_now(conn, org_id, a), await claim_now(conn, org_id, b)
+    assert (held_a.job_id, held_b.job_id) == (job_a, job_b)
+    before_b = await store.read_stream(conn, store.job_stream(job_b))
+    async with group_commit(db_url) as (group, _, tg):
+        results = await in_one_batch(group, tg, [
+            lambda: group.complete(organization_id=org_id, node_id=a, job_id=job_a, attempt=1, result={"ok": 1}),
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=job_b, attempt=2, result=None),  # stale
+            lambda: group.renew(organization_id=org_id, node_id=a, job_id=job_b, attempt=1, lease_seconds=60),  # not holder
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=a, attempt=1, result=None),  # no such job
+        ])  # fmt: skip
+    assert results[0].status == "complete" and results[0].result == {"ok": 1}
+    assert isinstance(results[1], Conflict) and results[1].code == "job_not_claimed_by_this_node"
+    assert isinstance(results[2], Conflict) and results[2].code == "job_not_claimed_by_this_node"
+    assert isinstance(results[3], NotFound) and results[3].code == "job_not_found"
+    # The renew names the same job as the stale complete, so it waited for a second batch.
+    assert group.batches == 2 and group.fallbacks == 0
+    assert await store.read_stream(conn, store.job_stream(job_b)) == before_b  # refused: nothing written
+    assert await verify(conn) == []
+
+
+async def test_the_second_command_on_one_job_sees_the_first(db_url, conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    job = (await submit(conn, org_id)).id
+    await claim_now(conn, org_id, node)
+    async with group_commit(db_url) as (group, _, tg):
+        results = await in_one_batch(group, tg, [
+            lambda: group.complete(organization_id=org_id, node_id=node, job_id=job, attempt=1, result=1),
+            lambda: group.complete(organization_id=org_id, node_id=node, job_id=job, attempt=1, result=2),
+        ])  # fmt: skip
+    assert results[0].status == "complete" and results[0].result == 1
+    assert isinstance(results[1], Conflict)
+    types = [r.type for r in await store.read_stream(conn, store.job_stream(job))]
+    assert types == ["job.submitted", "job.claimed", "job.completed"]
+
+
+async def test_a_failing_batch_rolls_back_and_runs_its_commands_one_by_one(db_url, conn, org):
+    org_id, _ = org
+    a = await add_node(conn, org_id, "a", [CPU64])
+    b = await add_node(conn, org_id, "b", [CPU64])
+    job_a, job_b = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
+    await claim_now(conn, org_id, a)
+    await claim_now(conn, org_id, b)
+    async with group_commit(db_url) as (group, _, tg):
+        results = await in_one_batch(group, tg, [
+            lambda: group.complete(organization_id=org_id, node_id=a, job_id=job_a, attempt=1, result={"fine": True}),
+            # PostgreSQL cannot store U+0000: the batch statement fails, not a decision.
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=job_b, attempt=1, result={"bad": "\u0000"}),
+        ])  # fmt: skip
+    assert group.fallbacks == 1
+    assert results[0].status == "complete"
+    assert isinstance(results[1], InvalidRequest)
+    types_b = [r.type for r in await store.read_stream(conn, store.job_stream(job_b))]
+    assert types_b == ["job.submitted", "job.claimed"]
+    assert await verify(conn) == []
+
+
+async def test_hints_of_a_batch_are_sent_after_it_commits(db_url, conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    await submit(conn, org_id)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
+        await listener.execute(f"LISTEN {store.LOG_CHANNEL}")
+        async with group_commit(db_url) as (group, notifier, tg):
+            await tg.start(notifier.run)
+            [claimed] = await in_one_batch(group, tg, [
+                lambda: group.claim(node_id=node, organization_id=org_id, lease_seconds=60, stale_seconds=45)
+            ])  # fmt: skip
+            hints = []
+            async for note in listener.notifies(timeout=10):
+                hints.append(store.parse_hint(note.payload))
+                if hints[-1][1] >= claimed.job["position"]:
+                    break
+    assert hints[-1] == (org_id, claimed.job["position"], 0)
+    assert notifier.ticks >= 1
