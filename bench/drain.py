@@ -27,6 +27,7 @@ import httpx
 from psycopg_pool import AsyncConnectionPool
 
 from umbra.compute import claims
+from umbra.compute.group_commit import GroupCommit, HintNotifier
 
 from . import fleet
 from .common import print_table, scratch_database, write_json
@@ -120,7 +121,39 @@ async def drain_inproc(url: str, jobs: int, agents: int) -> dict:
     return {"mode": "inproc", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds}
 
 
-RUNNERS = {"http": drain_http, "inproc": drain_inproc}
+async def _grouped_agent(group: GroupCommit, org: uuid.UUID, node_id: uuid.UUID, tally: Tally) -> None:
+    while not tally.finished.is_set():
+        claimed = await group.claim(node_id=node_id, organization_id=org, lease_seconds=LEASE_SECONDS, stale_seconds=45)
+        if claimed is None:
+            await anyio.sleep(0.01)
+            continue
+        await group.complete(organization_id=org, node_id=node_id, job_id=claimed.job_id, attempt=claimed.attempt, result=None)
+        tally.one()
+
+
+async def drain_grouped(url: str, jobs: int, agents: int) -> dict:
+    org, _ = await fleet.new_organization(url)
+    nodes = await fleet.pair_in_process(url, org, [f"agent-{i}" for i in range(agents)])
+    await fleet.submit_noops(url, org, jobs)
+    tally = Tally(jobs)
+    async with AsyncConnectionPool(url, min_size=10, max_size=10, kwargs={"autocommit": True}, open=False) as pool:
+        await pool.wait()
+        notifier = HintNotifier(pool)
+        group = GroupCommit(pool, notifier)
+        async with anyio.create_task_group() as tg:
+            await tg.start(notifier.run)
+            await tg.start(group.run)
+            started = time.perf_counter()
+            for node_id, _ in nodes:
+                tg.start_soon(_grouped_agent, group, org, node_id, tally)
+            await tally.finished.wait()
+            tg.cancel_scope.cancel()
+    seconds = tally.ended_at - started
+    return {"mode": "inproc-grouped", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
+            "batches": group.batches, "fallbacks": group.fallbacks, "notify_ticks": notifier.ticks}
+
+
+RUNNERS = {"http": drain_http, "inproc": drain_inproc, "inproc-grouped": drain_grouped}
 
 
 def run(jobs: int, agent_counts: list[int], modes: list[str]) -> list[dict]:

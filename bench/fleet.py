@@ -126,15 +126,21 @@ async def beat(client: httpx.AsyncClient, credential: str) -> None:
     response.raise_for_status()
 
 
-async def pair_in_process(url: str, organization_id: uuid.UUID, names: list[str]) -> list[tuple[uuid.UUID, str]]:
+GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=24000, accelerators=("cuda",),
+             throughput_factor=10.0)
+
+
+async def pair_in_process(
+    url: str, organization_id: uuid.UUID, names: list[str], *, device: Device = CPU
+) -> list[tuple[uuid.UUID, str]]:
     """Pair nodes by calling the compute layer directly (no rate limit); each is online after one beat."""
     out = []
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         for index, name in enumerate(names):
             issued = await issue_pairing_code(conn, organization_id, name)
             source = f"127.{(index >> 16) & 255}.{(index >> 8) & 255}.{index & 255 or 1}"
-            node = await redeem_pairing_code(conn, code=issued.code, name=name, source=source, devices=[CPU])
-            await heartbeat(conn, organization_id, node.node_id, HeartbeatReport(devices=(CPU,)), event_interval_seconds=3600)
+            node = await redeem_pairing_code(conn, code=issued.code, name=name, source=source, devices=[device])
+            await heartbeat(conn, organization_id, node.node_id, HeartbeatReport(devices=(device,)), event_interval_seconds=3600)
             out.append((node.node_id, node.credential))
     return out
 
