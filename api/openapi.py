@@ -43,6 +43,11 @@ def _scalar_schema(python_type: type) -> dict[str, Any]:
     return schema
 
 
+def openapi_path(path: str) -> str:
+    """The route's path as an OpenAPI template: Starlette's ``{slug:path}`` becomes ``{slug}``."""
+    return _PATH_PARAM.sub(r"{\1}", path)
+
+
 def _operation_id(info: EndpointInfo) -> str:
     words = re.split(r"[^A-Za-z0-9]+", _PATH_PARAM.sub(r"by_\1", info.path))
     return "_".join([info.method.lower(), *[w for w in words if w]])
@@ -97,7 +102,7 @@ def build_document(routes: Iterable[Any], *, title: str = "Umbra Compute", versi
                 responses[status] = {**_ERROR_RESPONSE, "description": text}
         responses["default"] = _ERROR_RESPONSE
         operation["responses"] = responses
-        paths.setdefault(info.path, {})[info.method.lower()] = operation
+        paths.setdefault(openapi_path(info.path), {})[info.method.lower()] = operation
 
     return {
         "openapi": "3.1.0",
