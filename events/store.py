@@ -103,7 +103,9 @@ FROM ordering_guard,
        AS (stream text, version int, type text, org uuid, data jsonb, meta jsonb, expected int)) WITH ORDINALITY
        AS r(stream, version, type, org, data, meta, expected, n)
 WHERE r.expected = 0
-   OR EXISTS (SELECT 1 FROM events e WHERE e.stream = r.stream AND e.version = r.expected)
+   -- A scalar subquery with LIMIT is probed per row through events_stream_version;
+   -- written as OR EXISTS, the planner may hash a scan of the whole log instead.
+   OR coalesce((SELECT true FROM events e WHERE e.stream = r.stream AND e.version = r.expected LIMIT 1), false)
 ORDER BY r.n
 RETURNING position, stream, version, recorded_at
 """
