@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -105,16 +105,34 @@ _requirements = msgspec.json.Decoder(Requirements)
 
 
 async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> tuple[list[_Staged], list[Command]]:
-    """Load and decide every command; returns the staged changes and the commands deferred to the next batch."""
+    """Load and decide every command; returns the staged changes and the commands deferred to the next batch.
+
+    The reads that do not depend on each other (the held rows, the claiming
+    nodes, each organization's first scan page and model registry) are all
+    issued before any is fetched, so on a connection in pipeline mode they
+    travel in one round trip.
+    """
+    held = [c for c in commands if c.kind != "claim"]
+    claimers = [c for c in commands if c.kind == "claim"]
+    held_rows = await conn.execute(_LOCK_HELD, (sorted({c.job_id for c in held}, key=str),)) if held else None
+    node_rows = await conn.execute(_NODES, (list({c.node_id for c in claimers}),)) if claimers else None
+    orgs = list(dict.fromkeys(c.organization_id for c in claimers))
+    first_pages = [await conn.execute(_SCAN, _scan_params(org, (-(2**31), 0), [])) for org in orgs]
+    models = [await read_models(conn, org) for org in orgs]
     staged: list[_Staged] = []
     deferred: list[Command] = []
-    held = [c for c in commands if c.kind != "claim"]
-    if held:
-        staged += await _stage_held(conn, held, deferred)
-    claimers = [c for c in commands if c.kind == "claim"]
-    if claimers:
-        staged += await _stage_claims(conn, claimers)
+    if held_rows is not None:
+        staged += _stage_held(await held_rows.fetchall(), held, deferred)
+    if node_rows is not None:
+        waiting = _waiting_claimers(await node_rows.fetchall(), claimers)
+        for org, page, registry in zip(orgs, first_pages, models):
+            if waiting.get(org):
+                staged += await _claim_for_org(conn, org, waiting[org], await page.fetchall(), registry)
     return staged, deferred
+
+
+def _scan_params(org: UUID, after: tuple[int, int], skip: list[str]) -> dict[str, Any]:
+    return {"org": org, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE}
 
 
 async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> list[tuple[UUID, int, int]]:
@@ -168,10 +186,8 @@ def decide_held(command: Command, row: JobRow | None, now: datetime) -> Event:
     return JobCompleted(attempt=command.attempt, result=command.result)
 
 
-async def _stage_held(conn: psycopg.AsyncConnection, held: Sequence[Command], deferred: list[Command]) -> list[_Staged]:
-    ids = sorted({c.job_id for c in held}, key=str)
-    records = await (await conn.execute(_LOCK_HELD, (ids,))).fetchall()
-    rows: dict[UUID, tuple[JobRow, datetime]] = {r[0]: (queue.from_db(r), r[-1]) for r in records}
+def _stage_held(records: Sequence[Any], held: Sequence[Command], deferred: list[Command]) -> list[_Staged]:
+    rows: dict[UUID, JobRow] = {r[0]: queue.from_db(r) for r in records}
     now = records[0][-1] if records else None
     staged: list[_Staged] = []
     seen: set[UUID] = set()
@@ -181,7 +197,7 @@ async def _stage_held(conn: psycopg.AsyncConnection, held: Sequence[Command], de
             deferred.append(command)
             continue
         seen.add(command.job_id)
-        row = rows.get(command.job_id, (None, now))[0]
+        row = rows.get(command.job_id)
         try:
             event = decide_held(command, row, now)  # type: ignore[arg-type]
         except UmbraError as refusal:
@@ -194,52 +210,51 @@ async def _stage_held(conn: psycopg.AsyncConnection, held: Sequence[Command], de
 # -- claims ------------------------------------------------------------------------------
 
 
-async def _read_nodes(conn: psycopg.AsyncConnection, claimers: Sequence[Command]) -> dict[UUID, tuple[UUID, NodeView]]:
-    records = await (await conn.execute(_NODES, (list({c.node_id for c in claimers}),))).fetchall()
+def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> dict[UUID, list[tuple[Command, NodeView]]]:
+    """Claimers whose node is in their organization, effectively online and not wholly busy, by organization."""
     stale = {c.node_id: c.stale_seconds for c in claimers}
-    return {
+    nodes = {
         nid: (org, NodeView(id=nid, name=name, trust_domain=trust, devices=_devices.decode(devices),
                             status=effective_status(status, last_seen, now, stale_seconds=stale[nid])))
         for nid, org, name, status, trust, devices, last_seen, now in records
     }  # fmt: skip
-
-
-async def _stage_claims(conn: psycopg.AsyncConnection, claimers: Sequence[Command]) -> list[_Staged]:
-    nodes = await _read_nodes(conn, claimers)
     by_org: dict[UUID, list[tuple[Command, NodeView]]] = {}
     for command in claimers:
         org, node = nodes.get(command.node_id, (None, None))
         if node is None or org != command.organization_id or node.status != "online" or all(is_busy(d) for d in node.devices):
             continue  # outcome stays None: nothing this node may take
         by_org.setdefault(command.organization_id, []).append((command, node))
-    staged: list[_Staged] = []
-    for org, waiting in by_org.items():
-        staged += await _claim_for_org(conn, org, waiting)
-    return staged
+    return by_org
 
 
-async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]]) -> list[_Staged]:
-    models = await read_models(conn, org)
+async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]],
+                         page: Sequence[Any], models: Mapping[str, Any]) -> list[_Staged]:  # fmt: skip
     judged: dict[tuple[UUID, str], Placement | None] = {}
     staged: list[_Staged] = []
     skip: list[str] = []
     after = (-(2**31), 0)
-    for _ in range(MAX_SCAN_PAGES):
-        params = {"org": org, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE}
-        page = await (await conn.execute(_SCAN, params)).fetchall()
+    for scanned in range(MAX_SCAN_PAGES):
+        if scanned:
+            page = await (await conn.execute(_SCAN, _scan_params(org, after, skip))).fetchall()
         shapes: dict[UUID, str] = {}
+        by_shape: dict[str, list[UUID]] = {}  # each requirement shape's rows, in queue order
         for job_id, _priority, _seq, requires in page:
             shapes[job_id] = requires
+            by_shape.setdefault(requires, []).append(job_id)
+        for requires in by_shape:
+            decoded = _requirements.decode(requires)
             for _command, node in waiting:
                 if (node.id, requires) not in judged:
-                    judged[node.id, requires] = best_placement(node, _requirements.decode(requires), models)
+                    judged[node.id, requires] = best_placement(node, decoded, models)
             if requires not in skip and all(judged[node.id, requires] is None for _, node in waiting):
                 skip.append(requires)
         # Each waiting claimer's first len(waiting) eligible rows: enough for it even if earlier claimers take theirs.
         wanted: list[UUID] = []
+        order = {job_id: index for index, job_id in enumerate(shapes)}
+        want = len(waiting)
         for _command, node in waiting:
-            mine = [job_id for job_id, requires in shapes.items() if judged[node.id, requires] is not None]
-            wanted += mine[: len(waiting)]
+            eligible = [ids[:want] for shape, ids in by_shape.items() if judged[node.id, shape] is not None]
+            wanted += eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
         if wanted:
             locked = await (await conn.execute(_LOCK_QUEUED, {"ids": list(dict.fromkeys(wanted)), "org": org})).fetchall()
             free = [(queue.from_db(r), r[-1]) for r in locked]

@@ -48,20 +48,25 @@ MAX_BATCH = 256
 #: Batches in flight at once: one gathers and decides while another commits.
 WORKERS = 2
 
+#: Shortest time between two hint transactions: a batch's hints wait at most this long
+#: for the next batches' to go out with them.
+MIN_TICK_SECONDS = 0.005
+
 _NOTIFY = "SELECT pg_notify(%s, payload) FROM unnest(%s::text[]) AS payload"
 
 
 class HintNotifier:
     """Coalesces log hints and sends them from one small transaction per tick.
 
-    A tick starts as soon as a hint arrives while none is being sent; hints
-    that arrive during a send go out together in the next one, merged per
+    A tick starts as soon as a hint arrives, unless the previous one was less
+    than ``min_interval`` ago; hints that arrive in between go out together, merged per
     organization (highest position, summed claimable count) as
     :func:`umbra.events.store.publish` merges them within a transaction.
     """
 
-    def __init__(self, pool: AsyncConnectionPool) -> None:
+    def __init__(self, pool: AsyncConnectionPool, *, min_interval: float = MIN_TICK_SECONDS) -> None:
         self._pool = pool
+        self._min_interval = min_interval
         self._pending: dict[UUID, list[int]] = {}
         self._ready = anyio.Event()
         #: Transactions sent, for benchmarks and tests.
@@ -88,6 +93,7 @@ class HintNotifier:
                 self.ticks += 1
             except Exception as exc:  # hints are hints: listeners also poll
                 log.warning("hints not sent", extra={"action": "hints_not_sent", "error": str(exc)[:200]})
+            await anyio.sleep(self._min_interval)
 
 
 class GroupCommit:
@@ -160,7 +166,9 @@ class GroupCommit:
     async def _execute(self, batch: list[tuple[Command, anyio.Event]]) -> list[tuple[Command, anyio.Event]]:
         commands = [command for command, _ in batch]
         try:
-            async with self._pool.connection() as conn:
+            async with self._pool.connection() as conn, conn.pipeline():
+                # Pipeline mode: statements whose results are not needed yet (BEGIN, the
+                # independent reads, the row write, COMMIT) share round trips.
                 async with conn.transaction():
                     staged, deferred = await batch_commands.stage(conn, commands)
                     hints = await batch_commands.write(conn, staged)
