@@ -2,9 +2,9 @@
 
     bench/.venv-peers/bin/python bench/peer_worker.py SYSTEM DATABASE_URL JOBS CONCURRENCY
 
-``SYSTEM`` is ``pgqueuer`` (asyncpg driver, default batch size 10, the
-entrypoint's concurrency limit = CONCURRENCY) or ``procrastinate`` (psycopg
-connector, one worker with ``concurrency`` = CONCURRENCY). The schema is
+``SYSTEM`` is ``pgqueuer`` (CONCURRENCY queue managers, each on its own
+asyncpg connection with the default dequeue batch of 10) or ``procrastinate``
+(psycopg connector, one worker with ``concurrency`` = CONCURRENCY). The schema is
 installed into the (empty) database, JOBS no-op jobs are enqueued in batches,
 then a worker drains them; only the drain is timed. Prints one JSON object.
 
@@ -38,19 +38,23 @@ async def pgqueuer(url: str, jobs: int, concurrency: int) -> dict:
         await queries.enqueue(["noop"] * count, [None] * count, [0] * count)
     await setup.close()
 
-    connection = await asyncpg.connect(url)
-    manager = QueueManager(AsyncpgDriver(connection))
     done = 0
 
-    @manager.entrypoint("noop", concurrency_limit=concurrency)
-    async def noop(job) -> None:
-        nonlocal done
-        done += 1
+    async def worker() -> None:
+        connection = await asyncpg.connect(url)
+        manager = QueueManager(Queries(AsyncpgDriver(connection)))
+
+        @manager.entrypoint("noop")
+        async def noop(job) -> None:
+            nonlocal done
+            done += 1
+
+        await manager.run(mode=QueueExecutionMode.drain, dequeue_timeout=timedelta(seconds=1))
+        await connection.close()
 
     started = time.perf_counter()
-    await manager.run(mode=QueueExecutionMode.drain, dequeue_timeout=timedelta(seconds=1))
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     seconds = time.perf_counter() - started
-    await connection.close()
     return {"system": "pgqueuer", "concurrency": concurrency, "jobs": done, "seconds": seconds, "jobs_per_s": done / seconds}
 
 

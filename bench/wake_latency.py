@@ -154,21 +154,15 @@ def _row(name: str, samples: list[float]) -> list:
     return [name, len(ms), percentile(ms, 50), percentile(ms, 95), percentile(ms, 99), max(ms)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=1000, help="samples per measurement (default 1000)")
-    args = parser.parse_args()
+def run(samples: int) -> dict:
+    """Measure every row; returns ``{"results": [...], "server_hint_to_claim_mean_ms": ...}``."""
     with scratch_database("umbra_bench_wake") as url:
         org, api_key, credential = anyio.run(_setup, url)
         proc, base = _serve(url)
         try:
-            bare = anyio.run(_bare_notify, url, args.samples)
-            outside, _ = anyio.run(
-                lambda: _long_poll_samples(base, url, org, api_key, credential, args.samples, via_http=False)
-            )
-            same, round_trips = anyio.run(
-                lambda: _long_poll_samples(base, url, org, api_key, credential, args.samples, via_http=True)
-            )
+            bare = anyio.run(_bare_notify, url, samples)
+            outside, _ = anyio.run(lambda: _long_poll_samples(base, url, org, api_key, credential, samples, via_http=False))
+            same, round_trips = anyio.run(lambda: _long_poll_samples(base, url, org, api_key, credential, samples, via_http=True))
             hint_to_claim = _server_mean_ms(base, "umbra_wake_latency_seconds")
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -179,11 +173,19 @@ def main() -> None:
         _row("long-poll, same-server submit", same),
         _row("  (POST /v1/jobs round trip)", round_trips),
     ]
-    headers = ["measurement", "samples", "p50 ms", "p95 ms", "p99 ms", "max ms"]
-    print_table("Wake latency: commit -> parked long-poll returns", headers, rows)
     results = [dict(zip(["measurement", "samples", "p50_ms", "p95_ms", "p99_ms", "max_ms"], row)) for row in rows]
-    print(f"\nserver side, hint received -> claim committed (mean of its histogram): {hint_to_claim:.2f} ms")
-    payload = {"results": results, "server_hint_to_claim_mean_ms": hint_to_claim}
+    return {"results": results, "server_hint_to_claim_mean_ms": hint_to_claim}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=1000, help="samples per measurement (default 1000)")
+    args = parser.parse_args()
+    payload = run(args.samples)
+    headers = ["measurement", "samples", "p50 ms", "p95 ms", "p99 ms", "max ms"]
+    rows = [[r["measurement"], r["samples"], r["p50_ms"], r["p95_ms"], r["p99_ms"], r["max_ms"]] for r in payload["results"]]
+    print_table("Wake latency: commit -> parked long-poll returns", headers, rows)
+    print(f"\nserver side, hint received -> claim committed (mean of its histogram): {payload['server_hint_to_claim_mean_ms']:.2f} ms")
     print(f"\nwrote {write_json('wake_latency', payload)}")
 
 

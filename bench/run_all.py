@@ -1,0 +1,194 @@
+"""Run every benchmark and write ``bench/results/latest.md`` and ``latest.json``.
+
+    python -m bench.run_all [--quick] [--only drain,submit,...]
+
+Workloads, in order: peers + drain (PgQueuer and Procrastinate next to Umbra
+over HTTP, in-process one transaction per command, and in-process through the
+group commit), submit, wake latency, idle long-polls, rebuild, claim latency.
+``--quick`` shrinks every size (for a smoke run; its figures are not the
+targets' sizes). Figures move between runs on a shared 2-core machine: compare
+within one run. The targets are reported, met or not, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from typing import Any, Callable
+
+from . import claim_latency, idle_longpolls, peers, rebuild, submit, wake_latency
+from .common import RESULTS
+
+FULL = {"drain_jobs": 2000, "submit_jobs": 2000, "submit_batch": 10_000, "submit_batches": 5, "wake_samples": 1000,
+        "idle_polls": 10_000, "idle_nodes": 100, "idle_jobs": 200, "rebuild_events": 1_000_000,
+        "claim_shallow": 1000, "claim_deep": 1_000_000, "claim_samples": 300}  # fmt: skip
+QUICK = {"drain_jobs": 500, "submit_jobs": 300, "submit_batch": 2000, "submit_batches": 2, "wake_samples": 100,
+         "idle_polls": 2000, "idle_nodes": 40, "idle_jobs": 50, "rebuild_events": 100_000,
+         "claim_shallow": 1000, "claim_deep": 100_000, "claim_samples": 100}  # fmt: skip
+DRAIN_MODES = ["http", "inproc", "inproc-grouped"]
+CONCURRENCY = [1, 4, 16]
+
+
+def _workloads(size: dict[str, int]) -> dict[str, Callable[[], Any]]:
+    return {
+        "drain": lambda: peers.run(size["drain_jobs"], CONCURRENCY, DRAIN_MODES),
+        "submit": lambda: submit.run(size["submit_jobs"], size["submit_batch"], size["submit_batches"]),
+        "wake": lambda: wake_latency.run(size["wake_samples"]),
+        "idle": lambda: idle_longpolls.run(size["idle_polls"], size["idle_nodes"], size["idle_jobs"]),
+        "rebuild": lambda: rebuild.run(size["rebuild_events"]),
+        "claim_latency": lambda: claim_latency.run([size["claim_shallow"], size["claim_deep"]], size["claim_samples"],
+                                                   ["uniform", "mixed"]),
+    }  # fmt: skip
+
+
+def _targets(r: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for every target the results cover."""
+    out: list[tuple[str, str, bool | None]] = []
+    if "drain" in r:
+        umbra = {(u["mode"], u["agents"]): u["jobs_per_s"] for u in r["drain"]["umbra"]}
+        peer = {(p["system"], p["concurrency"]): p["jobs_per_s"] for p in r["drain"]["peers"]}
+        http16, pgq16 = umbra.get(("http", 16)), peer.get(("pgqueuer", 16))
+        if http16 and pgq16:
+            out.append(("drain over HTTP, 16 agents ≥ 2× PgQueuer (c=16)",
+                        f"{http16:,.0f} vs {pgq16:,.0f} jobs/s = {http16 / pgq16:.2f}×", http16 >= 2 * pgq16))  # fmt: skip
+        if umbra.get(("http", 1)):
+            out.append(("drain over HTTP, 1 agent ≥ 300 jobs/s", f"{umbra['http', 1]:,.0f} jobs/s", umbra["http", 1] >= 300))
+    if "submit" in r:
+        batched = [s for s in r["submit"] if s["jobs_per_request"] > 1]
+        for s in batched:
+            out.append((f"batched submit ({s['mode']}) ≥ 25,000 jobs/s", f"{s['jobs_per_s']:,.0f} jobs/s",
+                        s["jobs_per_s"] >= 25_000))  # fmt: skip
+    if "wake" in r:
+        row = next(x for x in r["wake"]["results"] if x["measurement"] == "long-poll, outside commit")
+        out.append(("wake p50 ≤ 5 ms, p99 ≤ 25 ms", f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms",
+                    row["p50_ms"] <= 5 and row["p99_ms"] <= 25))  # fmt: skip
+    if "idle" in r:
+        i = r["idle"]
+        waiting_connections = 1 + i["server_db_connections_busy"]  # the LISTEN connection + any busy while parked
+        out.append((f"{i['polls']:,} idle long-polls: ≤ 2 DB connections for waiting",
+                    f"{waiting_connections} (LISTEN + {i['server_db_connections_busy']} busy; "
+                    f"{i['server_db_connections']} open in all, the idle pool included)", waiting_connections <= 2))  # fmt: skip
+        out.append(("≤ 2 claim attempts per job", f"{i['claim_attempts_per_job']:.2f}", i["claim_attempts_per_job"] <= 2))
+    if "rebuild" in r:
+        b = r["rebuild"]
+        out.append((f"rebuild ≥ 16,000 events/s ({b['events']:,} events)", f"{b['rebuild_events_per_s']:,.0f} events/s",
+                    b["rebuild_events_per_s"] >= 16_000))  # fmt: skip
+    if "claim_latency" in r:
+        for shape, ratio in claim_latency.ratios(r["claim_latency"]).items():
+            deep = max(x["depth"] for x in r["claim_latency"])
+            out.append((f"claim p50 at {deep:,} queued ≤ 2× at 1,000 ({shape} queue)", f"{ratio:.2f}×", ratio <= 2))
+    return out
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.2f}" if v < 100 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render(r: dict[str, Any]) -> str:
+    meta = r["meta"]
+    parts = [
+        "# Benchmark results (latest run)",
+        "",
+        f"Run {meta['when']} on {meta['cpus']} CPUs, Python {meta['python']}, PostgreSQL {meta['postgres']}, "
+        f"commit {meta['commit']}, mode {'quick' if meta['quick'] else 'full'}, {meta['seconds']:.0f} s in all. "
+        "Produced by `python -m bench.run_all`; see `docs/PERFORMANCE.md` for what the figures mean. The machine is "
+        "shared: figures move between runs; ratios within this run are what count.",
+        "",
+        "## Targets",
+        "",
+        _table(["target", "measured", "met"], [[t, m, {True: "yes", False: "**no**", None: "-"}[ok]] for t, m, ok in _targets(r)]),
+    ]
+    if "drain" in r:
+        d = r["drain"]
+        table: dict[str, dict[int, float]] = {}
+        for p in d["peers"]:
+            table.setdefault(p["system"], {})[p["concurrency"]] = p["jobs_per_s"]
+        for u in d["umbra"]:
+            table.setdefault(f"umbra {u['mode']}", {})[u["agents"]] = u["jobs_per_s"]
+        parts += ["", f"## Drain {d['jobs']:,} no-op jobs (jobs/s; claim + complete per job)", "",
+                  "`umbra http`: agents are async httpx clients against a `umbra serve` subprocess; `inproc`: "
+                  "`compute.claims` one transaction per command; `inproc-grouped`: through `compute.group_commit`.", "",
+                  _table(["system", *[f"c={c}" for c in CONCURRENCY]],
+                         [[name, *[row.get(c, float("nan")) for c in CONCURRENCY]] for name, row in table.items()]),
+                  "", _table(["c", "umbra", "peer", "umbra / peer"],
+                             [[x["concurrency"], x["umbra_mode"], x["peer"], x["ratio"]] for x in d["ratios"]])]  # fmt: skip
+    if "submit" in r:
+        parts += ["", "## Submit (jobs/s)", "", _table(["mode", "clients", "jobs/request", "jobs", "jobs/s"],
+                  [[s["mode"], s["clients"], s["jobs_per_request"], s["jobs"], s["jobs_per_s"]] for s in r["submit"]])]  # fmt: skip
+    if "wake" in r:
+        parts += ["", "## Wake latency (commit → parked long-poll returns, ms)", "",
+                  _table(["measurement", "samples", "p50", "p95", "p99", "max"],
+                         [[w["measurement"], w["samples"], w["p50_ms"], w["p95_ms"], w["p99_ms"], w["max_ms"]]
+                          for w in r["wake"]["results"]])]  # fmt: skip
+    if "idle" in r:
+        i = r["idle"]
+        parts += ["", f"## {i['polls']:,} idle long-polls on one server process", "", _table(["measure", "value"], [
+            ["seconds to park them", i["park_seconds"]],
+            ["server DB connections open / busy while parked", f"{i['server_db_connections']} / {i['server_db_connections_busy']}"],
+            ["server RSS before / after parking, MB", f"{i['rss_before_mb']:.0f} / {i['rss_after_mb']:.0f}"],
+            ["RSS per parked long-poll, KB", i["rss_per_poll_kb"]],
+            ["jobs submitted one by one while parked", i["jobs"]],
+            ["claim attempts per job", i["claim_attempts_per_job"]],
+            ["long-polls answered with a job", i["jobs_claimed"]],
+        ])]  # fmt: skip
+    if "rebuild" in r:
+        b = r["rebuild"]
+        parts += ["", f"## Rebuild ({b['events']:,} events, {b['jobs']:,} jobs)", "", _table(["operation", "seconds", "events/s"], [
+            ["rebuild the queue projection (fold only)", b["rebuild_seconds"], b["rebuild_events_per_s"]],
+            ["verify (rebuild both views + compare with live)", b["verify_seconds"], b["verify_events_per_s"]],
+        ])]  # fmt: skip
+    if "claim_latency" in r:
+        parts += ["", "## Claim latency vs queue depth (in-process `claims.claim`, ms)", "",
+                  _table(["queue", "jobs submitted", "p50", "p95", "p99", "mean"],
+                         [[c["queue"], c["depth"], c["p50_ms"], c["p95_ms"], c["p99_ms"], c["mean_ms"]] for c in r["claim_latency"]])]  # fmt: skip
+    return "\n".join(parts) + "\n"
+
+
+def _meta(quick: bool, seconds: float) -> dict[str, Any]:
+    import psycopg
+
+    from .common import server_url
+
+    with psycopg.connect(server_url()) as c:
+        postgres = c.execute("SHOW server_version").fetchone()[0]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "postgres": postgres, "commit": commit or "?", "quick": quick,
+            "seconds": seconds}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--only", default="", help="comma-separated subset of: drain,submit,wake,idle,rebuild,claim_latency")
+    args = parser.parse_args()
+    workloads = _workloads(QUICK if args.quick else FULL)
+    chosen = [w for w in (args.only.split(",") if args.only else workloads) if w]
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    for name in chosen:
+        print(f"== {name}", flush=True)
+        results[name] = workloads[name]()
+    results["meta"] = _meta(args.quick, time.perf_counter() - started)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(results, indent=2, default=str))
+    markdown = render(results)
+    (RESULTS / "latest.md").write_text(markdown)
+    print()
+    print(markdown)
+    print(f"wrote {RESULTS / 'latest.md'} and latest.json")
+
+
+if __name__ == "__main__":
+    main()
