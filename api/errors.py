@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from umbra.errors import RateLimited, UmbraError
@@ -32,9 +32,19 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return json_response({"error": code, "message": str(exc.detail)}, status=exc.status_code, headers=exc.headers)
 
 
+#: Logged for a request whose client hung up before sending its whole body (nginx's code for it).
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def client_gone(request: Request, exc: Exception) -> Response:
+    """The client left mid-request (an agent killed while sending): nobody reads an answer and
+    nothing was done, so it is neither a server error nor worth a traceback."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def unexpected_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", extra={"action": "unhandled_error", "path": request.url.path})
     return json_response({"error": "internal", "message": "Internal error; see the server log."}, status=500)
 
 
-HANDLERS = {UmbraError: umbra_error, HTTPException: http_error, Exception: unexpected_error}
+HANDLERS = {UmbraError: umbra_error, HTTPException: http_error, ClientDisconnect: client_gone, Exception: unexpected_error}

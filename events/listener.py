@@ -24,6 +24,10 @@ from .store import LOG_CHANNEL, parse_hint
 
 log = logging.getLogger(__name__)
 
+#: ``application_name`` of the LISTEN connection, so operators (and the chaos
+#: test) can find it in ``pg_stat_activity``.
+APPLICATION_NAME = "umbra-listener"
+
 HintCallback = Callable[[UUID, int, int], None]
 ReconnectCallback = Callable[[], None]
 
@@ -63,7 +67,9 @@ class LogListener:
         started = False
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(self._url, autocommit=True) as conn:
+                async with await psycopg.AsyncConnection.connect(
+                    self._url, autocommit=True, application_name=APPLICATION_NAME
+                ) as conn:
                     await conn.execute(f"LISTEN {LOG_CHANNEL}")
                     self.backend_pid = conn.info.backend_pid
                     if self.connected.is_set():
