@@ -20,6 +20,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import quote
 
 import psycopg
 from psycopg import conninfo, sql
@@ -50,10 +51,18 @@ def empty_database() -> Iterator[str]:
     with psycopg.connect(base, autocommit=True) as c:
         c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     try:
-        yield conninfo.make_conninfo(base, dbname=name)
+        yield _as_url(base, name)
     finally:
         with psycopg.connect(base, autocommit=True) as c:
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def _as_url(base: str, dbname: str) -> str:
+    """A ``postgresql://`` URL for ``dbname`` on ``base``'s server (asyncpg takes URLs only)."""
+    parts = conninfo.conninfo_to_dict(base)
+    user = parts.get("user", "postgres")
+    password = f":{quote(str(parts['password']))}" if parts.get("password") else ""
+    return f"postgresql://{quote(str(user))}{password}@{parts.get('host', '127.0.0.1')}:{parts.get('port', 5432)}/{dbname}"
 
 
 def run_peer(python: Path, system: str, jobs: int, concurrency: int) -> dict:

@@ -4,7 +4,7 @@
 
 Workloads, in order: peers + drain (PgQueuer and Procrastinate next to Umbra
 over HTTP, in-process one transaction per command, and in-process through the
-group commit), submit, wake latency, idle long-polls, rebuild, claim latency.
+group commit), submit, wake latency, NOTIFY cost, idle long-polls, rebuild, claim latency.
 ``--quick`` shrinks every size (for a smoke run; its figures are not the
 targets' sizes). Figures move between runs on a shared 2-core machine: compare
 within one run. The targets are reported, met or not, never asserted.
@@ -20,15 +20,15 @@ import subprocess
 import time
 from typing import Any, Callable
 
-from . import claim_latency, idle_longpolls, peers, rebuild, submit, wake_latency
+from . import claim_latency, idle_longpolls, notify_cost, peers, rebuild, submit, wake_latency
 from .common import RESULTS
 
 FULL = {"drain_jobs": 2000, "submit_jobs": 2000, "submit_batch": 10_000, "submit_batches": 5, "wake_samples": 1000,
         "idle_polls": 10_000, "idle_nodes": 100, "idle_jobs": 200, "rebuild_events": 1_000_000,
-        "claim_shallow": 1000, "claim_deep": 1_000_000, "claim_samples": 300}  # fmt: skip
+        "claim_shallow": 1000, "claim_deep": 1_000_000, "claim_samples": 300, "notify_seconds": 3}  # fmt: skip
 QUICK = {"drain_jobs": 500, "submit_jobs": 300, "submit_batch": 2000, "submit_batches": 2, "wake_samples": 100,
          "idle_polls": 2000, "idle_nodes": 40, "idle_jobs": 50, "rebuild_events": 100_000,
-         "claim_shallow": 1000, "claim_deep": 100_000, "claim_samples": 100}  # fmt: skip
+         "claim_shallow": 1000, "claim_deep": 100_000, "claim_samples": 100, "notify_seconds": 1}  # fmt: skip
 DRAIN_MODES = ["http", "inproc", "inproc-grouped"]
 CONCURRENCY = [1, 4, 16]
 
@@ -38,6 +38,7 @@ def _workloads(size: dict[str, int]) -> dict[str, Callable[[], Any]]:
         "drain": lambda: peers.run(size["drain_jobs"], CONCURRENCY, DRAIN_MODES),
         "submit": lambda: submit.run(size["submit_jobs"], size["submit_batch"], size["submit_batches"]),
         "wake": lambda: wake_latency.run(size["wake_samples"]),
+        "notify": lambda: notify_cost.run(size["notify_seconds"]),
         "idle": lambda: idle_longpolls.run(size["idle_polls"], size["idle_nodes"], size["idle_jobs"]),
         "rebuild": lambda: rebuild.run(size["rebuild_events"]),
         "claim_latency": lambda: claim_latency.run([size["claim_shallow"], size["claim_deep"]], size["claim_samples"],
@@ -131,6 +132,10 @@ def render(r: dict[str, Any]) -> str:
                   _table(["measurement", "samples", "p50", "p95", "p99", "max"],
                          [[w["measurement"], w["samples"], w["p50_ms"], w["p95_ms"], w["p99_ms"], w["max_ms"]]
                           for w in r["wake"]["results"]])]  # fmt: skip
+    if "notify" in r:
+        parts += ["", "## NOTIFY in the committing transaction (append one event + commit)", "",
+                  _table(["writers", "tx/s", "tx/s with NOTIFY", "with / without"],
+                         [[n["writers"], n["commits_per_s"], n["with_notify_per_s"], n["ratio"]] for n in r["notify"]])]  # fmt: skip
     if "idle" in r:
         i = r["idle"]
         parts += ["", f"## {i['polls']:,} idle long-polls on one server process", "", _table(["measure", "value"], [
@@ -171,7 +176,7 @@ def _meta(quick: bool, seconds: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--only", default="", help="comma-separated subset of: drain,submit,wake,idle,rebuild,claim_latency")
+    parser.add_argument("--only", default="", help="comma-separated subset of: drain,submit,wake,notify,idle,rebuild,claim_latency")
     args = parser.parse_args()
     workloads = _workloads(QUICK if args.quick else FULL)
     chosen = [w for w in (args.only.split(",") if args.only else workloads) if w]
