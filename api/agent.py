@@ -30,7 +30,7 @@ from umbra.compute import claims
 from umbra.errors import Forbidden, UmbraError
 
 from .http import json_response, principal
-from .longpoll import WaiterHub
+from .longpoll import NOTHING_QUEUED, WaiterHub
 from .params import query_int
 from .routing import endpoint
 
@@ -73,13 +73,14 @@ async def claim(request: Request) -> Response:
 
     group = request.app.state.group_commit
 
-    async def attempt() -> claims.ClaimResult | None:
+    async def attempt() -> Any:
         # Claims from many agents share a transaction (umbra.compute.group_commit).
         return await group.claim(
             node_id=node_id,
             organization_id=who.organization_id,
             lease_seconds=settings.lease_seconds,
             stale_seconds=settings.heartbeat_stale_seconds,
+            empty=NOTHING_QUEUED,
         )
 
     started = time.monotonic()

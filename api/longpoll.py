@@ -10,7 +10,10 @@ A token is passed on, never lost: a waiter that wakes and cannot claim (the job
 needs a GPU it lacks) hands its token to the next waiter that has not tried it,
 so an agent that cannot run a job never starves one that can; the chain ends
 when every waiter of the organization has tried. A waiter that leaves while
-holding a token passes it on too.
+holding a token passes it on too. An attempt that answers :data:`NOTHING_QUEUED`
+(the organization had no claimable job at all) ends the chain at once: nobody
+else could claim either, and walking ten thousand waiters to learn that would
+cost ten thousand claim transactions.
 
 Notifications can be lost (the listener reconnects; a not_before delay expires
 with no event at all), so :meth:`WaiterHub.safety_poll` runs once per process
@@ -55,6 +58,17 @@ SELECT DISTINCT organization_id FROM jobs
 WHERE status = 'queued' AND organization_id = ANY(%s)
   AND (not_before IS NULL OR not_before <= umbra_now())
 """
+
+
+class _NothingQueued:
+    """What an attempt returns when its organization has no claimable job at all."""
+
+    def __repr__(self) -> str:
+        return "NOTHING_QUEUED"
+
+
+#: An attempt's answer meaning "no job, and none for anyone": the wake token dies here.
+NOTHING_QUEUED = _NothingQueued()
 
 
 class WakeToken:
@@ -180,6 +194,10 @@ class WaiterHub:
     ) -> T | None:
         """Run ``attempt`` now and after every wake until it returns a value or time runs out.
 
+        ``attempt`` returns a value, ``None`` (nothing this waiter can take: the
+        wake is passed on) or :data:`NOTHING_QUEUED` (nothing for anyone: the
+        wake ends here); either way the waiter goes back to waiting.
+
         ``attempt`` opens (and returns) its own pooled connection; nothing is held
         between attempts. Each attempt is shielded from cancellation, so a
         cancelled long-poll (the client left) never abandons a half-finished
@@ -195,10 +213,13 @@ class WaiterHub:
                 metrics.CLAIM_ATTEMPTS.inc()
                 if token is not None:
                     token.attempts += 1
-                if result is not None:
+                if result is NOTHING_QUEUED:
+                    if token is not None:
+                        metrics.ATTEMPTS_PER_WAKE.observe(token.attempts)
+                elif result is not None:
                     self._used(waiter, token)
-                    return result
-                if token is not None:
+                    return result  # type: ignore[return-value]
+                elif token is not None:
                     self._pass_on(token, waiter)
                 remaining = deadline - time.monotonic()
                 if remaining > 0 and not self.stopped:

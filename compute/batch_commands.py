@@ -63,6 +63,8 @@ class Command:
     #: Set by the batch: the command's answer (a ClaimResult, None, a JobRow) or the refusal to raise.
     outcome: Any = None
     error: BaseException | None = None
+    #: Set on a claim that found no queued, due job of its organization at all.
+    queue_empty: bool = False
 
     @property
     def actor(self) -> dict[str, str]:
@@ -126,8 +128,13 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     if node_rows is not None:
         waiting = _waiting_claimers(await node_rows.fetchall(), claimers)
         for org, page, registry in zip(orgs, first_pages, models):
-            if waiting.get(org):
-                staged += await _claim_for_org(conn, org, waiting[org], await page.fetchall(), registry)
+            rows = await page.fetchall()
+            if not rows:
+                for command in claimers:
+                    if command.organization_id == org:
+                        command.queue_empty = True
+            elif waiting.get(org):
+                staged += await _claim_for_org(conn, org, waiting[org], rows, registry)
     return staged, deferred
 
 

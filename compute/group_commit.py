@@ -125,10 +125,16 @@ class GroupCommit:
 
     # -- the commands (the same arguments and answers as umbra.compute.claims) ------------
 
-    async def claim(self, *, node_id: UUID, organization_id: UUID, lease_seconds: int,
-                    stale_seconds: int) -> claims.ClaimResult | None:  # fmt: skip
-        return await self._call(Command("claim", organization_id, node_id, lease_seconds=lease_seconds,
-                                        stale_seconds=stale_seconds))  # fmt: skip
+    async def claim(self, *, node_id: UUID, organization_id: UUID, lease_seconds: int, stale_seconds: int,
+                    empty: Any = None) -> Any:  # fmt: skip
+        """A :class:`~umbra.compute.claims.ClaimResult`, or ``None`` when none this node may take.
+
+        ``empty`` is answered instead of ``None`` when the organization had no
+        claimable job at all, for anyone (a long-poll then wakes nobody else).
+        """
+        command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds)
+        result = await self._call(command)
+        return empty if result is None and command.queue_empty else result
 
     async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int) -> JobRow:
         return await self._call(Command("renew", organization_id, node_id, job_id, attempt, lease_seconds=lease_seconds))

@@ -196,3 +196,19 @@ async def test_hints_of_a_batch_are_sent_after_it_commits(db_url, conn, org):
                     break
     assert hints[-1] == (org_id, claimed.job["position"], 0)
     assert notifier.ticks >= 1
+
+
+async def test_a_claim_says_when_the_organization_has_nothing_queued(db_url, conn, org):
+    org_id, _ = org
+    cpu_node = await add_node(conn, org_id, "cpu-box", [CPU64])
+    await add_node(conn, org_id, "gpu-box", [GPU24])
+    empty = object()
+    async with group_commit(db_url) as (group, _, tg):
+        await tg.start(group.run)
+        claim = lambda: group.claim(node_id=cpu_node, organization_id=org_id, lease_seconds=60, stale_seconds=45,  # noqa: E731
+                                    empty=empty)  # fmt: skip
+        assert await claim() is empty
+        await submit(conn, org_id, requires={"vram_min_mb": 16000, "accelerators": ["cuda"]})
+        assert await claim() is None  # a job exists, but not one this node can run
+        cpu_job = (await submit(conn, org_id)).id
+        assert (await claim()).job_id == cpu_job
