@@ -246,7 +246,7 @@ async def _until_all_terminal(url: str, done: anyio.Event, deadline: float) -> N
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         while True:
             open_jobs = (await (await conn.execute(
-                "SELECT count(*) FROM jobs WHERE status NOT IN ('complete', 'failed', 'cancelled', 'partial')")).fetchone())[0]  # fmt: skip
+                "SELECT count(*) FROM jobs WHERE status <> ALL(%s)", (sorted(TERMINAL_JOB_STATUSES),))).fetchone())[0]  # fmt: skip
             if open_jobs == 0 or time.monotonic() > deadline:
                 done.set()
                 return
