@@ -83,7 +83,7 @@ async def _scenario(db_url: str, fleet: list[NodeView], models: dict[str, Regist
                 assert (got.placement["device_id"], got.placement["score"]) == (mine[0].device_label, mine[0].score)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(fleet=fleets(), models=registries, requires=st.one_of(modest_requirements, requirements))
 def test_a_device_explain_calls_eligible_can_claim_and_an_ineligible_one_never_does(db_url, fleet, models, requires):
     # Each example is its own organization in the test's database, so examples never see each other.
