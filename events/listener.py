@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Awaitable, Callable
+from typing import Callable
 from uuid import UUID
 
 import anyio

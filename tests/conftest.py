@@ -141,6 +141,15 @@ class LiveServer:
 
 
 @pytest.fixture
+async def client(live_server):
+    """An async HTTP client on the live server."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
 def live_server(db_url):
     with LiveServer(db_url, UMBRA_SWEEP_INTERVAL_SECONDS="0.2") as server:
         yield server

@@ -21,3 +21,8 @@ async def eventually(check: Callable[[], Awaitable[T]], *, timeout: float = 10.0
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
         await anyio.sleep(interval)
+
+
+def bearer(token: str) -> dict[str, str]:
+    """The Authorization header for ``token``."""
+    return {"Authorization": f"Bearer {token}"}

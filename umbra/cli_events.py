@@ -19,7 +19,7 @@ import os
 import random
 import sys
 from datetime import datetime
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, Iterable
 from uuid import UUID
 
 import anyio

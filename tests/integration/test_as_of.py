@@ -20,18 +20,9 @@ from umbra.compute import claims
 from umbra.compute.accounts import create_organization
 
 from .queue_support import CPU64, add_node, set_clock, submit
+from tests.helpers import bearer
 
 pytestmark = pytest.mark.anyio
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-@pytest.fixture
-async def client(live_server):
-    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as c:
-        yield c
 
 
 class Timeline:

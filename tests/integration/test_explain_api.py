@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import httpx
 import msgspec
 import pytest
 
@@ -12,18 +11,9 @@ from umbra.compute.nodes import drain_node, retire_node
 from umbra.events.types import Device
 
 from .queue_support import CPU8, CPU64, GPU24, add_node, beat, register_model, submit
+from tests.helpers import bearer
 
 pytestmark = pytest.mark.anyio
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-@pytest.fixture
-async def client(live_server):
-    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as c:
-        yield c
 
 
 async def explain(client, key: str, job_id) -> dict:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from umbra.compute.accounts import create_api_key, create_organization
 from umbra.compute.auth import NODE_SCOPES
+from tests.helpers import bearer
 
 pytestmark = pytest.mark.anyio
 
@@ -15,16 +15,6 @@ GPU = {"kind": "gpu_discrete", "label": "gpu0", "vram_total_mb": 24576, "vram_fr
        "resident_models": [{"slug": "gemma4:26b", "vram_held_mb": 4000}]}
 CPU = {"kind": "cpu", "label": "cpu", "vram_total_mb": 0, "vram_free_mb": 0, "ram_total_mb": 65536,
        "ram_free_mb": 30000, "throughput_factor": 1.0, "accelerators": [], "resident_models": []}
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-@pytest.fixture
-async def client(live_server):
-    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as c:
-        yield c
 
 
 async def pair(client, key: str, name: str = "gpu-box", devices=(GPU, CPU)) -> tuple[str, str]:

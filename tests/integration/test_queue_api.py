@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from uuid import UUID
 
-import httpx
 import psycopg
 import pytest
 
 from umbra.compute import claims
 from umbra.compute.accounts import create_api_key, create_organization, create_project
+from tests.helpers import bearer
 
 pytestmark = pytest.mark.anyio
 
@@ -18,16 +18,6 @@ CPU = {"kind": "cpu", "label": "cpu", "vram_total_mb": 0, "vram_free_mb": 0, "ra
 JOB_FIELDS = {"id", "organization_id", "kind", "status", "priority", "requires", "payload", "project_id", "lang",
               "attempt", "max_attempts", "not_before", "parent_job_id", "idempotency_key", "lease_owner",
               "lease_expires_at", "result", "error", "placement", "created_at", "started_at", "finished_at"}  # fmt: skip
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-@pytest.fixture
-async def client(live_server):
-    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as c:
-        yield c
 
 
 async def pair(client, key: str, name: str = "box") -> tuple[str, str]:

@@ -35,6 +35,7 @@ from umbra.api.app import all_routes
 from umbra.api.models import ModelRequest
 from umbra.compute.accounts import create_api_key, create_organization, create_project
 from umbra.compute.auth import API_KEY_SCOPES
+from tests.helpers import bearer
 
 pytestmark = pytest.mark.anyio
 
@@ -146,10 +147,6 @@ class World:
     ids: dict[str, str]
     #: Strings that only A's data contains.
     markers: list[str]
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 async def _pair(client: httpx.AsyncClient, key: str, name: str) -> tuple[str, str]:
