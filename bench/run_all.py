@@ -102,7 +102,9 @@ def render(r: dict[str, Any]) -> str:
         "# Benchmark results (latest run)",
         "",
         f"Run {meta['when']} on {meta['cpus']} CPUs, Python {meta['python']}, PostgreSQL {meta['postgres']}, "
-        f"commit {meta['commit']}, mode {'quick' if meta['quick'] else 'full'}, {meta['seconds']:.0f} s in all. "
+        f"commit {meta['commit']}, mode {'quick' if meta['quick'] else 'full'}, {meta['seconds']:.0f} s in all"
+        + (f" (this run: {', '.join(meta['workloads'])}; the other tables are from the run of {meta['earlier']['when']}, "
+           f"commit {meta['earlier']['commit']})" if "earlier" in meta else "") + ". "
         "Produced by `python -m bench.run_all`; see `docs/PERFORMANCE.md` for what the figures mean. The machine is "
         "shared: figures move between runs; ratios within this run are what count.",
         "",
@@ -110,6 +112,8 @@ def render(r: dict[str, Any]) -> str:
         "",
         _table(["target", "measured", "met"], [[t, m, {True: "yes", False: "**no**", None: "-"}[ok]] for t, m, ok in _targets(r)]),
     ]
+    if r.get("failed"):
+        parts += ["", "## Failed workloads", "", _table(["workload", "error"], [[k, v] for k, v in r["failed"].items()])]
     if "drain" in r:
         d = r["drain"]
         table: dict[str, dict[int, float]] = {}
@@ -180,19 +184,35 @@ def main() -> None:
     args = parser.parse_args()
     workloads = _workloads(QUICK if args.quick else FULL)
     chosen = [w for w in (args.only.split(",") if args.only else workloads) if w]
-    results: dict[str, Any] = {}
+    latest = RESULTS / "latest.json"
+    # A partial run (--only) replaces its workloads in the latest results and keeps the others.
+    results: dict[str, Any] = json.loads(latest.read_text()) if args.only and latest.exists() else {}
+    earlier = {k: v for k, v in results.get("meta", {}).items() if k != "earlier"} if args.only else {}
     started = time.perf_counter()
     for name in chosen:
         print(f"== {name}", flush=True)
-        results[name] = workloads[name]()
-    results["meta"] = _meta(args.quick, time.perf_counter() - started)
+        try:
+            results[name] = workloads[name]()
+            results.get("failed", {}).pop(name, None)
+        except Exception as exc:  # one failing workload must not lose the others' figures
+            print(f"!! {name} failed: {type(exc).__name__}: {exc}", flush=True)
+            results.pop(name, None)
+            results.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
+        meta = _meta(args.quick, time.perf_counter() - started)
+        meta["workloads"] = chosen
+        if earlier:
+            meta["earlier"] = earlier
+        results["meta"] = meta
+        _write(results)  # after every workload, so an interrupted run keeps what it measured
+    print()
+    print(render(results))
+    print(f"wrote {RESULTS / 'latest.md'} and latest.json")
+
+
+def _write(results: dict[str, Any]) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps(results, indent=2, default=str))
-    markdown = render(results)
-    (RESULTS / "latest.md").write_text(markdown)
-    print()
-    print(markdown)
-    print(f"wrote {RESULTS / 'latest.md'} and latest.json")
+    (RESULTS / "latest.md").write_text(render(results))
 
 
 if __name__ == "__main__":

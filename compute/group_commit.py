@@ -183,7 +183,7 @@ class GroupCommit:
                         extra={"action": "group_commit_fallback", "commands": len(commands), "error": str(exc)[:200]})  # fmt: skip
             self.fallbacks += 1
             for command in commands:
-                command.outcome, command.error = None, None
+                command.outcome, command.error, command.queue_empty = None, None, False
                 await self._alone(command)
             return []
         batch_commands.answer(staged)
