@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import psycopg
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -40,6 +41,19 @@ async def client_gone(request: Request, exc: Exception) -> Response:
     """The client left mid-request (an agent killed while sending): nobody reads an answer and
     nothing was done, so it is neither a server error nor worth a traceback."""
     return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def data_error(request: Request, exc: Exception) -> Response:
+    """A value PostgreSQL refused to store (SQLSTATE class 22: NUL in text, out of range...).
+
+    It comes from the request's data, so it is the caller's 422, not a 500; the
+    command's transaction has rolled back, so nothing was written.
+    """
+    log.warning("value refused by the database", extra={"action": "data_error", "path": request.url.path, "error": type(exc).__name__})
+    return json_response(
+        {"error": "invalid_request", "message": "A value in the request cannot be stored (for example a NUL character)."},
+        status=422,
+    )
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:

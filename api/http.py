@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -45,9 +46,19 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
+#: A JSON ``\u0000`` escape (preceded by an even number of backslashes).
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+
 async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False) -> T:
-    """Decode the body strictly into ``type_`` or raise ``invalid_request`` naming the field."""
+    """Decode the body strictly into ``type_`` or raise ``invalid_request`` naming the field.
+
+    PostgreSQL's text and jsonb cannot hold U+0000, so a body carrying it is
+    refused here, before anything is written, rather than failing mid-command.
+    """
     body = await read_body(request)
+    if b"\x00" in body or _NUL_ESCAPE.search(body):
+        raise InvalidRequest("Strings may not contain the NUL character (\\u0000); PostgreSQL cannot store it.")
     if not body.strip():
         if empty_ok:
             body = b"{}"
