@@ -24,6 +24,8 @@ summary line is printed; the exit status is 1 on any violation.
 
 from __future__ import annotations
 
+import abc
+
 import argparse
 import json
 import os
@@ -113,7 +115,7 @@ def _base_env(work: Path) -> dict[str, str]:
     return env
 
 
-class Process:
+class Process(abc.ABC):
     """A child process we start, kill with SIGKILL by its pid, and start again; output to a file."""
 
     def __init__(self, name: str, work: Path, env: dict[str, str]) -> None:
@@ -123,8 +125,9 @@ class Process:
         self.popen: subprocess.Popen | None = None
         self.starts = 0
 
+    @abc.abstractmethod
     def argv(self) -> list[str]:
-        raise NotImplementedError
+        """The command line that starts this process."""
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
