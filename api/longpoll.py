@@ -11,9 +11,10 @@ needs a GPU it lacks) hands its token to the next waiter that has not tried it,
 so an agent that cannot run a job never starves one that can; the chain ends
 when every waiter of the organization has tried. A waiter that leaves while
 holding a token passes it on too. An attempt that answers :data:`NOTHING_QUEUED`
-(the organization had no claimable job at all) ends the chain at once: nobody
-else could claim either, and walking ten thousand waiters to learn that would
-cost ten thousand claim transactions.
+(no claimable job was left: none queued, or every one it could run was just
+taken by other claimers) ends the chain at once: the work the token announced
+is taken, and walking ten thousand waiters to learn that would cost ten
+thousand claim transactions.
 
 Notifications can be lost (the listener reconnects; a not_before delay expires
 with no event at all), so :meth:`WaiterHub.safety_poll` runs once per process
@@ -61,13 +62,13 @@ WHERE status = 'queued' AND organization_id = ANY(%s)
 
 
 class _NothingQueued:
-    """What an attempt returns when its organization has no claimable job at all."""
+    """What an attempt returns when no claimable job was left for it but ones others just took."""
 
     def __repr__(self) -> str:
         return "NOTHING_QUEUED"
 
 
-#: An attempt's answer meaning "no job, and none for anyone": the wake token dies here.
+#: An attempt's answer meaning "no job, and none waiting for anyone else": the wake token dies here.
 NOTHING_QUEUED = _NothingQueued()
 
 

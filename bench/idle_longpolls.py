@@ -86,6 +86,9 @@ async def run_async(url: str, polls: int, node_count: int, jobs: int) -> dict:
                         tg.start_soon(_park, host, port, nodes[i % node_count][1], answered, ready)
                     await fleet.sleep_until(lambda: _parked_at_least(client, min(polls, wave + WAVE)), timeout=120)
                 park_seconds = time.perf_counter() - started
+                # A long-poll counts as waiting from its arrival, before its first claim attempt has run:
+                # wait for every first attempt (one per long-poll, plus the warm-up claims) to finish.
+                await fleet.sleep_until(lambda: _attempts_at_least(client, polls + node_count), timeout=300)
                 await anyio.sleep(2)  # settle: let any safety poll round pass
                 total, busy = await _server_connections(url)
                 rss_after = process.memory_info().rss
@@ -112,6 +115,10 @@ async def run_async(url: str, polls: int, node_count: int, jobs: int) -> dict:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def _attempts_at_least(client: httpx.AsyncClient, count: int) -> bool:
+    return _metric((await client.get("/metrics")).text, "umbra_claim_attempts_total") >= count
 
 
 async def _parked_at_least(client: httpx.AsyncClient, count: int) -> bool:

@@ -63,8 +63,9 @@ class Command:
     #: Set by the batch: the command's answer (a ClaimResult, None, a JobRow) or the refusal to raise.
     outcome: Any = None
     error: BaseException | None = None
-    #: Set on a claim that found no queued, due job of its organization at all.
-    queue_empty: bool = False
+    #: Set on a claim that got nothing although nothing stood in its way but other claimers: its
+    #: organization had no queued, due job, or every one it could run was just taken by others.
+    nothing_left: bool = False
 
     @property
     def actor(self) -> dict[str, str]:
@@ -132,7 +133,7 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
             if not rows:
                 for command in claimers:
                     if command.organization_id == org:
-                        command.queue_empty = True
+                        command.nothing_left = True
             elif waiting.get(org):
                 staged += await _claim_for_org(conn, org, waiting[org], rows, registry)
     return staged, deferred
@@ -238,6 +239,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                          page: Sequence[Any], models: Mapping[str, Any]) -> list[_Staged]:  # fmt: skip
     judged: dict[tuple[UUID, str], Placement | None] = {}
     staged: list[_Staged] = []
+    saw_eligible: set[int] = set()  # claimers that saw a row they could run
     skip: list[str] = []
     after = (-(2**31), 0)
     for scanned in range(MAX_SCAN_PAGES):
@@ -259,8 +261,10 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         wanted: list[UUID] = []
         order = {job_id: index for index, job_id in enumerate(shapes)}
         want = len(waiting)
-        for _command, node in waiting:
+        for command, node in waiting:
             eligible = [ids[:want] for shape, ids in by_shape.items() if judged[node.id, shape] is not None]
+            if eligible:
+                saw_eligible.add(id(command))
             wanted += eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
         if wanted:
             locked = await (await conn.execute(_LOCK_QUEUED, {"ids": list(dict.fromkeys(wanted)), "org": org})).fetchall()
@@ -278,4 +282,6 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         if not waiting or len(page) < SCAN_PAGE:
             break
         after = (page[-1][1], page[-1][2])
+    for command, _node in waiting:
+        command.nothing_left = id(command) in saw_eligible
     return staged

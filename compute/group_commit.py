@@ -129,12 +129,14 @@ class GroupCommit:
                     empty: Any = None) -> Any:  # fmt: skip
         """A :class:`~umbra.compute.claims.ClaimResult`, or ``None`` when none this node may take.
 
-        ``empty`` is answered instead of ``None`` when the organization had no
-        claimable job at all, for anyone (a long-poll then wakes nobody else).
+        ``empty`` is answered instead of ``None`` when nothing but other
+        claimers stood in the way: the organization had no claimable job, or
+        every one this node could run was just taken. A long-poll then wakes
+        nobody else for it; ``None`` means there is work this node cannot run.
         """
         command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds)
         result = await self._call(command)
-        return empty if result is None and command.queue_empty else result
+        return empty if result is None and command.nothing_left else result
 
     async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int) -> JobRow:
         return await self._call(Command("renew", organization_id, node_id, job_id, attempt, lease_seconds=lease_seconds))
@@ -183,7 +185,7 @@ class GroupCommit:
                         extra={"action": "group_commit_fallback", "commands": len(commands), "error": str(exc)[:200]})  # fmt: skip
             self.fallbacks += 1
             for command in commands:
-                command.outcome, command.error, command.queue_empty = None, None, False
+                command.outcome, command.error, command.nothing_left = None, None, False
                 await self._alone(command)
             return []
         batch_commands.answer(staged)
