@@ -102,11 +102,12 @@ def render(r: dict[str, Any]) -> str:
         "# Benchmark results (latest run)",
         "",
         f"Run {meta['when']} on {meta['cpus']} CPUs, Python {meta['python']}, PostgreSQL {meta['postgres']}, "
-        f"commit {meta['commit']}, mode {'quick' if meta['quick'] else 'full'}, {meta['seconds']:.0f} s in all"
-        + (f" (this run: {', '.join(meta['workloads'])}; the other tables are from the run of {meta['earlier']['when']}, "
-           f"commit {meta['earlier']['commit']})" if "earlier" in meta else "") + ". "
+        f"mode {'quick' if meta['quick'] else 'full'}. "
         "Produced by `python -m bench.run_all`; see `docs/PERFORMANCE.md` for what the figures mean. The machine is "
         "shared: figures move between runs; ratios within this run are what count.",
+        "",
+        "Each workload's run (start time, commit): " + "; ".join(
+            f"{name} {p['when']} {p['commit']}" for name, p in r.get("provenance", {}).items()) + ".",
         "",
         "## Targets",
         "",
@@ -164,6 +165,10 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+
+
 def _meta(quick: bool, seconds: float) -> dict[str, Any]:
     import psycopg
 
@@ -171,9 +176,9 @@ def _meta(quick: bool, seconds: float) -> dict[str, Any]:
 
     with psycopg.connect(server_url()) as c:
         postgres = c.execute("SHOW server_version").fetchone()[0]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = _commit()
     return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "postgres": postgres, "commit": commit or "?", "quick": quick,
+            "python": platform.python_version(), "postgres": postgres, "commit": commit, "quick": quick,
             "seconds": seconds}  # fmt: skip
 
 
@@ -187,10 +192,11 @@ def main() -> None:
     latest = RESULTS / "latest.json"
     # A partial run (--only) replaces its workloads in the latest results and keeps the others.
     results: dict[str, Any] = json.loads(latest.read_text()) if args.only and latest.exists() else {}
-    earlier = {k: v for k, v in results.get("meta", {}).items() if k != "earlier"} if args.only else {}
     started = time.perf_counter()
     for name in chosen:
         print(f"== {name}", flush=True)
+        results.setdefault("provenance", {})[name] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                      "commit": _commit()}  # fmt: skip
         try:
             results[name] = workloads[name]()
             results.get("failed", {}).pop(name, None)
@@ -200,8 +206,6 @@ def main() -> None:
             results.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
         meta = _meta(args.quick, time.perf_counter() - started)
         meta["workloads"] = chosen
-        if earlier:
-            meta["earlier"] = earlier
         results["meta"] = meta
         _write(results)  # after every workload, so an interrupted run keeps what it measured
     print()
