@@ -182,13 +182,24 @@ def _meta(quick: bool, seconds: float) -> dict[str, Any]:
             "seconds": seconds}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--only", default="", help="comma-separated subset of: drain,submit,wake,notify,idle,rebuild,claim_latency")
-    args = parser.parse_args()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run_all(parser.parse_args(argv))
+
+
+def run_all(args: argparse.Namespace) -> None:
+    """Run the chosen workloads (``args.quick``, ``args.only``) and write latest.md / latest.json."""
     workloads = _workloads(QUICK if args.quick else FULL)
     chosen = [w for w in (args.only.split(",") if args.only else workloads) if w]
+    unknown = [w for w in chosen if w not in workloads]
+    if unknown:
+        raise SystemExit(f"unknown workload(s): {', '.join(unknown)}; choose from {', '.join(workloads)}")
     latest = RESULTS / "latest.json"
     # A partial run (--only) replaces its workloads in the latest results and keeps the others.
     results: dict[str, Any] = json.loads(latest.read_text()) if args.only and latest.exists() else {}

@@ -190,6 +190,26 @@ def _register_jobs(sub: argparse._SubParsersAction) -> None:
 REGISTRARS.append(_register_jobs)
 
 
+def _register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run the benchmarks (from a source checkout); writes bench/results/latest.md")
+
+    def run(args) -> int:
+        try:
+            from bench import run_all
+        except ImportError:
+            print("umbra: bench: the benchmarks live in the source checkout (bench/); run this from its root", file=sys.stderr)
+            return 2
+        run_all.run_all(args)
+        return 0
+
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--only", default="", help="comma-separated subset of: drain,submit,wake,notify,idle,rebuild,claim_latency")
+    p.set_defaults(func=run)
+
+
+REGISTRARS.append(_register_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="umbra", description="Umbra Compute: event-sourced compute jobs on PostgreSQL.")
     sub = parser.add_subparsers(dest="command", required=True)
