@@ -44,7 +44,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .blocked import read_models
-from .claims import MAX_SCAN_PAGES, SCAN_PAGE, ClaimResult
+from .claims import CLAIMABLE_SCAN, MAX_SCAN_PAGES, SCAN_PAGE, ClaimResult
 from .jobs import settle_parents
 
 
@@ -87,15 +87,6 @@ SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, n.devices::tex
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.id = ANY(%s)
 """
-_SCAN = """
-SELECT id, priority, seq, requires::text FROM jobs
-WHERE organization_id = %(org)s AND status = 'queued'
-  AND (not_before IS NULL OR not_before <= umbra_now())
-  AND (priority, seq) > (%(priority)s, %(seq)s)
-  AND NOT (requires = ANY(%(skip)s::text[]::jsonb[]))
-ORDER BY priority, seq
-LIMIT %(limit)s
-"""
 _LOCK_QUEUED = f"""
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
 WHERE id = ANY(%(ids)s) AND organization_id = %(org)s AND status = 'queued'
@@ -120,7 +111,7 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     held_rows = await conn.execute(_LOCK_HELD, (sorted({c.job_id for c in held}, key=str),)) if held else None
     node_rows = await conn.execute(_NODES, (list({c.node_id for c in claimers}),)) if claimers else None
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
-    first_pages = [await conn.execute(_SCAN, _scan_params(org, (-(2**31), 0), [])) for org in orgs]
+    first_pages = [await conn.execute(CLAIMABLE_SCAN, _scan_params(org, (-(2**31), 0), [])) for org in orgs]
     models = [await read_models(conn, org) for org in orgs]
     staged: list[_Staged] = []
     deferred: list[Command] = []
@@ -244,7 +235,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     after = (-(2**31), 0)
     for scanned in range(MAX_SCAN_PAGES):
         if scanned:
-            page = await (await conn.execute(_SCAN, _scan_params(org, after, skip))).fetchall()
+            page = await (await conn.execute(CLAIMABLE_SCAN, _scan_params(org, after, skip))).fetchall()
         shapes: dict[UUID, str] = {}
         by_shape: dict[str, list[UUID]] = {}  # each requirement shape's rows, in queue order
         for job_id, _priority, _seq, requires in page:

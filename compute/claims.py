@@ -57,7 +57,9 @@ SCAN_PAGE = 100
 #: Pages scanned per claim before giving up (the next claim scans afresh).
 MAX_SCAN_PAGES = 20
 
-_SCAN = """
+#: One page of the organization's claimable jobs in claim order, skipping requirement
+#: shapes already judged ineligible; the single-command claim and the group commit share it.
+CLAIMABLE_SCAN = """
 SELECT id, priority, seq, requires::text FROM jobs
 WHERE organization_id = %(org)s AND status = 'queued'
   AND (not_before IS NULL OR not_before <= umbra_now())
@@ -117,7 +119,7 @@ async def claim(
         after = (-(2**31), 0)
         for _ in range(MAX_SCAN_PAGES):
             params = {"org": organization_id, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE}
-            page = await (await conn.execute(_SCAN, params)).fetchall()
+            page = await (await conn.execute(CLAIMABLE_SCAN, params)).fetchall()
             candidates: list[UUID] = []
             placements: dict[UUID, Placement] = {}
             for job_id, _priority, _seq, requires in page:
