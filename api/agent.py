@@ -29,7 +29,7 @@ from umbra import metrics
 from umbra.compute import claims
 from umbra.errors import Forbidden, UmbraError
 
-from .http import json_response, principal
+from .http import batch_principal, json_response
 from .longpoll import NOTHING_QUEUED, WaiterHub
 from .params import query_int
 from .routing import endpoint
@@ -63,8 +63,7 @@ async def _watch_disconnect(request: Request, gone: anyio.Event, scope: anyio.Ca
 async def claim(request: Request) -> Response:
     services = request.app.state.services
     hub: WaiterHub = request.app.state.waiters
-    async with services.pool.connection() as conn:
-        who = await principal(request, conn, "compute:claim")
+    who = await batch_principal(request, "compute:claim")
     wait = query_int(request, "wait", default=DEFAULT_WAIT_SECONDS, minimum=0, maximum=MAX_WAIT_SECONDS)
     if who.node_id is None:
         raise Forbidden("Only a node credential can claim jobs.")
@@ -81,15 +80,22 @@ async def claim(request: Request) -> Response:
             lease_seconds=settings.lease_seconds,
             stale_seconds=settings.heartbeat_stale_seconds,
             empty=NOTHING_QUEUED,
+            credential_id=who.credential_id,
         )
 
     started = time.monotonic()
     gone = anyio.Event()
     result: claims.ClaimResult | None = None
+    refusal: UmbraError | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(_watch_disconnect, request, gone, tg.cancel_scope)
-        result = await hub.wait_for(who.organization_id, attempt, timeout=wait)
+        try:
+            result = await hub.wait_for(who.organization_id, attempt, timeout=wait)
+        except UmbraError as exc:  # e.g. the credential was revoked while this poll waited
+            refusal = exc
         tg.cancel_scope.cancel()
+    if refusal is not None:
+        raise refusal
     elapsed = time.monotonic() - started
     if gone.is_set():
         metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(elapsed)

@@ -21,7 +21,7 @@ from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
 from umbra.projections import jobs as queue
 
-from .http import json_response, path_uuid, principal, read_json
+from .http import batch_principal, json_response, path_uuid, principal, read_json
 from .jobs import read_items
 from .routing import endpoint
 
@@ -52,23 +52,22 @@ class ChildrenRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 async def renew(request: Request) -> Response:
     job_id = path_uuid(request, code="job_not_found")
     services = request.app.state.services
-    async with services.pool.connection() as conn:
-        who = await principal(request, conn, "compute:claim", "compute:complete")
+    who = await batch_principal(request, "compute:claim", "compute:complete")
     body = await read_json(request, RenewRequest)
     row = await request.app.state.group_commit.renew(
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
-        lease_seconds=services.settings.lease_seconds,
+        lease_seconds=services.settings.lease_seconds, credential_id=who.credential_id,
     )  # fmt: skip
     return json_response({"lease_expires_at": queue.timestamp(row.lease_expires_at), "attempt": row.attempt})
 
 
 async def complete(request: Request) -> Response:
     job_id = path_uuid(request, code="job_not_found")
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "compute:complete")
+    who = await batch_principal(request, "compute:complete")
     body = await read_json(request, CompleteRequest)
     row = await request.app.state.group_commit.complete(
-        organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt, result=body.result
+        organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt, result=body.result,
+        credential_id=who.credential_id,
     )  # fmt: skip
     return json_response(queue.to_json(row))
 

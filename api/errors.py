@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import psycopg
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response

@@ -10,7 +10,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from umbra.compute.auth import Principal, authenticate
+from umbra.compute.auth import Principal, authenticate, authenticate_revocation_deferred
 from umbra.errors import InvalidRequest, NotFound, UmbraError
 
 #: Request bodies above this are refused with 413 before they are parsed.
@@ -101,6 +101,21 @@ def bearer_token(request: Request) -> str | None:
 async def principal(request: Request, conn, *any_of_scopes: str) -> Principal:
     """Authenticate the request on ``conn`` and check one of the scopes (403 otherwise)."""
     who = await authenticate(conn, bearer_token(request), request.app.state.services.token_cache)
+    if any_of_scopes:
+        who.require(*any_of_scopes)
+    request.state.principal = who
+    return who
+
+
+async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
+    """:func:`principal` for a route whose command goes through the group commit.
+
+    The batch re-checks the credential's revocation in its own transaction
+    (pass ``who.credential_id`` to the command), so a cached token costs no
+    connection and no query here.
+    """
+    services = request.app.state.services
+    who = await authenticate_revocation_deferred(services.pool, bearer_token(request), services.token_cache)
     if any_of_scopes:
         who.require(*any_of_scopes)
     request.state.principal = who

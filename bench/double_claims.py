@@ -25,7 +25,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 from uuid import UUID
 
 import anyio

@@ -4,8 +4,9 @@
 
 * ``http``: a real ``umbra serve`` subprocess on a scratch database; nodes are
   paired through the API (pairing code, redeem, heartbeat) and each agent is an
-  async httpx client in this process looping ``POST /v1/agent/claim?wait=1`` →
-  ``POST /v1/agent/jobs/{id}/complete``, exactly the agent protocol.
+  client in this process (one keep-alive connection each, :mod:`bench.wire`)
+  looping ``POST /v1/agent/claim?wait=1`` → ``POST /v1/agent/jobs/{id}/complete``,
+  exactly the agent protocol.
 * ``inproc``: the same loop calling the compute layer directly on a pool of 10
   connections (the server's default), no HTTP: ``claims.claim`` and
   ``claims.complete``, each its own transaction. The difference between the two
@@ -29,7 +30,7 @@ from psycopg_pool import AsyncConnectionPool
 from umbra.compute import claims
 from umbra.compute.group_commit import GroupCommit, HintNotifier
 
-from . import fleet
+from . import fleet, wire
 from .common import print_table, scratch_database, write_json
 
 #: Lease the in-process agents ask for (the server's default).
@@ -50,18 +51,20 @@ class Tally:
             self.finished.set()
 
 
-async def _http_agent(client: httpx.AsyncClient, credential: str, tally: Tally) -> None:
-    headers = {"Authorization": f"Bearer {credential}"}
-    while not tally.finished.is_set():
-        response = await client.post("/v1/agent/claim", params={"wait": 1}, headers=headers)
-        if response.status_code == 204:
-            continue
-        response.raise_for_status()
-        job = response.json()["job"]
-        done = await client.post(f"/v1/agent/jobs/{job['id']}/complete", json={"attempt": job["attempt"], "result": None},
-                                 headers=headers)  # fmt: skip
-        done.raise_for_status()
-        tally.one()
+async def _http_agent(base: str, credential: str, tally: Tally) -> None:
+    connection = wire.Connection.to(base, {"Authorization": f"Bearer {credential}"})
+    try:
+        while not tally.finished.is_set():
+            response = await connection.post("/v1/agent/claim?wait=1")
+            if response.status == 204:
+                continue
+            response.raise_for_status()
+            job = response.json()["job"]
+            done = await connection.post(f"/v1/agent/jobs/{job['id']}/complete", {"attempt": job["attempt"], "result": None})
+            done.raise_for_status()
+            tally.one()
+    finally:
+        await connection.aclose()
 
 
 async def _heartbeats(client: httpx.AsyncClient, credentials: list[str], tally: Tally) -> None:
@@ -84,7 +87,7 @@ async def drain_http(url: str, jobs: int, agents: int) -> dict:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_heartbeats, client, [c for _, c in nodes], tally)
                 for _, credential in nodes:
-                    tg.start_soon(_http_agent, client, credential, tally)
+                    tg.start_soon(_http_agent, server.base, credential, tally)
                 await tally.finished.wait()
                 tg.cancel_scope.cancel()
     seconds = tally.ended_at - started

@@ -43,6 +43,7 @@ from umbra.events.types import Device, Event, JobClaimed, JobCompleted, JobLease
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
+from .auth import revoked
 from .blocked import read_models
 from .claims import CLAIMABLE_SCAN, MAX_SCAN_PAGES, SCAN_PAGE, ClaimResult
 from .jobs import settle_parents
@@ -60,6 +61,10 @@ class Command:
     lease_seconds: int = 60
     stale_seconds: int = 45
     result: Any = None
+    #: The node credential the request authenticated with, if the caller left its revocation check to
+    #: the batch: the batch reads it in its own transaction, so a revoked credential is refused at its
+    #: next command without a query of its own per request (``None``: already checked by the caller).
+    credential_id: UUID | None = None
     #: Set by the batch: the command's answer (a ClaimResult, None, a JobRow) or the refusal to raise.
     outcome: Any = None
     error: BaseException | None = None
@@ -94,6 +99,7 @@ WHERE id = ANY(%(ids)s) AND organization_id = %(org)s AND status = 'queued'
 ORDER BY priority, seq
 FOR UPDATE SKIP LOCKED
 """
+LIVE_CREDENTIALS = "SELECT id FROM node_credentials WHERE id = ANY(%s) AND revoked_at IS NULL"
 _devices = msgspec.json.Decoder(tuple[Device, ...])
 _requirements = msgspec.json.Decoder(Requirements)
 
@@ -106,6 +112,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     issued before any is fetched, so on a connection in pipeline mode they
     travel in one round trip.
     """
+    credentials = list({c.credential_id for c in commands if c.credential_id is not None})
+    live_rows = await conn.execute(LIVE_CREDENTIALS, (credentials,)) if credentials else None
     held = [c for c in commands if c.kind != "claim"]
     claimers = [c for c in commands if c.kind == "claim"]
     held_rows = await conn.execute(_LOCK_HELD, (sorted({c.job_id for c in held}, key=str),)) if held else None
@@ -113,6 +121,9 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
     first_pages = [await conn.execute(CLAIMABLE_SCAN, _scan_params(org, (-(2**31), 0), [])) for org in orgs]
     models = [await read_models(conn, org) for org in orgs]
+    if live_rows is not None:
+        live = {row[0] for row in await live_rows.fetchall()}
+        held, claimers = _refuse_revoked(held, live), _refuse_revoked(claimers, live)
     staged: list[_Staged] = []
     deferred: list[Command] = []
     if held_rows is not None:
@@ -128,6 +139,20 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
             elif waiting.get(org):
                 staged += await _claim_for_org(conn, org, waiting[org], rows, registry)
     return staged, deferred
+
+
+def _refuse_revoked(commands: list[Command], live: set[UUID]) -> list[Command]:
+    """Answer 401 to every command whose credential is no longer live (revoked or removed); returns the others.
+
+    Their rows may have been read (and locked) with the rest of the batch; nothing is written for them.
+    """
+    kept = []
+    for command in commands:
+        if command.credential_id is None or command.credential_id in live:
+            kept.append(command)
+        else:
+            command.error = revoked()
+    return kept
 
 
 def _scan_params(org: UUID, after: tuple[int, int], skip: list[str]) -> dict[str, Any]:
@@ -216,6 +241,7 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> di
         nid: (org, NodeView(id=nid, name=name, trust_domain=trust, devices=_devices.decode(devices),
                             status=effective_status(status, last_seen, now, stale_seconds=stale[nid])))
         for nid, org, name, status, trust, devices, last_seen, now in records
+        if nid in stale  # a refused claimer's node was read with the others
     }  # fmt: skip
     by_org: dict[UUID, list[tuple[Command, NodeView]]] = {}
     for command in claimers:

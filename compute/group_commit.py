@@ -39,6 +39,7 @@ from umbra.events import store
 from umbra.projections.jobs import JobRow
 
 from . import batch_commands, claims
+from .auth import revoked
 from .batch_commands import Command
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class GroupCommit:
     # -- the commands (the same arguments and answers as umbra.compute.claims) ------------
 
     async def claim(self, *, node_id: UUID, organization_id: UUID, lease_seconds: int, stale_seconds: int,
-                    empty: Any = None) -> Any:  # fmt: skip
+                    empty: Any = None, credential_id: UUID | None = None) -> Any:  # fmt: skip
         """A :class:`~umbra.compute.claims.ClaimResult`, or ``None`` when none this node may take.
 
         ``empty`` is answered instead of ``None`` when nothing but other
@@ -137,15 +138,20 @@ class GroupCommit:
         every one this node could run was just taken. A long-poll then wakes
         nobody else for it; ``None`` means there is work this node cannot run.
         """
-        command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds)
+        command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
+                          credential_id=credential_id)
         result = await self._call(command)
         return empty if result is None and command.nothing_left else result
 
-    async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int) -> JobRow:
-        return await self._call(Command("renew", organization_id, node_id, job_id, attempt, lease_seconds=lease_seconds))
+    async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int,
+                    credential_id: UUID | None = None) -> JobRow:  # fmt: skip
+        return await self._call(Command("renew", organization_id, node_id, job_id, attempt, lease_seconds=lease_seconds,
+                                        credential_id=credential_id))  # fmt: skip
 
-    async def complete(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any) -> JobRow:
-        return await self._call(Command("complete", organization_id, node_id, job_id, attempt, result=result))
+    async def complete(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
+                       credential_id: UUID | None = None) -> JobRow:  # fmt: skip
+        return await self._call(Command("complete", organization_id, node_id, job_id, attempt, result=result,
+                                        credential_id=credential_id))  # fmt: skip
 
     async def _call(self, command: Command) -> Any:
         done = anyio.Event()
@@ -201,6 +207,10 @@ class GroupCommit:
         """Run one command in its own transaction through the single-command path."""
         try:
             async with self._pool.connection() as conn:
+                if command.credential_id is not None:
+                    live = await (await conn.execute(batch_commands.LIVE_CREDENTIALS, ([command.credential_id],))).fetchall()
+                    if not live:
+                        raise revoked()
                 if command.kind == "claim":
                     command.outcome = await claims.claim(
                         conn, node_id=command.node_id, organization_id=command.organization_id,

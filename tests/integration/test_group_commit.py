@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from umbra.compute import claims
 from umbra.compute.group_commit import GroupCommit, HintNotifier
-from umbra.errors import Conflict, InvalidRequest, NotFound
+from umbra.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from umbra.events import store
 from umbra.projections.verify import verify
 
@@ -225,3 +225,53 @@ async def test_a_claimer_beaten_to_the_only_job_is_told_nothing_is_left(db_url, 
         ])  # fmt: skip
     assert results[0].job_id == job
     assert results[1] is empty  # the job it could have had is taken: no one else need be woken for it
+
+
+async def _credential_of(conn, node_id):
+    return (await (await conn.execute("SELECT id FROM node_credentials WHERE node_id = %s", (node_id,))).fetchone())[0]
+
+
+async def test_a_revoked_credential_is_refused_in_the_batch_and_only_its_command(db_url, conn, org):
+    org_id, _ = org
+    a = await add_node(conn, org_id, "a", [CPU64])
+    b = await add_node(conn, org_id, "b", [CPU64])
+    job_a, job_b = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
+    await claim_now(conn, org_id, a)
+    await claim_now(conn, org_id, b)
+    cred_a, cred_b = await _credential_of(conn, a), await _credential_of(conn, b)
+    await submit(conn, org_id)  # queued work a revoked claimer must not get
+    # Revoked by another server process: this one's token cache still trusts the token.
+    await conn.execute("UPDATE node_credentials SET revoked_at = now() WHERE id = %s", (cred_b,))
+    before_b = await store.read_stream(conn, store.job_stream(job_b))
+    async with group_commit(db_url) as (group, _, tg):
+        results = await in_one_batch(group, tg, [
+            lambda: group.complete(organization_id=org_id, node_id=a, job_id=job_a, attempt=1, result=1, credential_id=cred_a),
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=job_b, attempt=1, result=1, credential_id=cred_b),
+            lambda: group.claim(node_id=b, organization_id=org_id, lease_seconds=60, stale_seconds=45, credential_id=cred_b),
+        ])  # fmt: skip
+    assert results[0].status == "complete"
+    assert all(isinstance(r, Unauthenticated) for r in results[1:]), results
+    assert await store.read_stream(conn, store.job_stream(job_b)) == before_b
+    queued = await (await conn.execute("SELECT count(*) FROM jobs WHERE status = 'queued'")).fetchone()
+    assert queued[0] == 1 and group.fallbacks == 0
+    assert await verify(conn) == []
+
+
+async def test_a_revoked_credential_is_refused_when_its_batch_falls_back(db_url, conn, org):
+    org_id, _ = org
+    a = await add_node(conn, org_id, "a", [CPU64])
+    b = await add_node(conn, org_id, "b", [CPU64])
+    job_a, job_b = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
+    await claim_now(conn, org_id, a)
+    await claim_now(conn, org_id, b)
+    cred_b = await _credential_of(conn, b)
+    await conn.execute("UPDATE node_credentials SET revoked_at = now() WHERE id = %s", (cred_b,))
+    async with group_commit(db_url) as (group, _, tg):
+        results = await in_one_batch(group, tg, [
+            lambda: group.complete(organization_id=org_id, node_id=a, job_id=job_a, attempt=1, result={"bad": "\u0000"}),
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=job_b, attempt=1, result=1, credential_id=cred_b),
+        ])  # fmt: skip
+    assert group.fallbacks == 1
+    assert isinstance(results[0], InvalidRequest) and isinstance(results[1], Unauthenticated)
+    types_b = [r.type for r in await store.read_stream(conn, store.job_stream(job_b))]
+    assert types_b == ["job.submitted", "job.claimed"]

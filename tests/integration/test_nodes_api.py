@@ -77,6 +77,29 @@ async def test_a_revoked_credential_fails_at_once(client, org):
     assert (await client.get("/v1/models", headers=bearer(credential))).status_code == 401
 
 
+async def test_a_credential_revoked_elsewhere_fails_on_the_agent_hot_path(client, conn, org):
+    """Claim, renew and complete re-check revocation inside their batch, not per request."""
+    _, key = org
+    node_id, credential = await pair(client, key, devices=(CPU,))
+    await client.post("/v1/agent/heartbeat", json={"devices": [CPU]}, headers=bearer(credential))
+    for _ in range(2):
+        assert (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).status_code == 201
+    claimed = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+    assert claimed.status_code == 200  # the token is now in this server's cache
+    job = claimed.json()["job"]
+    # Another server process revoked it: this one's cache was not told.
+    await conn.execute("UPDATE node_credentials SET revoked_at = now() WHERE node_id = %s", (node_id,))
+    before = await footprint(conn)
+    attempt = {"attempt": job["attempt"]}
+    for path, body in [("/v1/agent/claim?wait=0", None), (f"/v1/agent/jobs/{job['id']}/renew", attempt),
+                       (f"/v1/agent/jobs/{job['id']}/complete", {**attempt, "result": None})]:
+        refused = await client.post(path, json=body, headers=bearer(credential))
+        assert refused.status_code == 401 and refused.json()["error"] == "unauthenticated", (path, refused.text)
+    assert await footprint(conn) == before
+    status = await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))
+    assert status.json()["status"] == "running"
+
+
 async def test_drain_and_retire(client, org):
     _, key = org
     node_id, credential = await pair(client, key)
