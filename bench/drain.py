@@ -25,6 +25,7 @@ import uuid
 
 import anyio
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg_pool import AsyncConnectionPool
 
 from umbra.compute import claims
@@ -90,8 +91,21 @@ async def drain_http(url: str, jobs: int, agents: int) -> dict:
                     tg.start_soon(_http_agent, server.base, credential, tally)
                 await tally.finished.wait()
                 tg.cancel_scope.cancel()
+            batches = await _batch_figures(client, api_key)
     seconds = tally.ended_at - started
-    return {"mode": "http", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds}
+    return {"mode": "http", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds, **batches}
+
+
+async def _batch_figures(client: httpx.AsyncClient, api_key: str) -> dict:
+    """The server's group-commit figures from ``/metrics``: batches, commands per batch, time per batch."""
+    response = await client.get("/metrics", headers={"Authorization": f"Bearer {api_key}"})
+    response.raise_for_status()
+    samples = {s.name: s.value for family in text_string_to_metric_families(response.text) for s in family.samples}
+    count = samples.get("umbra_group_commit_batch_commands_count", 0.0)
+    if not count:
+        return {}
+    return {"batches": int(count), "commands_per_batch": samples["umbra_group_commit_batch_commands_sum"] / count,
+            "ms_per_batch": 1000 * samples["umbra_group_commit_batch_seconds_sum"] / count}  # fmt: skip
 
 
 async def _inproc_agent(pool: AsyncConnectionPool, org: uuid.UUID, node_id: uuid.UUID, tally: Tally) -> None:
@@ -153,7 +167,8 @@ async def drain_grouped(url: str, jobs: int, agents: int) -> dict:
             tg.cancel_scope.cancel()
     seconds = tally.ended_at - started
     return {"mode": "inproc-grouped", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
-            "batches": group.batches, "fallbacks": group.fallbacks, "notify_ticks": notifier.ticks}
+            "batches": group.batches, "fallbacks": group.fallbacks, "notify_ticks": notifier.ticks,
+            "commands_per_batch": group.commands / max(1, group.batches)}
 
 
 RUNNERS = {"http": drain_http, "inproc": drain_inproc, "inproc-grouped": drain_grouped}
@@ -165,7 +180,10 @@ def run(jobs: int, agent_counts: list[int], modes: list[str]) -> list[dict]:
         for agents in agent_counts:
             with scratch_database("umbra_bench_drain") as url:
                 results.append(anyio.run(RUNNERS[mode], url, jobs, agents))
-            print(f"  {mode} x{agents}: {results[-1]['jobs_per_s']:,.0f} jobs/s", flush=True)
+            extra = results[-1]
+            batches = f" ({extra['commands_per_batch']:.1f} commands/batch" if "commands_per_batch" in extra else ""
+            batches += f", {extra['ms_per_batch']:.1f} ms/batch)" if "ms_per_batch" in extra else (")" if batches else "")
+            print(f"  {mode} x{agents}: {extra['jobs_per_s']:,.0f} jobs/s{batches}", flush=True)
     return results
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 from uuid import UUID
 
 import msgspec
@@ -44,7 +44,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .auth import revoked
-from .blocked import read_models
+from .blocked import ModelRegistry
 from .claims import CLAIMABLE_SCAN, MAX_SCAN_PAGES, SCAN_PAGE, ClaimResult
 from .jobs import settle_parents
 
@@ -107,10 +107,9 @@ _requirements = msgspec.json.Decoder(Requirements)
 async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> tuple[list[_Staged], list[Command]]:
     """Load and decide every command; returns the staged changes and the commands deferred to the next batch.
 
-    The reads that do not depend on each other (the held rows, the claiming
-    nodes, each organization's first scan page and model registry) are all
-    issued before any is fetched, so on a connection in pipeline mode they
-    travel in one round trip.
+    The reads that do not depend on each other (the credentials, the held
+    rows, the claiming nodes, each organization's first scan page and model
+    registry) are all issued before any is decided on.
     """
     credentials = list({c.credential_id for c in commands if c.credential_id is not None})
     live_rows = await conn.execute(LIVE_CREDENTIALS, (credentials,)) if credentials else None
@@ -120,7 +119,6 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     node_rows = await conn.execute(_NODES, (list({c.node_id for c in claimers}),)) if claimers else None
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
     first_pages = [await conn.execute(CLAIMABLE_SCAN, _scan_params(org, (-(2**31), 0), [])) for org in orgs]
-    models = [await read_models(conn, org) for org in orgs]
     if live_rows is not None:
         live = {row[0] for row in await live_rows.fetchall()}
         held, claimers = _refuse_revoked(held, live), _refuse_revoked(claimers, live)
@@ -130,14 +128,14 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
         staged += _stage_held(await held_rows.fetchall(), held, deferred)
     if node_rows is not None:
         waiting = _waiting_claimers(await node_rows.fetchall(), claimers)
-        for org, page, registry in zip(orgs, first_pages, models):
+        for org, page in zip(orgs, first_pages):
             rows = await page.fetchall()
             if not rows:
                 for command in claimers:
                     if command.organization_id == org:
                         command.nothing_left = True
             elif waiting.get(org):
-                staged += await _claim_for_org(conn, org, waiting[org], rows, registry)
+                staged += await _claim_for_org(conn, org, waiting[org], rows)
     return staged, deferred
 
 
@@ -253,7 +251,8 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> di
 
 
 async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]],
-                         page: Sequence[Any], models: Mapping[str, Any]) -> list[_Staged]:  # fmt: skip
+                         page: Sequence[Any]) -> list[_Staged]:  # fmt: skip
+    registry = ModelRegistry(org)
     judged: dict[tuple[UUID, str], Placement | None] = {}
     staged: list[_Staged] = []
     saw_eligible: set[int] = set()  # claimers that saw a row they could run
@@ -269,6 +268,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             by_shape.setdefault(requires, []).append(job_id)
         for requires in by_shape:
             decoded = _requirements.decode(requires)
+            models = await registry.for_job(conn, decoded)
             for _command, node in waiting:
                 if (node.id, requires) not in judged:
                     judged[node.id, requires] = best_placement(node, decoded, models)

@@ -44,7 +44,7 @@ from umbra.events.types import JobClaimed, JobCompleted, JobDecomposed, JobLease
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
-from .blocked import BlockingJudge, read_models, read_nodes
+from .blocked import BlockingJudge, ModelRegistry, read_nodes
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, jobs_by_idempotency_key, record_and_settle, refusing_nul,
     submitted_events,
@@ -113,7 +113,7 @@ async def claim(
         if not nodes or nodes[0].status != "online" or all(is_busy(d) for d in nodes[0].devices):
             return None
         node = nodes[0]
-        models = await read_models(conn, organization_id)
+        registry = ModelRegistry(organization_id)
         judged: dict[str, Placement | None] = {}
         skip: list[str] = []
         after = (-(2**31), 0)
@@ -124,7 +124,8 @@ async def claim(
             placements: dict[UUID, Placement] = {}
             for job_id, _priority, _seq, requires in page:
                 if requires not in judged:
-                    judged[requires] = best_placement(node, _requirements.decode(requires), models)
+                    decoded = _requirements.decode(requires)
+                    judged[requires] = best_placement(node, decoded, await registry.for_job(conn, decoded))
                     if judged[requires] is None:
                         skip.append(requires)
                 placement = judged[requires]

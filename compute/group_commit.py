@@ -27,6 +27,7 @@ one small transaction at a time, after the data they point at is visible.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any, Iterable
 from uuid import UUID
@@ -35,6 +36,7 @@ import anyio
 from anyio.abc import TaskStatus
 from psycopg_pool import AsyncConnectionPool
 
+from umbra import metrics
 from umbra.events import store
 from umbra.projections.jobs import JobRow
 
@@ -182,17 +184,19 @@ class GroupCommit:
 
     async def _execute(self, batch: list[tuple[Command, anyio.Event]]) -> list[tuple[Command, anyio.Event]]:
         commands = [command for command, _ in batch]
+        started = time.perf_counter()
         try:
-            async with self._pool.connection() as conn, conn.pipeline():
-                # Pipeline mode: statements whose results are not needed yet (BEGIN, the
-                # independent reads, the row write, COMMIT) share round trips.
-                async with conn.transaction():
-                    staged, deferred = await batch_commands.stage(conn, commands)
-                    hints = await batch_commands.write(conn, staged)
+            # Not in pipeline mode: it saved a few round trips per batch but cost more
+            # client CPU than it saved, and on the agent path the server's CPU is the limit
+            # (docs/PERFORMANCE.md).
+            async with self._pool.connection() as conn, conn.transaction():
+                staged, deferred = await batch_commands.stage(conn, commands)
+                hints = await batch_commands.write(conn, staged)
         except Exception as exc:
             log.warning("batch rolled back; its commands run one by one",
                         extra={"action": "group_commit_fallback", "commands": len(commands), "error": str(exc)[:200]})  # fmt: skip
             self.fallbacks += 1
+            metrics.GROUP_COMMIT_FALLBACKS.inc()
             for command in commands:
                 command.outcome, command.error, command.nothing_left = None, None, False
                 await self._alone(command)
@@ -200,6 +204,8 @@ class GroupCommit:
         batch_commands.answer(staged)
         self.batches += 1
         self.commands += len(commands) - len(deferred)
+        metrics.GROUP_COMMIT_BATCH_SECONDS.observe(time.perf_counter() - started)
+        metrics.GROUP_COMMIT_BATCH_COMMANDS.observe(len(commands) - len(deferred))
         self._notifier.hint(hints)
         return [item for item in batch if item[0] in deferred]
 

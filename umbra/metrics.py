@@ -86,6 +86,23 @@ HTTP_REQUESTS = Counter(
     ["method", "route", "status"],
     registry=None,
 )
+GROUP_COMMIT_BATCH_COMMANDS = Histogram(
+    "umbra_group_commit_batch_commands",
+    "Agent commands (claims, renewals, completions) committed per group-commit transaction.",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    registry=None,
+)
+GROUP_COMMIT_BATCH_SECONDS = Histogram(
+    "umbra_group_commit_batch_seconds",
+    "Wall time of one group-commit transaction, from taking the connection to the commit.",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
+    registry=None,
+)
+GROUP_COMMIT_FALLBACKS = Counter(
+    "umbra_group_commit_fallbacks",
+    "Group-commit transactions that failed and re-ran their commands one by one.",
+    registry=None,
+)
 
 PROCESS_COLLECTORS: tuple[Collector, ...] = (
     CLAIMS,
@@ -99,6 +116,9 @@ PROCESS_COLLECTORS: tuple[Collector, ...] = (
     EVENTS_APPENDED,
     SWEEPER_ACTIONS,
     HTTP_REQUESTS,
+    GROUP_COMMIT_BATCH_COMMANDS,
+    GROUP_COMMIT_BATCH_SECONDS,
+    GROUP_COMMIT_FALLBACKS,
 )
 
 
