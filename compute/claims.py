@@ -66,8 +66,10 @@ MAX_SCAN_PAGES = 20
 #: Distinct queued requirement shapes an organization may have for a claim to judge them
 #: all and read only the heads of the eligible ones; with more, it walks the queue in order.
 MAX_SHAPES = 64
-#: Rows read from the head of each eligible shape per page of the shape scan.
+#: Rows per page of the shape scan, shared out among the eligible shapes (at least
+#: :data:`MIN_SHAPE_ROWS` each): the more shapes a node can run, the fewer rows of each.
 SHAPE_PAGE = 16
+MIN_SHAPE_ROWS = 2
 
 #: The organization's distinct queued requirement shapes, at most ``limit``: a skip scan
 #: of ``jobs_by_shape`` (each step is one descent to the first entry past the previous
@@ -143,14 +145,14 @@ class ClaimableScan:
     to the next page only when every row it wanted was locked by others.
 
     With at most :data:`MAX_SHAPES` queued shapes, all are judged up front and
-    each page merges the heads of the accepted shapes (:data:`SHAPE_PAGE` rows
-    each): a page ends at the earliest point where a shape could have more rows,
+    each page merges the heads of the accepted shapes (``per_shape`` rows each,
+    by default :data:`SHAPE_PAGE` shared among them): a page ends at the earliest point where a shape could have more rows,
     so the merge is exactly claim order. With more shapes, the pages walk
     ``jobs_claimable`` in claim order and shapes are judged as they appear.
     """
 
     def __init__(self, conn: psycopg.AsyncConnection, organization_id: UUID, shapes: Sequence[str],
-                 runnable: Callable[[str], bool], *, per_shape: int = SHAPE_PAGE) -> None:  # fmt: skip
+                 runnable: Callable[[str], bool], *, per_shape: int | None = None) -> None:  # fmt: skip
         self._conn = conn
         self._org = organization_id
         self._shapes = shapes
@@ -168,13 +170,14 @@ class ClaimableScan:
             return
         accepted = [shape for shape in self._shapes if self._runnable(shape)]
         every_shape = len(accepted) == len(self._shapes)
+        per_shape = self._per_shape or max(MIN_SHAPE_ROWS, SHAPE_PAGE // max(1, len(accepted)))
         after = _FIRST
         for scanned in range(MAX_SCAN_PAGES):
             if not accepted:
                 return
-            params = {"org": self._org, "shapes": accepted, "priority": after[0], "seq": after[1], "limit": self._per_shape}
+            params = {"org": self._org, "shapes": accepted, "priority": after[0], "seq": after[1], "limit": per_shape}
             rows: list[ScanRow] = await (await self._conn.execute(SHAPES_SCAN, params)).fetchall()
-            page, accepted = _merged_page(rows, self._per_shape)
+            page, accepted = _merged_page(rows, per_shape)
             if not scanned and not rows and every_shape:
                 self.nothing_due = True
             if page:
