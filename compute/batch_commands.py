@@ -7,7 +7,8 @@ pure rules as :mod:`umbra.compute.claims` (``check_holder`` for fencing,
 ``best_placement`` for eligibility), and its events go to its own stream and
 are folded onto its own row. What the batch shares is the statements: one
 ``FOR UPDATE`` of every held row, one read of the claiming nodes, one scan per
-organization, one ``append_many``, one multi-row write, one commit.
+organization (the single claim's :class:`~umbra.compute.claims.ClaimableScan`),
+one ``append_many``, one multi-row write, one commit.
 
 A refusal (not the holder, cancelled, no such job) is decided before anything
 is written and answers only its own command: :func:`stage` returns it as that
@@ -17,8 +18,9 @@ batch, where it sees the first one's result.
 
 Claims follow :func:`umbra.compute.claims.claim`: the organization's queued,
 due jobs in (priority, seq) order, each requirement shape judged once per node,
-and only rows the node is eligible for are locked (``FOR UPDATE SKIP LOCKED``,
-re-checking queued and due in the locking statement). Claimers are served in
+only rows of shapes some waiting claimer can run are read, and only rows the
+node is eligible for are locked (``FOR UPDATE SKIP LOCKED``, re-checking
+queued and due in the locking statement). Claimers are served in
 arrival order, each the first locked row it is eligible for, which is what the
 same claims run one after another would have taken.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -44,8 +46,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .auth import revoked
-from .blocked import ModelRegistry
-from .claims import CLAIMABLE_SCAN, MAX_SCAN_PAGES, SCAN_PAGE, ClaimResult
+from .claims import SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, models_for_shapes, queued_shapes
 from .jobs import settle_parents
 
 
@@ -108,8 +109,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     """Load and decide every command; returns the staged changes and the commands deferred to the next batch.
 
     The reads that do not depend on each other (the credentials, the held
-    rows, the claiming nodes, each organization's first scan page and model
-    registry) are all issued before any is decided on.
+    rows, the claiming nodes, each organization's list of queued requirement
+    shapes) are all issued before any is decided on.
     """
     credentials = list({c.credential_id for c in commands if c.credential_id is not None})
     live_rows = await conn.execute(LIVE_CREDENTIALS, (credentials,)) if credentials else None
@@ -118,7 +119,7 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     held_rows = await conn.execute(_LOCK_HELD, (sorted({c.job_id for c in held}, key=str),)) if held else None
     node_rows = await conn.execute(_NODES, (list({c.node_id for c in claimers}),)) if claimers else None
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
-    first_pages = [await conn.execute(CLAIMABLE_SCAN, _scan_params(org, (-(2**31), 0), [])) for org in orgs]
+    org_shapes = [await queued_shapes(conn, org) for org in orgs]
     if live_rows is not None:
         live = {row[0] for row in await live_rows.fetchall()}
         held, claimers = _refuse_revoked(held, live), _refuse_revoked(claimers, live)
@@ -128,14 +129,11 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
         staged += _stage_held(await held_rows.fetchall(), held, deferred)
     if node_rows is not None:
         waiting = _waiting_claimers(await node_rows.fetchall(), claimers)
-        for org, page in zip(orgs, first_pages):
-            rows = await page.fetchall()
-            if not rows:
-                for command in claimers:
-                    if command.organization_id == org:
-                        command.nothing_left = True
-            elif waiting.get(org):
-                staged += await _claim_for_org(conn, org, waiting[org], rows)
+        for org, cursor in zip(orgs, org_shapes):
+            shapes = [shape for (shape,) in await cursor.fetchall()]
+            if not shapes or waiting.get(org):
+                registry = await models_for_shapes(conn, org, shapes)
+                staged += await _claim_for_org(conn, org, waiting.get(org, []), shapes, registry, claimers)
     return staged, deferred
 
 
@@ -151,10 +149,6 @@ def _refuse_revoked(commands: list[Command], live: set[UUID]) -> list[Command]:
         else:
             command.error = revoked()
     return kept
-
-
-def _scan_params(org: UUID, after: tuple[int, int], skip: list[str]) -> dict[str, Any]:
-    return {"org": org, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE}
 
 
 async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> list[tuple[UUID, int, int]]:
@@ -251,33 +245,29 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> di
 
 
 async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]],
-                         page: Sequence[Any]) -> list[_Staged]:  # fmt: skip
-    registry = ModelRegistry(org)
+                         shapes: Sequence[str], models: Mapping[str, Any], claimers: Sequence[Command]) -> list[_Staged]:  # fmt: skip
     judged: dict[tuple[UUID, str], Placement | None] = {}
+
+    def runnable(requires: str) -> bool:
+        """Judged for every waiting node; a shape none of them can run is never read."""
+        decoded = _requirements.decode(requires)
+        for _command, node in waiting:
+            judged[node.id, requires] = best_placement(node, decoded, models)
+        return any(judged[node.id, requires] is not None for _, node in waiting)
+
     staged: list[_Staged] = []
     saw_eligible: set[int] = set()  # claimers that saw a row they could run
-    skip: list[str] = []
-    after = (-(2**31), 0)
-    for scanned in range(MAX_SCAN_PAGES):
-        if scanned:
-            page = await (await conn.execute(CLAIMABLE_SCAN, _scan_params(org, after, skip))).fetchall()
-        shapes: dict[UUID, str] = {}
+    # Each waiting claimer wants its first len(waiting) eligible rows: enough for it even if earlier claimers take theirs.
+    want = len(waiting)
+    scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE))
+    async for page in scan.pages():
+        shape_of: dict[UUID, str] = {}
         by_shape: dict[str, list[UUID]] = {}  # each requirement shape's rows, in queue order
         for job_id, _priority, _seq, requires in page:
-            shapes[job_id] = requires
+            shape_of[job_id] = requires
             by_shape.setdefault(requires, []).append(job_id)
-        for requires in by_shape:
-            decoded = _requirements.decode(requires)
-            models = await registry.for_job(conn, decoded)
-            for _command, node in waiting:
-                if (node.id, requires) not in judged:
-                    judged[node.id, requires] = best_placement(node, decoded, models)
-            if requires not in skip and all(judged[node.id, requires] is None for _, node in waiting):
-                skip.append(requires)
-        # Each waiting claimer's first len(waiting) eligible rows: enough for it even if earlier claimers take theirs.
         wanted: list[UUID] = []
-        order = {job_id: index for index, job_id in enumerate(shapes)}
-        want = len(waiting)
+        order = {job_id: index for index, job_id in enumerate(shape_of)}
         for command, node in waiting:
             eligible = [ids[:want] for shape, ids in by_shape.items() if judged[node.id, shape] is not None]
             if eligible:
@@ -288,7 +278,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             free = [(queue.from_db(r), r[-1]) for r in locked]
             for command, node in list(waiting):
                 for index, (row, now) in enumerate(free):
-                    placement = judged[node.id, shapes[row.id]]
+                    placement = judged[node.id, shape_of[row.id]]
                     if placement is not None:
                         event = JobClaimed(attempt=row.attempt + 1, node_id=node.id, placement=placement,
                                            lease_expires_at=now + timedelta(seconds=command.lease_seconds))  # fmt: skip
@@ -296,9 +286,12 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                         del free[index]
                         waiting.remove((command, node))
                         break
-        if not waiting or len(page) < SCAN_PAGE:
+        if not waiting:
             break
-        after = (page[-1][1], page[-1][2])
+    if scan.nothing_due:
+        for command in claimers:
+            if command.organization_id == org:
+                command.nothing_left = True
     for command, _node in waiting:
-        command.nothing_left = id(command) in saw_eligible
+        command.nothing_left = scan.nothing_due or id(command) in saw_eligible
     return staged

@@ -73,29 +73,6 @@ async def read_models(conn: psycopg.AsyncConnection, organization_id: UUID) -> d
     return await load_models(conn, organization_id)
 
 
-class ModelRegistry:
-    """An organization's model registry, read at most once and only when a job names a model.
-
-    Eligibility and placement consult the registry only for the models a job
-    names (``requires.models``), so a claim over jobs that name none needs no
-    registry at all: on the agent hot path that is one statement less per
-    claim transaction.
-    """
-
-    __slots__ = ("organization_id", "_models")
-
-    def __init__(self, organization_id: UUID) -> None:
-        self.organization_id = organization_id
-        self._models: dict[str, RegisteredModel] | None = None
-
-    async def for_job(self, conn: psycopg.AsyncConnection, requires: Requirements) -> Mapping[str, RegisteredModel]:
-        if not requires.models:
-            return self._models or {}
-        if self._models is None:
-            self._models = await read_models(conn, self.organization_id)
-        return self._models
-
-
 class BlockingJudge:
     """``blocking_reason`` over one snapshot of the fleet, memoised per requirement shape.
 

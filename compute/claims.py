@@ -2,16 +2,23 @@
 
 **Claim.** One transaction. It reads the claiming node (effective status by
 the database clock, devices, resident models) and the organization's model
-registry, then scans the organization's claimable jobs in (priority, seq) order
-*without* locking, judging each distinct requirement shape once with the pure
-eligibility rules. Among the eligible candidates of a page it locks exactly one
-with ``FOR UPDATE SKIP LOCKED``, re-checking in the same statement that the row
-is still queued and due, so two claimers never hold the same job and a node
-never takes a job of another organization or one it cannot run: eligibility is
-decided before the lock, not after the claim. The scan is bounded: pages of
-:data:`SCAN_PAGE` rows, at most :data:`MAX_SCAN_PAGES` of them, and every page
-after the first excludes (in SQL) the requirement shapes already found
-ineligible, so a deep queue of work this node cannot run stays cheap.
+registry, then reads the organization's claimable jobs in (priority, seq) order
+*without* locking (:class:`ClaimableScan`), judging each distinct requirement
+shape once with the pure eligibility rules and reading only rows of shapes the
+node can run. Among those candidates it locks exactly one with ``FOR UPDATE
+SKIP LOCKED``, re-checking in the same statement that the row is still queued
+and due, so two claimers never hold the same job and a node never takes a job
+of another organization or one it cannot run: eligibility is decided before the
+lock, not after the claim.
+
+The scan first lists the organization's distinct queued requirement shapes by
+index (a skip scan of ``jobs_by_shape``: one descent per shape), judges them,
+and merges the heads of the shapes the node can run, so the cost of a claim
+follows the number of shapes, not the depth of the queue or the work in front
+that the node cannot run. An organization with more than :data:`MAX_SHAPES`
+shapes falls back to a bounded walk of ``jobs_claimable`` in claim order:
+pages of :data:`SCAN_PAGE` rows, at most :data:`MAX_SCAN_PAGES` of them, every
+page after the first excluding (in SQL) the shapes already found ineligible.
 
 The job's state then changes only through the fold: ``job.claimed`` (attempt
 incremented, lease set from the database clock, the placement recorded) is
@@ -28,7 +35,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 from uuid import UUID, uuid4
 
 import msgspec
@@ -36,6 +43,7 @@ import psycopg
 
 from umbra.domain.eligibility import is_busy
 from umbra.domain.jobs import check_holder, decide_failure
+from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
 from umbra.domain.placement import best_placement
 from umbra.errors import InvalidRequest, NotFound
@@ -44,7 +52,7 @@ from umbra.events.types import JobClaimed, JobCompleted, JobDecomposed, JobLease
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
-from .blocked import BlockingJudge, ModelRegistry, read_nodes
+from .blocked import BlockingJudge, read_models, read_nodes
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, jobs_by_idempotency_key, record_and_settle, refusing_nul,
     submitted_events,
@@ -52,13 +60,48 @@ from .jobs import (
 
 log = logging.getLogger(__name__)
 
-#: Candidate rows fetched per scan page.
+#: Candidate rows fetched per page of the ordered scan.
 SCAN_PAGE = 100
 #: Pages scanned per claim before giving up (the next claim scans afresh).
 MAX_SCAN_PAGES = 20
+#: Distinct queued requirement shapes an organization may have for a claim to judge them
+#: all and read only the heads of the eligible ones; with more, it walks the queue in order.
+MAX_SHAPES = 64
+#: Rows per page of the shape scan, shared out among the eligible shapes (at least
+#: :data:`MIN_SHAPE_ROWS` each): the more shapes a node can run, the fewer rows of each.
+SHAPE_PAGE = 16
+MIN_SHAPE_ROWS = 2
 
-#: One page of the organization's claimable jobs in claim order, skipping requirement
-#: shapes already judged ineligible; the single-command claim and the group commit share it.
+#: The organization's distinct queued requirement shapes, at most ``limit``: a skip scan
+#: of ``jobs_by_shape`` (each step is one descent to the first entry past the previous
+#: shape), so the cost follows the number of shapes, not of jobs.
+QUEUED_SHAPES = """
+WITH RECURSIVE shapes(requires) AS (
+    (SELECT requires FROM jobs WHERE organization_id = %(org)s AND status = 'queued' ORDER BY requires LIMIT 1)
+  UNION ALL
+    SELECT (SELECT j.requires FROM jobs j
+            WHERE j.organization_id = %(org)s AND j.status = 'queued' AND j.requires > s.requires
+            ORDER BY j.requires LIMIT 1)
+    FROM shapes s WHERE s.requires IS NOT NULL
+)
+SELECT requires::text FROM shapes WHERE requires IS NOT NULL LIMIT %(limit)s
+"""
+#: The first ``limit`` claimable rows after (priority, seq) of each of the given shapes,
+#: by ``jobs_by_shape``; the caller merges them (:class:`ClaimableScan`).
+SHAPES_SCAN = """
+SELECT j.id, j.priority, j.seq, s.requires FROM unnest(%(shapes)s::text[]) AS s(requires)
+CROSS JOIN LATERAL (
+    SELECT id, priority, seq FROM jobs
+    WHERE organization_id = %(org)s AND status = 'queued' AND requires = s.requires::jsonb
+      AND (not_before IS NULL OR not_before <= umbra_now())
+      AND (priority, seq) > (%(priority)s, %(seq)s)
+    ORDER BY priority, seq
+    LIMIT %(limit)s
+) j
+ORDER BY j.priority, j.seq
+"""
+#: One page of the organization's claimable jobs in claim order by ``jobs_claimable``,
+#: skipping requirement shapes already judged ineligible (the fallback for many shapes).
 CLAIMABLE_SCAN = """
 SELECT id, priority, seq, requires::text FROM jobs
 WHERE organization_id = %(org)s AND status = 'queued'
@@ -79,6 +122,125 @@ FOR UPDATE SKIP LOCKED
 _LOCK_BY_ID = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = %s AND organization_id = %s FOR UPDATE"
 
 _requirements = msgspec.json.Decoder(Requirements)
+_FIRST = (-(2**31), 0)
+
+#: A claimable row as the scans return it: id, priority, seq, requirement shape (jsonb text).
+ScanRow = tuple[UUID, int, int, str]
+
+
+async def queued_shapes(conn: psycopg.AsyncConnection, organization_id: UUID) -> psycopg.AsyncCursor[Any]:
+    """Start reading the organization's queued shapes (one more than :data:`MAX_SHAPES` at most).
+
+    Returns the cursor unfetched, so a caller in pipeline mode can send other reads first.
+    """
+    return await conn.execute(QUEUED_SHAPES, {"org": organization_id, "limit": MAX_SHAPES + 1})
+
+
+async def models_for_shapes(conn: psycopg.AsyncConnection, organization_id: UUID, shapes: Sequence[str]) -> Mapping[str, RegisteredModel]:
+    """The organization's model registry, read only when one of the queued ``shapes`` names a model.
+
+    Eligibility and placement consult the registry only for the models a job
+    names (``requires.models``), so a claim over jobs that name none needs no
+    registry: on the agent path that is one statement less per claim
+    transaction. More than :data:`MAX_SHAPES` shapes are not all listed, so
+    then the registry is read.
+    """
+    if len(shapes) <= MAX_SHAPES and not any(_requirements.decode(shape).models for shape in shapes):
+        return {}
+    return await read_models(conn, organization_id)
+
+
+class ClaimableScan:
+    """An organization's claimable (queued, due) jobs in claim order, only of shapes ``runnable`` accepts.
+
+    ``runnable`` is asked once per requirement shape (jsonb text). The single
+    claim asks whether its node can run the shape, the group commit whether any
+    of its waiting claimers can; each caches its placements. Pages come in
+    (priority, seq) order and hold only accepted shapes' rows; a caller goes
+    to the next page only when every row it wanted was locked by others.
+
+    With at most :data:`MAX_SHAPES` queued shapes, all are judged up front and
+    each page merges the heads of the accepted shapes (``per_shape`` rows each,
+    by default :data:`SHAPE_PAGE` shared among them): a page ends at the earliest point where a shape could have more rows,
+    so the merge is exactly claim order. With more shapes, the pages walk
+    ``jobs_claimable`` in claim order and shapes are judged as they appear.
+    """
+
+    def __init__(self, conn: psycopg.AsyncConnection, organization_id: UUID, shapes: Sequence[str],
+                 runnable: Callable[[str], bool], *, per_shape: int | None = None) -> None:  # fmt: skip
+        self._conn = conn
+        self._org = organization_id
+        self._shapes = shapes
+        self._runnable = runnable
+        self._per_shape = per_shape
+        #: Known after the first page: the organization has no queued job that is due.
+        self.nothing_due = not shapes
+
+    async def pages(self) -> AsyncIterator[list[ScanRow]]:
+        if not self._shapes:
+            return
+        if len(self._shapes) > MAX_SHAPES:
+            async for page in self._ordered_pages():
+                yield page
+            return
+        accepted = [shape for shape in self._shapes if self._runnable(shape)]
+        every_shape = len(accepted) == len(self._shapes)
+        per_shape = self._per_shape or max(MIN_SHAPE_ROWS, SHAPE_PAGE // max(1, len(accepted)))
+        after = _FIRST
+        for scanned in range(MAX_SCAN_PAGES):
+            if not accepted:
+                return
+            params = {"org": self._org, "shapes": accepted, "priority": after[0], "seq": after[1], "limit": per_shape}
+            rows: list[ScanRow] = await (await self._conn.execute(SHAPES_SCAN, params)).fetchall()
+            page, accepted = _merged_page(rows, per_shape)
+            if not scanned and not rows and every_shape:
+                self.nothing_due = True
+            if page:
+                yield page
+                after = (page[-1][1], page[-1][2])
+
+    async def _ordered_pages(self) -> AsyncIterator[list[ScanRow]]:
+        judged: dict[str, bool] = {}
+        skip: list[str] = []
+        after = _FIRST
+        for scanned in range(MAX_SCAN_PAGES):
+            params = {"org": self._org, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE}
+            rows: list[ScanRow] = await (await self._conn.execute(CLAIMABLE_SCAN, params)).fetchall()
+            if not scanned and not rows:
+                self.nothing_due = True
+            for row in rows:
+                if row[3] not in judged:
+                    judged[row[3]] = self._runnable(row[3])
+                    if not judged[row[3]]:
+                        skip.append(row[3])
+            page = [row for row in rows if judged[row[3]]]
+            if page:
+                yield page
+            if len(rows) < SCAN_PAGE:
+                return
+            after = (rows[-1][1], rows[-1][2])
+
+
+def _merged_page(rows: list[ScanRow], per_shape: int) -> tuple[list[ScanRow], list[str]]:
+    """The claim-order prefix of merged shape heads that no unread row can precede, and the shapes to read on.
+
+    ``rows`` holds up to ``per_shape`` rows of each shape, in (priority, seq)
+    order. A shape that returned fewer has no more; one that returned all of
+    them may continue after its last row, so the page stops at the earliest
+    such last row. The next page reads the shapes that may continue and those
+    with rows past the cut.
+    """
+    counts: dict[str, int] = {}
+    last: dict[str, tuple[int, int]] = {}
+    for _id, priority, seq, shape in rows:
+        counts[shape] = counts.get(shape, 0) + 1
+        last[shape] = (priority, seq)
+    full = [shape for shape, count in counts.items() if count >= per_shape]
+    if not full:
+        return rows, []
+    cut = min(last[shape] for shape in full)
+    page = [row for row in rows if (row[1], row[2]) <= cut]
+    return page, list(dict.fromkeys([*full, *(row[3] for row in rows[len(page):])]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,32 +275,21 @@ async def claim(
         if not nodes or nodes[0].status != "online" or all(is_busy(d) for d in nodes[0].devices):
             return None
         node = nodes[0]
-        registry = ModelRegistry(organization_id)
         judged: dict[str, Placement | None] = {}
-        skip: list[str] = []
-        after = (-(2**31), 0)
-        for _ in range(MAX_SCAN_PAGES):
-            params = {"org": organization_id, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE}
-            page = await (await conn.execute(CLAIMABLE_SCAN, params)).fetchall()
-            candidates: list[UUID] = []
-            placements: dict[UUID, Placement] = {}
-            for job_id, _priority, _seq, requires in page:
-                if requires not in judged:
-                    decoded = _requirements.decode(requires)
-                    judged[requires] = best_placement(node, decoded, await registry.for_job(conn, decoded))
-                    if judged[requires] is None:
-                        skip.append(requires)
-                placement = judged[requires]
-                if placement is not None:
-                    candidates.append(job_id)
-                    placements[job_id] = placement
-            if candidates:
-                locked = await (await conn.execute(_LOCK_ONE, {"ids": candidates, "org": organization_id})).fetchone()
-                if locked is not None:
-                    return await _take(conn, locked, node_id, placements[locked[0]], lease_seconds)
-            if len(page) < SCAN_PAGE:
-                return None
-            after = (page[-1][1], page[-1][2])
+
+        def runnable(requires: str) -> bool:
+            judged[requires] = best_placement(node, _requirements.decode(requires), models)
+            return judged[requires] is not None
+
+        shapes = [shape for (shape,) in await (await queued_shapes(conn, organization_id)).fetchall()]
+        models = await models_for_shapes(conn, organization_id, shapes)
+        async for page in ClaimableScan(conn, organization_id, shapes, runnable).pages():
+            shape_of = {job_id: requires for job_id, _priority, _seq, requires in page}
+            locked = await (await conn.execute(_LOCK_ONE, {"ids": list(shape_of), "org": organization_id})).fetchone()
+            if locked is not None:
+                placement = judged[shape_of[locked[0]]]
+                assert placement is not None
+                return await _take(conn, locked, node_id, placement, lease_seconds)
         return None
 
 
