@@ -25,6 +25,7 @@ import uuid
 
 import anyio
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg_pool import AsyncConnectionPool
 
@@ -84,6 +85,8 @@ async def drain_http(url: str, jobs: int, agents: int) -> dict:
             nodes = await fleet.pair_over_http(client, api_key, [f"agent-{i}" for i in range(agents)])
             await fleet.submit_noops(url, org, jobs)
             tally = Tally(jobs)
+            server_process = psutil.Process(server.pid)
+            cpu_before = _cpu_seconds(server_process)
             started = time.perf_counter()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_heartbeats, client, [c for _, c in nodes], tally)
@@ -91,9 +94,17 @@ async def drain_http(url: str, jobs: int, agents: int) -> dict:
                     tg.start_soon(_http_agent, server.base, credential, tally)
                 await tally.finished.wait()
                 tg.cancel_scope.cancel()
+            server_cpu_ms_per_job = 1000 * (_cpu_seconds(server_process) - cpu_before) / jobs
             batches = await _batch_figures(client, api_key)
     seconds = tally.ended_at - started
-    return {"mode": "http", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds, **batches}
+    return {"mode": "http", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
+            "server_cpu_ms_per_job": server_cpu_ms_per_job, **batches}  # fmt: skip
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    """User + system CPU of the server process: unlike jobs/s, barely moved by other work on the machine."""
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 async def _batch_figures(client: httpx.AsyncClient, api_key: str) -> dict:
@@ -183,7 +194,8 @@ def run(jobs: int, agent_counts: list[int], modes: list[str]) -> list[dict]:
             extra = results[-1]
             batches = f" ({extra['commands_per_batch']:.1f} commands/batch" if "commands_per_batch" in extra else ""
             batches += f", {extra['ms_per_batch']:.1f} ms/batch)" if "ms_per_batch" in extra else (")" if batches else "")
-            print(f"  {mode} x{agents}: {extra['jobs_per_s']:,.0f} jobs/s{batches}", flush=True)
+            cpu = f", server CPU {extra['server_cpu_ms_per_job']:.2f} ms/job" if "server_cpu_ms_per_job" in extra else ""
+            print(f"  {mode} x{agents}: {extra['jobs_per_s']:,.0f} jobs/s{batches}{cpu}", flush=True)
     return results
 
 
