@@ -101,6 +101,8 @@ class RequestContext:
     def _record(self, scope: Scope, request_id: str, status: int, seconds: float) -> None:
         route = self.route_templates.get(scope.get("endpoint"), "unmatched")
         metrics.HTTP_REQUESTS.labels(method=scope["method"], route=route, status=str(status)).inc()
+        if not log.isEnabledFor(logging.INFO):
+            return
         who = scope.get("state", {}).get("principal")
         client = scope.get("client")
         log.info(
