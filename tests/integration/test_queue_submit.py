@@ -103,6 +103,25 @@ async def test_a_batch_is_one_append_in_request_order_and_all_or_nothing(conn, o
     assert await footprint(conn) == before
 
 
+async def test_a_large_batch_stores_exactly_the_rows_it_returns(conn, org):
+    """Above the COPY threshold: awkward text survives, and the live rows are the fold of the log."""
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [GPU24])
+    awkward = "tab\there, new\nline, CR\r, back\\slash \\N, \\u0000, é, 😀"
+    specs = [
+        spec(kind=awkward, payload={"s": awkward, "i": i}, lang=awkward[:60], idempotency_key=f"{awkward}{i}",
+             requires={"vram_min_mb": 1000} if i % 2 else {"vram_min_mb": 10**6})
+        for i in range(store.COPY_MIN_EVENTS + 50)
+    ]  # fmt: skip
+    rows, created = await jobs.submit(conn, org_id, specs, actor=awkward, batch=True)
+    assert created == len(specs) and {r.status for r in rows} == {"queued", "blocked"}
+    live = await queue.live(conn, org_id)
+    assert [live[r.id] for r in rows] == rows
+    assert queue.diff(await queue.rebuild(conn, org_id), live) == []
+    again, created = await jobs.submit(conn, org_id, specs, actor=awkward, batch=True)
+    assert created == 0 and again == rows
+
+
 async def test_a_job_nothing_could_run_is_blocked_with_the_shortfall_and_unblocked_by_a_bigger_node(conn, org):
     org_id, _ = org
     await add_node(conn, org_id, "small", [GPU24, CPU8])
