@@ -24,9 +24,10 @@ caller owns the transaction.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -175,11 +176,33 @@ async def append_many(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppe
     version; the caller's transaction must then be rolled back (it is, when the
     exception leaves ``conn.transaction()``).
     """
+    async with appending(conn, batch) as recorded:
+        pass
+    return recorded
+
+
+@contextlib.asynccontextmanager
+async def appending(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> AsyncIterator[list[RecordedEvent]]:
+    """:func:`append_many` that lets the caller work while PostgreSQL is still inserting.
+
+    The body gets the recorded events (positions, versions, ``recorded_at``)
+    once they are allocated and sent; for a COPY, PostgreSQL may still be
+    inserting them, and the append is only known to have succeeded when the
+    block exits, which raises :class:`ConcurrencyConflict` if it did not. Do
+    nothing in the body but compute from the events (no statements: the
+    connection is busy with the COPY); a conflict at exit makes that work moot.
+    """
     count = sum(len(item.events) for item in batch)
     if count == 0:
-        return []
-    if count >= COPY_MIN_EVENTS:
-        return await _append_copy(conn, batch, count)
+        yield []
+    elif count >= COPY_MIN_EVENTS:
+        async with _appending_copy(conn, batch, count) as recorded:
+            yield recorded
+    else:
+        yield await _append_insert(conn, batch)
+
+
+async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> list[RecordedEvent]:
     rows: list[tuple[PendingAppend, Event, int]] = []
     for item in batch:
         for offset, event in enumerate(item.events):
@@ -221,7 +244,10 @@ async def append_many(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppe
     ]
 
 
-async def _append_copy(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend], count: int) -> list[RecordedEvent]:
+@contextlib.asynccontextmanager
+async def _appending_copy(
+    conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend], count: int
+) -> AsyncIterator[list[RecordedEvent]]:
     """The same append as one reservation statement and one COPY.
 
     Same guarantees as the INSERT: the ordering lock is taken before any
@@ -271,10 +297,10 @@ async def _append_copy(conn: psycopg.AsyncConnection, batch: Sequence[PendingApp
                     lines.clear()
             if lines:
                 await copy.write("".join(lines))
+            yield out
     except psycopg.errors.UniqueViolation as exc:
         raise _conflict(batch) from exc
     metrics.count_events_appended(count)
-    return out
 
 
 def _conflict(batch: Sequence[PendingAppend]) -> ConcurrencyConflict:
@@ -389,6 +415,7 @@ __all__ = [
     "RecordedEvent",
     "append",
     "append_many",
+    "appending",
     "head_position",
     "hint_payload",
     "job_stream",

@@ -381,19 +381,20 @@ async def record(
         PendingAppend(store.job_stream(c.job_id), c.state.version if c.state else 0, c.events, c.organization_id, metadata)
         for c in changes
     ]
-    recorded = await store.append_many(conn, batch)
     rows: list[JobRow] = []
     new: list[JobRow] = []
     changed: list[JobRow] = []
-    offset = 0
-    for change in changes:
-        state = change.state
-        for event_record in recorded[offset : offset + len(change.events)]:
-            state = fold(state, event_record, job_id=change.job_id)
-        offset += len(change.events)
-        assert state is not None
-        rows.append(state)
-        (changed if change.state is not None else new).append(state)
+    # Fold while a large append is still being inserted (see store.appending).
+    async with store.appending(conn, batch) as recorded:
+        offset = 0
+        for change in changes:
+            state = change.state
+            for event_record in recorded[offset : offset + len(change.events)]:
+                state = fold(state, event_record, job_id=change.job_id)
+            offset += len(change.events)
+            assert state is not None
+            rows.append(state)
+            (changed if change.state is not None else new).append(state)
     if len(new) >= store.COPY_MIN_EVENTS:
         # A change without a state starts its stream at version 1, which the
         # append just proved new: its row cannot exist yet and needs no upsert.
