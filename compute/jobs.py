@@ -54,6 +54,8 @@ class RequiresRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefer_node: UUID | None = None
 
     def to_requirements(self) -> Requirements:
+        if self == _NO_REQUIREMENTS_REQUEST:
+            return _NO_REQUIREMENTS  # most jobs of a batch: one shared (immutable) value
         return Requirements(
             vram_min_mb=self.vram_min_mb,
             ram_min_mb=self.ram_min_mb,
@@ -63,6 +65,10 @@ class RequiresRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             max_runtime_s=self.max_runtime_s,
             prefer_node=self.prefer_node,
         )
+
+
+_NO_REQUIREMENTS_REQUEST = RequiresRequest()
+_NO_REQUIREMENTS = Requirements()
 
 
 class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
