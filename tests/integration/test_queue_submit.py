@@ -70,6 +70,26 @@ async def test_racing_submissions_with_one_key_make_one_job(db_url, org):
         assert await footprint(c) == (1, 1)
 
 
+async def test_racing_large_batches_with_the_same_keys_make_each_job_once(db_url, org):
+    """Batches written by COPY: the loser's rows hit the unique index, and its retry finds the winner's jobs."""
+    org_id, _ = org
+    size = store.COPY_MIN_EVENTS + 10
+    results = []
+
+    async def one():
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            specs = [spec(idempotency_key=f"race-{i}") for i in range(size)]
+            results.append(await jobs.submit(c, org_id, specs, actor="t", batch=True))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(one)
+    assert sorted(created for _, created in results) == [0, 0, size]
+    assert len({tuple(r.id for r in rows) for rows, _ in results}) == 1
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        assert await footprint(c) == (size, size)
+
+
 async def test_a_project_must_exist_in_the_submitters_own_tenant(conn, org):
     org_id, _ = org
     other_id, _ = await create_organization(conn, "other")
