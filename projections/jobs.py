@@ -215,10 +215,13 @@ def _requires_json(requires: Requirements) -> dict[str, Any]:
 
 
 def to_json(row: JobRow) -> dict[str, Any]:
-    """The API's Job object (API.md), plus ``blocked_reason``."""
+    """The API's Job object (API.md), plus ``blocked_reason``.
+
+    Runs once per job of a batch response, hence the inlined ``None`` checks.
+    """
     return {
         "id": str(row.id),
-        "organization_id": str(row.organization_id),
+        "organization_id": _organization_text(row.organization_id),
         "kind": row.kind,
         "status": row.status,
         "priority": row.priority,
@@ -228,21 +231,26 @@ def to_json(row: JobRow) -> dict[str, Any]:
         "lang": row.lang,
         "attempt": row.attempt,
         "max_attempts": row.max_attempts,
-        "not_before": timestamp(row.not_before),
+        "not_before": None if row.not_before is None else _timestamp(row.not_before),
         "parent_job_id": str(row.parent_job_id) if row.parent_job_id else None,
         "idempotency_key": row.idempotency_key,
         "requested_by": row.requested_by,
         "lease_owner": str(row.lease_owner) if row.lease_owner else None,
-        "lease_expires_at": timestamp(row.lease_expires_at),
+        "lease_expires_at": None if row.lease_expires_at is None else _timestamp(row.lease_expires_at),
         "result": row.result,
         "error": row.error,
-        "placement": placement_json(row.placement),
+        "placement": None if row.placement is None else placement_json(row.placement),
         "blocked_reason": row.blocked_reason,
-        "created_at": timestamp(row.created_at),
-        "started_at": timestamp(row.started_at),
-        "finished_at": timestamp(row.finished_at),
+        "created_at": _timestamp(row.created_at),
+        "started_at": None if row.started_at is None else _timestamp(row.started_at),
+        "finished_at": None if row.finished_at is None else _timestamp(row.finished_at),
         "position": row.position,
     }
+
+
+@functools.lru_cache(maxsize=1024)
+def _organization_text(organization_id: UUID) -> str:
+    return str(organization_id)
 
 
 def placement_json(placement: Placement | None) -> dict[str, Any] | None:
