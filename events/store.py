@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -182,7 +182,9 @@ async def append_many(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppe
 
 
 @contextlib.asynccontextmanager
-async def appending(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> AsyncIterator[list[RecordedEvent]]:
+async def appending(
+    conn: psycopg.AsyncConnection, batch: Iterable[PendingAppend], *, events: int | None = None
+) -> AsyncIterator[list[RecordedEvent]]:
     """:func:`append_many` that lets the caller work while PostgreSQL is still inserting.
 
     The body gets the recorded events (positions, versions, ``recorded_at``)
@@ -191,15 +193,35 @@ async def appending(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend
     block exits, which raises :class:`ConcurrencyConflict` if it did not. Do
     nothing in the body but compute from the events (no statements: the
     connection is busy with the COPY); a conflict at exit makes that work moot.
+
+    ``events``, when given, is how many events ``batch`` carries in all. A
+    large batch is then consumed lazily, item by item, while the COPY streams
+    it (so building the items costs no extra time while PostgreSQL inserts);
+    every item must start a new stream (expected version 0), which is checked
+    as it comes, as is the total.
     """
-    count = sum(len(item.events) for item in batch)
-    if count == 0:
-        yield []
-    elif count >= COPY_MIN_EVENTS:
-        async with _appending_copy(conn, batch, count) as recorded:
-            yield recorded
+    if events is None or events < COPY_MIN_EVENTS:
+        items = list(batch)
+        count = sum(len(item.events) for item in items)
+        if events is not None and count != events:
+            raise ValueError(f"the batch carries {count} events, not {events}")
+        if count == 0:
+            yield []
+        elif count >= COPY_MIN_EVENTS:
+            async with _appending_copy(conn, items, count, [item for item in items if item.expected_version > 0]) as recorded:
+                yield recorded
+        else:
+            yield await _append_insert(conn, items)
     else:
-        yield await _append_insert(conn, batch)
+        async with _appending_copy(conn, _new_streams(batch), events, []) as recorded:
+            yield recorded
+
+
+def _new_streams(batch: Iterable[PendingAppend]) -> Iterator[PendingAppend]:
+    for item in batch:
+        if item.expected_version != 0:
+            raise ValueError(f"{item.stream}: a lazily appended batch may only start new streams")
+        yield item
 
 
 async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> list[RecordedEvent]:
@@ -246,7 +268,7 @@ async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingA
 
 @contextlib.asynccontextmanager
 async def _appending_copy(
-    conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend], count: int
+    conn: psycopg.AsyncConnection, batch: Iterable[PendingAppend], count: int, existing: Sequence[PendingAppend]
 ) -> AsyncIterator[list[RecordedEvent]]:
     """The same append as one reservation statement and one COPY.
 
@@ -257,7 +279,6 @@ async def _appending_copy(
     Either way the caller gets :class:`ConcurrencyConflict`. The events are
     encoded once, msgspec JSON straight into COPY text, and sent in chunks.
     """
-    existing = [item for item in batch if item.expected_version > 0]
     cursor = await conn.execute(
         _RESERVE_GUARDED if ORDERING_GUARD else _RESERVE_UNGUARDED,
         {
@@ -269,9 +290,11 @@ async def _appending_copy(
         binary=True,
     )
     positions, recorded_at, recorded_text, missing = await cursor.fetchone()  # type: ignore[misc]
-    if missing:
-        raise _conflict(batch)
+    if missing:  # only a listed batch can hold existing streams
+        raise _conflict(batch)  # type: ignore[arg-type]
     out: list[RecordedEvent] = []
+    first: PendingAppend | None = None
+    items = 0
     lines: list[str] = []
     at = iter(positions)
     # The items of a batch usually share their organization and metadata: format each once.
@@ -280,6 +303,8 @@ async def _appending_copy(
     try:
         async with conn.cursor().copy(_COPY) as copy:
             for item in batch:
+                first = first or item
+                items += 1
                 stream = copy_text(item.stream)
                 org = orgs.get(item.organization_id) or orgs.setdefault(item.organization_id, str(item.organization_id))
                 metadata, tail = tails.get(id(item.metadata)) or tails.setdefault(
@@ -287,7 +312,9 @@ async def _appending_copy(
                 )
                 version = item.expected_version
                 for event in item.events:
-                    position = next(at)
+                    position = next(at, None)
+                    if position is None:
+                        raise ValueError(f"the batch carries more than the {count} events reserved")
                     version += 1
                     tag = event.__struct_config__.tag  # type: ignore[attr-defined]
                     lines.append(f"{position}\t{stream}\t{version}\t{tag}\t{org}\t{copy_json(encode_event(event))}{tail}")
@@ -297,15 +324,21 @@ async def _appending_copy(
                     lines.clear()
             if lines:
                 await copy.write("".join(lines))
+            if len(out) != count:
+                raise ValueError(f"the batch carries {len(out)} events, not the {count} reserved")
             yield out
     except psycopg.errors.UniqueViolation as exc:
-        raise _conflict(batch) from exc
+        assert first is not None
+        raise _conflict_of(first, items) from exc
     metrics.count_events_appended(count)
 
 
 def _conflict(batch: Sequence[PendingAppend]) -> ConcurrencyConflict:
-    first = batch[0]
-    return ConcurrencyConflict(first.stream if len(batch) == 1 else f"{first.stream} (+{len(batch) - 1})", first.expected_version)
+    return _conflict_of(batch[0], len(batch))
+
+
+def _conflict_of(first: PendingAppend, items: int) -> ConcurrencyConflict:
+    return ConcurrencyConflict(first.stream if items == 1 else f"{first.stream} (+{items - 1})", first.expected_version)
 
 
 async def append(

@@ -16,7 +16,7 @@ import functools
 import operator
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -378,24 +378,36 @@ class Change:
 
 
 async def record(
-    conn: psycopg.AsyncConnection, changes: Sequence[Change], *, metadata: Mapping[str, Any] | None = None
+    conn: psycopg.AsyncConnection,
+    changes: Iterable[Change],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    events: int | None = None,
 ) -> list[JobRow]:
     """Append, fold and write: the body of every job command, in the caller's transaction.
 
     Returns the new rows in the order of ``changes``. All appends are one
-    statement and all row writes another, however many jobs change.
+    statement (or one COPY) and all row writes another, however many jobs change.
+
+    ``events``, when given, is how many events ``changes`` carry in all;
+    ``changes`` may then be a generator of new jobs, which a large batch
+    consumes while its COPY streams (see :func:`store.appending`).
     """
-    batch = [
-        PendingAppend(store.job_stream(c.job_id), c.state.version if c.state else 0, c.events, c.organization_id, metadata)
-        for c in changes
-    ]
+    taken: list[Change] = []
+
+    def pending() -> Iterator[PendingAppend]:
+        for c in changes:
+            taken.append(c)
+            yield PendingAppend(store.job_stream(c.job_id), c.state.version if c.state else 0, c.events, c.organization_id,
+                                metadata)  # fmt: skip
+
     rows: list[JobRow] = []
     new: list[JobRow] = []
     changed: list[JobRow] = []
     # Fold while a large append is still being inserted (see store.appending).
-    async with store.appending(conn, batch) as recorded:
+    async with store.appending(conn, pending(), events=events) as recorded:
         offset = 0
-        for change in changes:
+        for change in taken:
             state = change.state
             for event_record in recorded[offset : offset + len(change.events)]:
                 state = fold(state, event_record, job_id=change.job_id)

@@ -112,6 +112,31 @@ async def test_large_append_keeps_batch_order_and_stores_what_it_returns(conn, o
     assert [r.version for r in more] == [3] * len(streams)
 
 
+async def test_a_lazily_appended_batch_is_checked_as_it_streams(conn, org):
+    """``appending(..., events=n)``: only new streams, and exactly the events announced, or nothing is written."""
+    org_id, _ = org
+    n = store.COPY_MIN_EVENTS
+    old = store.job_stream(uuid.uuid4())
+    await store.append(conn, old, 0, [_submitted()], organization_id=org_id)
+    head = await store.head_position(conn)
+
+    def items(count: int, last_stream: str | None = None):
+        for i in range(count):
+            stream = last_stream if last_stream and i == count - 1 else store.job_stream(uuid.uuid4())
+            yield store.PendingAppend(stream, 1 if stream == old else 0, [_submitted(i)], org_id)
+
+    for batch, announced in ((items(n - 1), n), (items(n + 1), n), (items(n, old), n)):
+        with pytest.raises(ValueError):
+            async with conn.transaction():
+                async with store.appending(conn, batch, events=announced):
+                    pass
+    assert await store.head_position(conn) == head
+    async with conn.transaction():
+        async with store.appending(conn, items(n), events=n) as recorded:
+            assert [r.version for r in recorded] == [1] * n
+    assert len(await store.read_log(conn, after=head)) == n
+
+
 async def test_events_cannot_be_updated_or_deleted(conn, org):
     org_id, _ = org
     await store.append(conn, store.node_stream(uuid.uuid4()), 0, [NodeDraining()], organization_id=org_id)
