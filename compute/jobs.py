@@ -16,8 +16,9 @@ and the loser's transaction is retried and finds the winner's job.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Annotated, Any, Iterator, Mapping, Sequence
-from uuid import UUID, uuid4
+from uuid import UUID
 
 import msgspec
 import psycopg
@@ -128,6 +129,13 @@ def submitted_events(
     return events
 
 
+def new_job_ids(count: int) -> Iterator[UUID]:
+    """Random (version 4) ids, as ``uuid4`` makes them, from one read of the system's randomness."""
+    raw = os.urandom(16 * count)
+    for start in range(0, 16 * count, 16):
+        yield UUID(bytes=raw[start : start + 16], version=4)
+
+
 def submitted_event_count(requires: Requirements, judge: BlockingJudge) -> int:
     """How many events :func:`submitted_events` gives a job with these requirements."""
     return 1 if judge.reason(requires) is None else 2
@@ -199,8 +207,8 @@ async def _submit(
         # Built while a large batch's COPY streams (see queue.record); the judge
         # is memoised, so it gives the verdicts counted above.
         assert judge is not None
-        for spec, requires in fresh:
-            yield Change(uuid4(), organization_id, None, submitted_events(
+        for (spec, requires), job_id in zip(fresh, new_job_ids(len(fresh))):
+            yield Change(job_id, organization_id, None, submitted_events(
                 kind=spec.kind, payload=spec.payload, requires=requires, priority=spec.priority,
                 max_attempts=spec.max_attempts, project_id=spec.project_id, lang=spec.lang,
                 idempotency_key=spec.idempotency_key, requested_by=actor, judge=judge,
