@@ -16,8 +16,9 @@ and the loser's transaction is retried and finds the winner's job.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Annotated, Any, Iterator, Mapping, Sequence
-from uuid import UUID, uuid4
+from uuid import UUID
 
 import msgspec
 import psycopg
@@ -54,6 +55,8 @@ class RequiresRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefer_node: UUID | None = None
 
     def to_requirements(self) -> Requirements:
+        if self == _NO_REQUIREMENTS_REQUEST:
+            return _NO_REQUIREMENTS  # most jobs of a batch: one shared (immutable) value
         return Requirements(
             vram_min_mb=self.vram_min_mb,
             ram_min_mb=self.ram_min_mb,
@@ -63,6 +66,10 @@ class RequiresRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             max_runtime_s=self.max_runtime_s,
             prefer_node=self.prefer_node,
         )
+
+
+_NO_REQUIREMENTS_REQUEST = RequiresRequest()
+_NO_REQUIREMENTS = Requirements()
 
 
 class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -122,6 +129,18 @@ def submitted_events(
     return events
 
 
+def new_job_ids(count: int) -> Iterator[UUID]:
+    """Random (version 4) ids, as ``uuid4`` makes them, from one read of the system's randomness."""
+    raw = os.urandom(16 * count)
+    for start in range(0, 16 * count, 16):
+        yield UUID(bytes=raw[start : start + 16], version=4)
+
+
+def submitted_event_count(requires: Requirements, judge: BlockingJudge) -> int:
+    """How many events :func:`submitted_events` gives a job with these requirements."""
+    return 1 if judge.reason(requires) is None else 2
+
+
 _BY_KEYS = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE organization_id = %s AND idempotency_key = ANY(%s)"
 
 
@@ -164,9 +183,10 @@ async def _submit(
         conn, organization_id, list({s.idempotency_key for s in specs if s.idempotency_key})
     )
     judge: BlockingJudge | None = None
-    changes: list[Change] = []
+    fresh: list[tuple[JobRequest, Requirements]] = []
     slots: list[JobRow | int] = []
     new_keys: dict[str, int] = {}
+    events = 0
     for spec in specs:
         key = spec.idempotency_key
         if key is not None and key in existing:
@@ -176,16 +196,25 @@ async def _submit(
             slots.append(new_keys[key])
             continue
         judge = judge or await BlockingJudge.load(conn, organization_id)
-        events = submitted_events(
-            kind=spec.kind, payload=spec.payload, requires=spec.requires.to_requirements(), priority=spec.priority,
-            max_attempts=spec.max_attempts, project_id=spec.project_id, lang=spec.lang, idempotency_key=key,
-            requested_by=actor, judge=judge,
-        )  # fmt: skip
+        requires = spec.requires.to_requirements()
+        events += submitted_event_count(requires, judge)
         if key is not None:
-            new_keys[key] = len(changes)
-        slots.append(len(changes))
-        changes.append(Change(uuid4(), organization_id, None, events))
-    rows = await queue.record(conn, changes, metadata={"actor": actor}) if changes else []
+            new_keys[key] = len(fresh)
+        slots.append(len(fresh))
+        fresh.append((spec, requires))
+
+    def changes() -> Iterator[Change]:
+        # Built while a large batch's COPY streams (see queue.record); the judge
+        # is memoised, so it gives the verdicts counted above.
+        assert judge is not None
+        for (spec, requires), job_id in zip(fresh, new_job_ids(len(fresh))):
+            yield Change(job_id, organization_id, None, submitted_events(
+                kind=spec.kind, payload=spec.payload, requires=requires, priority=spec.priority,
+                max_attempts=spec.max_attempts, project_id=spec.project_id, lang=spec.lang,
+                idempotency_key=spec.idempotency_key, requested_by=actor, judge=judge,
+            ))  # fmt: skip
+
+    rows = await queue.record(conn, changes(), metadata={"actor": actor}, events=events) if fresh else []
     if rows:
         queued = sum(1 for row in rows if row.status == "queued")
         await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])

@@ -24,9 +24,10 @@ caller owns the transaction.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -126,20 +127,108 @@ class _Row(msgspec.Struct, array_like=False):
 
 _EMPTY = msgspec.Raw(b"{}")
 
+#: Appends of at least this many events travel by COPY (:func:`_append_copy`);
+#: smaller ones are the one INSERT statement above (one round trip, not three).
+COPY_MIN_EVENTS = 256
+
+# COPY cannot return positions, so the copy path allocates them first: under the
+# same ordering lock (taken here and held to commit), one nextval per event, and
+# the transaction's clock, which is what the recorded_at default would have
+# stored. The expected-version probe is the INSERT path's, per existing stream.
+_RESERVE_GUARDED = """
+WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s)),
+     reserved AS (SELECT nextval('events_position_seq') AS p FROM ordering_guard, generate_series(1, %(n)s))
+SELECT (SELECT array_agg(p ORDER BY p) FROM reserved), umbra_now(), umbra_now()::text,
+       (SELECT count(*) FROM unnest(%(streams)s::text[], %(versions)s::int[]) AS x(stream, version)
+        WHERE (SELECT true FROM events e WHERE e.stream = x.stream AND e.version = x.version LIMIT 1) IS NULL)
+"""
+_RESERVE_UNGUARDED = _RESERVE_GUARDED.replace(
+    "WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s)),\n     reserved", "WITH reserved"
+).replace("FROM ordering_guard, generate_series", "FROM generate_series")
+_COPY = "COPY events (position, stream, version, type, organization_id, data, metadata, recorded_at) FROM STDIN"
+#: Rows per chunk handed to COPY: PostgreSQL inserts one chunk while the next is built.
+_COPY_CHUNK = 2000
+
+
+def _tail(metadata: Mapping[str, Any] | None, recorded_text: str) -> tuple[Mapping[str, Any], str]:
+    """An event line's last two columns (metadata, recorded_at), and the metadata to return."""
+    meta = copy_json(msgspec.json.encode(metadata)) if metadata else "{}"
+    return metadata or {}, f"\t{meta}\t{recorded_text}\n"
+
+
+def copy_text(value: str) -> str:
+    """``value`` escaped for COPY's text format (backslash, tab, newline, carriage return)."""
+    if "\\" in value or "\t" in value or "\n" in value or "\r" in value:
+        return value.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+    return value
+
+
+def copy_json(encoded: bytes) -> str:
+    """msgspec JSON for a COPY text field: JSON escapes every control character, so only backslashes need doubling."""
+    text = encoded.decode()
+    return text.replace("\\", "\\\\") if "\\" in text else text
+
 
 async def append_many(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> list[RecordedEvent]:
-    """Append events to several streams in one statement.
+    """Append events to several streams in one statement (or one COPY, for large batches).
 
     Raises :class:`ConcurrencyConflict` when any stream is not at its expected
     version; the caller's transaction must then be rolled back (it is, when the
     exception leaves ``conn.transaction()``).
     """
+    async with appending(conn, batch) as recorded:
+        pass
+    return recorded
+
+
+@contextlib.asynccontextmanager
+async def appending(
+    conn: psycopg.AsyncConnection, batch: Iterable[PendingAppend], *, events: int | None = None
+) -> AsyncIterator[list[RecordedEvent]]:
+    """:func:`append_many` that lets the caller work while PostgreSQL is still inserting.
+
+    The body gets the recorded events (positions, versions, ``recorded_at``)
+    once they are allocated and sent; for a COPY, PostgreSQL may still be
+    inserting them, and the append is only known to have succeeded when the
+    block exits, which raises :class:`ConcurrencyConflict` if it did not. Do
+    nothing in the body but compute from the events (no statements: the
+    connection is busy with the COPY); a conflict at exit makes that work moot.
+
+    ``events``, when given, is how many events ``batch`` carries in all. A
+    large batch is then consumed lazily, item by item, while the COPY streams
+    it (so building the items costs no extra time while PostgreSQL inserts);
+    every item must start a new stream (expected version 0), which is checked
+    as it comes, as is the total.
+    """
+    if events is None or events < COPY_MIN_EVENTS:
+        items = list(batch)
+        count = sum(len(item.events) for item in items)
+        if events is not None and count != events:
+            raise ValueError(f"the batch carries {count} events, not {events}")
+        if count == 0:
+            yield []
+        elif count >= COPY_MIN_EVENTS:
+            async with _appending_copy(conn, items, count, [item for item in items if item.expected_version > 0]) as recorded:
+                yield recorded
+        else:
+            yield await _append_insert(conn, items)
+    else:
+        async with _appending_copy(conn, _new_streams(batch), events, []) as recorded:
+            yield recorded
+
+
+def _new_streams(batch: Iterable[PendingAppend]) -> Iterator[PendingAppend]:
+    for item in batch:
+        if item.expected_version != 0:
+            raise ValueError(f"{item.stream}: a lazily appended batch may only start new streams")
+        yield item
+
+
+async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> list[RecordedEvent]:
     rows: list[tuple[PendingAppend, Event, int]] = []
     for item in batch:
         for offset, event in enumerate(item.events):
             rows.append((item, event, item.expected_version + offset + 1))
-    if not rows:
-        return []
     encoded = msgspec.json.encode(
         [
             _Row(
@@ -177,9 +266,79 @@ async def append_many(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppe
     ]
 
 
+@contextlib.asynccontextmanager
+async def _appending_copy(
+    conn: psycopg.AsyncConnection, batch: Iterable[PendingAppend], count: int, existing: Sequence[PendingAppend]
+) -> AsyncIterator[list[RecordedEvent]]:
+    """The same append as one reservation statement and one COPY.
+
+    Same guarantees as the INSERT: the ordering lock is taken before any
+    position is allocated and held to commit; a stream at version > 0 must
+    have its expected version (the probe), and a version already taken, for a
+    new stream too, is refused by ``events_stream_version`` (the COPY fails).
+    Either way the caller gets :class:`ConcurrencyConflict`. The events are
+    encoded once, msgspec JSON straight into COPY text, and sent in chunks.
+    """
+    cursor = await conn.execute(
+        _RESERVE_GUARDED if ORDERING_GUARD else _RESERVE_UNGUARDED,
+        {
+            "lock": LOG_LOCK_KEY,
+            "n": count,
+            "streams": [item.stream for item in existing],
+            "versions": [item.expected_version for item in existing],
+        },
+        binary=True,
+    )
+    positions, recorded_at, recorded_text, missing = await cursor.fetchone()  # type: ignore[misc]
+    if missing:  # only a listed batch can hold existing streams
+        raise _conflict(batch)  # type: ignore[arg-type]
+    out: list[RecordedEvent] = []
+    first: PendingAppend | None = None
+    items = 0
+    lines: list[str] = []
+    at = iter(positions)
+    # The items of a batch usually share their organization and metadata: format each once.
+    orgs: dict[UUID, str] = {}
+    tails: dict[int, tuple[Mapping[str, Any], str]] = {}
+    try:
+        async with conn.cursor().copy(_COPY) as copy:
+            for item in batch:
+                first = first or item
+                items += 1
+                stream = copy_text(item.stream)
+                org = orgs.get(item.organization_id) or orgs.setdefault(item.organization_id, str(item.organization_id))
+                metadata, tail = tails.get(id(item.metadata)) or tails.setdefault(
+                    id(item.metadata), _tail(item.metadata, recorded_text)
+                )
+                version = item.expected_version
+                for event in item.events:
+                    position = next(at, None)
+                    if position is None:
+                        raise ValueError(f"the batch carries more than the {count} events reserved")
+                    version += 1
+                    tag = event.__struct_config__.tag  # type: ignore[attr-defined]
+                    lines.append(f"{position}\t{stream}\t{version}\t{tag}\t{org}\t{copy_json(encode_event(event))}{tail}")
+                    out.append(RecordedEvent(position, item.stream, version, item.organization_id, event, metadata, recorded_at))
+                if len(lines) >= _COPY_CHUNK:
+                    await copy.write("".join(lines))
+                    lines.clear()
+            if lines:
+                await copy.write("".join(lines))
+            if len(out) != count:
+                raise ValueError(f"the batch carries {len(out)} events, not the {count} reserved")
+            yield out
+    except psycopg.errors.UniqueViolation as exc:
+        assert first is not None
+        raise _conflict_of(first, items) from exc
+    metrics.count_events_appended(count)
+
+
 def _conflict(batch: Sequence[PendingAppend]) -> ConcurrencyConflict:
-    first = batch[0]
-    return ConcurrencyConflict(first.stream if len(batch) == 1 else f"{first.stream} (+{len(batch) - 1})", first.expected_version)
+    return _conflict_of(batch[0], len(batch))
+
+
+def _conflict_of(first: PendingAppend, items: int) -> ConcurrencyConflict:
+    return ConcurrencyConflict(first.stream if items == 1 else f"{first.stream} (+{items - 1})", first.expected_version)
 
 
 async def append(
@@ -289,6 +448,7 @@ __all__ = [
     "RecordedEvent",
     "append",
     "append_many",
+    "appending",
     "head_position",
     "hint_payload",
     "job_stream",

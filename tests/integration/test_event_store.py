@@ -16,11 +16,19 @@ from umbra.events.types import JobCancelled, JobSubmitted, NodeDraining
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture(params=["insert", "copy"])
+def append_path(request, monkeypatch):
+    """Run a test through both append paths: the INSERT statement and, forced for every size, COPY."""
+    if request.param == "copy":
+        monkeypatch.setattr(store, "COPY_MIN_EVENTS", 1)
+    return request.param
+
+
 def _submitted(i: int = 0) -> JobSubmitted:
     return JobSubmitted(kind="echo", priority=100, max_attempts=3, payload={"i": i})
 
 
-async def test_append_and_read_stream_round_trip(conn, org):
+async def test_append_and_read_stream_round_trip(conn, org, append_path):
     org_id, _ = org
     stream = store.job_stream(uuid.uuid4())
     async with conn.transaction():
@@ -33,7 +41,7 @@ async def test_append_and_read_stream_round_trip(conn, org):
     assert read[1].recorded_at == recorded[1].recorded_at
 
 
-async def test_two_appends_at_the_same_expected_version_one_wins(db_url, org):
+async def test_two_appends_at_the_same_expected_version_one_wins(db_url, org, append_path):
     org_id, _ = org
     stream = store.job_stream(uuid.uuid4())
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
@@ -58,7 +66,7 @@ async def test_two_appends_at_the_same_expected_version_one_wins(db_url, org):
         assert [r.version for r in await store.read_stream(c, stream)] == [1, 2]
 
 
-async def test_append_refuses_a_version_gap(conn, org):
+async def test_append_refuses_a_version_gap(conn, org, append_path):
     org_id, _ = org
     stream = store.job_stream(uuid.uuid4())
     await store.append(conn, stream, 0, [_submitted()], organization_id=org_id)
@@ -66,6 +74,67 @@ async def test_append_refuses_a_version_gap(conn, org):
         async with conn.transaction():
             await store.append(conn, stream, 3, [JobCancelled()], organization_id=org_id)
     assert len(await store.read_stream(conn, stream)) == 1
+
+
+async def test_append_refuses_a_taken_first_version(conn, org, append_path):
+    """A new stream's version 1 must not exist yet: the unique index refuses it, as a conflict."""
+    org_id, _ = org
+    stream = store.job_stream(uuid.uuid4())
+    await store.append(conn, stream, 0, [_submitted()], organization_id=org_id)
+    other = store.job_stream(uuid.uuid4())
+    with pytest.raises(ConcurrencyConflict):
+        async with conn.transaction():
+            await store.append_many(conn, [
+                store.PendingAppend(other, 0, [_submitted()], org_id),
+                store.PendingAppend(stream, 0, [_submitted()], org_id),
+            ])  # fmt: skip
+    assert len(await store.read_stream(conn, stream)) == 1
+    assert await store.read_stream(conn, other) == []
+
+
+async def test_large_append_keeps_batch_order_and_stores_what_it_returns(conn, org):
+    """An append above the COPY threshold: positions follow the batch, and a read returns the same events."""
+    org_id, _ = org
+    streams = [store.job_stream(uuid.uuid4()) for _ in range(store.COPY_MIN_EVENTS)]
+    tricky = JobSubmitted(kind="tab\there", priority=1, max_attempts=1, payload={"s": "back\\slash \n \r \\N é"})
+    batch = [store.PendingAppend(s, 0, [tricky, JobCancelled(by="x")], org_id, {"actor": "a\tb"}) for s in streams]
+    async with conn.transaction():
+        recorded = await store.append_many(conn, batch)
+    positions = [r.position for r in recorded]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions) == 2 * len(streams)
+    assert [(r.stream, r.version) for r in recorded] == [(s, v) for s in streams for v in (1, 2)]
+    read = await store.read_log(conn, after=positions[0] - 1, limit=len(positions))
+    assert [(r.position, r.stream, r.version, r.event, r.metadata, r.recorded_at) for r in read] == [
+        (r.position, r.stream, r.version, r.event, dict(r.metadata), r.recorded_at) for r in recorded
+    ]
+    async with conn.transaction():
+        more = await store.append_many(conn, [store.PendingAppend(s, 2, [JobCancelled()] * 1, org_id) for s in streams])
+    assert [r.version for r in more] == [3] * len(streams)
+
+
+async def test_a_lazily_appended_batch_is_checked_as_it_streams(conn, org):
+    """``appending(..., events=n)``: only new streams, and exactly the events announced, or nothing is written."""
+    org_id, _ = org
+    n = store.COPY_MIN_EVENTS
+    old = store.job_stream(uuid.uuid4())
+    await store.append(conn, old, 0, [_submitted()], organization_id=org_id)
+    head = await store.head_position(conn)
+
+    def items(count: int, last_stream: str | None = None):
+        for i in range(count):
+            stream = last_stream if last_stream and i == count - 1 else store.job_stream(uuid.uuid4())
+            yield store.PendingAppend(stream, 1 if stream == old else 0, [_submitted(i)], org_id)
+
+    for batch, announced in ((items(n - 1), n), (items(n + 1), n), (items(n, old), n)):
+        with pytest.raises(ValueError):
+            async with conn.transaction():
+                async with store.appending(conn, batch, events=announced):
+                    pass
+    assert await store.head_position(conn) == head
+    async with conn.transaction():
+        async with store.appending(conn, items(n), events=n) as recorded:
+            assert [r.version for r in recorded] == [1] * n
+    assert len(await store.read_log(conn, after=head)) == n
 
 
 async def test_events_cannot_be_updated_or_deleted(conn, org):
@@ -141,14 +210,14 @@ async def _tail_while_writing(db_url: str, org_id, *, writers: int, per_writer: 
     return seen, full
 
 
-async def test_tailing_reader_sees_every_event_exactly_once_in_commit_order(db_url, org):
+async def test_tailing_reader_sees_every_event_exactly_once_in_commit_order(db_url, org, append_path):
     org_id, _ = org
     seen, full = await _tail_while_writing(db_url, org_id, writers=10, per_writer=150)
     assert len(full) >= 10 * 150
     assert seen == full, f"tailer missed {len(set(full) - set(seen))} events"
 
 
-async def test_gap_test_detects_a_missing_ordering_guard(db_url, org, monkeypatch):
+async def test_gap_test_detects_a_missing_ordering_guard(db_url, org, append_path, monkeypatch):
     """Without the append lock, the same workload makes the tailer skip events.
 
     This proves the test above can fail: concurrent transactions allocate

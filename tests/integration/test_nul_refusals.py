@@ -21,6 +21,8 @@ async def _counts(conn) -> tuple:
         ("PUT", "/v1/models/m", b'{"vram_min_mb": 1, "kind": "llm\\u0000"}'),
         ("POST", "/v1/jobs/batch", b'{"jobs": [{"kind": "echo", "payload": {}, "requires": {}, "idempotency_key": "k\\u0000"}]}'),
         ("POST", "/v1/jobs", b'{"kind": "echo", "payload": {"a\\u0000": 1}, "requires": {}}'),
+        # large enough to be written by COPY
+        ("POST", "/v1/jobs/batch", b'{"jobs": [' + b'{"kind": "echo"}, ' * 400 + b'{"kind": "echo", "payload": {"s": "\\u0000"}}]}'),
     ],
 )
 async def test_nul_in_a_body_is_refused_and_writes_nothing(client, conn, org, method, path, body):

@@ -70,6 +70,26 @@ async def test_racing_submissions_with_one_key_make_one_job(db_url, org):
         assert await footprint(c) == (1, 1)
 
 
+async def test_racing_large_batches_with_the_same_keys_make_each_job_once(db_url, org):
+    """Batches written by COPY: the loser's rows hit the unique index, and its retry finds the winner's jobs."""
+    org_id, _ = org
+    size = store.COPY_MIN_EVENTS + 10
+    results = []
+
+    async def one():
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            specs = [spec(idempotency_key=f"race-{i}") for i in range(size)]
+            results.append(await jobs.submit(c, org_id, specs, actor="t", batch=True))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(one)
+    assert sorted(created for _, created in results) == [0, 0, size]
+    assert len({tuple(r.id for r in rows) for rows, _ in results}) == 1
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        assert await footprint(c) == (size, size)
+
+
 async def test_a_project_must_exist_in_the_submitters_own_tenant(conn, org):
     org_id, _ = org
     other_id, _ = await create_organization(conn, "other")
@@ -101,6 +121,25 @@ async def test_a_batch_is_one_append_in_request_order_and_all_or_nothing(conn, o
         await jobs.submit(conn, org_id, bad, actor="t", batch=True)
     assert refused.value.extra == {"index": 5}
     assert await footprint(conn) == before
+
+
+async def test_a_large_batch_stores_exactly_the_rows_it_returns(conn, org):
+    """Above the COPY threshold: awkward text survives, and the live rows are the fold of the log."""
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [GPU24])
+    awkward = "tab\there, new\nline, CR\r, back\\slash \\N, \\u0000, é, 😀"
+    specs = [
+        spec(kind=awkward, payload={"s": awkward, "i": i}, lang=awkward[:60], idempotency_key=f"{awkward}{i}",
+             requires={"vram_min_mb": 1000} if i % 2 else {"vram_min_mb": 10**6})
+        for i in range(store.COPY_MIN_EVENTS + 50)
+    ]  # fmt: skip
+    rows, created = await jobs.submit(conn, org_id, specs, actor=awkward, batch=True)
+    assert created == len(specs) and {r.status for r in rows} == {"queued", "blocked"}
+    live = await queue.live(conn, org_id)
+    assert [live[r.id] for r in rows] == rows
+    assert queue.diff(await queue.rebuild(conn, org_id), live) == []
+    again, created = await jobs.submit(conn, org_id, specs, actor=awkward, batch=True)
+    assert created == 0 and again == rows
 
 
 async def test_a_job_nothing_could_run_is_blocked_with_the_shortfall_and_unblocked_by_a_bigger_node(conn, org):
