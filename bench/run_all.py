@@ -123,12 +123,19 @@ def render(r: dict[str, Any]) -> str:
         for u in d["umbra"]:
             table.setdefault(f"umbra {u['mode']}", {})[u["agents"]] = u["jobs_per_s"]
         parts += ["", f"## Drain {d['jobs']:,} no-op jobs (jobs/s; claim + complete per job)", "",
-                  "`umbra http`: agents are async httpx clients against a `umbra serve` subprocess; `inproc`: "
-                  "`compute.claims` one transaction per command; `inproc-grouped`: through `compute.group_commit`.", "",
+                  "`umbra http`: agents (one keep-alive connection each, `bench/wire.py`) against a `umbra serve` "
+                  "subprocess; `inproc`: `compute.claims` one transaction per command; `inproc-grouped`: through "
+                  "`compute.group_commit`.", "",
                   _table(["system", *[f"c={c}" for c in CONCURRENCY]],
                          [[name, *[row.get(c, float("nan")) for c in CONCURRENCY]] for name, row in table.items()]),
                   "", _table(["c", "umbra", "peer", "umbra / peer"],
                              [[x["concurrency"], x["umbra_mode"], x["peer"], x["ratio"]] for x in d["ratios"]])]  # fmt: skip
+        served = [u for u in d["umbra"] if "server_cpu_ms_per_job" in u]
+        if served:
+            parts += ["", "The HTTP server during those drains (CPU from `/proc`, batches from its `/metrics`):", "",
+                      _table(["agents", "server CPU ms/job", "commands/batch", "ms/batch"],
+                             [[u["agents"], u["server_cpu_ms_per_job"], u.get("commands_per_batch", float("nan")),
+                               u.get("ms_per_batch", float("nan"))] for u in served])]  # fmt: skip
     if "submit" in r:
         parts += ["", "## Submit (jobs/s)", "", _table(["mode", "clients", "jobs/request", "jobs", "jobs/s"],
                   [[s["mode"], s["clients"], s["jobs_per_request"], s["jobs"], s["jobs_per_s"]] for s in r["submit"]])]  # fmt: skip

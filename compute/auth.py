@@ -11,8 +11,10 @@ long-poll, and it is too slow to run on every agent request, so
 of the token (the token itself is never kept). That is safe because:
 a cache hit still requires presenting the full token (a SHA-256 preimage is as
 hard as guessing the token); every hit re-checks ``revoked_at`` on the row by
-primary key, so a revocation takes effect on the next request in every server
-process; and entries expire after a minute regardless.
+primary key (for claim, renew and complete, inside the command's own batch
+transaction: :func:`authenticate_revocation_deferred`), so a revocation takes
+effect on the next request in every server process; and entries expire after
+a minute regardless.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ A node credential carries the four ``compute:*`` scopes and nothing else: it
 reaches its own node, its jobs and the model registry, never project content.
 Its organization is the node's, never something a request says.
 
-Revocation sets ``revoked_at``; :func:`umbra.compute.auth.authenticate`
-re-checks that column on every cached hit, so a revoked token fails on its
-next request in every server process.
+Revocation sets ``revoked_at``; every request re-checks that column, so a
+revoked token fails on its next request in every server process: most routes
+in :func:`umbra.compute.auth.authenticate` on a cached hit, the agent's claim,
+renew and complete inside their group-commit transaction.
 """
 
 from __future__ import annotations
