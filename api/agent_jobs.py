@@ -69,7 +69,7 @@ async def complete(request: Request) -> Response:
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt, result=body.result,
         credential_id=who.credential_id,
     )  # fmt: skip
-    return json_response(queue.to_json(row))
+    return json_response(queue.job_out(row))
 
 
 async def fail(request: Request) -> Response:
@@ -79,7 +79,7 @@ async def fail(request: Request) -> Response:
         body = await read_json(request, FailRequest)
         row = await claims.fail(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                 attempt=body.attempt, error=body.error, retry=body.retry)  # fmt: skip
-    return json_response(queue.to_json(row))
+    return json_response(queue.job_out(row))
 
 
 async def children(request: Request) -> Response:
@@ -89,7 +89,7 @@ async def children(request: Request) -> Response:
         body = await read_items(request, ChildrenRequest)
         rows = await claims.add_children(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                          attempt=body.attempt, children=body.children)  # fmt: skip
-    return json_response({"children": [queue.to_json(row) for row in rows]}, status=201)
+    return json_response({"children": [queue.job_out(row) for row in rows]}, status=201)
 
 
 routes = [

@@ -38,7 +38,7 @@ async def submit_job(request: Request) -> Response:
         who = await principal(request, conn, "jobs:write")
         spec = await read_json(request, JobRequest)
         rows, created = await jobs.submit(conn, who.organization_id, [spec], actor=who.actor, batch=False)
-    return json_response(queue.to_json(rows[0]), status=201 if created else 200)
+    return json_response(queue.job_out(rows[0]), status=201 if created else 200)
 
 
 async def submit_batch(request: Request) -> Response:
@@ -46,7 +46,7 @@ async def submit_batch(request: Request) -> Response:
         who = await principal(request, conn, "jobs:write")
         batch = await read_items(request, BatchRequest)
         rows, created = await jobs.submit(conn, who.organization_id, batch.jobs, actor=who.actor, batch=True)
-    return json_response({"jobs": [queue.to_json(row) for row in rows]}, status=201 if created else 200)
+    return json_response({"jobs": [queue.job_out(row) for row in rows]}, status=201 if created else 200)
 
 
 def _int_param(request: Request, name: str, default: int, *, low: int, high: int) -> int:
@@ -69,7 +69,7 @@ async def list_jobs(request: Request) -> Response:
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:read")
         rows, cursor = await jobs.list_jobs(conn, who.organization_id, statuses=statuses, limit=limit, after=after)
-    return json_response({"jobs": [queue.to_json(row) for row in rows], "next": str(cursor) if cursor else None})
+    return json_response({"jobs": [queue.job_out(row) for row in rows], "next": str(cursor) if cursor else None})
 
 
 async def get_job(request: Request) -> Response:
@@ -84,7 +84,7 @@ async def get_job(request: Request) -> Response:
     if who.kind == "node" and row.lease_owner != who.node_id:
         # A node credential sees only the jobs it holds or held.
         raise NotFound("job_not_found", f"No job {job_id}.")
-    return json_response(queue.to_json(row))
+    return json_response(queue.job_out(row))
 
 
 async def cancel_job(request: Request) -> Response:
@@ -92,7 +92,7 @@ async def cancel_job(request: Request) -> Response:
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:write")
         row = await jobs.cancel(conn, who.organization_id, job_id, actor=who.actor)
-    return json_response(queue.to_json(row))
+    return json_response(queue.job_out(row))
 
 
 routes = [

@@ -132,3 +132,29 @@ def test_the_job_object_has_every_api_field_with_rfc3339_utc_timestamps():
     assert body["created_at"] == "2026-05-01T12:00:01Z" and body["lease_expires_at"] == "2026-05-01T12:01:01Z"
     assert body["requires"]["vram_min_mb"] == 5 and body["requires"]["models"] == []
     assert body["placement"]["device_id"] == "gpu0" and body["priority"] == 0
+
+
+def test_the_job_object_encodes_the_same_as_its_plain_json_with_utc_timestamps():
+    """Responses encode :class:`JobOut` directly; :func:`to_json` is the same object as plain values."""
+    import dataclasses
+
+    import msgspec
+
+    from umbra.projections.jobs import job_out
+
+    log = Log()
+    log(submitted(requires=Requirements(vram_min_mb=5, models=("m",), prefer_node=NODE), payload={"a": [1, "x"]}))
+    row = log(claimed(1, log))
+    # A row read on a connection in another time zone: the API still says UTC, with "Z".
+    plus_two = timezone(timedelta(hours=2))
+    row = dataclasses.replace(row, created_at=row.created_at.astimezone(plus_two),
+                              lease_expires_at=row.lease_expires_at.replace(microsecond=250).astimezone(plus_two))  # fmt: skip
+    plain = to_json(row)
+    assert msgspec.json.decode(msgspec.json.encode(job_out(row))) == plain
+    assert plain["created_at"] == "2026-05-01T12:00:01Z"
+    assert plain["lease_expires_at"] == "2026-05-01T12:01:01.000250Z"
+    assert plain["id"] == str(JOB) and plain["lease_owner"] == str(NODE)
+    assert plain["requires"] == {"vram_min_mb": 5, "ram_min_mb": 0, "models": ["m"], "trust_domains": [],
+                                 "accelerators": [], "max_runtime_s": None, "prefer_node": str(NODE)}  # fmt: skip
+    assert plain["placement"]["node_id"] == str(NODE) and plain["payload"] == {"a": [1, "x"]}
+    assert list(plain)[:3] == ["id", "organization_id", "kind"] and list(plain)[-1] == "position"
