@@ -55,6 +55,30 @@ async def test_metrics_expose_queue_depth_log_head_and_process_instruments(conn,
     assert served >= 1
 
 
+async def test_group_commit_batches_are_counted(org, live_server):
+    from tests.integration.test_nodes_api import CPU, pair
+
+    _, key = org
+    async with httpx.AsyncClient(base_url=live_server.url) as client:
+        _, credential = await pair(client, key, devices=(CPU,))
+        agent = {"Authorization": f"Bearer {credential}"}
+        await client.post("/v1/agent/heartbeat", json={"devices": [CPU]}, headers=agent)
+        await client.post("/v1/jobs", json={"kind": "echo"}, headers={"Authorization": f"Bearer {key}"})
+        before = _samples((await client.get("/metrics")).text)
+        job = (await client.post("/v1/agent/claim?wait=0", headers=agent)).json()["job"]
+        done = await client.post(f"/v1/agent/jobs/{job['id']}/complete", json={"attempt": job["attempt"]}, headers=agent)
+        assert done.status_code == 200
+        after = _samples((await client.get("/metrics")).text)
+
+    def grew(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    assert grew("umbra_group_commit_batch_commands_count") == 2  # the claim's batch and the completion's
+    assert grew("umbra_group_commit_batch_commands_sum") == 2
+    assert grew("umbra_group_commit_batch_seconds_count") == 2 and grew("umbra_group_commit_batch_seconds_sum") > 0
+    assert ("umbra_group_commit_fallbacks_total", ()) in after
+
+
 async def test_request_id_is_echoed_or_minted(live_server):
     async with httpx.AsyncClient(base_url=live_server.url) as client:
         kept = await client.get("/healthz", headers={"X-Request-ID": "trace-42.a"})
