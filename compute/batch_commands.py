@@ -87,11 +87,15 @@ class _Staged:
     row: JobRow | None = field(default=None)
 
 
-_LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE"
-_NODES = """
-SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, n.devices::text, l.last_seen_at, umbra_now()
+#: The batch's live credentials (of those its commands authenticated with), as one more column
+#: of its first reads: the revocation check costs no statement of its own.
+_LIVE_COLUMN = "(SELECT array_agg(id) FROM node_credentials WHERE id = ANY(%(credentials)s) AND revoked_at IS NULL)"
+_LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE"
+_NODES = f"""
+SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, n.devices::text, l.last_seen_at, umbra_now(),
+       {_LIVE_COLUMN}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
-WHERE n.id = ANY(%s)
+WHERE n.id = ANY(%(ids)s)
 """
 _LOCK_QUEUED = f"""
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
@@ -108,33 +112,44 @@ _requirements = msgspec.json.Decoder(Requirements)
 async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> tuple[list[_Staged], list[Command]]:
     """Load and decide every command; returns the staged changes and the commands deferred to the next batch.
 
-    The reads that do not depend on each other (the credentials, the held
-    rows, the claiming nodes, each organization's list of queued requirement
-    shapes) are all issued before any is decided on.
+    The reads that do not depend on each other (the held rows, the claiming
+    nodes, each organization's list of queued requirement shapes) are all
+    issued before any is decided on; the commands' credentials are checked in
+    the same statements (a last column of the held rows' and the nodes' reads).
     """
     credentials = list({c.credential_id for c in commands if c.credential_id is not None})
-    live_rows = await conn.execute(LIVE_CREDENTIALS, (credentials,)) if credentials else None
     held = [c for c in commands if c.kind != "claim"]
     claimers = [c for c in commands if c.kind == "claim"]
-    held_rows = await conn.execute(_LOCK_HELD, (sorted({c.job_id for c in held}, key=str),)) if held else None
-    node_rows = await conn.execute(_NODES, (list({c.node_id for c in claimers}),)) if claimers else None
+    held_ids = sorted({c.job_id for c in held}, key=str)
+    held_rows = await conn.execute(_LOCK_HELD, {"ids": held_ids, "credentials": credentials}) if held else None
+    node_ids = list({c.node_id for c in claimers})
+    node_rows = await conn.execute(_NODES, {"ids": node_ids, "credentials": credentials}) if claimers else None
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
     org_shapes = [await queued_shapes(conn, org) for org in orgs]
-    if live_rows is not None:
-        live = {row[0] for row in await live_rows.fetchall()}
+    held_records = await held_rows.fetchall() if held_rows is not None else []
+    node_records = await node_rows.fetchall() if node_rows is not None else []
+    if credentials:
+        live = await _live_credentials(conn, credentials, held_records or node_records)
         held, claimers = _refuse_revoked(held, live), _refuse_revoked(claimers, live)
     staged: list[_Staged] = []
     deferred: list[Command] = []
     if held_rows is not None:
-        staged += _stage_held(await held_rows.fetchall(), held, deferred)
+        staged += _stage_held([r[:-1] for r in held_records], held, deferred)
     if node_rows is not None:
-        waiting = _waiting_claimers(await node_rows.fetchall(), claimers)
+        waiting = _waiting_claimers([r[:-1] for r in node_records], claimers)
         for org, cursor in zip(orgs, org_shapes):
             shapes = [shape for (shape,) in await cursor.fetchall()]
             if not shapes or waiting.get(org):
                 registry = await models_for_shapes(conn, org, shapes)
                 staged += await _claim_for_org(conn, org, waiting.get(org, []), shapes, registry, claimers)
     return staged, deferred
+
+
+async def _live_credentials(conn: psycopg.AsyncConnection, credentials: list[UUID], records: Sequence[Any]) -> set[UUID]:
+    """The live ones among ``credentials``: from the first reads' last column, or (when they found no row) asked alone."""
+    if records:
+        return set(records[0][-1] or ())
+    return {row[0] for row in await (await conn.execute(LIVE_CREDENTIALS, (credentials,))).fetchall()}
 
 
 def _refuse_revoked(commands: list[Command], live: set[UUID]) -> list[Command]:
