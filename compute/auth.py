@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 from uuid import UUID
 
 import anyio
@@ -100,8 +101,17 @@ _STILL_VALID = {
 }
 
 
+#: The live ones among some node credentials (for commands that check revocation in their own
+#: transaction: the group commit's batches).
+LIVE_NODE_CREDENTIALS = "SELECT id FROM node_credentials WHERE id = ANY(%s) AND revoked_at IS NULL"
+
+
 def revoked() -> Unauthenticated:
     return Unauthenticated("The bearer token has been revoked.")
+
+
+async def live_node_credentials(conn: psycopg.AsyncConnection, credential_ids: list[UUID]) -> set[UUID]:
+    return {row[0] for row in await (await conn.execute(LIVE_NODE_CREDENTIALS, (credential_ids,))).fetchall()}
 
 
 def _kind(token: str | None) -> str:
@@ -124,7 +134,15 @@ async def authenticate(conn: psycopg.AsyncConnection, token: str | None, cache: 
             return cached
         cache.forget_credential(cached.credential_id)
         raise revoked()
-    rows = await (await conn.execute(_LOOKUP[kind], (token_prefix(token, kind),))).fetchall()
+    return await _verify(kind, token, await _candidates(conn, kind, token), cache)
+
+
+async def _candidates(conn: psycopg.AsyncConnection, kind: str, token: str) -> list[Any]:
+    return await (await conn.execute(_LOOKUP[kind], (token_prefix(token, kind),))).fetchall()
+
+
+async def _verify(kind: str, token: str, rows: list[Any], cache: VerifiedTokenCache) -> Principal:
+    """The candidate row whose hash the whole token verifies against (argon2id, in a worker thread)."""
     for credential_id, organization_id, secret_hash, scopes, node_id in rows:
         if await anyio.to_thread.run_sync(verify_secret, secret_hash, token):
             principal = Principal(
@@ -147,12 +165,14 @@ async def authenticate_revocation_deferred(pool: AsyncConnectionPool, token: str
     query of its own here: on the agent's hot path (claim, renew, complete)
     that is one pooled connection and one round trip less per request, and a
     revocation still takes effect at the credential's next command. A token
-    not in the cache is looked up and verified as usual.
+    not in the cache is looked up and verified as usual, with the pooled
+    connection given back before the (slow) argon2 verification.
     """
-    _kind(token)
+    kind = _kind(token)
     assert token is not None
     cached = cache.get(token)
     if cached is not None:
         return cached
     async with pool.connection() as conn:
-        return await authenticate(conn, token, cache)
+        rows = await _candidates(conn, kind, token)
+    return await _verify(kind, token, rows, cache)

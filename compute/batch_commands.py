@@ -45,7 +45,7 @@ from umbra.events.types import Device, Event, JobClaimed, JobCompleted, JobLease
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
-from .auth import revoked
+from .auth import live_node_credentials, revoked
 from .claims import SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, models_for_shapes, queued_shapes
 from .jobs import settle_parents
 
@@ -104,7 +104,6 @@ WHERE id = ANY(%(ids)s) AND organization_id = %(org)s AND status = 'queued'
 ORDER BY priority, seq
 FOR UPDATE SKIP LOCKED
 """
-LIVE_CREDENTIALS = "SELECT id FROM node_credentials WHERE id = ANY(%s) AND revoked_at IS NULL"
 _devices = msgspec.json.Decoder(tuple[Device, ...])
 _requirements = msgspec.json.Decoder(Requirements)
 
@@ -149,7 +148,7 @@ async def _live_credentials(conn: psycopg.AsyncConnection, credentials: list[UUI
     """The live ones among ``credentials``: from the first reads' last column, or (when they found no row) asked alone."""
     if records:
         return set(records[0][-1] or ())
-    return {row[0] for row in await (await conn.execute(LIVE_CREDENTIALS, (credentials,))).fetchall()}
+    return await live_node_credentials(conn, credentials)
 
 
 def _refuse_revoked(commands: list[Command], live: set[UUID]) -> list[Command]:

@@ -41,7 +41,7 @@ from umbra.events import store
 from umbra.projections.jobs import JobRow
 
 from . import batch_commands, claims
-from .auth import revoked
+from .auth import live_node_credentials, revoked
 from .batch_commands import Command
 
 log = logging.getLogger(__name__)
@@ -214,8 +214,7 @@ class GroupCommit:
         try:
             async with self._pool.connection() as conn:
                 if command.credential_id is not None:
-                    live = await (await conn.execute(batch_commands.LIVE_CREDENTIALS, ([command.credential_id],))).fetchall()
-                    if not live:
+                    if not await live_node_credentials(conn, [command.credential_id]):
                         raise revoked()
                 if command.kind == "claim":
                     command.outcome = await claims.claim(
