@@ -102,10 +102,7 @@ def bearer_token(request: Request) -> str | None:
 async def principal(request: Request, conn, *any_of_scopes: str) -> Principal:
     """Authenticate the request on ``conn`` and check one of the scopes (403 otherwise)."""
     who = await authenticate(conn, bearer_token(request), request.app.state.services.token_cache)
-    if any_of_scopes:
-        who.require(*any_of_scopes)
-    request.state.principal = who
-    return who
+    return _admitted(request, who, any_of_scopes)
 
 
 async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
@@ -117,6 +114,11 @@ async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
     """
     services = request.app.state.services
     who = await authenticate_revocation_deferred(services.pool, bearer_token(request), services.token_cache)
+    return _admitted(request, who, any_of_scopes)
+
+
+def _admitted(request: Request, who: Principal, any_of_scopes: tuple[str, ...]) -> Principal:
+    """``who``, once one of the scopes is checked (403 otherwise) and recorded for the access log."""
     if any_of_scopes:
         who.require(*any_of_scopes)
     request.state.principal = who
