@@ -35,6 +35,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
+from umbra.db import begin_with
 from umbra.domain.eligibility import NodeView, is_busy
 from umbra.domain.jobs import check_holder
 from umbra.domain.node_status import effective_status
@@ -109,7 +110,7 @@ _requirements = msgspec.json.Decoder(Requirements)
 
 
 async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> tuple[list[_Staged], list[Command]]:
-    """Load and decide every command; returns the staged changes and the commands deferred to the next batch.
+    """Begin the batch's transaction, load and decide every command; returns the staged changes and the commands deferred to the next batch.
 
     The reads that do not depend on each other (the held rows, the claiming
     nodes, each organization's list of queued requirement shapes) are all
@@ -120,9 +121,13 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     held = [c for c in commands if c.kind != "claim"]
     claimers = [c for c in commands if c.kind == "claim"]
     held_ids = sorted({c.job_id for c in held}, key=str)
-    held_rows = await conn.execute(_LOCK_HELD, {"ids": held_ids, "credentials": credentials}) if held else None
     node_ids = list({c.node_id for c in claimers})
-    node_rows = await conn.execute(_NODES, {"ids": node_ids, "credentials": credentials}) if claimers else None
+    # The first read opens the transaction (its BEGIN travels with it).
+    if held:
+        held_rows = await begin_with(conn, _LOCK_HELD, {"ids": held_ids, "credentials": credentials})
+        node_rows = await conn.execute(_NODES, {"ids": node_ids, "credentials": credentials}) if claimers else None
+    else:
+        held_rows, node_rows = None, await begin_with(conn, _NODES, {"ids": node_ids, "credentials": credentials})
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
     org_shapes = [await queued_shapes(conn, org) for org in orgs]
     held_records = await held_rows.fetchall() if held_rows is not None else []

@@ -189,9 +189,14 @@ class GroupCommit:
             # Not in pipeline mode: it saved a few round trips per batch but cost more
             # client CPU than it saved, and on the agent path the server's CPU is the limit
             # (docs/PERFORMANCE.md).
-            async with self._pool.connection() as conn, conn.transaction():
-                staged, deferred = await batch_commands.stage(conn, commands)
-                hints = await batch_commands.write(conn, staged)
+            async with self._pool.connection() as conn:
+                try:
+                    staged, deferred = await batch_commands.stage(conn, commands)  # it sends BEGIN
+                    hints = await batch_commands.write(conn, staged)
+                    await conn.execute("COMMIT")
+                except BaseException:
+                    await conn.rollback()
+                    raise
         except Exception as exc:
             log.warning("batch rolled back; its commands run one by one",
                         extra={"action": "group_commit_fallback", "commands": len(commands), "error": str(exc)[:200]})  # fmt: skip
