@@ -35,7 +35,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
-from umbra.db import begin_with
+from umbra.db import OpeningRead, begin_with
 from umbra.domain.eligibility import NodeView, is_busy
 from umbra.domain.jobs import check_holder
 from umbra.domain.node_status import effective_status
@@ -105,6 +105,11 @@ WHERE id = ANY(%(ids)s) AND organization_id = %(org)s AND status = 'queued'
 ORDER BY priority, seq
 FOR UPDATE SKIP LOCKED
 """
+#: The batch's first read opens its transaction. Every statement of a batch is an index lookup
+#: whose best plan does not depend on the values, so the batch uses generic plans: planned
+#: for each call's values, the shape scan alone cost 0.29 ms of the server's time per claim.
+_OPEN_HELD = OpeningRead("umbra_batch_held", _LOCK_HELD)
+_OPEN_NODES = OpeningRead("umbra_batch_nodes", _NODES)
 _devices = msgspec.json.Decoder(tuple[Device, ...])
 _requirements = msgspec.json.Decoder(Requirements)
 
@@ -124,10 +129,11 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     node_ids = list({c.node_id for c in claimers})
     # The first read opens the transaction (its BEGIN travels with it).
     if held:
-        held_rows = await begin_with(conn, _LOCK_HELD, {"ids": held_ids, "credentials": credentials})
+        held_rows = await begin_with(conn, _OPEN_HELD, {"ids": held_ids, "credentials": credentials}, generic_plans=True)
         node_rows = await conn.execute(_NODES, {"ids": node_ids, "credentials": credentials}) if claimers else None
     else:
-        held_rows, node_rows = None, await begin_with(conn, _NODES, {"ids": node_ids, "credentials": credentials})
+        node_rows = await begin_with(conn, _OPEN_NODES, {"ids": node_ids, "credentials": credentials}, generic_plans=True)
+        held_rows = None
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
     org_shapes = [await queued_shapes(conn, org) for org in orgs]
     held_records = await held_rows.fetchall() if held_rows is not None else []

@@ -1,4 +1,4 @@
-"""``db.begin_with``: BEGIN and a first statement in one round trip, parameters still bound by the driver."""
+"""``db.begin_with``: BEGIN and a prepared first read in one round trip, arguments still bound by the driver."""
 
 from __future__ import annotations
 
@@ -8,39 +8,70 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-from umbra.db import begin_with
+from umbra.db import OpeningRead, begin_with
 
 pytestmark = pytest.mark.anyio
+
+INSERT = OpeningRead("test_insert", "INSERT INTO t VALUES (%(v)s) RETURNING v")
+
+
+async def _prepared(conn) -> list[str]:
+    return [name for (name,) in await (await conn.execute("SELECT name FROM pg_prepared_statements ORDER BY name")).fetchall()]
+
+
+def test_placeholders_become_positional_parameters_in_first_use_order():
+    read = OpeningRead("r", "SELECT * FROM t WHERE a = ANY(%(ids)s) AND b = %(org)s AND c = ANY(%(ids)s)")
+    assert read.prepare == "PREPARE r AS SELECT * FROM t WHERE a = ANY($1) AND b = $2 AND c = ANY($1)"
+    assert read.execute == "EXECUTE r(%(ids)s, %(org)s)"
 
 
 async def test_it_opens_a_transaction_that_commit_and_rollback_end(conn):
     await conn.execute("CREATE TABLE t (v text)")
-    cursor = await begin_with(conn, "INSERT INTO t VALUES (%(v)s) RETURNING v", {"v": "kept?"})
+    cursor = await begin_with(conn, INSERT, {"v": "kept?"})
     assert await cursor.fetchall() == [("kept?",)]
     assert conn.info.transaction_status == TransactionStatus.INTRANS
     await conn.rollback()
     assert conn.info.transaction_status == TransactionStatus.IDLE
     assert await (await conn.execute("SELECT count(*) FROM t")).fetchone() == (0,)
 
-    await begin_with(conn, "INSERT INTO t VALUES (%(v)s)", {"v": "kept"})
+    await begin_with(conn, INSERT, {"v": "kept"}, generic_plans=True)
+    assert await (await conn.execute("SHOW plan_cache_mode")).fetchone() == ("force_generic_plan",)
     await conn.execute("COMMIT")
     assert await (await conn.execute("SELECT v FROM t")).fetchall() == [("kept",)]
+    assert await (await conn.execute("SHOW plan_cache_mode")).fetchone() == ("auto",)  # SET LOCAL: that transaction only
+    assert await _prepared(conn) == ["test_insert"]  # prepared once for the connection
 
 
-async def test_parameters_are_data_not_sql(conn):
+async def test_arguments_are_data_not_sql(conn):
     """Client-side binding quotes values: a value shaped like SQL stays a value."""
     await conn.execute("CREATE TABLE t (v text)")
     hostile = "x'); DROP TABLE t; --"
     ids = [uuid.uuid4(), uuid.uuid4()]
-    cursor = await begin_with(conn, "SELECT %(v)s::text, %(ids)s::uuid[]", {"v": hostile, "ids": ids})
-    assert await cursor.fetchall() == [(hostile, ids)]
+    read = OpeningRead("test_echo", "SELECT %(v)s::text, %(ids)s::uuid[], (SELECT count(*) FROM t WHERE v = ANY(%(none)s))")
+    cursor = await begin_with(conn, read, {"v": hostile, "ids": ids, "none": []})
+    assert await cursor.fetchall() == [(hostile, ids, 0)]
     await conn.execute("COMMIT")
     assert await (await conn.execute("SELECT count(*) FROM t")).fetchone() == (0,)
 
 
-async def test_a_failing_first_statement_leaves_a_failed_transaction_to_roll_back(conn):
-    with pytest.raises(psycopg.errors.UndefinedTable):
-        await begin_with(conn, "SELECT * FROM no_such_table WHERE id = %(id)s", {"id": 1})
+async def test_a_deallocated_statement_fails_once_then_is_prepared_again(conn):
+    await conn.execute("CREATE TABLE t (v text)")
+    await begin_with(conn, INSERT, {"v": "a"})
+    await conn.execute("COMMIT")
+    await conn.execute("DEALLOCATE ALL")
+    with pytest.raises(psycopg.errors.InvalidSqlStatementName):
+        await begin_with(conn, INSERT, {"v": "lost"})
     assert conn.info.transaction_status == TransactionStatus.INERROR
     await conn.rollback()
-    assert await (await conn.execute("SELECT 1")).fetchone() == (1,)
+    await begin_with(conn, INSERT, {"v": "b"})
+    await conn.execute("COMMIT")
+    assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",)]
+
+
+async def test_a_statement_prepared_by_an_earlier_connection_object_is_reused(conn):
+    """The same session seen under a new tracking entry: PREPARE finds it there already."""
+    await conn.execute("CREATE TABLE t (v text)")
+    await conn.execute(INSERT.prepare)
+    await begin_with(conn, INSERT, {"v": "a"})
+    await conn.execute("COMMIT")
+    assert await (await conn.execute("SELECT v FROM t")).fetchall() == [("a",)]
