@@ -129,10 +129,7 @@ ScanRow = tuple[UUID, int, int, str]
 
 
 async def queued_shapes(conn: psycopg.AsyncConnection, organization_id: UUID) -> psycopg.AsyncCursor[Any]:
-    """Start reading the organization's queued shapes (one more than :data:`MAX_SHAPES` at most).
-
-    Returns the cursor unfetched, so a caller in pipeline mode can send other reads first.
-    """
+    """Start reading the organization's queued shapes (one more than :data:`MAX_SHAPES` at most)."""
     return await conn.execute(QUEUED_SHAPES, {"org": organization_id, "limit": MAX_SHAPES + 1})
 
 

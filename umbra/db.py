@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import weakref
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 import psycopg
 from psycopg import sql
@@ -74,32 +74,44 @@ _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection, set[str]] = weakref.WeakKeyDictionary()
 
 
-async def begin_with(conn: psycopg.AsyncConnection, read: OpeningRead, params: Mapping[str, Any], *,
-                     generic_plans: bool = False) -> psycopg.AsyncCursor[Any]:  # fmt: skip
-    """``BEGIN`` and ``read`` in one round trip on an autocommit connection; returns the read's cursor.
+async def begin_with(conn: psycopg.AsyncConnection, reads: Sequence[tuple[OpeningRead, Mapping[str, Any]]], *,
+                     generic_plans: bool = False) -> list[list[Any]]:  # fmt: skip
+    """``BEGIN`` and ``reads`` (independent of each other) in one round trip on an autocommit connection.
 
-    ``generic_plans`` makes the transaction's prepared statements use their
-    generic plan (``SET LOCAL plan_cache_mode``) instead of being planned again
-    for each call's values, for statements whose best plan does not depend on
-    them. The caller ends the transaction (``COMMIT``, or ``conn.rollback()``).
+    Returns each read's rows, in order. ``generic_plans`` makes the
+    transaction's prepared statements use their generic plan (``SET LOCAL
+    plan_cache_mode``) instead of being planned again for each call's values,
+    for statements whose best plan does not depend on them. The caller ends
+    the transaction (``COMMIT``, or ``conn.rollback()``).
     """
     done = _prepared.setdefault(conn, set())
-    if read.name not in done:
-        try:
-            await conn.execute(read.prepare)
-        except psycopg.errors.DuplicatePreparedStatement:
-            pass
-        done.add(read.name)
+    for read, _params in reads:
+        if read.name not in done:
+            try:
+                await conn.execute(read.prepare)
+            except psycopg.errors.DuplicatePreparedStatement:
+                pass
+            done.add(read.name)
+    # Each read's placeholders are renamed apart (``%(r0_ids)s``) so the reads share one parameter set.
+    query = ["BEGIN;", "SET LOCAL plan_cache_mode = force_generic_plan;"] if generic_plans else ["BEGIN;"]
+    params: dict[str, Any] = {}
+    for index, (read, values) in enumerate(reads):
+        query.append(_PLACEHOLDER.sub(f"%(r{index}_\\1)s", read.execute) + ";")
+        params.update((f"r{index}_{name}", value) for name, value in values.items())
     cursor = psycopg.AsyncClientCursor(conn)
-    setting = "SET LOCAL plan_cache_mode = force_generic_plan;\n" if generic_plans else ""
     try:
-        await cursor.execute(f"BEGIN;\n{setting}{read.execute}", params)
+        await cursor.execute("\n".join(query), params)
     except psycopg.errors.InvalidSqlStatementName:
-        done.discard(read.name)  # deallocated behind our back: prepared again next time
+        done.clear()  # deallocated behind our back: prepared again next time
         raise
-    while cursor.nextset():
-        pass
-    return cursor
+    cursor.nextset()  # past BEGIN
+    if generic_plans:
+        cursor.nextset()
+    results = []
+    for _ in reads:
+        results.append(await cursor.fetchall())
+        cursor.nextset()
+    return results
 
 
 @asynccontextmanager

@@ -1,4 +1,4 @@
-"""``db.begin_with``: BEGIN and a prepared first read in one round trip, arguments still bound by the driver."""
+"""``db.begin_with``: BEGIN and prepared reads in one round trip, arguments still bound by the driver."""
 
 from __future__ import annotations
 
@@ -27,14 +27,13 @@ def test_placeholders_become_positional_parameters_in_first_use_order():
 
 async def test_it_opens_a_transaction_that_commit_and_rollback_end(conn):
     await conn.execute("CREATE TABLE t (v text)")
-    cursor = await begin_with(conn, INSERT, {"v": "kept?"})
-    assert await cursor.fetchall() == [("kept?",)]
+    assert await begin_with(conn, [(INSERT, {"v": "kept?"})]) == [[("kept?",)]]
     assert conn.info.transaction_status == TransactionStatus.INTRANS
     await conn.rollback()
     assert conn.info.transaction_status == TransactionStatus.IDLE
     assert await (await conn.execute("SELECT count(*) FROM t")).fetchone() == (0,)
 
-    await begin_with(conn, INSERT, {"v": "kept"}, generic_plans=True)
+    await begin_with(conn, [(INSERT, {"v": "kept"})], generic_plans=True)
     assert await (await conn.execute("SHOW plan_cache_mode")).fetchone() == ("force_generic_plan",)
     await conn.execute("COMMIT")
     assert await (await conn.execute("SELECT v FROM t")).fetchall() == [("kept",)]
@@ -48,22 +47,21 @@ async def test_arguments_are_data_not_sql(conn):
     hostile = "x'); DROP TABLE t; --"
     ids = [uuid.uuid4(), uuid.uuid4()]
     read = OpeningRead("test_echo", "SELECT %(v)s::text, %(ids)s::uuid[], (SELECT count(*) FROM t WHERE v = ANY(%(none)s))")
-    cursor = await begin_with(conn, read, {"v": hostile, "ids": ids, "none": []})
-    assert await cursor.fetchall() == [(hostile, ids, 0)]
+    assert await begin_with(conn, [(read, {"v": hostile, "ids": ids, "none": []})]) == [[(hostile, ids, 0)]]
     await conn.execute("COMMIT")
     assert await (await conn.execute("SELECT count(*) FROM t")).fetchone() == (0,)
 
 
 async def test_a_deallocated_statement_fails_once_then_is_prepared_again(conn):
     await conn.execute("CREATE TABLE t (v text)")
-    await begin_with(conn, INSERT, {"v": "a"})
+    await begin_with(conn, [(INSERT, {"v": "a"})])
     await conn.execute("COMMIT")
     await conn.execute("DEALLOCATE ALL")
     with pytest.raises(psycopg.errors.InvalidSqlStatementName):
-        await begin_with(conn, INSERT, {"v": "lost"})
+        await begin_with(conn, [(INSERT, {"v": "lost"})])
     assert conn.info.transaction_status == TransactionStatus.INERROR
     await conn.rollback()
-    await begin_with(conn, INSERT, {"v": "b"})
+    await begin_with(conn, [(INSERT, {"v": "b"})])
     await conn.execute("COMMIT")
     assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",)]
 
@@ -72,6 +70,17 @@ async def test_a_statement_prepared_by_an_earlier_connection_object_is_reused(co
     """The same session seen under a new tracking entry: PREPARE finds it there already."""
     await conn.execute("CREATE TABLE t (v text)")
     await conn.execute(INSERT.prepare)
-    await begin_with(conn, INSERT, {"v": "a"})
+    await begin_with(conn, [(INSERT, {"v": "a"})])
     await conn.execute("COMMIT")
     assert await (await conn.execute("SELECT v FROM t")).fetchall() == [("a",)]
+
+
+async def test_several_reads_share_the_round_trip_each_with_its_own_arguments_and_rows(conn):
+    await conn.execute("CREATE TABLE t (v text)")
+    await conn.execute("INSERT INTO t VALUES ('a'), ('b'), ('c')")
+    equal = OpeningRead("test_equal", "SELECT v FROM t WHERE v = %(v)s")
+    above = OpeningRead("test_above", "SELECT v FROM t WHERE v > %(v)s ORDER BY v")
+    results = await begin_with(conn, [(equal, {"v": "a"}), (above, {"v": "a"}), (equal, {"v": "z"})], generic_plans=True)
+    assert results == [[("a",)], [("b",), ("c",)], []]
+    assert conn.info.transaction_status == TransactionStatus.INTRANS
+    await conn.rollback()
