@@ -35,7 +35,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
-from umbra.db import OpeningRead, begin_with
+from umbra.db import PreparedStatement, begin_with, commit_with
 from umbra.domain.eligibility import NodeView, is_busy
 from umbra.domain.jobs import check_holder
 from umbra.domain.node_status import effective_status
@@ -109,9 +109,9 @@ FOR UPDATE SKIP LOCKED
 #: statement of a batch is an index lookup whose best plan does not depend on the values, so the
 #: batch uses generic plans: planned for each call's values, the shape scan alone cost 0.29 ms of
 #: the server's time per claim.
-_HELD = OpeningRead("umbra_batch_held", _LOCK_HELD)
-_NODES = OpeningRead("umbra_batch_nodes", _NODES_QUERY)
-_SHAPES = OpeningRead("umbra_batch_shapes", QUEUED_SHAPES)
+_HELD = PreparedStatement("umbra_batch_held", _LOCK_HELD)
+_NODES = PreparedStatement("umbra_batch_nodes", _NODES_QUERY)
+_SHAPES = PreparedStatement("umbra_batch_shapes", QUEUED_SHAPES)
 _devices = msgspec.json.Decoder(tuple[Device, ...])
 _requirements = msgspec.json.Decoder(Requirements)
 
@@ -177,23 +177,32 @@ def _refuse_revoked(commands: list[Command], live: set[UUID]) -> list[Command]:
 
 
 async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> list[tuple[UUID, int, int]]:
-    """Append every staged event, fold each onto its own row, write the rows, settle parents; returns hints."""
+    """Append every staged event, fold each onto its own row, write the rows, settle parents, commit; returns hints.
+
+    Without parents to settle, the rows' write is the last statement and
+    carries the ``COMMIT`` (one round trip for both).
+    """
     if not staged:
+        await conn.execute("COMMIT")  # only reads (and refusals): ends the transaction, releases the locks
         return []
     batch = [store.PendingAppend(store.job_stream(s.state.id), s.state.version, [s.event], s.state.organization_id,
                                  s.command.actor) for s in staged]  # fmt: skip
     recorded = await store.append_many(conn, batch)
     for item, event_record in zip(staged, recorded):
         item.row = queue.fold(item.state, event_record, job_id=item.state.id)
-    await queue.write_rows(conn, [s.row for s in staged])  # type: ignore[misc]
+    rows: list[JobRow] = [s.row for s in staged]  # type: ignore[misc]
     last: dict[UUID, int] = {}
-    # Parents are locked after their children and in id order, as in every other command.
-    for item in sorted((s for s in staged if s.row and s.row.parent_job_id), key=lambda s: str(s.row.parent_job_id)):  # type: ignore[union-attr]
-        for settled in await settle_parents(conn, [item.row], metadata=item.command.actor):  # type: ignore[list-item]
-            last[settled.organization_id] = max(last.get(settled.organization_id, 0), settled.position)
-    for item in staged:
-        row = item.row
-        assert row is not None
+    children = [item for item in staged if item.row and item.row.parent_job_id]
+    if not children:
+        await commit_with(conn, queue.UPSERT, queue.upsert_params(rows))
+    else:
+        await queue.write_rows(conn, rows)
+        # Parents are locked after their children and in id order, as in every other command.
+        for item in sorted(children, key=lambda s: str(s.row.parent_job_id)):  # type: ignore[union-attr]
+            for settled in await settle_parents(conn, [item.row], metadata=item.command.actor):  # type: ignore[list-item]
+                last[settled.organization_id] = max(last.get(settled.organization_id, 0), settled.position)
+        await conn.execute("COMMIT")
+    for row in rows:
         last[row.organization_id] = max(last.get(row.organization_id, 0), row.position)
     return [(org, position, 0) for org, position in last.items()]
 

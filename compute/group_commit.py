@@ -191,9 +191,8 @@ class GroupCommit:
             # (docs/PERFORMANCE.md).
             async with self._pool.connection() as conn:
                 try:
-                    staged, deferred = await batch_commands.stage(conn, commands)  # it sends BEGIN
-                    hints = await batch_commands.write(conn, staged)
-                    await conn.execute("COMMIT")
+                    staged, deferred = await batch_commands.stage(conn, commands)  # sends BEGIN
+                    hints = await batch_commands.write(conn, staged)  # sends COMMIT
                 except BaseException:
                     await conn.rollback()
                     raise

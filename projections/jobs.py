@@ -22,6 +22,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
+from umbra.db import PreparedStatement
 from umbra.domain.jobs import LEASE_EXPIRED_ERROR
 from umbra.events import store
 from umbra.events.store import PendingAppend, RecordedEvent, copy_json, copy_text
@@ -319,17 +320,25 @@ _SQL_TYPES = {
 #: Rows travel as one JSON document (msgspec encodes 10,000 rows in milliseconds;
 #: psycopg's per-element array dumping took most of a batch submit's time).
 _UPSERT = (
-    f"INSERT INTO jobs ({', '.join(COLUMNS)}) SELECT {', '.join(COLUMNS)} FROM jsonb_to_recordset(%s::jsonb) AS r("
+    f"INSERT INTO jobs ({', '.join(COLUMNS)}) SELECT {', '.join(COLUMNS)} FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
     + ", ".join(f"{c} {_SQL_TYPES.get(c, 'text')}" for c in COLUMNS)
     + ") ON CONFLICT (id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in COLUMNS if c not in ("id", "organization_id", "seq", "created_at"))
 )
 
 
+#: The same upsert for :func:`umbra.db.commit_with` (with :func:`upsert_params`).
+UPSERT = PreparedStatement("umbra_jobs_upsert", _UPSERT)
+
+
+def upsert_params(rows: Sequence[JobRow]) -> dict[str, str]:
+    return {"rows": _encoder.encode(rows).decode()}
+
+
 async def write_rows(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> None:
     """Upsert rows in one statement (a batch of 10,000 is still one round trip)."""
     if rows:
-        await conn.execute(_UPSERT, (_encoder.encode(rows).decode(),))
+        await conn.execute(_UPSERT, upsert_params(rows))
 
 
 _COPY = f"COPY jobs ({', '.join(COLUMNS)}) FROM STDIN"

@@ -8,11 +8,11 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-from umbra.db import OpeningRead, begin_with
+from umbra.db import PreparedStatement, begin_with
 
 pytestmark = pytest.mark.anyio
 
-INSERT = OpeningRead("test_insert", "INSERT INTO t VALUES (%(v)s) RETURNING v")
+INSERT = PreparedStatement("test_insert", "INSERT INTO t VALUES (%(v)s) RETURNING v")
 
 
 async def _prepared(conn) -> list[str]:
@@ -20,7 +20,7 @@ async def _prepared(conn) -> list[str]:
 
 
 def test_placeholders_become_positional_parameters_in_first_use_order():
-    read = OpeningRead("r", "SELECT * FROM t WHERE a = ANY(%(ids)s) AND b = %(org)s AND c = ANY(%(ids)s)")
+    read = PreparedStatement("r", "SELECT * FROM t WHERE a = ANY(%(ids)s) AND b = %(org)s AND c = ANY(%(ids)s)")
     assert read.prepare == "PREPARE r AS SELECT * FROM t WHERE a = ANY($1) AND b = $2 AND c = ANY($1)"
     assert read.execute == "EXECUTE r(%(ids)s, %(org)s)"
 
@@ -46,7 +46,7 @@ async def test_arguments_are_data_not_sql(conn):
     await conn.execute("CREATE TABLE t (v text)")
     hostile = "x'); DROP TABLE t; --"
     ids = [uuid.uuid4(), uuid.uuid4()]
-    read = OpeningRead("test_echo", "SELECT %(v)s::text, %(ids)s::uuid[], (SELECT count(*) FROM t WHERE v = ANY(%(none)s))")
+    read = PreparedStatement("test_echo", "SELECT %(v)s::text, %(ids)s::uuid[], (SELECT count(*) FROM t WHERE v = ANY(%(none)s))")
     assert await begin_with(conn, [(read, {"v": hostile, "ids": ids, "none": []})]) == [[(hostile, ids, 0)]]
     await conn.execute("COMMIT")
     assert await (await conn.execute("SELECT count(*) FROM t")).fetchone() == (0,)
@@ -78,9 +78,25 @@ async def test_a_statement_prepared_by_an_earlier_connection_object_is_reused(co
 async def test_several_reads_share_the_round_trip_each_with_its_own_arguments_and_rows(conn):
     await conn.execute("CREATE TABLE t (v text)")
     await conn.execute("INSERT INTO t VALUES ('a'), ('b'), ('c')")
-    equal = OpeningRead("test_equal", "SELECT v FROM t WHERE v = %(v)s")
-    above = OpeningRead("test_above", "SELECT v FROM t WHERE v > %(v)s ORDER BY v")
+    equal = PreparedStatement("test_equal", "SELECT v FROM t WHERE v = %(v)s")
+    above = PreparedStatement("test_above", "SELECT v FROM t WHERE v > %(v)s ORDER BY v")
     results = await begin_with(conn, [(equal, {"v": "a"}), (above, {"v": "a"}), (equal, {"v": "z"})], generic_plans=True)
     assert results == [[("a",)], [("b",), ("c",)], []]
     assert conn.info.transaction_status == TransactionStatus.INTRANS
     await conn.rollback()
+
+
+async def test_commit_with_runs_the_last_statement_and_commits(conn):
+    from umbra.db import commit_with
+
+    await conn.execute("CREATE TABLE t (v text UNIQUE)")
+    await begin_with(conn, [(INSERT, {"v": "a"})])
+    await commit_with(conn, INSERT, {"v": "b"})
+    assert conn.info.transaction_status == TransactionStatus.IDLE
+    assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",)]
+
+    await begin_with(conn, [(INSERT, {"v": "c"})])
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        await commit_with(conn, INSERT, {"v": "a"})  # fails: the COMMIT after it never runs
+    await conn.rollback()
+    assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",)]

@@ -275,3 +275,30 @@ async def test_a_revoked_credential_is_refused_when_its_batch_falls_back(db_url,
     assert isinstance(results[0], InvalidRequest) and isinstance(results[1], Unauthenticated)
     types_b = [r.type for r in await store.read_stream(conn, store.job_stream(job_b))]
     assert types_b == ["job.submitted", "job.claimed"]
+
+
+async def test_children_completed_in_one_batch_settle_their_parent_in_it(db_url, conn, org):
+    """The write path with parents to settle: rows written, parents settled, then COMMIT (not with the rows)."""
+    import msgspec
+
+    org_id, _ = org
+    a = await add_node(conn, org_id, "a", [CPU64])
+    b = await add_node(conn, org_id, "b", [CPU64])
+    parent = (await submit(conn, org_id)).id
+    held = await claim_now(conn, org_id, a)
+    assert held.job_id == parent
+    kids = [msgspec.convert({"kind": "part"}, claims.ChildRequest) for _ in range(2)]
+    await claims.add_children(conn, organization_id=org_id, node_id=a, job_id=parent, attempt=1, children=kids)
+    first, second = await claim_now(conn, org_id, a), await claim_now(conn, org_id, b)
+    async with group_commit(db_url) as (group, _, tg):
+        results = await in_one_batch(group, tg, [
+            lambda: group.complete(organization_id=org_id, node_id=a, job_id=first.job_id, attempt=1, result={"n": 1}),
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=second.job_id, attempt=1, result={"n": 2}),
+        ])  # fmt: skip
+    assert [r.status for r in results] == ["complete", "complete"]
+    assert group.batches == 1 and group.fallbacks == 0
+    types = [r.type for r in await store.read_stream(conn, store.job_stream(parent))]
+    assert types[-1] == "job.settled" and types.count("job.settled") == 1
+    status = await (await conn.execute("SELECT status FROM jobs WHERE id = %s", (parent,))).fetchone()
+    assert status == ("complete",)
+    assert await verify(conn) == []
