@@ -117,8 +117,9 @@ async def _prepare(conn: psycopg.AsyncConnection, statements: Sequence[PreparedS
         if statement.name not in done:
             try:
                 await conn.execute(statement.prepare)
-            except psycopg.errors.DuplicatePreparedStatement:
-                pass
+            except psycopg.errors.DuplicatePreparedStatement:  # an older one, possibly stale: replaced
+                await conn.execute(f"DEALLOCATE {statement.name}")
+                await conn.execute(statement.prepare)
             done.add(statement.name)
     return done
 
@@ -126,8 +127,10 @@ async def _prepare(conn: psycopg.AsyncConnection, statements: Sequence[PreparedS
 async def _run(cursor: psycopg.AsyncClientCursor[Any], done: set[str], query: str, params: Mapping[str, Any]) -> None:
     try:
         await cursor.execute(query, params)
-    except psycopg.errors.InvalidSqlStatementName:
-        done.clear()  # deallocated behind our back: prepared again next time
+    except (psycopg.errors.InvalidSqlStatementName, psycopg.errors.FeatureNotSupported):
+        # Deallocated behind our back, or its table's columns changed ("cached plan must not
+        # change result type", until deallocated): prepared afresh at the next call.
+        done.clear()
         raise
 
 

@@ -66,8 +66,24 @@ async def test_a_deallocated_statement_fails_once_then_is_prepared_again(conn):
     assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",)]
 
 
-async def test_a_statement_prepared_by_an_earlier_connection_object_is_reused(conn):
-    """The same session seen under a new tracking entry: PREPARE finds it there already."""
+async def test_a_statement_whose_table_changed_fails_once_then_is_prepared_afresh(conn):
+    """A migration that changes the columns a prepared statement returns makes every EXECUTE fail
+    until it is deallocated; the next call after the failure prepares it again."""
+    await conn.execute("CREATE TABLE t (v text)")
+    await conn.execute("INSERT INTO t VALUES ('a')")
+    every = PreparedStatement("test_every", "SELECT * FROM t WHERE v = %(v)s")
+    assert await begin_with(conn, [(every, {"v": "a"})]) == [[("a",)]]
+    await conn.execute("COMMIT")
+    await conn.execute("ALTER TABLE t ADD COLUMN w int DEFAULT 7")
+    with pytest.raises(psycopg.errors.FeatureNotSupported):
+        await begin_with(conn, [(every, {"v": "a"})])
+    await conn.rollback()
+    assert await begin_with(conn, [(every, {"v": "a"})]) == [[("a", 7)]]
+    await conn.execute("COMMIT")
+
+
+async def test_a_statement_prepared_by_an_earlier_connection_object_is_replaced(conn):
+    """The same session seen under a new tracking entry: the statement found there is prepared afresh."""
     await conn.execute("CREATE TABLE t (v text)")
     await conn.execute(INSERT.prepare)
     await begin_with(conn, [(INSERT, {"v": "a"})])
