@@ -65,13 +65,14 @@ class PreparedStatement:
     def __init__(self, name: str, query: str) -> None:
         self.name = name
         params = list(dict.fromkeys(_PLACEHOLDER.findall(query)))
-        body = _PLACEHOLDER.sub(lambda m: f"${params.index(m.group(1)) + 1}", query)
+        # Sent without arguments, the PREPARE text is not interpolated: a literal ``%%`` becomes ``%``.
+        body = _PLACEHOLDER.sub(lambda m: f"${params.index(m.group(1)) + 1}", query).replace("%%", "%")
         self.prepare = f"PREPARE {name} AS {body}"
         self.execute = f"EXECUTE {name}({', '.join(f'%({p})s' for p in params)})"
 
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
-#: The opening reads each connection has prepared (prepared statements live as long as their session).
+#: The statements each connection has prepared (a prepared statement lives as long as its session).
 _prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection, set[str]] = weakref.WeakKeyDictionary()
 
 

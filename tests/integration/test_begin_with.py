@@ -23,6 +23,7 @@ def test_placeholders_become_positional_parameters_in_first_use_order():
     read = PreparedStatement("r", "SELECT * FROM t WHERE a = ANY(%(ids)s) AND b = %(org)s AND c = ANY(%(ids)s)")
     assert read.prepare == "PREPARE r AS SELECT * FROM t WHERE a = ANY($1) AND b = $2 AND c = ANY($1)"
     assert read.execute == "EXECUTE r(%(ids)s, %(org)s)"
+    assert PreparedStatement("p", "SELECT 'a%%' || %(x)s").prepare == "PREPARE p AS SELECT 'a%' || $1"
 
 
 async def test_it_opens_a_transaction_that_commit_and_rollback_end(conn):
@@ -39,6 +40,12 @@ async def test_it_opens_a_transaction_that_commit_and_rollback_end(conn):
     assert await (await conn.execute("SELECT v FROM t")).fetchall() == [("kept",)]
     assert await (await conn.execute("SHOW plan_cache_mode")).fetchone() == ("auto",)  # SET LOCAL: that transaction only
     assert await _prepared(conn) == ["test_insert"]  # prepared once for the connection
+
+
+async def test_a_literal_percent_sign_survives(conn):
+    read = PreparedStatement("test_percent", "SELECT 'a%%' || %(x)s::text")
+    assert await begin_with(conn, [(read, {"x": "%b"})]) == [[("a%%b",)]]
+    await conn.rollback()
 
 
 async def test_arguments_are_data_not_sql(conn):
