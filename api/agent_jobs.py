@@ -21,7 +21,7 @@ from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
 from umbra.projections import jobs as queue
 
-from .http import batch_principal, json_response, path_uuid, principal, read_json
+from .http import authorized, batch_principal, json_response, path_uuid, read_json
 from .jobs import read_items
 from .routing import endpoint
 
@@ -74,9 +74,9 @@ async def complete(request: Request) -> Response:
 
 async def fail(request: Request) -> Response:
     job_id = path_uuid(request, code="job_not_found")
+    who = await authorized(request, "compute:complete")
+    body = await read_json(request, FailRequest)  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "compute:complete")
-        body = await read_json(request, FailRequest)
         row = await claims.fail(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                 attempt=body.attempt, error=body.error, retry=body.retry)  # fmt: skip
     return json_response(queue.job_out(row))
@@ -84,9 +84,9 @@ async def fail(request: Request) -> Response:
 
 async def children(request: Request) -> Response:
     job_id = path_uuid(request, code="job_not_found")
+    who = await authorized(request, "compute:complete")
+    body = await read_items(request, ChildrenRequest)  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "compute:complete")
-        body = await read_items(request, ChildrenRequest)
         rows = await claims.add_children(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                          attempt=body.attempt, children=body.children)  # fmt: skip
     return json_response({"children": [queue.job_out(row) for row in rows]}, status=201)

@@ -105,6 +105,17 @@ async def principal(request: Request, conn, *any_of_scopes: str) -> Principal:
     return _admitted(request, who, any_of_scopes)
 
 
+async def authorized(request: Request, *any_of_scopes: str) -> Principal:
+    """:func:`principal` on a connection borrowed for the check alone.
+
+    For routes that read a body next: the client may send it slowly, and a
+    connection held meanwhile is one the agents' batches and every other
+    request wait for.
+    """
+    async with request.app.state.services.pool.connection() as conn:
+        return await principal(request, conn, *any_of_scopes)
+
+
 async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
     """:func:`principal` for a route whose command goes through the group commit.
 

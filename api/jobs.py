@@ -12,7 +12,7 @@ from umbra.compute.jobs import BatchRequest, JobRequest
 from umbra.errors import InvalidRequest, NotFound
 from umbra.projections import jobs as queue
 
-from .http import json_response, path_uuid, principal, read_json
+from .http import authorized, json_response, path_uuid, principal, read_json
 from .routing import endpoint
 
 #: Page size bounds for ``GET /v1/jobs``.
@@ -34,17 +34,17 @@ async def read_items(request: Request, type_: type):
 
 
 async def submit_job(request: Request) -> Response:
+    who = await authorized(request, "jobs:write")
+    spec = await read_json(request, JobRequest)  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:write")
-        spec = await read_json(request, JobRequest)
         rows, created = await jobs.submit(conn, who.organization_id, [spec], actor=who.actor, batch=False)
     return json_response(queue.job_out(rows[0]), status=201 if created else 200)
 
 
 async def submit_batch(request: Request) -> Response:
+    who = await authorized(request, "jobs:write")
+    batch = await read_items(request, BatchRequest)  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:write")
-        batch = await read_items(request, BatchRequest)
         rows, created = await jobs.submit(conn, who.organization_id, batch.jobs, actor=who.actor, batch=True)
     return json_response({"jobs": [queue.job_out(row) for row in rows]}, status=201 if created else 200)
 

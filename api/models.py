@@ -11,7 +11,7 @@ from starlette.requests import Request
 from umbra.compute import models
 from umbra.domain.models import RegisteredModel
 
-from .http import json_response, principal, read_json
+from .http import authorized, json_response, principal, read_json
 from .nodes import Megabytes, Word, request_id, rfc3339
 from .routing import endpoint
 
@@ -68,9 +68,9 @@ async def list_models(request: Request):
 
 async def put_model(request: Request):
     slug = request.path_params["slug"]
+    who = await authorized(request, "nodes:admin")
+    body = await read_json(request, ModelRequest)  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "nodes:admin")
-        body = await read_json(request, ModelRequest)
         spec = RegisteredModel(
             slug=slug,
             kind=body.kind,

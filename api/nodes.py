@@ -21,7 +21,7 @@ from umbra.domain.nodes import is_busy
 from umbra.errors import InvalidRequest
 from umbra.events.types import Device, ResidentModel
 
-from .http import json_response, path_uuid, principal, read_json
+from .http import authorized, json_response, path_uuid, principal, read_json
 from .routing import endpoint
 
 Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -141,9 +141,9 @@ def _stale(request: Request) -> int:
 
 async def agent_heartbeat(request: Request):
     services = request.app.state.services
+    who = await authorized(request, "compute:heartbeat")
+    body = await read_json(request, HeartbeatRequest)  # read with no connection held
     async with services.pool.connection() as conn:
-        who = await principal(request, conn, "compute:heartbeat")
-        body = await read_json(request, HeartbeatRequest)
         report = HeartbeatReport(
             devices=None if body.devices is None else to_devices(body.devices),
             agent_version=body.agent_version,

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from umbra.compute import pairing
 from umbra.compute.auth import NODE_SCOPES
 
-from .http import client_address, json_response, principal, read_json
+from .http import authorized, client_address, json_response, read_json
 from .nodes import Devices, Label, Word, request_id, rfc3339, to_devices
 from .routing import endpoint
 
@@ -53,9 +53,9 @@ class RedeemOut(msgspec.Struct, kw_only=True):
 
 
 async def create_pairing(request: Request):
+    who = await authorized(request, "nodes:admin")
+    body = await read_json(request, PairingRequest)  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "nodes:admin")
-        body = await read_json(request, PairingRequest)
         issued = await pairing.issue_pairing_code(
             conn,
             who.organization_id,

@@ -178,3 +178,37 @@ async def test_the_agent_routes_are_fenced_by_attempt(client, org, db_url):
     await client.post(f"/v1/jobs/{kids[0]['id']}/cancel", headers=bearer(key))
     gone = await client.post(f"/v1/agent/jobs/{kids[0]['id']}/complete", json={"attempt": 1}, headers=bearer(credential))
     assert (gone.status_code, gone.json()["error"]) == (409, "job_cancelled")
+
+
+async def test_a_slowly_sent_body_holds_no_database_connection(db_url, org):
+    """Three clients stall halfway through their bodies on a server whose pool has two
+    connections; other requests are still served (the request is authenticated on a
+    borrowed connection, and the body is read with none held)."""
+    import anyio
+    import httpx
+
+    from tests.conftest import LiveServer
+
+    _, key = org
+    body = b'{"kind": "slow", "payload": {}}'
+    with LiveServer(db_url, UMBRA_POOL_SIZE="2") as server:
+        stalled = []
+        try:
+            for _ in range(3):
+                stream = await anyio.connect_tcp("127.0.0.1", server.port)
+                stalled.append(stream)
+                head = (f"POST /v1/jobs HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {key}\r\n"
+                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+                await stream.send(head + body[:10])
+            await anyio.sleep(0.5)  # the stalled requests are past authentication, waiting for their bodies
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                listed = await client.get("/v1/jobs", headers=bearer(key))
+                assert listed.status_code == 200 and listed.json()["jobs"] == []
+                for stream in stalled:  # the rest of each body: each submission then completes
+                    await stream.send(body[10:])
+                    assert b" 201 " in (await stream.receive())[:20]
+                listed = await client.get("/v1/jobs", headers=bearer(key))
+                assert [job["kind"] for job in listed.json()["jobs"]] == ["slow"] * 3
+        finally:
+            for stream in stalled:
+                await stream.aclose()
