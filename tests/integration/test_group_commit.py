@@ -64,6 +64,16 @@ async def claim_now(conn, org_id, node_id):
     return await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60)
 
 
+async def two_held_jobs(conn, org_id):
+    """Nodes ``a`` and ``b``, each holding one job (attempt 1): ``(a, b, job_a, job_b)``."""
+    a = await add_node(conn, org_id, "a", [CPU64])
+    b = await add_node(conn, org_id, "b", [CPU64])
+    job_a, job_b = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
+    held_a, held_b = await claim_now(conn, org_id, a), await claim_now(conn, org_id, b)
+    assert (held_a.job_id, held_b.job_id) == (job_a, job_b)
+    return a, b, job_a, job_b
+
+
 async def test_a_batch_of_claims_never_gives_one_job_twice(db_url, conn, org):
     org_id, _ = org
     nodes = [await add_node(conn, org_id, f"box{i}", [CPU64]) for i in range(6)]
@@ -118,11 +128,7 @@ async def test_a_batch_claim_never_crosses_organizations(db_url, conn, org):
 
 async def test_a_fencing_refusal_answers_only_its_own_command(db_url, conn, org):
     org_id, _ = org
-    a = await add_node(conn, org_id, "a", [CPU64])
-    b = await add_node(conn, org_id, "b", [CPU64])
-    job_a, job_b = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
-    held_a, held_b = await claim_now(conn, org_id, a), await claim_now(conn, org_id, b)
-    assert (held_a.job_id, held_b.job_id) == (job_a, job_b)
+    a, b, job_a, job_b = await two_held_jobs(conn, org_id)
     before_b = await store.read_stream(conn, store.job_stream(job_b))
     async with group_commit(db_url) as (group, _, tg):
         results = await in_one_batch(group, tg, [
@@ -159,11 +165,7 @@ async def test_the_second_command_on_one_job_sees_the_first(db_url, conn, org):
 
 async def test_a_failing_batch_rolls_back_and_runs_its_commands_one_by_one(db_url, conn, org):
     org_id, _ = org
-    a = await add_node(conn, org_id, "a", [CPU64])
-    b = await add_node(conn, org_id, "b", [CPU64])
-    job_a, job_b = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
-    await claim_now(conn, org_id, a)
-    await claim_now(conn, org_id, b)
+    a, b, job_a, job_b = await two_held_jobs(conn, org_id)
     async with group_commit(db_url) as (group, _, tg):
         results = await in_one_batch(group, tg, [
             lambda: group.complete(organization_id=org_id, node_id=a, job_id=job_a, attempt=1, result={"fine": True}),
@@ -233,11 +235,7 @@ async def _credential_of(conn, node_id):
 
 async def test_a_revoked_credential_is_refused_in_the_batch_and_only_its_command(db_url, conn, org):
     org_id, _ = org
-    a = await add_node(conn, org_id, "a", [CPU64])
-    b = await add_node(conn, org_id, "b", [CPU64])
-    job_a, job_b = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
-    await claim_now(conn, org_id, a)
-    await claim_now(conn, org_id, b)
+    a, b, job_a, job_b = await two_held_jobs(conn, org_id)
     cred_a, cred_b = await _credential_of(conn, a), await _credential_of(conn, b)
     await submit(conn, org_id)  # queued work a revoked claimer must not get
     # Revoked by another server process: this one's token cache still trusts the token.
@@ -259,11 +257,7 @@ async def test_a_revoked_credential_is_refused_in_the_batch_and_only_its_command
 
 async def test_a_revoked_credential_is_refused_when_its_batch_falls_back(db_url, conn, org):
     org_id, _ = org
-    a = await add_node(conn, org_id, "a", [CPU64])
-    b = await add_node(conn, org_id, "b", [CPU64])
-    job_a, job_b = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
-    await claim_now(conn, org_id, a)
-    await claim_now(conn, org_id, b)
+    a, b, job_a, job_b = await two_held_jobs(conn, org_id)
     cred_b = await _credential_of(conn, b)
     await conn.execute("UPDATE node_credentials SET revoked_at = now() WHERE id = %s", (cred_b,))
     async with group_commit(db_url) as (group, _, tg):
