@@ -10,7 +10,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from umbra.compute.auth import Principal, authenticate, authenticate_revocation_deferred
+from umbra.compute.auth import Principal, authenticate, authenticate_pooled
 from umbra.errors import InvalidRequest, NotFound, UmbraError
 
 #: Request bodies above this are refused with 413 before they are parsed.
@@ -106,14 +106,15 @@ async def principal(request: Request, conn, *any_of_scopes: str) -> Principal:
 
 
 async def authorized(request: Request, *any_of_scopes: str) -> Principal:
-    """:func:`principal` on a connection borrowed for the check alone.
+    """:func:`principal` on connections borrowed for its queries alone (not during argon2).
 
     For routes that read a body next: the client may send it slowly, and a
     connection held meanwhile is one the agents' batches and every other
     request wait for.
     """
-    async with request.app.state.services.pool.connection() as conn:
-        return await principal(request, conn, *any_of_scopes)
+    services = request.app.state.services
+    who = await authenticate_pooled(services.pool, bearer_token(request), services.token_cache)
+    return _admitted(request, who, any_of_scopes)
 
 
 async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
@@ -124,7 +125,7 @@ async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
     connection and no query here.
     """
     services = request.app.state.services
-    who = await authenticate_revocation_deferred(services.pool, bearer_token(request), services.token_cache)
+    who = await authenticate_pooled(services.pool, bearer_token(request), services.token_cache, revocation_deferred=True)
     return _admitted(request, who, any_of_scopes)
 
 
