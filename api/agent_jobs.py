@@ -17,11 +17,13 @@ from msgspec import Meta
 from starlette.requests import Request
 from starlette.responses import Response
 
+from umbra import metrics
 from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
 from umbra.projections import jobs as queue
 
 from .http import authorized, batch_principal, json_response, path_uuid, read_json
+from .params import query_bool
 from .jobs import read_items
 from .routing import endpoint
 
@@ -62,14 +64,34 @@ async def renew(request: Request) -> Response:
 
 
 async def complete(request: Request) -> Response:
+    """Report a result; with ``claim_next=true``, also claim this node's next job in the same transaction.
+
+    The next claim never waits: ``next_claim`` is the claim (as the long-poll
+    answers it) or ``null`` when nothing this node may take is queued, and the
+    agent then long-polls as usual. It needs the ``compute:claim`` scope too.
+    """
     job_id = path_uuid(request, code="job_not_found")
+    claim_next = query_bool(request, "claim_next", default=False)
     who = await batch_principal(request, "compute:complete")
+    if claim_next:
+        who.require("compute:claim")
     body = await read_json(request, CompleteRequest)
-    row = await request.app.state.group_commit.complete(
-        organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt, result=body.result,
+    group = request.app.state.group_commit
+    if not claim_next:
+        row = await group.complete(
+            organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
+            result=body.result, credential_id=who.credential_id,
+        )  # fmt: skip
+        return json_response(queue.job_out(row))
+    settings = request.app.state.services.settings
+    row, claimed = await group.complete_and_claim(
+        organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
+        result=body.result, lease_seconds=settings.lease_seconds, stale_seconds=settings.heartbeat_stale_seconds,
         credential_id=who.credential_id,
     )  # fmt: skip
-    return json_response(queue.job_out(row))
+    if claimed is not None:
+        metrics.CLAIMS.labels(trigger="completion").inc()
+    return json_response({**queue.to_json(row), "next_claim": claimed.to_json() if claimed is not None else None})
 
 
 async def fail(request: Request) -> Response:
@@ -96,7 +118,10 @@ routes = [
     endpoint("POST", "/v1/agent/jobs/{id}/renew", renew, summary="Extend the lease on a held job.",
              auth="node", scopes=("compute:claim", "compute:complete"), body=RenewRequest),
     endpoint("POST", "/v1/agent/jobs/{id}/complete", complete, summary="Report a held job's result.",
-             auth="node", scopes=("compute:complete",), body=CompleteRequest),
+             auth="node", scopes=("compute:complete",), body=CompleteRequest,
+             query={"claim_next": (bool, False, "Also claim this node's next job in the same transaction (needs "
+                                               "`compute:claim`); the answer's `next_claim` is that claim or null. "
+                                               "Never waits.")}),
     endpoint("POST", "/v1/agent/jobs/{id}/fail", fail,
              summary="Report a failure: retryable ones requeue with exponential backoff until max_attempts.",
              auth="node", scopes=("compute:complete",), body=FailRequest),

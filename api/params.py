@@ -14,6 +14,20 @@ def query_int(request: Request, name: str, *, default: int, minimum: int, maximu
     return bounded_int(raw, name, minimum=minimum, maximum=maximum)
 
 
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def query_bool(request: Request, name: str, *, default: bool) -> bool:
+    """``true``/``1`` or ``false``/``0``; anything else is refused, naming the parameter."""
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    word = raw.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise InvalidRequest(f"{name} must be true or false, got {raw[:40]!r}.", field=name)
+    return word in _TRUE
+
+
 def bounded_int(raw: str, name: str, *, minimum: int, maximum: int) -> int:
     try:
         value = int(raw.strip())

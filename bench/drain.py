@@ -7,10 +7,15 @@
   client in this process (one keep-alive connection each, :mod:`bench.wire`)
   looping ``POST /v1/agent/claim?wait=1`` → ``POST /v1/agent/jobs/{id}/complete``,
   exactly the agent protocol.
+* ``http-chained``: the same, but each completion asks for the node's next job
+  (``complete?claim_next=true``, what ``umbra agent`` does): one request and one
+  transaction per job while work is queued, the long-poll only when it runs out.
 * ``inproc``: the same loop calling the compute layer directly on a pool of 10
   connections (the server's default), no HTTP: ``claims.claim`` and
   ``claims.complete``, each its own transaction. The difference between the two
   is the HTTP stack (client and server) plus the long-poll hub.
+* ``inproc-grouped`` and ``inproc-chained``: the in-process loop through
+  :mod:`umbra.compute.group_commit`, claim then complete, or chained.
 
 The clock starts when the agents start and stops when the N-th completion has
 returned. Prints jobs/s per mode and agent count and writes
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 import uuid
 
 import anyio
@@ -53,18 +59,22 @@ class Tally:
             self.finished.set()
 
 
-async def _http_agent(base: str, credential: str, tally: Tally) -> None:
+async def _http_agent(base: str, credential: str, tally: Tally, *, chained: bool = False) -> None:
     connection = wire.Connection.to(base, {"Authorization": f"Bearer {credential}"})
+    complete = "/complete?claim_next=true" if chained else "/complete"
     try:
         while not tally.finished.is_set():
             response = await connection.post("/v1/agent/claim?wait=1")
             if response.status == 204:
                 continue
             response.raise_for_status()
-            job = response.json()["job"]
-            done = await connection.post(f"/v1/agent/jobs/{job['id']}/complete", {"attempt": job["attempt"], "result": None})
-            done.raise_for_status()
-            tally.one()
+            claimed = response.json()
+            while claimed is not None:  # chained: each completion brings the next job, until none is left
+                job = claimed["job"]
+                done = await connection.post(f"/v1/agent/jobs/{job['id']}{complete}", {"attempt": job["attempt"], "result": None})
+                done.raise_for_status()
+                tally.one()
+                claimed = done.json().get("next_claim")
     finally:
         await connection.aclose()
 
@@ -77,7 +87,7 @@ async def _heartbeats(client: httpx.AsyncClient, credentials: list[str], tally: 
             await fleet.beat(client, credential)
 
 
-async def drain_http(url: str, jobs: int, agents: int) -> dict:
+async def drain_http(url: str, jobs: int, agents: int, *, chained: bool = False) -> dict:
     org, api_key = await fleet.new_organization(url)
     with fleet.serve(url) as server:
         limits = httpx.Limits(max_connections=agents + 4, max_keepalive_connections=agents + 4)
@@ -91,13 +101,13 @@ async def drain_http(url: str, jobs: int, agents: int) -> dict:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_heartbeats, client, [c for _, c in nodes], tally)
                 for _, credential in nodes:
-                    tg.start_soon(_http_agent, server.base, credential, tally)
+                    tg.start_soon(partial(_http_agent, chained=chained), server.base, credential, tally)
                 await tally.finished.wait()
                 tg.cancel_scope.cancel()
             server_cpu_ms_per_job = 1000 * (_cpu_seconds(server_process) - cpu_before) / jobs
             batches = await _batch_figures(client, api_key)
     seconds = tally.ended_at - started
-    return {"mode": "http", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
+    return {"mode": "http-chained" if chained else "http", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
             "server_cpu_ms_per_job": server_cpu_ms_per_job, **batches}  # fmt: skip
 
 
@@ -149,17 +159,27 @@ async def drain_inproc(url: str, jobs: int, agents: int) -> dict:
     return {"mode": "inproc", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds}
 
 
-async def _grouped_agent(group: GroupCommit, org: uuid.UUID, node_id: uuid.UUID, tally: Tally) -> None:
+async def _grouped_agent(group: GroupCommit, org: uuid.UUID, node_id: uuid.UUID, tally: Tally, *,
+                         chained: bool = False) -> None:  # fmt: skip
     while not tally.finished.is_set():
         claimed = await group.claim(node_id=node_id, organization_id=org, lease_seconds=LEASE_SECONDS, stale_seconds=45)
         if claimed is None:
             await anyio.sleep(0.01)
             continue
-        await group.complete(organization_id=org, node_id=node_id, job_id=claimed.job_id, attempt=claimed.attempt, result=None)
-        tally.one()
+        while claimed is not None:
+            if not chained:
+                await group.complete(organization_id=org, node_id=node_id, job_id=claimed.job_id, attempt=claimed.attempt,
+                                     result=None)  # fmt: skip
+                claimed = None
+            else:
+                _, claimed = await group.complete_and_claim(
+                    organization_id=org, node_id=node_id, job_id=claimed.job_id, attempt=claimed.attempt, result=None,
+                    lease_seconds=LEASE_SECONDS, stale_seconds=45,
+                )  # fmt: skip
+            tally.one()
 
 
-async def drain_grouped(url: str, jobs: int, agents: int) -> dict:
+async def drain_grouped(url: str, jobs: int, agents: int, *, chained: bool = False) -> dict:
     org, _ = await fleet.new_organization(url)
     nodes = await fleet.pair_in_process(url, org, [f"agent-{i}" for i in range(agents)])
     await fleet.submit_noops(url, org, jobs)
@@ -173,16 +193,22 @@ async def drain_grouped(url: str, jobs: int, agents: int) -> dict:
             await tg.start(group.run)
             started = time.perf_counter()
             for node_id, _ in nodes:
-                tg.start_soon(_grouped_agent, group, org, node_id, tally)
+                tg.start_soon(partial(_grouped_agent, chained=chained), group, org, node_id, tally)
             await tally.finished.wait()
             tg.cancel_scope.cancel()
     seconds = tally.ended_at - started
-    return {"mode": "inproc-grouped", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
+    return {"mode": "inproc-chained" if chained else "inproc-grouped", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
             "batches": group.batches, "fallbacks": group.fallbacks, "notify_ticks": notifier.ticks,
             "commands_per_batch": group.commands / max(1, group.batches)}
 
 
-RUNNERS = {"http": drain_http, "inproc": drain_inproc, "inproc-grouped": drain_grouped}
+RUNNERS = {
+    "http": drain_http,
+    "http-chained": partial(drain_http, chained=True),
+    "inproc": drain_inproc,
+    "inproc-grouped": drain_grouped,
+    "inproc-chained": partial(drain_grouped, chained=True),
+}
 
 
 def run(jobs: int, agent_counts: list[int], modes: list[str]) -> list[dict]:

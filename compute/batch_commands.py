@@ -47,7 +47,9 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .auth import live_node_credentials, revoked
-from .claims import MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, models_for_shapes
+from .claims import (
+    MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, lock_first_of_shape, models_for_shapes,
+)  # fmt: skip
 from .jobs import settle_parents
 
 
@@ -73,6 +75,9 @@ class Command:
     #: Set on a claim that got nothing although nothing stood in its way but other claimers: its
     #: organization had no queued, due job, or every one it could run was just taken by others.
     nothing_left: bool = False
+    #: A claim for the same node to run in the same transaction once this command succeeds (a completion
+    #: that asks for the node's next job): staged after it, never when it is refused or deferred.
+    then: Command | None = None
 
     @property
     def actor(self) -> dict[str, str]:
@@ -127,7 +132,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     """
     credentials = list({c.credential_id for c in commands if c.credential_id is not None})
     held = [c for c in commands if c.kind != "claim"]
-    claimers = [c for c in commands if c.kind == "claim"]
+    # In arrival order, each chained claim right after the command it follows.
+    claimers = [c for command in commands for c in (command, command.then) if c is not None and c.kind == "claim"]
     held_ids = sorted({c.job_id for c in held}, key=str)
     node_ids = list({c.node_id for c in claimers})
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
@@ -145,6 +151,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     deferred: list[Command] = []
     if held:
         staged += _stage_held([r[:-1] for r in held_records], held, deferred)
+        unstaged = {id(c.then) for c in held if c.then is not None and (c.error is not None or c in deferred)}
+        claimers = [c for c in claimers if id(c) not in unstaged]
     if claimers:
         waiting = _waiting_claimers([r[:-1] for r in node_records], claimers)
         for org, shape_records in zip(orgs, results):
@@ -294,6 +302,11 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     # Each waiting claimer wants its first len(waiting) eligible rows: enough for it even if earlier claimers take theirs.
     want = len(waiting)
     scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE))
+    if want == 1 and (only := scan.only_shape()) is not None:
+        # One claimer that can run one shape: its first row of that shape, found and locked in one statement.
+        if (locked := await lock_first_of_shape(conn, org, only)) is not None:
+            (command, node), row, now = waiting[0], queue.from_db(locked), locked[-1]
+            return [_claimed(command, node, row, now, judged[node.id, only])]  # type: ignore[arg-type]
     async for page in scan.pages():
         shape_of: dict[UUID, str] = {}
         by_shape: dict[str, list[UUID]] = {}  # each requirement shape's rows, in queue order
@@ -314,9 +327,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                 for index, (row, now) in enumerate(free):
                     placement = judged[node.id, shape_of[row.id]]
                     if placement is not None:
-                        event = JobClaimed(attempt=row.attempt + 1, node_id=node.id, placement=placement,
-                                           lease_expires_at=now + timedelta(seconds=command.lease_seconds))  # fmt: skip
-                        staged.append(_Staged(command, row, event, placement))
+                        staged.append(_claimed(command, node, row, now, placement))
                         del free[index]
                         waiting.remove((command, node))
                         break
@@ -329,3 +340,9 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     for command, _node in waiting:
         command.nothing_left = scan.nothing_due or id(command) in saw_eligible
     return staged
+
+
+def _claimed(command: Command, node: NodeView, row: JobRow, now: datetime, placement: Placement) -> _Staged:
+    event = JobClaimed(attempt=row.attempt + 1, node_id=node.id, placement=placement,
+                       lease_expires_at=now + timedelta(seconds=command.lease_seconds))  # fmt: skip
+    return _Staged(command, row, event, placement)

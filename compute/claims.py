@@ -119,6 +119,17 @@ ORDER BY priority, seq
 LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
+#: The first claimable row of one requirement shape, locked: scan and lock in one statement
+#: (``jobs_by_shape`` in claim order, rows other claimers hold skipped) for a claimer that can
+#: run exactly one of the queued shapes (:meth:`ClaimableScan.only_shape`).
+_LOCK_FIRST_OF_SHAPE = f"""
+SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
+WHERE organization_id = %(org)s AND status = 'queued' AND requires = %(shape)s::jsonb
+  AND (not_before IS NULL OR not_before <= umbra_now())
+ORDER BY priority, seq
+LIMIT 1
+FOR UPDATE SKIP LOCKED
+"""
 _LOCK_BY_ID = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = %s AND organization_id = %s FOR UPDATE"
 
 _requirements = msgspec.json.Decoder(Requirements)
@@ -170,8 +181,29 @@ class ClaimableScan:
         self._shapes = shapes
         self._runnable = runnable
         self._per_shape = per_shape
+        self._accepted: list[str] | None = None
         #: Known after the first page: the organization has no queued job that is due.
         self.nothing_due = not shapes
+
+    def _judged(self) -> list[str]:
+        """The queued shapes ``runnable`` accepts, each judged once (only when all are listed)."""
+        if self._accepted is None:
+            self._accepted = [shape for shape in self._shapes if self._runnable(shape)]
+        return self._accepted
+
+    def only_shape(self) -> str | None:
+        """The one queued shape the claimer can run, when it can run exactly one (of at most :data:`MAX_SHAPES`).
+
+        Then the claim order among the rows it may take is that shape's own
+        (priority, seq) order, and :func:`lock_first_of_shape` finds and locks
+        the first one in a single statement instead of reading a page and then
+        locking. Claims that find nothing that way go through :meth:`pages`,
+        which also says whether anything was due at all.
+        """
+        if not self._shapes or len(self._shapes) > MAX_SHAPES:
+            return None
+        accepted = self._judged()
+        return accepted[0] if len(accepted) == 1 else None
 
     async def pages(self) -> AsyncIterator[list[ScanRow]]:
         if not self._shapes:
@@ -180,7 +212,7 @@ class ClaimableScan:
             async for page in self._ordered_pages():
                 yield page
             return
-        accepted = [shape for shape in self._shapes if self._runnable(shape)]
+        accepted = self._judged()
         every_shape = len(accepted) == len(self._shapes)
         per_shape = self._per_shape or max(MIN_SHAPE_ROWS, SHAPE_PAGE // max(1, len(accepted)))
         after = _FIRST
@@ -216,6 +248,14 @@ class ClaimableScan:
             if len(rows) < SCAN_PAGE:
                 return
             after = (rows[-1][1], rows[-1][2])
+
+
+async def lock_first_of_shape(conn: psycopg.AsyncConnection, organization_id: UUID, shape: str) -> Any:
+    """The first claimable (queued, due, not held by another claimer) row of ``shape``, locked; ``None`` if none.
+
+    The row comes with the database clock as its last column, as every locking read here.
+    """
+    return await (await conn.execute(_LOCK_FIRST_OF_SHAPE, {"org": organization_id, "shape": shape})).fetchone()
 
 
 def _merged_page(rows: list[ScanRow], per_shape: int) -> tuple[list[ScanRow], list[str]]:
@@ -280,7 +320,11 @@ async def claim(
 
         shapes = [shape for (shape,) in await (await queued_shapes(conn, organization_id)).fetchall()]
         models = await models_for_shapes(conn, organization_id, shapes)
-        async for page in ClaimableScan(conn, organization_id, shapes, runnable).pages():
+        scan = ClaimableScan(conn, organization_id, shapes, runnable)
+        only = scan.only_shape()
+        if only is not None and (locked := await lock_first_of_shape(conn, organization_id, only)) is not None:
+            return await _take(conn, locked, node_id, judged[only], lease_seconds)  # type: ignore[arg-type]
+        async for page in scan.pages():
             shape_of = {job_id: requires for job_id, _priority, _seq, requires in page}
             locked = await (await conn.execute(_LOCK_ONE, {"ids": list(shape_of), "org": organization_id})).fetchone()
             if locked is not None:

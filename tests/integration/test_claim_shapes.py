@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+import anyio
+
 import msgspec
 import pytest
 
@@ -149,3 +151,28 @@ async def test_the_group_commit_takes_what_the_same_claims_one_by_one_would(db_u
     assert group.batches == 1 and group.fallbacks == 0
     assert [r and r.job_id for r in results] == alone
     assert all(alone)
+
+
+async def test_a_claimer_of_one_shape_skips_rows_other_claimers_hold_and_keeps_claim_order(db_url, conn, org):
+    """The one-statement path (the node can run exactly one queued shape): locked rows are passed over, not waited on."""
+    import psycopg
+
+    org_id, _ = org
+    cpu = await add_node(conn, org_id, "cpu", [CPU64])
+    await submit(conn, org_id, priority=0, requires={"accelerators": ["cuda"]})  # another shape, first in line
+    first, second, third = [await submit(conn, org_id, priority=p, requires={"ram_min_mb": 1000}) for p in (2, 1, 3)]
+    shapes = [shape for (shape,) in await (await claims.queued_shapes(conn, org_id)).fetchall()]
+    [node] = await blocked.read_nodes(conn, org_id, node_id=cpu)
+    only = claims.ClaimableScan(conn, org_id, shapes, lambda s: best_placement(node, _decode(s), {}) is not None).only_shape()
+    assert _decode(only) == _decode('{"ram_min_mb": 1000}')
+    async with await psycopg.AsyncConnection.connect(db_url) as holder:  # another claimer, mid-transaction
+        await holder.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (second.id,))
+        with anyio.fail_after(10):
+            assert (await claim(conn, org_id, cpu)).job_id == first.id
+            async with group_commit(db_url) as (group, _, tg):
+                [got] = await in_one_batch(group, tg, [
+                    lambda: group.claim(node_id=cpu, organization_id=org_id, lease_seconds=60, stale_seconds=45)])  # fmt: skip
+            assert got.job_id == third.id
+        await holder.rollback()
+    assert (await claim(conn, org_id, cpu)).job_id == second.id
+    assert await claim(conn, org_id, cpu) is None

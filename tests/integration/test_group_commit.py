@@ -296,3 +296,104 @@ async def test_children_completed_in_one_batch_settle_their_parent_in_it(db_url,
     status = await (await conn.execute("SELECT status FROM jobs WHERE id = %s", (parent,))).fetchone()
     assert status == ("complete",)
     assert await verify(conn) == []
+
+
+def complete_and_claim(group: GroupCommit, org_id, node_id, job_id, attempt: int = 1, result: Any = None):
+    return lambda: group.complete_and_claim(organization_id=org_id, node_id=node_id, job_id=job_id, attempt=attempt,
+                                            result=result, lease_seconds=60, stale_seconds=45)  # fmt: skip
+
+
+async def writers(conn, *job_ids) -> set[int]:
+    """The transactions that wrote the jobs' latest events (``xmin``)."""
+    rows = await (await conn.execute(
+        "SELECT DISTINCT ON (stream) xmin::text::bigint FROM events WHERE stream = ANY(%s) ORDER BY stream, version DESC",
+        ([store.job_stream(j) for j in job_ids],),
+    )).fetchall()  # fmt: skip
+    return {xid for (xid,) in rows}
+
+
+async def test_a_completion_claims_the_nodes_next_job_in_its_own_transaction(db_url, conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    first = (await submit(conn, org_id)).id
+    await claim_now(conn, org_id, node)
+    second = (await submit(conn, org_id)).id
+    async with group_commit(db_url) as (group, _, tg):
+        [(row, claimed)] = await in_one_batch(group, tg, [complete_and_claim(group, org_id, node, first, result={"n": 1})])
+    assert (row.id, row.status, row.result) == (first, "complete", {"n": 1})
+    assert claimed.job_id == second and claimed.attempt == 1
+    assert claimed.job["lease_owner"] == str(node) and claimed.placement["device_kind"] == "cpu"
+    assert group.batches == 1 and group.fallbacks == 0
+    assert len(await writers(conn, first, second)) == 1  # one transaction wrote both
+    assert await verify(conn) == []
+
+
+async def test_a_refused_completion_claims_nothing(db_url, conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    held = (await submit(conn, org_id)).id
+    await claim_now(conn, org_id, node)
+    waiting = (await submit(conn, org_id)).id
+    async with group_commit(db_url) as (group, _, tg):
+        [refused] = await in_one_batch(group, tg, [complete_and_claim(group, org_id, node, held, attempt=2)])  # stale
+    assert isinstance(refused, Conflict) and refused.code == "job_not_claimed_by_this_node"
+    rows = await (await conn.execute("SELECT id, status FROM jobs ORDER BY seq")).fetchall()
+    assert rows == [(held, "running"), (waiting, "queued")]
+
+
+async def test_a_completion_with_nothing_left_to_claim_answers_none(db_url, conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    held = (await submit(conn, org_id)).id
+    await claim_now(conn, org_id, node)
+    # Queued, but only for a GPU: nothing this node may take.
+    await submit(conn, org_id, requires={"vram_min_mb": 16000, "accelerators": ["cuda"]})
+    async with group_commit(db_url) as (group, _, tg):
+        [(row, claimed)] = await in_one_batch(group, tg, [complete_and_claim(group, org_id, node, held)])
+    assert row.status == "complete" and claimed is None
+
+
+async def test_a_chained_claim_takes_its_turn_in_arrival_order(db_url, conn, org):
+    org_id, _ = org
+    a, b, job_a, _job_b = await two_held_jobs(conn, org_id)
+    c = await add_node(conn, org_id, "c", [CPU64])
+    only = (await submit(conn, org_id)).id
+    async with group_commit(db_url) as (group, _, tg):
+        waiter, (row, chained) = await in_one_batch(group, tg, [
+            lambda: group.claim(node_id=c, organization_id=org_id, lease_seconds=60, stale_seconds=45),
+            complete_and_claim(group, org_id, a, job_a),
+        ])  # fmt: skip
+    assert waiter.job_id == only and row.status == "complete" and chained is None
+    assert group.batches == 1
+
+
+async def test_a_chained_claim_survives_its_batch_falling_back(db_url, conn, org):
+    org_id, _ = org
+    a, b, job_a, job_b = await two_held_jobs(conn, org_id)
+    queued = (await submit(conn, org_id)).id
+    async with group_commit(db_url) as (group, _, tg):
+        chained, bad = await in_one_batch(group, tg, [
+            complete_and_claim(group, org_id, a, job_a),
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=job_b, attempt=1, result={"bad": "\u0000"}),
+        ])  # fmt: skip
+    assert group.fallbacks == 1 and isinstance(bad, InvalidRequest)
+    row, claimed = chained
+    assert row.status == "complete" and claimed.job_id == queued and claimed.job["lease_owner"] == str(a)
+    assert await verify(conn) == []
+
+
+async def test_a_revoked_credential_completes_nothing_and_claims_nothing(db_url, conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    held = (await submit(conn, org_id)).id
+    await claim_now(conn, org_id, node)
+    await submit(conn, org_id)
+    credential = await _credential_of(conn, node)
+    await conn.execute("UPDATE node_credentials SET revoked_at = now() WHERE id = %s", (credential,))
+    async with group_commit(db_url) as (group, _, tg):
+        [refused] = await in_one_batch(group, tg, [lambda: group.complete_and_claim(
+            organization_id=org_id, node_id=node, job_id=held, attempt=1, result=None, lease_seconds=60,
+            stale_seconds=45, credential_id=credential)])  # fmt: skip
+    assert isinstance(refused, Unauthenticated)
+    statuses = [s for (s,) in await (await conn.execute("SELECT status FROM jobs ORDER BY seq")).fetchall()]
+    assert statuses == ["running", "queued"]

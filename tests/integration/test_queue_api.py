@@ -180,6 +180,35 @@ async def test_the_agent_routes_are_fenced_by_attempt(client, org, db_url):
     assert (gone.status_code, gone.json()["error"]) == (409, "job_cancelled")
 
 
+async def test_a_completion_can_claim_the_next_job_in_the_same_request(client, org, db_url):
+    _, key = org
+    node_id, credential = await pair(client, key)
+    first, second = [(await client.post("/v1/jobs", json={"kind": "e", "payload": {"n": n}}, headers=bearer(key))).json()
+                     for n in (1, 2)]  # fmt: skip
+    claimed = (await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))).json()
+    assert claimed["job"]["id"] == first["id"]
+    path = f"/v1/agent/jobs/{first['id']}/complete"
+    bad = await client.post(path, params={"claim_next": "soon"}, json={"attempt": 1}, headers=bearer(credential))
+    assert (bad.status_code, bad.json()["error"], bad.json()["field"]) == (422, "invalid_request", "claim_next")
+    stale = await client.post(path, params={"claim_next": "true"}, json={"attempt": 2}, headers=bearer(credential))
+    assert (stale.status_code, stale.json()["error"]) == (409, "job_not_claimed_by_this_node")
+    assert (await client.get(f"/v1/jobs/{second['id']}", headers=bearer(key))).json()["status"] == "queued"
+    done = await client.post(path, params={"claim_next": "true"}, json={"attempt": 1, "result": {"ok": True}},
+                             headers=bearer(credential))  # fmt: skip
+    assert done.status_code == 200, done.text
+    body = done.json()
+    assert JOB_FIELDS <= set(body) and (body["id"], body["status"], body["result"]) == (first["id"], "complete", {"ok": True})
+    chained = body["next_claim"]
+    assert set(chained) == {"job", "placement", "lease_expires_at"}
+    assert (chained["job"]["id"], chained["job"]["attempt"], chained["job"]["lease_owner"]) == (second["id"], 1, node_id)
+    assert chained["placement"]["node_id"] == node_id and chained["lease_expires_at"].endswith("Z")
+    last = await client.post(f"/v1/agent/jobs/{second['id']}/complete", params={"claim_next": "1"}, json={"attempt": 1},
+                             headers=bearer(credential))  # fmt: skip
+    assert last.status_code == 200 and last.json()["status"] == "complete" and last.json()["next_claim"] is None
+    history = await client.get(f"/v1/jobs/{second['id']}/events", headers=bearer(key))
+    assert [e["type"] for e in history.json()["events"]] == ["job.submitted", "job.claimed", "job.completed"]
+
+
 async def test_a_slowly_sent_body_holds_no_database_connection(db_url, org):
     """Three clients stall halfway through their bodies on a server whose pool has two
     connections; other requests are still served (the request is authenticated on a
