@@ -1,6 +1,6 @@
 """Drain N pre-queued no-op jobs with 1, 4 and 16 agents: over HTTP and in-process.
 
-    python -m bench.drain [--jobs 2000] [--agents 1,4,16] [--modes http,inproc]
+    python -m bench.drain [--jobs 2000] [--agents 1,4,16] [--modes http-chained,http,inproc]
 
 * ``http``: a real ``umbra serve`` subprocess on a scratch database; nodes are
   paired through the API (pairing code, redeem, heartbeat) and each agent is an
@@ -229,7 +229,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--agents", default="1,4,16")
-    parser.add_argument("--modes", default="http,inproc")
+    parser.add_argument("--modes", default="http-chained,http,inproc")
     args = parser.parse_args()
     results = run(args.jobs, [int(a) for a in args.agents.split(",")], args.modes.split(","))
     rows = [[r["mode"], r["agents"], r["jobs"], r["seconds"], r["jobs_per_s"]] for r in results]

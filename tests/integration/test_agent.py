@@ -107,6 +107,29 @@ async def test_echo_and_sleep_complete_with_their_results_and_sleep_renews_its_l
     assert {o.status for o in agent.outcomes} == {"complete"}
 
 
+async def test_each_completion_brings_the_next_job_and_the_agent_polls_only_when_none_is_left(server, api):
+    paired = await pair(server, api, "box-chain")
+    async with running_agent(server, paired["credential"]) as agent:
+        await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+        batch = await api.post("/v1/jobs/batch", json={"jobs": [{"kind": "echo", "payload": {"n": n}} for n in range(3)]})
+        assert batch.status_code == 201, batch.text
+        ids = [job["id"] for job in batch.json()["jobs"]]
+        done = [await eventually(lambda i=i: job_in(api, i, "complete", "failed"), timeout=15) for i in ids]
+        await eventually(lambda: _true_if(len(agent.outcomes) == 3))
+    assert [(job["status"], job["result"]) for job in done] == [("complete", {"n": n}) for n in range(3)]
+    # The first came from the long-poll; each completion claimed the next; the last found nothing left.
+    assert [o.job_id for o in agent.outcomes] == ids
+    assert [o.next_claim.job_id if o.next_claim else None for o in agent.outcomes] == [ids[1], ids[2], None]
+    assert all(o.detail["status"] == "complete" and "next_claim" not in o.detail for o in agent.outcomes)
+    claimed = [e for e in (await api.get(f"/v1/jobs/{ids[1]}/events")).json()["events"] if e["type"] == "job.claimed"]
+    completed = [e for e in (await api.get(f"/v1/jobs/{ids[0]}/events")).json()["events"] if e["type"] == "job.completed"]
+    assert claimed[0]["position"] == completed[0]["position"] + 1  # appended together, in one transaction
+
+
+async def _true_if(condition: bool):
+    return True if condition else None
+
+
 async def test_unknown_kind_fails_at_once_without_retry(server, api):
     paired = await pair(server, api, "box-3")
     async with running_agent(server, paired["credential"]):

@@ -78,6 +78,17 @@ def _server_now(response: httpx.Response) -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _claim(body: dict[str, Any], response: httpx.Response) -> Claim:
+    """A claim as the server answers it (the long-poll's body, or a completion's ``next_claim``)."""
+    expires = parse_time(body["lease_expires_at"])
+    return Claim(
+        job=body["job"],
+        placement=body.get("placement") or {},
+        lease_expires_at=expires,
+        lease_seconds=seconds_until(expires, response),
+    )
+
+
 def seconds_until(expires_at: datetime, response: httpx.Response) -> float:
     """Seconds from the server's "now" (its Date header) to ``expires_at``."""
     return max(0.0, (expires_at - _server_now(response)).total_seconds())
@@ -161,14 +172,7 @@ class AgentClient:
         )
         if response.status_code == 204:
             return None
-        body = response.json()
-        expires = parse_time(body["lease_expires_at"])
-        return Claim(
-            job=body["job"],
-            placement=body.get("placement") or {},
-            lease_expires_at=expires,
-            lease_seconds=seconds_until(expires, response),
-        )
+        return _claim(response.json(), response)
 
     async def renew(self, job_id: str, attempt: int) -> float:
         """Extend the lease; returns its new length in seconds (server clock)."""
@@ -177,6 +181,18 @@ class AgentClient:
 
     async def complete(self, job_id: str, attempt: int, result: Any) -> dict[str, Any]:
         return (await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result})).json()
+
+    async def complete_and_claim(self, job_id: str, attempt: int, result: Any) -> tuple[dict[str, Any], Claim | None]:
+        """Report a result and claim this node's next job in the same request (``complete?claim_next=true``).
+
+        Returns the completed Job and the next :class:`Claim`, or None when
+        nothing this node may take is queued (the server does not wait for one).
+        """
+        response = await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result},
+                                    params={"claim_next": "true"})  # fmt: skip
+        job = response.json()
+        following = job.pop("next_claim", None)
+        return job, (_claim(following, response) if following else None)
 
     async def fail(self, job_id: str, attempt: int, error: str, *, retry: bool) -> dict[str, Any]:
         body = {"attempt": attempt, "error": error, "retry": retry}

@@ -12,6 +12,14 @@ scope early, and each is reported differently:
 
 Reports are retried on transport errors while the lease could still hold;
 after that the sweeper's lease expiry is the recovery path.
+
+A completion asks for the node's next job in the same request when
+``claim_next`` says so at that moment (the agent is not stopping): the
+runner then goes straight on to it, and long-polls only when the queue has
+nothing for this node. Only the first delivery attempt asks: if its answer was
+lost on the way, the server may already have claimed a job for this node, and
+a retry must not claim another (the unseen one comes back when its lease runs
+out).
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ class Outcome:
     kind: str
     status: str  # "complete", "failed", "retrying", "decomposed", "lost", "unreported"
     detail: Any = None
+    #: The node's next job, claimed with this one's completion.
+    next_claim: Claim | None = None
 
 
 class JobRun:
@@ -65,8 +75,10 @@ class JobRun:
         *,
         on_rejected: Callable[[ServiceError], None],
         backoff: tuple[float, float] = (0.5, 30.0),
+        claim_next: Callable[[], bool] = lambda: False,
     ) -> None:
         self.client = client
+        self._claim_next = claim_next
         self.registry = registry
         self.claim = claim
         self._on_rejected = on_rejected
@@ -114,7 +126,22 @@ class JobRun:
         if isinstance(result, Decompose):
             children = [child.to_json() for child in result.children]
             return await self._report("decomposed", self.client.add_children, claim.job_id, claim.attempt, children)
-        return await self._report("complete", self.client.complete, claim.job_id, claim.attempt, result)
+        if not self._claim_next():
+            return await self._report("complete", self.client.complete, claim.job_id, claim.attempt, result)
+        asked = False
+
+        async def complete_and_claim() -> tuple[dict[str, Any], Claim | None]:
+            nonlocal asked
+            if asked:  # a retry: the lost first answer may have carried a claim already
+                return await self.client.complete(claim.job_id, claim.attempt, result), None
+            asked = True
+            return await self.client.complete_and_claim(claim.job_id, claim.attempt, result)
+
+        outcome = await self._report("complete", complete_and_claim)
+        if outcome.status != "complete":
+            return outcome
+        job, following = outcome.detail
+        return Outcome(claim.job_id, claim.kind, "complete", job, following)
 
     async def _fail(self, message: str, *, retry: bool) -> Outcome:
         claim = self.claim

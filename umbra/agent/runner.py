@@ -5,7 +5,9 @@ interval (the server's, when it names one) with the process start time, so the
 server sees a restart as a restart. The work task polls ``claim?wait=30``; an
 error backs off exponentially with jitter so a fleet does not return in step
 after an outage. A claimed job is run by :class:`~umbra.agent.jobrun.JobRun`
-(handler, lease renewal, report), one at a time.
+(handler, lease renewal, report), one at a time; its completion claims the
+next job in the same request, so a busy agent long-polls only when the queue
+has nothing left for it.
 
 Stopping (SIGTERM/SIGINT, or the node being retired): polling stops at once
 (a long-poll abandoned mid-wait claims nothing); the current job gets
@@ -172,7 +174,8 @@ class Agent:
             self._poll_scope = None
             if claim is not None:
                 failures = 0
-                await self.execute(claim)
+                while claim is not None:  # each completion may bring the next job
+                    claim = (await self.execute(claim)).next_claim
             elif error is not None:
                 failures += 1
                 delay = backoff_delay(failures, self.config.backoff_base_seconds, self.config.backoff_cap_seconds)
@@ -188,7 +191,8 @@ class Agent:
         log.info("job claimed", extra={"action": "job_claimed", "job_id": claim.job_id, "kind": claim.kind, "attempt": claim.attempt})
         config = self.config
         run = JobRun(self.client, self.registry, claim, on_rejected=self._reject,
-                     backoff=(config.backoff_base_seconds, config.backoff_cap_seconds))  # fmt: skip
+                     backoff=(config.backoff_base_seconds, config.backoff_cap_seconds),
+                     claim_next=lambda: not self.stopping)  # fmt: skip
         if self.stopping:
             run.stop(config.grace_seconds)
         self._current = run
