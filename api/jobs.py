@@ -13,6 +13,7 @@ from umbra.errors import InvalidRequest, NotFound
 from umbra.projections import jobs as queue
 
 from .http import authorized, json_response, path_uuid, principal, read_json
+from .params import query_int
 from .routing import endpoint
 
 #: Page size bounds for ``GET /v1/jobs``.
@@ -49,23 +50,10 @@ async def submit_batch(request: Request) -> Response:
     return json_response({"jobs": [queue.job_out(row) for row in rows]}, status=201 if created else 200)
 
 
-def _int_param(request: Request, name: str, default: int, *, low: int, high: int) -> int:
-    raw = request.query_params.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer.", field=name) from None
-    if not low <= value <= high:
-        raise InvalidRequest(f"{name} must be between {low} and {high}.", field=name)
-    return value
-
-
 async def list_jobs(request: Request) -> Response:
     statuses = jobs.parse_statuses(request.query_params.get("status"))
-    limit = _int_param(request, "limit", DEFAULT_LIMIT, low=1, high=MAX_LIMIT)
-    after = _int_param(request, "after", 0, low=0, high=2**63 - 1)
+    limit = query_int(request, "limit", default=DEFAULT_LIMIT, minimum=1, maximum=MAX_LIMIT)
+    after = query_int(request, "after", default=0, minimum=0, maximum=2**63 - 1)
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:read")
         rows, cursor = await jobs.list_jobs(conn, who.organization_id, statuses=statuses, limit=limit, after=after)
@@ -77,7 +65,7 @@ async def get_job(request: Request) -> Response:
     as_of = request.query_params.get("as_of")
     if as_of is not None and not as_of.strip():
         raise InvalidRequest("as_of must be a log position (an integer >= 0).", field="as_of")
-    position = None if as_of is None else _int_param(request, "as_of", 0, low=0, high=2**63 - 1)
+    position = None if as_of is None else query_int(request, "as_of", default=0, minimum=0, maximum=2**63 - 1)
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:read", "compute:read")
         row = await jobs.get_job(conn, who.organization_id, job_id, as_of=position)
