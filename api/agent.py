@@ -100,7 +100,7 @@ async def claim(request: Request) -> Response:
     if gone.is_set():
         metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(elapsed)
         if result is not None:
-            await _release(services, result, node_id)
+            await release_unheard(services, result, node_id)
         return Response(status_code=204)
     if result is None:
         metrics.CLAIM_WAIT.labels(outcome="timeout").observe(elapsed)
@@ -109,7 +109,8 @@ async def claim(request: Request) -> Response:
     return json_response(result.to_json())
 
 
-async def _release(services, result: claims.ClaimResult, node_id: UUID) -> None:
+async def release_unheard(services, result: claims.ClaimResult, node_id: UUID) -> None:
+    """Give back a claim its agent left before hearing of (``job.released``), instead of leaving it leased."""
     with anyio.CancelScope(shield=True):
         async with services.pool.connection() as conn:
             released = await claims.release(conn, result.job_id, node_id, result.attempt)

@@ -22,6 +22,7 @@ from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
 from umbra.projections import jobs as queue
 
+from .agent import release_unheard
 from .http import authorized, batch_principal, json_response, path_uuid, read_json
 from .params import query_bool
 from .jobs import read_items
@@ -69,6 +70,8 @@ async def complete(request: Request) -> Response:
     The next claim never waits: ``next_claim`` is the claim (as the long-poll
     answers it) or ``null`` when nothing this node may take is queued, and the
     agent then long-polls as usual. It needs the ``compute:claim`` scope too.
+    If the agent hung up while the batch ran, the claim is released at once
+    (``job.released``), as a long-poll's is; the completion stands.
     """
     job_id = path_uuid(request, code="job_not_found")
     claim_next = query_bool(request, "claim_next", default=False)
@@ -90,7 +93,11 @@ async def complete(request: Request) -> Response:
         credential_id=who.credential_id,
     )  # fmt: skip
     if claimed is not None:
-        metrics.CLAIMS.labels(trigger="completion").inc()
+        if await request.is_disconnected():  # the agent left while its batch ran: nobody would run the job
+            await release_unheard(request.app.state.services, claimed, who.node_id)
+            claimed = None
+        else:
+            metrics.CLAIMS.labels(trigger="completion").inc()
     return json_response({**queue.to_json(row), "next_claim": claimed.to_json() if claimed is not None else None})
 
 

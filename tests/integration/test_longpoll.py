@@ -222,6 +222,49 @@ async def test_a_claim_that_races_a_disconnect_is_released_at_once(db_url, conn,
     assert await job_status(conn, job_id) == "queued"
 
 
+async def test_a_completion_whose_agent_hung_up_releases_the_job_it_claimed_next(db_url, conn, org):
+    """The chained claim (``complete?claim_next=true``) of an agent that left while its batch ran is
+    given back at once, as a long-poll's is; the completion itself stands."""
+    import json
+
+    from umbra.api.app import create_app
+    from umbra.compute import claims
+    from umbra.settings import load_settings
+
+    org_id, _ = org
+    node_id, credential = await online_node(conn, org_id, "box")
+    held = await submit_job(conn, org_id)
+    await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60)
+    following = await submit_job(conn, org_id)
+    app = create_app(load_settings({"UMBRA_DATABASE_URL": db_url}), db_url)
+    body = json.dumps({"attempt": 1, "result": {"done": True}}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}  # hung up once the body was sent
+
+    async def send(message):
+        sent.append(message)
+
+    path = f"/v1/agent/jobs/{held}/complete"
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+        "query_string": b"claim_next=true", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80),
+        "headers": [(b"authorization", f"Bearer {credential}".encode()), (b"host", b"test"),
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }  # fmt: skip
+    async with app.router.lifespan_context(app):
+        await app(scope, receive, send)
+    assert sent[0]["status"] == 200
+    assert json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["next_claim"] is None
+    assert await job_status(conn, held) == "complete"
+    types = [r.type for r in await store.read_stream(conn, store.job_stream(following))]
+    assert types == ["job.submitted", "job.claimed", "job.released"]
+    assert await job_status(conn, following) == "queued"
+
+
 async def test_waiters_are_still_woken_after_the_listener_reconnects(conn, org, server):
     org_id, _ = org
     _, credential = await online_node(conn, org_id, "box")
