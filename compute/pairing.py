@@ -44,6 +44,9 @@ ATTEMPTS_PER_WINDOW = 20
 #: so this is a rate, not a lifetime total.
 WINDOW_SECONDS = 15 * 60
 TTL_MIN_SECONDS, TTL_MAX_SECONDS, TTL_DEFAULT_SECONDS = 60, 1800, 600
+#: How long a code's row is kept once it expired (redeemed or not), for a look
+#: at recent pairings; after that :func:`prune` removes it.
+RETENTION_SECONDS = 24 * 3600
 
 _CODE = re.compile(r"^[0-9]{6}$")
 
@@ -253,3 +256,20 @@ async def redeem_pairing_code(
         raise
     log.info("node paired", extra={"action": "node_paired", "node_id": str(node_id), "pairing_id": str(code_id)})
     return Redemption(node_id=node_id, organization_id=organization_id, credential=credential.token, scopes=credential.scopes)
+
+
+_PRUNE_CODES = "DELETE FROM pairing_codes WHERE expires_at < umbra_now() - make_interval(secs => %s)"
+_PRUNE_ATTEMPTS = "DELETE FROM pairing_attempts WHERE window_start + make_interval(secs => %s) <= umbra_now()"
+
+
+async def prune(conn: psycopg.AsyncConnection) -> int:
+    """Delete pairing codes past their retention and attempt counts of windows that ended; returns the rows deleted.
+
+    Neither is an event: a pairing is recorded in the log by the node's own
+    events (``node.created``, ``node.paired``). An ended window no longer
+    limits anyone; a source's next attempt would delete its old windows
+    anyway, but sources that never come back would stay forever.
+    """
+    codes = await conn.execute(_PRUNE_CODES, (RETENTION_SECONDS,))
+    attempts = await conn.execute(_PRUNE_ATTEMPTS, (WINDOW_SECONDS,))
+    return codes.rowcount + attempts.rowcount

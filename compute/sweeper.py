@@ -13,7 +13,8 @@ Each tick, in separate command transactions:
   for work wake when a backoff or lease-expiry delay ends rather than at their
   next poll;
 * every :data:`REEXAMINE_SECONDS`, **blocked jobs** get a second look (see
-  :func:`sweep_once`).
+  :func:`sweep_once`), and spent **pairing codes** and ended rate-limit
+  windows are deleted (:func:`umbra.compute.pairing.prune`).
 
 It runs inside the server from startup, in exactly one process at a time:
 :func:`run` holds a session-level advisory lock on a dedicated connection
@@ -44,6 +45,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change
 from umbra.settings import Settings
 
+from . import pairing
 from .blocked import reexamine_blocked
 from .jobs import record_and_settle
 
@@ -88,6 +90,7 @@ class SweepReport:
     blocked_failed: int = 0
     jobs_woken: int = 0
     jobs_unblocked: int = 0
+    pairing_rows_pruned: int = 0
 
     @property
     def actions(self) -> int:
@@ -99,7 +102,8 @@ async def sweep_once(
 ) -> SweepReport:
     """One tick. ``since`` is the previous tick's ``now``: jobs due after it are announced.
 
-    ``reexamine`` also gives every organization's blocked jobs a second look.
+    ``reexamine`` also gives every organization's blocked jobs a second look,
+    and prunes the pairing tables.
     Node changes re-examine in their own transaction, but a job submitted
     concurrently (blocked against a fleet snapshot that had not seen the
     change) or held by another transaction at that moment would otherwise stay
@@ -117,9 +121,10 @@ async def sweep_once(
     if reexamine:
         for (organization_id,) in await (await conn.execute(_BLOCKED_ORGS)).fetchall():
             report.jobs_unblocked += await reexamine_blocked(conn, organization_id, metadata=_METADATA)
+        report.pairing_rows_pruned = await pairing.prune(conn)
     for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
                           ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed),
-                          ("job_unblocked", report.jobs_unblocked)):
+                          ("job_unblocked", report.jobs_unblocked), ("pairing_pruned", report.pairing_rows_pruned)):
         metrics.count_sweeper_action(action, count)
     if report.actions:
         log.info("sweep", extra={"action": "sweep", "leases_requeued": report.leases_requeued,

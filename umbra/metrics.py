@@ -76,7 +76,7 @@ EVENTS_APPENDED = Counter(
 )
 SWEEPER_ACTIONS = Counter(
     "umbra_sweeper_actions",
-    "Changes the sweeper made (expired leases, stale nodes, blocked timeouts), by action.",
+    "Changes the sweeper made (expired leases, stale nodes, blocked timeouts, unblocked jobs, pruned pairing rows), by action.",
     ["action"],
     registry=None,
 )

@@ -175,3 +175,32 @@ async def test_a_blocked_job_missed_by_a_node_change_is_unblocked_by_the_sweeper
     assert (await sweep_once(conn, SETTINGS, reexamine=False)).jobs_unblocked == 0
     assert (await sweep_once(conn, SETTINGS)).jobs_unblocked == 1
     assert (await queue.load(conn, job.id, org_id)).status == "queued"
+
+
+async def test_spent_pairing_codes_and_ended_rate_limit_windows_are_pruned(conn, org):
+    from umbra.compute import pairing
+
+    org_id, _ = org
+    day, window = pairing.RETENTION_SECONDS, pairing.WINDOW_SECONDS
+    codes = {  # name -> (expires this many seconds from now, redeemed)
+        "long-expired": (-day - 60, False), "long-redeemed": (-day - 60, True),
+        "just-expired": (-60, False), "just-redeemed": (-60, True), "live": (300, False),
+    }  # fmt: skip
+    for name, (expires_in, redeemed) in codes.items():
+        await conn.execute(
+            "INSERT INTO pairing_codes (id, organization_id, node_name, code_hash, expires_at, redeemed_at)"
+            " VALUES (gen_random_uuid(), %s, %s, 'x', umbra_now() + make_interval(secs => %s),"
+            " CASE WHEN %s THEN umbra_now() + make_interval(secs => %s) END)",
+            (org_id, name, expires_in, redeemed, expires_in - 10),
+        )  # fmt: skip
+    for source, started_ago in (("gone", 2 * window), ("ended", window), ("current", window // 2)):
+        await conn.execute("INSERT INTO pairing_attempts VALUES (%s, umbra_now() - make_interval(secs => %s), 3)",
+                           (source, started_ago))  # fmt: skip
+    report = await sweep_once(conn, SETTINGS, reexamine=False)
+    assert report.pairing_rows_pruned == 0  # only with the periodic second look
+    report = await sweep_once(conn, SETTINGS)
+    assert report.pairing_rows_pruned == 4
+    kept = await (await conn.execute("SELECT node_name FROM pairing_codes ORDER BY node_name")).fetchall()
+    assert [name for (name,) in kept] == ["just-expired", "just-redeemed", "live"]
+    sources = await (await conn.execute("SELECT source FROM pairing_attempts")).fetchall()
+    assert [source for (source,) in sources] == ["current"]
