@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 from umbra import metrics
 from umbra.compute import claims
+from umbra.compute.claims import SCAN_PAGE
 from umbra.errors import Forbidden, UmbraError
 
 from .http import batch_principal, json_response
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT_SECONDS = 60
 DEFAULT_WAIT_SECONDS = 30
+#: Most jobs one claim may take (``max``), and one batch report may carry.
+MAX_JOBS_PER_REQUEST = SCAN_PAGE
 
 
 class ClaimOut(msgspec.Struct, kw_only=True):
@@ -65,6 +68,7 @@ async def claim(request: Request) -> Response:
     hub: WaiterHub = request.app.state.waiters
     who = await batch_principal(request, "compute:claim")
     wait = query_int(request, "wait", default=DEFAULT_WAIT_SECONDS, minimum=0, maximum=MAX_WAIT_SECONDS)
+    most = query_int(request, "max", default=1, minimum=1, maximum=MAX_JOBS_PER_REQUEST)
     if who.node_id is None:
         raise Forbidden("Only a node credential can claim jobs.")
     node_id: UUID = who.node_id
@@ -74,9 +78,10 @@ async def claim(request: Request) -> Response:
 
     async def attempt() -> Any:
         # Claims from many agents share a transaction (umbra.compute.group_commit).
-        return await group.claim(
+        return await group.claim_many(
             node_id=node_id,
             organization_id=who.organization_id,
+            count=most,
             lease_seconds=settings.lease_seconds,
             stale_seconds=settings.heartbeat_stale_seconds,
             empty=NOTHING_QUEUED,
@@ -85,7 +90,7 @@ async def claim(request: Request) -> Response:
 
     started = time.monotonic()
     gone = anyio.Event()
-    result: claims.ClaimResult | None = None
+    result: list[claims.ClaimResult] | None = None
     refusal: UmbraError | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(_watch_disconnect, request, gone, tg.cancel_scope)
@@ -99,14 +104,16 @@ async def claim(request: Request) -> Response:
     elapsed = time.monotonic() - started
     if gone.is_set():
         metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(elapsed)
-        if result is not None:
-            await release_unheard(services, result, node_id)
+        for claimed in result or ():
+            await release_unheard(services, claimed, node_id)
         return Response(status_code=204)
     if result is None:
         metrics.CLAIM_WAIT.labels(outcome="timeout").observe(elapsed)
         return Response(status_code=204)
     metrics.CLAIM_WAIT.labels(outcome="claimed").observe(elapsed)
-    return json_response(result.to_json())
+    if most == 1:
+        return json_response(result[0].to_json())
+    return json_response({**result[0].to_json(), "claims": [claimed.to_json() for claimed in result]})
 
 
 async def release_unheard(services, result: claims.ClaimResult, node_id: UUID) -> None:
@@ -128,7 +135,10 @@ routes = [
         summary="Long-poll for a job this node is eligible for; 204 when none arrives within `wait` seconds.",
         auth="node",
         scopes=("compute:claim",),
-        query={"wait": (int, False, f"Seconds to wait, 0..{MAX_WAIT_SECONDS} (default {DEFAULT_WAIT_SECONDS}).")},
+        query={"wait": (int, False, f"Seconds to wait, 0..{MAX_WAIT_SECONDS} (default {DEFAULT_WAIT_SECONDS})."),
+               "max": (int, False, f"Jobs to take at most, 1..{MAX_JOBS_PER_REQUEST} (default 1). Above 1 the answer "
+                                   "also lists every claim in `claims` (the first is also the answer's own fields); "
+                                   "it comes as soon as one job is claimed.")},
         success=(200, 204),
         response=ClaimOut,
     )

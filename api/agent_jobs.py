@@ -11,6 +11,7 @@ come from the credential, never from the request.
 from __future__ import annotations
 
 from typing import Annotated, Any
+from uuid import UUID
 
 import msgspec
 from msgspec import Meta
@@ -20,11 +21,12 @@ from starlette.responses import Response
 from umbra import metrics
 from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
+from umbra.errors import InvalidRequest, Unauthenticated, UmbraError
 from umbra.projections import jobs as queue
 
-from .agent import release_unheard
+from .agent import MAX_JOBS_PER_REQUEST, release_unheard
 from .http import authorized, batch_principal, json_response, path_uuid, read_json
-from .params import query_bool
+from .params import query_bool, query_int
 from .jobs import read_items
 from .routing import endpoint
 
@@ -38,6 +40,16 @@ class RenewRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     attempt: Attempt
     result: Any = None
+
+
+class ReportedResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    job_id: UUID
+    attempt: Attempt
+    result: Any = None
+
+
+class CompleteManyRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    results: Annotated[list[ReportedResult], Meta(min_length=1, max_length=MAX_JOBS_PER_REQUEST)]
 
 
 class FailRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -101,6 +113,53 @@ async def complete(request: Request) -> Response:
     return json_response({**queue.to_json(row), "next_claim": claimed.to_json() if claimed is not None else None})
 
 
+async def complete_many(request: Request) -> Response:
+    """``POST /v1/agent/complete``: several results in one request, and the node's next jobs with them.
+
+    For an agent that runs several jobs at once. Each result is its own
+    completion, fenced by its own attempt, and answers on its own: ``results``
+    holds, in order, ``{"job_id", "status": 200, "job": Job}`` or ``{"job_id",
+    "status": 404|409|422, "error", "message"}``; a refused one changes
+    nothing, and the others still land. ``claim_next=N`` also claims up to N
+    jobs for the node (never waiting), returned in ``next_claims``. A revoked
+    credential refuses the whole request (401).
+    """
+    claim_next = query_int(request, "claim_next", default=0, minimum=0, maximum=MAX_JOBS_PER_REQUEST)
+    who = await batch_principal(request, "compute:complete")
+    if claim_next:
+        who.require("compute:claim")
+    body = await read_json(request, CompleteManyRequest)
+    seen: set[UUID] = set()
+    for index, item in enumerate(body.results):
+        if item.job_id in seen:
+            raise InvalidRequest(f"results[{index}] repeats job {item.job_id}.", field=f"results[{index}].job_id", index=index)
+        seen.add(item.job_id)
+    settings = request.app.state.services.settings
+    answers, claimed = await request.app.state.group_commit.complete_many(
+        organization_id=who.organization_id, node_id=who.node_id,
+        results=[(item.job_id, item.attempt, item.result) for item in body.results], claim_next=claim_next,
+        lease_seconds=settings.lease_seconds, stale_seconds=settings.heartbeat_stale_seconds,
+        credential_id=who.credential_id,
+    )  # fmt: skip
+    if revoked := next((a for a in answers if isinstance(a, Unauthenticated)), None):
+        raise revoked
+    if claimed and await request.is_disconnected():  # nobody would run them: give them back now
+        for claim in claimed:
+            await release_unheard(request.app.state.services, claim, who.node_id)
+        claimed = []
+    metrics.CLAIMS.labels(trigger="completion").inc(len(claimed))
+    return json_response({"results": [_reported(item.job_id, answer) for item, answer in zip(body.results, answers)],
+                          "next_claims": [claim.to_json() for claim in claimed]})  # fmt: skip
+
+
+def _reported(job_id: UUID, answer: Any) -> dict[str, Any]:
+    if isinstance(answer, UmbraError):
+        return {"job_id": str(job_id), "status": answer.status, **answer.to_json()}
+    if isinstance(answer, BaseException):
+        raise answer
+    return {"job_id": str(job_id), "status": 200, "job": queue.to_json(answer)}
+
+
 async def fail(request: Request) -> Response:
     job_id = path_uuid(request, code="job_not_found")
     who = await authorized(request, "compute:complete")
@@ -129,6 +188,11 @@ routes = [
              query={"claim_next": (bool, False, "Also claim this node's next job in the same transaction (needs "
                                                "`compute:claim`); the answer's `next_claim` is that claim or null. "
                                                "Never waits.")}),
+    endpoint("POST", "/v1/agent/complete", complete_many,
+             summary="Report several held jobs' results at once, each fenced and answered on its own.",
+             auth="node", scopes=("compute:complete",), body=CompleteManyRequest,
+             query={"claim_next": (int, False, f"Also claim up to this many jobs for the node, 0..{MAX_JOBS_PER_REQUEST} "
+                                               "(needs `compute:claim`), returned in `next_claims`. Never waits.")}),
     endpoint("POST", "/v1/agent/jobs/{id}/fail", fail,
              summary="Report a failure: retryable ones requeue with exponential backoff until max_attempts.",
              auth="node", scopes=("compute:complete",), body=FailRequest),

@@ -10,6 +10,9 @@
 * ``http-chained``: the same, but each completion asks for the node's next job
   (``complete?claim_next=true``, what ``umbra agent`` does): one request and one
   transaction per job while work is queued, the long-poll only when it runs out.
+* ``http-batch10``: agents that run ten jobs at a time, as PgQueuer's workers
+  fetch ten per query: ``claim?max=10``, then ``POST /v1/agent/complete?claim_next=10``
+  reporting all ten and claiming the next ten in one request.
 * ``inproc``: the same loop calling the compute layer directly on a pool of 10
   connections (the server's default), no HTTP: ``claims.claim`` and
   ``claims.complete``, each its own transaction. The difference between the two
@@ -79,6 +82,28 @@ async def _http_agent(base: str, credential: str, tally: Tally, *, chained: bool
         await connection.aclose()
 
 
+async def _http_batch_agent(base: str, credential: str, tally: Tally, *, per_request: int = 10) -> None:
+    """An agent that runs ``per_request`` jobs at a time: claims that many, reports them together with the next claim."""
+    connection = wire.Connection.to(base, {"Authorization": f"Bearer {credential}"})
+    try:
+        while not tally.finished.is_set():
+            response = await connection.post(f"/v1/agent/claim?wait=1&max={per_request}")
+            if response.status == 204:
+                continue
+            response.raise_for_status()
+            held = response.json()["claims"]
+            while held:
+                results = [{"job_id": c["job"]["id"], "attempt": c["job"]["attempt"], "result": None} for c in held]
+                done = await connection.post(f"/v1/agent/complete?claim_next={per_request}", {"results": results})
+                done.raise_for_status()
+                answer = done.json()
+                for _ in (r for r in answer["results"] if r["status"] == 200):
+                    tally.one()
+                held = answer["next_claims"]
+    finally:
+        await connection.aclose()
+
+
 async def _heartbeats(client: httpx.AsyncClient, credentials: list[str], tally: Tally) -> None:
     while not tally.finished.is_set():
         with anyio.move_on_after(10):
@@ -87,7 +112,7 @@ async def _heartbeats(client: httpx.AsyncClient, credentials: list[str], tally: 
             await fleet.beat(client, credential)
 
 
-async def drain_http(url: str, jobs: int, agents: int, *, chained: bool = False) -> dict:
+async def drain_http(url: str, jobs: int, agents: int, *, chained: bool = False, per_request: int = 1) -> dict:
     org, api_key = await fleet.new_organization(url)
     with fleet.serve(url) as server:
         limits = httpx.Limits(max_connections=agents + 4, max_keepalive_connections=agents + 4)
@@ -101,13 +126,15 @@ async def drain_http(url: str, jobs: int, agents: int, *, chained: bool = False)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_heartbeats, client, [c for _, c in nodes], tally)
                 for _, credential in nodes:
-                    tg.start_soon(partial(_http_agent, chained=chained), server.base, credential, tally)
+                    agent = partial(_http_batch_agent, per_request=per_request) if per_request > 1 else partial(_http_agent, chained=chained)
+                    tg.start_soon(agent, server.base, credential, tally)
                 await tally.finished.wait()
                 tg.cancel_scope.cancel()
             server_cpu_ms_per_job = 1000 * (_cpu_seconds(server_process) - cpu_before) / jobs
             batches = await _batch_figures(client, api_key)
     seconds = tally.ended_at - started
-    return {"mode": "http-chained" if chained else "http", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
+    mode = f"http-batch{per_request}" if per_request > 1 else "http-chained" if chained else "http"
+    return {"mode": mode, "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
             "server_cpu_ms_per_job": server_cpu_ms_per_job, **batches}  # fmt: skip
 
 
@@ -179,7 +206,22 @@ async def _grouped_agent(group: GroupCommit, org: uuid.UUID, node_id: uuid.UUID,
             tally.one()
 
 
-async def drain_grouped(url: str, jobs: int, agents: int, *, chained: bool = False) -> dict:
+async def _grouped_batch_agent(group: GroupCommit, org: uuid.UUID, node_id: uuid.UUID, tally: Tally, *,
+                               per_request: int = 10) -> None:  # fmt: skip
+    args = {"organization_id": org, "node_id": node_id, "lease_seconds": LEASE_SECONDS, "stale_seconds": 45}
+    while not tally.finished.is_set():
+        held = await group.claim_many(count=per_request, **args)
+        if held is None:
+            await anyio.sleep(0.01)
+            continue
+        while held:
+            answers, held = await group.complete_many(
+                results=[(c.job_id, c.attempt, None) for c in held], claim_next=per_request, **args)  # fmt: skip
+            for _ in answers:
+                tally.one()
+
+
+async def drain_grouped(url: str, jobs: int, agents: int, *, chained: bool = False, per_request: int = 1) -> dict:
     org, _ = await fleet.new_organization(url)
     nodes = await fleet.pair_in_process(url, org, [f"agent-{i}" for i in range(agents)])
     await fleet.submit_noops(url, org, jobs)
@@ -193,11 +235,13 @@ async def drain_grouped(url: str, jobs: int, agents: int, *, chained: bool = Fal
             await tg.start(group.run)
             started = time.perf_counter()
             for node_id, _ in nodes:
-                tg.start_soon(partial(_grouped_agent, chained=chained), group, org, node_id, tally)
+                agent = partial(_grouped_batch_agent, per_request=per_request) if per_request > 1 else partial(_grouped_agent, chained=chained)
+                tg.start_soon(agent, group, org, node_id, tally)
             await tally.finished.wait()
             tg.cancel_scope.cancel()
     seconds = tally.ended_at - started
-    return {"mode": "inproc-chained" if chained else "inproc-grouped", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
+    mode = f"inproc-batch{per_request}" if per_request > 1 else "inproc-chained" if chained else "inproc-grouped"
+    return {"mode": mode, "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
             "batches": group.batches, "fallbacks": group.fallbacks, "notify_ticks": notifier.ticks,
             "commands_per_batch": group.commands / max(1, group.batches)}
 
@@ -205,9 +249,11 @@ async def drain_grouped(url: str, jobs: int, agents: int, *, chained: bool = Fal
 RUNNERS = {
     "http": drain_http,
     "http-chained": partial(drain_http, chained=True),
+    "http-batch10": partial(drain_http, per_request=10),
     "inproc": drain_inproc,
     "inproc-grouped": drain_grouped,
     "inproc-chained": partial(drain_grouped, chained=True),
+    "inproc-batch10": partial(drain_grouped, per_request=10),
 }
 
 

@@ -93,7 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--modes", default="http-chained,http,inproc-grouped")
+    parser.add_argument("--modes", default="http-batch10,http-chained,http,inproc-grouped")
     args = parser.parse_args()
     result = run(args.jobs, [int(c) for c in args.concurrency.split(",")], args.modes.split(","))
     table = {}

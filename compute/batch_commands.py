@@ -78,6 +78,10 @@ class Command:
     #: A claim for the same node to run in the same transaction once this command succeeds (a completion
     #: that asks for the node's next job): staged after it, never when it is refused or deferred.
     then: Command | None = None
+    #: Jobs a claim takes at most (an agent that runs several at once); it gets fewer when fewer are free.
+    count: int = 1
+    #: Set by the batch on a claim: every job it took, in claim order (``outcome`` is the first).
+    claims: list[ClaimResult] = field(default_factory=list)
 
     @property
     def actor(self) -> dict[str, str]:
@@ -221,11 +225,12 @@ def answer(staged: Sequence[_Staged]) -> None:
         row = item.row
         assert row is not None
         if item.command.kind == "claim":
-            item.command.outcome = ClaimResult(
+            item.command.claims.append(ClaimResult(
                 job_id=row.id, attempt=row.attempt, job=queue.to_json(row),
                 placement=queue.placement_json(item.placement) or {},
                 lease_expires_at=queue.timestamp(row.lease_expires_at) or "",
-            )  # fmt: skip
+            ))  # fmt: skip
+            item.command.outcome = item.command.claims[0]
         else:
             item.command.outcome = row
 
@@ -299,14 +304,15 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
 
     staged: list[_Staged] = []
     saw_eligible: set[int] = set()  # claimers that saw a row they could run
-    # Each waiting claimer wants its first len(waiting) eligible rows: enough for it even if earlier claimers take theirs.
-    want = len(waiting)
+    # Each waiting claimer wants its first `want` eligible rows: enough for it even if earlier claimers take theirs.
+    want = sum(command.count for command, _ in waiting)
+    left = {id(command): command.count for command, _ in waiting}
     scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE))
-    if want == 1 and (only := scan.only_shape()) is not None:
-        # One claimer that can run one shape: its first row of that shape, found and locked in one statement.
-        if (locked := await lock_first_of_shape(conn, org, only)) is not None:
-            (command, node), row, now = waiting[0], queue.from_db(locked), locked[-1]
-            return [_claimed(command, node, row, now, judged[node.id, only])]  # type: ignore[arg-type]
+    if len(waiting) == 1 and (only := scan.only_shape()) is not None:
+        # One claimer that can run one shape: its first rows of that shape, found and locked in one statement.
+        (command, node), placement = waiting[0], judged[waiting[0][1].id, only]
+        if locked := await lock_first_of_shape(conn, org, only, count=command.count):
+            return [_claimed(command, node, queue.from_db(r), r[-1], placement) for r in locked]  # type: ignore[arg-type]
     async for page in scan.pages():
         shape_of: dict[UUID, str] = {}
         by_shape: dict[str, list[UUID]] = {}  # each requirement shape's rows, in queue order
@@ -324,13 +330,18 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             locked = await (await conn.execute(_LOCK_QUEUED, {"ids": list(dict.fromkeys(wanted)), "org": org})).fetchall()
             free = [(queue.from_db(r), r[-1]) for r in locked]
             for command, node in list(waiting):
+                taken = []
                 for index, (row, now) in enumerate(free):
                     placement = judged[node.id, shape_of[row.id]]
                     if placement is not None:
                         staged.append(_claimed(command, node, row, now, placement))
-                        del free[index]
-                        waiting.remove((command, node))
-                        break
+                        taken.append(index)
+                        left[id(command)] -= 1
+                        if not left[id(command)]:
+                            waiting.remove((command, node))
+                            break
+                for index in reversed(taken):
+                    del free[index]
         if not waiting:
             break
     if scan.nothing_due:
@@ -338,7 +349,8 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             if command.organization_id == org:
                 command.nothing_left = True
     for command, _node in waiting:
-        command.nothing_left = scan.nothing_due or id(command) in saw_eligible
+        if left[id(command)] == command.count:  # a claim that took some jobs got what there was
+            command.nothing_left = scan.nothing_due or id(command) in saw_eligible
     return staged
 
 

@@ -119,14 +119,19 @@ ORDER BY priority, seq
 LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
-#: The first claimable row of one requirement shape, locked: scan and lock in one statement
-#: for a claimer that can run exactly one of the queued shapes (:meth:`ClaimableScan.only_shape`).
-#: The shape's first :data:`SHAPE_PAGE` rows are read as in :data:`SHAPES_SCAN` (by
-#: ``jobs_by_shape``), and the first of them nobody else holds is locked. Both forms matter
-#: to the planner: with the shape as a plain constant it walked ``jobs_claimable`` through all
-#: the work in front that other shapes hold (200 ms at 1,000,000 queued, half of it GPU work
-#: ahead of the CPU shape), and with the page size as a parameter the generic plan did the same.
-_LOCK_FIRST_OF_SHAPE = f"""
+def _lock_first_of_shape_sql(heads: int) -> str:
+    """The first claimable rows of one requirement shape, locked: scan and lock in one statement.
+
+    For a claimer that can run exactly one of the queued shapes
+    (:meth:`ClaimableScan.only_shape`). The shape's first ``heads`` rows are
+    read as in :data:`SHAPES_SCAN` (by ``jobs_by_shape``), and the first of them
+    nobody else holds are locked. Both forms matter to the planner: with the
+    shape as a plain constant it walked ``jobs_claimable`` through all the work
+    in front that other shapes hold (200 ms at 1,000,000 queued, half of it GPU
+    work ahead of the CPU shape), and with the page size as a parameter the
+    generic plan did the same.
+    """
+    return f"""
 WITH heads AS MATERIALIZED (
     SELECT j.id FROM unnest(%(shapes)s::text[]) AS s(requires)
     CROSS JOIN LATERAL (
@@ -134,16 +139,21 @@ WITH heads AS MATERIALIZED (
         WHERE organization_id = %(org)s AND status = 'queued' AND requires = s.requires::jsonb
           AND (not_before IS NULL OR not_before <= umbra_now())
         ORDER BY priority, seq
-        LIMIT {int(SHAPE_PAGE)}
+        LIMIT {int(heads)}
     ) j
 )
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
 WHERE id IN (SELECT id FROM heads) AND organization_id = %(org)s AND status = 'queued'
   AND (not_before IS NULL OR not_before <= umbra_now())
 ORDER BY priority, seq
-LIMIT 1
+LIMIT %(count)s
 FOR UPDATE SKIP LOCKED
 """
+
+
+#: By the number of heads read: :data:`SHAPE_PAGE` for a claim of that many jobs or fewer,
+#: :data:`SCAN_PAGE` (the most one claim may take) for more.
+_LOCK_FIRST_OF_SHAPE = {heads: _lock_first_of_shape_sql(heads) for heads in (SHAPE_PAGE, SCAN_PAGE)}
 _LOCK_BY_ID = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = %s AND organization_id = %s FOR UPDATE"
 
 _requirements = msgspec.json.Decoder(Requirements)
@@ -264,14 +274,18 @@ class ClaimableScan:
             after = (rows[-1][1], rows[-1][2])
 
 
-async def lock_first_of_shape(conn: psycopg.AsyncConnection, organization_id: UUID, shape: str) -> Any:
-    """The first claimable (queued, due, not held by another claimer) row of ``shape``, locked.
+async def lock_first_of_shape(conn: psycopg.AsyncConnection, organization_id: UUID, shape: str, *,
+                              count: int = 1) -> list[Any]:  # fmt: skip
+    """The first ``count`` claimable (queued, due, not held by another claimer) rows of ``shape``, locked.
 
-    ``None`` if the shape's first :data:`SHAPE_PAGE` claimable rows are all held
-    by others (or there are none): the caller then reads on page by page. The
-    row comes with the database clock as its last column, as every locking read here.
+    At most ``count`` (≤ :data:`SCAN_PAGE`) among the shape's first
+    :data:`SHAPE_PAGE` claimable rows (or :data:`SCAN_PAGE`, for more than that
+    many); empty if those are all held by others (or there are none): the
+    caller then reads on page by page. Each row comes with the database clock
+    as its last column, as every locking read here.
     """
-    return await (await conn.execute(_LOCK_FIRST_OF_SHAPE, {"org": organization_id, "shapes": [shape]})).fetchone()
+    sql = _LOCK_FIRST_OF_SHAPE[SHAPE_PAGE if count <= SHAPE_PAGE else SCAN_PAGE]
+    return await (await conn.execute(sql, {"org": organization_id, "shapes": [shape], "count": count})).fetchall()
 
 
 def _merged_page(rows: list[ScanRow], per_shape: int) -> tuple[list[ScanRow], list[str]]:
@@ -338,8 +352,8 @@ async def claim(
         models = await models_for_shapes(conn, organization_id, shapes)
         scan = ClaimableScan(conn, organization_id, shapes, runnable)
         only = scan.only_shape()
-        if only is not None and (locked := await lock_first_of_shape(conn, organization_id, only)) is not None:
-            return await _take(conn, locked, node_id, judged[only], lease_seconds)  # type: ignore[arg-type]
+        if only is not None and (locked := await lock_first_of_shape(conn, organization_id, only)):
+            return await _take(conn, locked[0], node_id, judged[only], lease_seconds)  # type: ignore[arg-type]
         async for page in scan.pages():
             shape_of = {job_id: requires for job_id, _priority, _seq, requires in page}
             locked = await (await conn.execute(_LOCK_ONE, {"ids": list(shape_of), "org": organization_id})).fetchone()

@@ -148,6 +148,39 @@ class GroupCommit:
         result = await self._call(command)
         return empty if result is None and command.nothing_left else result
 
+    async def claim_many(self, *, node_id: UUID, organization_id: UUID, count: int, lease_seconds: int,
+                         stale_seconds: int, empty: Any = None, credential_id: UUID | None = None) -> Any:  # fmt: skip
+        """Up to ``count`` jobs for one node in one claim: a non-empty list of
+        :class:`~umbra.compute.claims.ClaimResult` in claim order, or ``None``
+        (``empty`` when nothing but other claimers stood in the way), as :meth:`claim`."""
+        command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
+                          credential_id=credential_id, count=count)  # fmt: skip
+        await self._call(command)
+        if command.claims:
+            return list(command.claims)
+        return empty if command.nothing_left else None
+
+    async def complete_many(self, *, organization_id: UUID, node_id: UUID, results: list[tuple[UUID, int, Any]],
+                            claim_next: int = 0, lease_seconds: int = 60, stale_seconds: int = 45,
+                            credential_id: UUID | None = None) -> tuple[list[JobRow | BaseException], list[Any]]:  # fmt: skip
+        """Several completions of one node, each its own command, and a claim of up to ``claim_next`` jobs.
+
+        ``results`` holds (job id, attempt, result). Returns each completion's
+        row or its refusal (in order), and the jobs claimed. The commands are
+        queued together, so they share a batch unless it fills up; the claim
+        is made whatever the completions' answers (the agent's slots are free
+        either way).
+        """
+        completions = [Command("complete", organization_id, node_id, job_id, attempt, result=result,
+                               credential_id=credential_id) for job_id, attempt, result in results]  # fmt: skip
+        follow = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
+                         credential_id=credential_id, count=claim_next) if claim_next else None  # fmt: skip
+        done = [self._enqueue(command) for command in (*completions, *([follow] if follow else []))]
+        for event in done:
+            await event.wait()
+        answers = [c.error if c.error is not None else c.outcome for c in completions]
+        return answers, list(follow.claims) if follow is not None and follow.error is None else []
+
     async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int,
                     credential_id: UUID | None = None) -> JobRow:  # fmt: skip
         return await self._call(Command("renew", organization_id, node_id, job_id, attempt, lease_seconds=lease_seconds,
@@ -175,11 +208,14 @@ class GroupCommit:
                                        credential_id=credential_id, then=follow))  # fmt: skip
         return row, follow.outcome if follow.error is None else None
 
-    async def _call(self, command: Command) -> Any:
+    def _enqueue(self, command: Command) -> anyio.Event:
         done = anyio.Event()
         self._queue.append((command, done))
         self._ready.set()
-        await done.wait()
+        return done
+
+    async def _call(self, command: Command) -> Any:
+        await self._enqueue(command).wait()
         if command.error is not None:
             raise command.error
         return command.outcome
@@ -225,6 +261,7 @@ class GroupCommit:
                 for each in (command, command.then):
                     if each is not None:
                         each.outcome, each.error, each.nothing_left = None, None, False
+                        each.claims.clear()
                 await self._alone(command)
                 if command.then is not None and command.error is None:
                     await self._alone(command.then)
@@ -245,10 +282,15 @@ class GroupCommit:
                     if not await live_node_credentials(conn, [command.credential_id]):
                         raise revoked()
                 if command.kind == "claim":
-                    command.outcome = await claims.claim(
-                        conn, node_id=command.node_id, organization_id=command.organization_id,
-                        lease_seconds=command.lease_seconds, stale_seconds=command.stale_seconds,
-                    )  # fmt: skip
+                    while len(command.claims) < command.count:
+                        claimed = await claims.claim(
+                            conn, node_id=command.node_id, organization_id=command.organization_id,
+                            lease_seconds=command.lease_seconds, stale_seconds=command.stale_seconds,
+                        )  # fmt: skip
+                        if claimed is None:
+                            break
+                        command.claims.append(claimed)
+                    command.outcome = command.claims[0] if command.claims else None
                 elif command.kind == "renew":
                     command.outcome = await claims.renew(
                         conn, organization_id=command.organization_id, node_id=command.node_id,

@@ -397,3 +397,29 @@ async def test_a_revoked_credential_completes_nothing_and_claims_nothing(db_url,
     assert isinstance(refused, Unauthenticated)
     statuses = [s for (s,) in await (await conn.execute("SELECT status FROM jobs ORDER BY seq")).fetchall()]
     assert statuses == ["running", "queued"]
+
+
+def claim_many(group: GroupCommit, org_id, node_id, count: int):
+    return lambda: group.claim_many(node_id=node_id, organization_id=org_id, count=count, lease_seconds=60,
+                                    stale_seconds=45)  # fmt: skip
+
+
+@pytest.mark.parametrize("shapes", [1, 2], ids=["one-shape", "two-shapes"])
+async def test_claims_of_several_jobs_are_served_in_arrival_order_and_claim_order(db_url, conn, org, shapes):
+    """One shape takes the one-statement lock for a single claimer; two shapes go page by page."""
+    org_id, _ = org
+    first, second = await add_node(conn, org_id, "a", [CPU64]), await add_node(conn, org_id, "b", [CPU64])
+    requires = [{}, {"ram_min_mb": 1000}][:shapes]
+    jobs = [(await submit(conn, org_id, requires=requires[i % shapes])).id for i in range(5)]
+    async with group_commit(db_url) as (group, _, tg):
+        [alone] = await in_one_batch(group, tg, [claim_many(group, org_id, first, 2)])
+    async with group_commit(db_url) as (group, _, tg):
+        a, b = await in_one_batch(group, tg, [claim_many(group, org_id, first, 2), claim_many(group, org_id, second, 5)])
+        assert group.batches == 1
+    assert [c.job_id for c in alone] == jobs[:2]
+    assert [c.job_id for c in a] == jobs[2:4] and [c.job_id for c in b] == jobs[4:]
+    assert {c.job["lease_owner"] for c in alone + a} == {str(first)} and b[0].job["lease_owner"] == str(second)
+    assert group.fallbacks == 0
+    async with group_commit(db_url) as (group, _, tg):
+        assert await in_one_batch(group, tg, [claim_many(group, org_id, first, 3)]) == [None]
+    assert await verify(conn) == []

@@ -209,6 +209,39 @@ async def test_a_completion_can_claim_the_next_job_in_the_same_request(client, o
     assert [e["type"] for e in history.json()["events"]] == ["job.submitted", "job.claimed", "job.completed"]
 
 
+async def test_an_agent_can_claim_and_report_several_jobs_per_request(client, org):
+    _, key = org
+    node_id, credential = await pair(client, key)
+    agent = bearer(credential)
+    batch = await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "e", "payload": {"n": n}} for n in range(6)]},
+                              headers=bearer(key))  # fmt: skip
+    ids = [job["id"] for job in batch.json()["jobs"]]
+    for bad in ("0", "101", "many"):
+        refused = await client.post("/v1/agent/claim", params={"wait": 0, "max": bad}, headers=agent)
+        assert (refused.status_code, refused.json()["field"]) == (422, "max")
+    three = (await client.post("/v1/agent/claim", params={"wait": 0, "max": 3}, headers=agent)).json()
+    assert [c["job"]["id"] for c in three["claims"]] == ids[:3]
+    assert {k: three[k] for k in ("job", "placement", "lease_expires_at")} == three["claims"][0]
+    assert all(c["job"]["lease_owner"] == node_id and c["job"]["attempt"] == 1 for c in three["claims"])
+    report = [{"job_id": ids[0], "attempt": 1, "result": {"n": 0}}, {"job_id": ids[1], "attempt": 2},  # stale
+              {"job_id": ids[3], "attempt": 1}, {"job_id": ids[2], "attempt": 1, "result": {"n": 2}}]  # ids[3]: not held
+    twice = await client.post("/v1/agent/complete", json={"results": [report[0], report[0]]}, headers=agent)
+    assert (twice.status_code, twice.json()["error"], twice.json()["index"]) == (422, "invalid_request", 1)
+    done = await client.post("/v1/agent/complete", params={"claim_next": 2}, json={"results": report}, headers=agent)
+    assert done.status_code == 200, done.text
+    answers = done.json()["results"]
+    assert [(a["job_id"], a["status"]) for a in answers] == [(ids[0], 200), (ids[1], 409), (ids[3], 409), (ids[2], 200)]
+    assert answers[0]["job"]["result"] == {"n": 0} and answers[3]["job"]["status"] == "complete"
+    assert answers[1]["error"] == answers[2]["error"] == "job_not_claimed_by_this_node"
+    assert [c["job"]["id"] for c in done.json()["next_claims"]] == ids[3:5]
+    held = (await client.get(f"/v1/jobs/{ids[1]}", headers=bearer(key))).json()
+    assert (held["status"], held["attempt"], held["lease_owner"]) == ("running", 1, node_id)  # refused: unchanged
+    one = (await client.post("/v1/agent/claim", params={"wait": 0}, headers=agent)).json()
+    assert one["job"]["id"] == ids[5] and "claims" not in one  # max=1: the contract's answer exactly
+    empty = await client.post("/v1/agent/claim", params={"wait": 0, "max": 5}, headers=agent)
+    assert empty.status_code == 204
+
+
 async def test_a_slowly_sent_body_holds_no_database_connection(db_url, org):
     """Three clients stall halfway through their bodies on a server whose pool has two
     connections; other requests are still served (the request is authenticated on a
