@@ -190,15 +190,16 @@ async def test_a_client_that_disconnects_while_waiting_claims_nothing(conn, org,
     assert await claimed_events(conn, job_id) == []
 
 
-async def test_a_claim_that_races_a_disconnect_is_released_at_once(db_url, conn, org):
+@pytest.mark.parametrize("most", [1, 3])
+async def test_a_claim_that_races_a_disconnect_is_released_at_once(db_url, conn, org, most):
     """Driven in-process through ASGI so the race is exact: the client is gone
-    before the (shielded) claim attempt commits."""
+    before the (shielded) claim attempt commits. A claim of several jobs gives back each."""
     from umbra.api.app import create_app
     from umbra.settings import load_settings
 
     org_id, _ = org
     _, credential = await online_node(conn, org_id, "box")
-    job_id = await submit_job(conn, org_id)
+    job_id, *more = [await submit_job(conn, org_id) for _ in range(most)]
     app = create_app(load_settings({"UMBRA_DATABASE_URL": db_url}), db_url)
     sent: list[dict] = []
 
@@ -211,15 +212,16 @@ async def test_a_claim_that_races_a_disconnect_is_released_at_once(db_url, conn,
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
         "method": "POST", "scheme": "http", "path": "/v1/agent/claim", "raw_path": b"/v1/agent/claim",
-        "query_string": b"wait=30", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80),
-        "headers": [(b"authorization", f"Bearer {credential}".encode()), (b"host", b"test")],
+        "query_string": f"wait=30&max={most}".encode(), "root_path": "", "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 80), "headers": [(b"authorization", f"Bearer {credential}".encode()), (b"host", b"test")],
     }  # fmt: skip
     async with app.router.lifespan_context(app):
         await app(scope, receive, send)
     assert sent[0]["status"] == 204
-    types = [r.type for r in await store.read_stream(conn, store.job_stream(job_id))]
-    assert types[-2:] == ["job.claimed", "job.released"]
-    assert await job_status(conn, job_id) == "queued"
+    for each in (job_id, *more):
+        types = [r.type for r in await store.read_stream(conn, store.job_stream(each))]
+        assert types[-2:] == ["job.claimed", "job.released"]
+        assert await job_status(conn, each) == "queued"
 
 
 async def test_a_completion_whose_agent_hung_up_releases_the_job_it_claimed_next(db_url, conn, org):
