@@ -70,6 +70,7 @@ SPECIAL = {
     ("POST", "/v1/jobs/batch"),
     ("POST", "/v1/pairings"),
     ("POST", "/v1/agent/claim"),
+    ("POST", "/v1/agent/complete"),
     ("POST", "/v1/agent/heartbeat"),
     ("POST", "/v1/projections/verify"),
 }
@@ -331,8 +332,16 @@ async def test_body_named_objects_of_another_organization(conn, live_server, wor
             assert missing.json()["error"] == answer.json()["error"]
         assert await fingerprint(conn) == before
         # B's node (B has no queued job yet) never claims A's queued job.
-        claimed = await client.post("/v1/agent/claim?wait=0", headers=bearer(world.b_node_token))
+        claimed = await client.post("/v1/agent/claim?wait=0&max=5", headers=bearer(world.b_node_token))
         assert claimed.status_code == 204, claimed.text
+        assert await fingerprint(conn) == before
+        # B's node reporting A's job gets "no such job" for it, and its next claims never take A's work.
+        a_job = world.ids["queued_job"]
+        report = await client.post("/v1/agent/complete?claim_next=5", json={"results": [{"job_id": a_job, "attempt": 1}]},
+                                   headers=bearer(world.b_node_token))  # fmt: skip
+        assert report.status_code == 200, report.text
+        assert [(r["status"], r["error"]) for r in report.json()["results"]] == [(404, "job_not_found")]
+        assert report.json()["next_claims"] == [] and leaked(world, report.text, asked=a_job) == []
         assert await fingerprint(conn) == before
         # A's idempotency key means nothing in B: a new job of B's, not A's job.
         # (the batch then finds B's job by it, 200).
