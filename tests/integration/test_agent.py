@@ -126,6 +126,23 @@ async def test_each_completion_brings_the_next_job_and_the_agent_polls_only_when
     assert claimed[0]["position"] == completed[0]["position"] + 1  # appended together, in one transaction
 
 
+async def test_an_agent_with_three_slots_runs_three_jobs_at_once_and_stops_them_all_gracefully(server, api):
+    paired = await pair(server, api, "box-slots")
+    async with running_agent(server, paired["credential"], concurrency=3) as agent:
+        await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+        ids = [(await submit(api, "sleep", {"seconds": 1.5}))["id"] for _ in range(3)]
+
+        async def all_running():
+            return True if all([await job_in(api, i, "running") for i in ids]) else None
+
+        await eventually(all_running, timeout=10)  # three at once, on one node
+        agent.stop()
+        with anyio.fail_after(10):
+            await eventually(lambda: _true_if(len(agent.outcomes) == 3))
+    assert sorted(o.job_id for o in agent.outcomes) == sorted(ids) and {o.status for o in agent.outcomes} == {"complete"}
+    assert all(o.next_claim is None for o in agent.outcomes)  # stopping: no slot asked for more work
+
+
 async def _true_if(condition: bool):
     return True if condition else None
 

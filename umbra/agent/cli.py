@@ -37,6 +37,10 @@ def agent_version() -> str:
         return "0+unknown"
 
 
+#: Most jobs one agent runs at once (each slot is a long-poll and a connection).
+MAX_CONCURRENCY = 64
+
+
 def _device(text: str):
     try:
         return parse_device_spec(text)
@@ -67,6 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="add or replace the handler for a job kind (repeatable)")
     p.add_argument("--grace", type=float, default=30.0, help="seconds a running job may continue after SIGTERM (default 30)")
     p.add_argument("--claim-wait", type=float, default=30.0, help="long-poll seconds per claim request, 0..60 (default 30)")
+    p.add_argument("--concurrency", type=int, default=1, help="jobs run at once, 1..64 (default 1)")
     p.add_argument("--heartbeat", type=float, default=10.0, help="heartbeat seconds until the server names an interval (default 10)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     p.set_defaults(func=run_agent)
@@ -79,6 +84,8 @@ def run_agent(args) -> int:
     configure_logging(args.log_level.upper())
     if not 0 <= args.claim_wait <= 60:
         raise InvalidRequest("--claim-wait must be between 0 and 60 seconds.")
+    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+        raise InvalidRequest(f"--concurrency must be between 1 and {MAX_CONCURRENCY}.")
     store = CredentialFile(args.credential_file) if args.credential_file else CredentialFile.default(load_settings().data_dir)
     registry = HandlerRegistry.default()
     for kind, target in args.handler:
@@ -117,6 +124,7 @@ async def _main(args, store: CredentialFile, registry: HandlerRegistry, devices)
         heartbeat_seconds=args.heartbeat,
         claim_wait_seconds=args.claim_wait,
         grace_seconds=args.grace,
+        concurrency=args.concurrency,
     )
     async with AgentClient(args.server or stored.server, stored.credential) as client:
         agent = Agent(client, registry, devices, config)

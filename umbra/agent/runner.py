@@ -5,9 +5,10 @@ interval (the server's, when it names one) with the process start time, so the
 server sees a restart as a restart. The work task polls ``claim?wait=30``; an
 error backs off exponentially with jitter so a fleet does not return in step
 after an outage. A claimed job is run by :class:`~umbra.agent.jobrun.JobRun`
-(handler, lease renewal, report), one at a time; its completion claims the
-next job in the same request, so a busy agent long-polls only when the queue
-has nothing left for it.
+(handler, lease renewal, report); ``concurrency`` work loops run that many
+jobs at once (one by default). A completion claims the loop's next job in the
+same request, so a busy agent long-polls only when the queue has nothing left
+for it.
 
 Stopping (SIGTERM/SIGINT, or the node being retired): polling stops at once
 (a long-poll abandoned mid-wait claims nothing); the current job gets
@@ -18,10 +19,11 @@ rejects (401) stops the agent with that error: retrying cannot fix it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import anyio
 import httpx
@@ -51,6 +53,8 @@ class AgentConfig:
     #: Error back-off: ``base × 2^(failures−1)`` capped, then jittered.
     backoff_base_seconds: float = 0.5
     backoff_cap_seconds: float = 30.0
+    #: Jobs run at once: one work loop each (claim, run, report, chain to the next).
+    concurrency: int = 1
 
 
 def process_start_time() -> datetime:
@@ -76,19 +80,19 @@ class Agent:
         self._heartbeat_seconds = config.heartbeat_seconds
         self._online = anyio.Event()
         self._stopping = anyio.Event()
-        self._poll_scope: anyio.CancelScope | None = None
-        self._current: JobRun | None = None
+        self._poll_scopes: set[anyio.CancelScope] = set()
+        self._current: set[JobRun] = set()
         self._fatal: ServiceError | None = None
 
     # -- control ---------------------------------------------------------------
 
     def stop(self, *, immediately: bool = False) -> None:
-        """Stop polling; let the current job run for the grace period (or not)."""
+        """Stop polling; let the running jobs run for the grace period (or not)."""
         self._stopping.set()
-        if self._poll_scope is not None:
-            self._poll_scope.cancel()
-        if self._current is not None:
-            self._current.stop(0.0 if immediately else self.config.grace_seconds)
+        for scope in self._poll_scopes:
+            scope.cancel()
+        for run in self._current:
+            run.stop(0.0 if immediately else self.config.grace_seconds)
 
     @property
     def stopping(self) -> bool:
@@ -99,7 +103,9 @@ class Agent:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat_loop)
             task_status.started()
-            await self._work_loop()
+            async with anyio.create_task_group() as work:
+                for _ in range(max(1, self.config.concurrency)):
+                    work.start_soon(self._work_loop)
             tg.cancel_scope.cancel()
         if self._fatal is not None:
             raise self._fatal
@@ -155,13 +161,14 @@ class Agent:
     # -- work --------------------------------------------------------------------
 
     async def _work_loop(self) -> None:
-        with anyio.CancelScope() as self._poll_scope:
+        """One slot: long-poll, run the job, report it (claiming the next), until stopped."""
+        with self._poll_scope():
             await self._online.wait()
         failures = 0
         while not self.stopping:
             claim: Claim | None = None
             error: Exception | None = None
-            with anyio.CancelScope() as self._poll_scope:
+            with self._poll_scope():
                 try:
                     claim = await self.client.claim(self.config.claim_wait_seconds)
                 except ServiceError as exc:
@@ -171,7 +178,6 @@ class Agent:
                     error = exc
                 except httpx.HTTPError as exc:
                     error = exc
-            self._poll_scope = None
             if claim is not None:
                 failures = 0
                 while claim is not None:  # each completion may bring the next job
@@ -186,6 +192,18 @@ class Agent:
             else:
                 failures = 0
 
+    @contextlib.contextmanager
+    def _poll_scope(self) -> Iterator[anyio.CancelScope]:
+        """A cancel scope that :meth:`stop` cancels while this slot waits for work."""
+        with anyio.CancelScope() as scope:
+            if self.stopping:
+                scope.cancel()
+            self._poll_scopes.add(scope)
+            try:
+                yield scope
+            finally:
+                self._poll_scopes.discard(scope)
+
     async def execute(self, claim: Claim) -> Outcome:
         """Run one claimed job to a reported outcome."""
         log.info("job claimed", extra={"action": "job_claimed", "job_id": claim.job_id, "kind": claim.kind, "attempt": claim.attempt})
@@ -195,11 +213,11 @@ class Agent:
                      claim_next=lambda: not self.stopping)  # fmt: skip
         if self.stopping:
             run.stop(config.grace_seconds)
-        self._current = run
+        self._current.add(run)
         try:
             outcome = await run.run()
         finally:
-            self._current = None
+            self._current.discard(run)
         self.outcomes.append(outcome)
         log.info("job finished", extra={"action": "job_finished", "job_id": claim.job_id, "outcome": outcome.status})
         return outcome
