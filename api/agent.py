@@ -49,6 +49,8 @@ class ClaimOut(msgspec.Struct, kw_only=True):
     job: dict[str, Any]
     placement: dict[str, Any]
     lease_expires_at: str
+    #: With ``max`` above 1 only: every job taken, in claim order (the first is the fields above).
+    claims: list[dict[str, Any]] | None = None
 
 
 async def _watch_disconnect(request: Request, gone: anyio.Event, scope: anyio.CancelScope) -> None:

@@ -143,10 +143,10 @@ class GroupCommit:
         every one this node could run was just taken. A long-poll then wakes
         nobody else for it; ``None`` means there is work this node cannot run.
         """
-        command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
-                          credential_id=credential_id)
-        result = await self._call(command)
-        return empty if result is None and command.nothing_left else result
+        claimed = await self.claim_many(node_id=node_id, organization_id=organization_id, count=1,
+                                        lease_seconds=lease_seconds, stale_seconds=stale_seconds, empty=empty,
+                                        credential_id=credential_id)  # fmt: skip
+        return claimed[0] if isinstance(claimed, list) else claimed
 
     async def claim_many(self, *, node_id: UUID, organization_id: UUID, count: int, lease_seconds: int,
                          stale_seconds: int, empty: Any = None, credential_id: UUID | None = None) -> Any:  # fmt: skip
