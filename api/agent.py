@@ -113,6 +113,7 @@ async def claim(request: Request) -> Response:
         metrics.CLAIM_WAIT.labels(outcome="timeout").observe(elapsed)
         return Response(status_code=204)
     metrics.CLAIM_WAIT.labels(outcome="claimed").observe(elapsed)
+    metrics.CLAIMS.labels(trigger="same_claim").inc(len(result) - 1)  # the hub counted the first
     if most == 1:
         return json_response(result[0].to_json())
     return json_response({**result[0].to_json(), "claims": [claimed.to_json() for claimed in result]})
