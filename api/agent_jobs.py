@@ -141,22 +141,27 @@ async def complete_many(request: Request) -> Response:
         lease_seconds=settings.lease_seconds, stale_seconds=settings.heartbeat_stale_seconds,
         credential_id=who.credential_id,
     )  # fmt: skip
-    if revoked := next((a for a in answers if isinstance(a, Unauthenticated)), None):
-        raise revoked
-    if claimed and await request.is_disconnected():  # nobody would run them: give them back now
+    failure = next((a for a in answers if isinstance(a, Unauthenticated) or _unexpected(a)), None)
+    if claimed and (failure is not None or await request.is_disconnected()):
+        # The agent will not hear of these claims (it left, or gets an error): give them back now.
         for claim in claimed:
             await release_unheard(request.app.state.services, claim, who.node_id)
         claimed = []
+    if failure is not None:
+        raise failure
     metrics.CLAIMS.labels(trigger="completion").inc(len(claimed))
     return json_response({"results": [_reported(item.job_id, answer) for item, answer in zip(body.results, answers)],
                           "next_claims": [claim.to_json() for claim in claimed]})  # fmt: skip
 
 
+def _unexpected(answer: Any) -> bool:
+    """An error that is not a refusal of this one result (it answers the whole request with 5xx)."""
+    return isinstance(answer, BaseException) and not isinstance(answer, UmbraError)
+
+
 def _reported(job_id: UUID, answer: Any) -> dict[str, Any]:
     if isinstance(answer, UmbraError):
         return {"job_id": str(job_id), "status": answer.status, **answer.to_json()}
-    if isinstance(answer, BaseException):
-        raise answer
     return {"job_id": str(job_id), "status": 200, "job": queue.to_json(answer)}
 
 
