@@ -48,7 +48,8 @@ from umbra.projections.jobs import JobRow
 
 from .auth import live_node_credentials, revoked
 from .claims import (
-    MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, lock_first_of_shape, models_for_shapes,
+    MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, lock_first_of_shape, lock_queued,
+    models_for_shapes,
 )  # fmt: skip
 from .jobs import settle_parents
 
@@ -106,13 +107,6 @@ SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, n.devices::tex
        {_LIVE_COLUMN}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.id = ANY(%(ids)s)
-"""
-_LOCK_QUEUED = f"""
-SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
-WHERE id = ANY(%(ids)s) AND organization_id = %(org)s AND status = 'queued'
-  AND (not_before IS NULL OR not_before <= umbra_now())
-ORDER BY priority, seq
-FOR UPDATE SKIP LOCKED
 """
 #: The batch's independent reads, sent with its BEGIN in one round trip (``db.begin_with``). Every
 #: statement of a batch is an index lookup whose best plan does not depend on the values, so the
@@ -327,7 +321,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                 saw_eligible.add(id(command))
             wanted += eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
         if wanted:
-            locked = await (await conn.execute(_LOCK_QUEUED, {"ids": list(dict.fromkeys(wanted)), "org": org})).fetchall()
+            locked = await lock_queued(conn, org, list(dict.fromkeys(wanted)))
             free = [(queue.from_db(r), r[-1]) for r in locked]
             for command, node in list(waiting):
                 taken = []

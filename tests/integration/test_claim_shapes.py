@@ -9,13 +9,16 @@ same claims one after another would have taken.
 from __future__ import annotations
 
 import random
+from uuid import uuid4
 
 import anyio
 
 import msgspec
+import psycopg
 import pytest
 
 from umbra.compute import blocked, claims, jobs
+from umbra.db import PreparedStatement
 from umbra.domain.placement import best_placement
 from umbra.events.types import Requirements
 
@@ -176,3 +179,55 @@ async def test_a_claimer_of_one_shape_skips_rows_other_claimers_hold_and_keeps_c
         await holder.rollback()
     assert (await claim(conn, org_id, cpu)).job_id == second.id
     assert await claim(conn, org_id, cpu) is None
+
+
+
+
+async def pages_touched(conn, statement: PreparedStatement, params: dict) -> int:
+    """Buffer accesses of one run of a prepared statement by its cached plan (functions' reads included)."""
+    cursor = psycopg.AsyncClientCursor(conn)
+    await cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {statement.execute}", params)
+    [[[plan]]] = await cursor.fetchall()
+    return plan["Plan"]["Shared Hit Blocks"] + plan["Plan"]["Shared Read Blocks"]
+
+
+async def jobs_pages_read(conn) -> int:
+    """Pages of ``jobs`` and its indexes this database has read so far (this session's reads flushed first)."""
+    await conn.execute("SELECT pg_stat_force_next_flush()")
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    [(pages,)] = await (await conn.execute(
+        "SELECT heap_blks_hit + heap_blks_read + idx_blks_hit + idx_blks_read FROM pg_statio_user_tables"
+        " WHERE relname = 'jobs'")).fetchall()  # fmt: skip
+    return pages
+
+
+async def test_a_queue_that_grew_since_its_plans_were_made_is_still_read_by_index(conn, org):
+    """Plans made while the queue was empty must not read a deep queue whole on each claim.
+
+    A server's connections plan their statements once (generic plans, as the
+    group commit's batches use) when the queue may be empty, and keep those
+    plans until the next ANALYZE of ``jobs``. The planner then believes the
+    organization's queue holds about one row; so does a plan made on a queue
+    that was never analysed. The shape list and the lock of the candidates
+    must reach their rows by index all the same: a few pages, not 30,000 jobs.
+    """
+    org_id, _ = org
+    await conn.execute("ALTER TABLE jobs SET (autovacuum_enabled = false)")  # nothing analyses it during the test
+    await conn.execute("SET plan_cache_mode = force_generic_plan")
+    await add_node(conn, org_id, "cpu", [CPU8])
+    shapes = PreparedStatement("test_shapes", claims.QUEUED_SHAPES)
+    shapes_args = {"org": org_id, "limit": claims.MAX_SHAPES + 1}
+    await conn.execute(shapes.prepare)
+    await pages_touched(conn, shapes, shapes_args)  # planned on the empty queue
+    for _ in range(6):  # and the lock too, were it a cached plan
+        await claims.lock_queued(conn, org_id, [uuid4()])
+    await jobs.submit(conn, org_id, [spec(payload={"i": i}) for i in range(30_000)], actor="t", batch=True)
+    assert await pages_touched(conn, shapes, shapes_args) < 30
+    planned_now = PreparedStatement("test_shapes_now", claims.QUEUED_SHAPES)  # planned on the full, never analysed queue
+    await conn.execute(planned_now.prepare)
+    assert await pages_touched(conn, planned_now, shapes_args) < 30
+    ids = [r[0] for r in await (await conn.execute("SELECT id FROM jobs ORDER BY seq DESC LIMIT 20")).fetchall()]
+    before = await jobs_pages_read(conn)
+    async with conn.transaction(force_rollback=True):
+        locked = await claims.lock_queued(conn, org_id, ids)
+    assert len(locked) == 20 and await jobs_pages_read(conn) - before < 150
