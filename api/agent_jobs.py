@@ -162,7 +162,7 @@ def _unexpected(answer: Any) -> bool:
 def _reported(job_id: UUID, answer: Any) -> dict[str, Any]:
     if isinstance(answer, UmbraError):
         return {"job_id": str(job_id), "status": answer.status, **answer.to_json()}
-    return {"job_id": str(job_id), "status": 200, "job": queue.to_json(answer)}
+    return {"job_id": str(job_id), "status": 200, "job": queue.job_out(answer)}
 
 
 async def fail(request: Request) -> Response:

@@ -219,11 +219,7 @@ def answer(staged: Sequence[_Staged]) -> None:
         row = item.row
         assert row is not None
         if item.command.kind == "claim":
-            item.command.claims.append(ClaimResult(
-                job_id=row.id, attempt=row.attempt, job=queue.to_json(row),
-                placement=queue.placement_json(item.placement) or {},
-                lease_expires_at=queue.timestamp(row.lease_expires_at) or "",
-            ))  # fmt: skip
+            item.command.claims.append(ClaimResult(row, item.placement))  # type: ignore[arg-type]
             item.command.outcome = item.command.claims[0]
         else:
             item.command.outcome = row

@@ -333,18 +333,39 @@ def _merged_page(rows: list[ScanRow], per_shape: int) -> tuple[list[ScanRow], li
 class ClaimResult:
     """A claimed job: the API's claim response plus what a caller needs to release it.
 
-    ``job`` is the API Job object, ``placement`` the Placement object (device,
-    reason, residency, eviction, estimate), ``lease_expires_at`` RFC 3339 UTC.
+    Holds the claimed row and its placement; the API objects are built when
+    asked for (``job``: the Job object, ``placement``: the Placement object,
+    ``lease_expires_at``: RFC 3339 UTC), by the request that answers with
+    them. The group commit's batch worker, which every agent's claim waits
+    for, only records what was claimed.
     """
 
-    job_id: UUID
-    attempt: int
-    job: dict[str, Any]
-    placement: dict[str, Any]
-    lease_expires_at: str
+    row: JobRow
+    placed: Placement
+
+    @property
+    def job_id(self) -> UUID:
+        return self.row.id
+
+    @property
+    def attempt(self) -> int:
+        return self.row.attempt
+
+    @property
+    def job(self) -> dict[str, Any]:
+        return queue.to_json(self.row)
+
+    @property
+    def placement(self) -> dict[str, Any]:
+        return queue.placement_json(self.placed) or {}
+
+    @property
+    def lease_expires_at(self) -> str:
+        return queue.timestamp(self.row.lease_expires_at) or ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"job": self.job, "placement": self.placement, "lease_expires_at": self.lease_expires_at}
+        """The claim response, for the JSON encoder (the Job as a :class:`~umbra.projections.jobs.JobOut`)."""
+        return {"job": queue.job_out(self.row), "placement": self.placement, "lease_expires_at": self.lease_expires_at}
 
 
 async def claim(
@@ -394,13 +415,7 @@ async def _take(
     [claimed] = await queue.record(conn, [Change(row.id, row.organization_id, row, [event])], metadata={"actor": f"node:{node_id}"})
     await store.publish(conn, [(row.organization_id, claimed.position, 0)])
     log.debug("job claimed", extra={"action": "job_claimed", "job_id": str(row.id), "node_id": str(node_id)})
-    return ClaimResult(
-        job_id=claimed.id,
-        attempt=claimed.attempt,
-        job=queue.to_json(claimed),
-        placement=queue.placement_json(placement) or {},
-        lease_expires_at=queue.timestamp(claimed.lease_expires_at) or "",
-    )
+    return ClaimResult(claimed, placement)
 
 
 _LOCK_FOR_RELEASE = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE id = %s FOR UPDATE"
