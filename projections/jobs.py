@@ -297,16 +297,23 @@ _JSON_COLUMNS = frozenset({"requires", "payload", "result", "placement"})
 SELECT_LIST = ", ".join(f"{c}::text" if c in _JSON_COLUMNS else c for c in COLUMNS)
 _JSON_TYPES = {"requires": Requirements, "payload": dict[str, Any], "result": Any, "placement": Placement | None}
 _decoders = {name: msgspec.json.Decoder(t) for name, t in _JSON_TYPES.items()}
+_decoder_at = [(COLUMNS.index(name), decoder) for name, decoder in _decoders.items()]
+_WIDTH = len(COLUMNS)
 _encoder = msgspec.json.Encoder()
 
 
 def from_db(record: Sequence[Any]) -> JobRow:
-    """A row selected with :data:`SELECT_LIST` (extra trailing columns are ignored)."""
-    values = dict(zip(COLUMNS, record))
-    for name, decoder in _decoders.items():
-        raw = values[name]
-        values[name] = None if raw is None else decoder.decode(raw)
-    return JobRow(**values)
+    """A row selected with :data:`SELECT_LIST` (extra trailing columns are ignored).
+
+    Built positionally through the slots (:func:`_build`): the group commit
+    reads every held and claimed row this way, and keywords through the
+    frozen ``__init__`` took twice as long.
+    """
+    values = list(record[:_WIDTH])
+    for index, decoder in _decoder_at:
+        raw = values[index]
+        values[index] = None if raw is None else decoder.decode(raw)
+    return _build(values)
 
 
 _SQL_TYPES = {
