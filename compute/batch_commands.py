@@ -298,11 +298,23 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     want = sum(command.count for command, _ in waiting)
     left = {id(command): command.count for command, _ in waiting}
     scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE))
-    if len(waiting) == 1 and (only := scan.only_shape()) is not None:
-        # One claimer that can run one shape: its first rows of that shape, found and locked in one statement.
-        (command, node), placement = waiting[0], judged[waiting[0][1].id, only]
-        if locked := await lock_first_of_shape(conn, org, only, count=command.count):
-            return [_claimed(command, node, queue.from_db(r), r[-1], placement) for r in locked]  # type: ignore[arg-type]
+    locked_here: set[UUID] = set()  # rows this transaction has locked for a claimer: it could lock them again
+    only = scan.only_shape()
+    if only is not None and all(judged[node.id, only] is not None for _, node in waiting):
+        # Every waiting claimer can run the one shape any of them can: the claim order is that shape's own,
+        # and its first rows are found and locked in one statement, then handed out in arrival order.
+        locked = iter(await lock_first_of_shape(conn, org, only, count=min(want, SCAN_PAGE)))
+        for command, node in list(waiting):
+            for record in locked:
+                staged.append(_claimed(command, node, queue.from_db(record), record[-1], judged[node.id, only]))  # type: ignore[arg-type]
+                locked_here.add(record[0])
+                left[id(command)] -= 1
+                if not left[id(command)]:
+                    waiting.remove((command, node))
+                    break
+        if not waiting:
+            return staged
+        # Rows ran out among the shape's first ones (held by other claimers, or none left): read on page by page.
     async for page in scan.pages():
         shape_of: dict[UUID, str] = {}
         by_shape: dict[str, list[UUID]] = {}  # each requirement shape's rows, in queue order
@@ -316,6 +328,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             if eligible:
                 saw_eligible.add(id(command))
             wanted += eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
+        wanted = [job_id for job_id in wanted if job_id not in locked_here]
         if wanted:
             locked = await lock_queued(conn, org, list(dict.fromkeys(wanted)))
             free = [(queue.from_db(r), r[-1]) for r in locked]

@@ -423,3 +423,18 @@ async def test_claims_of_several_jobs_are_served_in_arrival_order_and_claim_orde
     async with group_commit(db_url) as (group, _, tg):
         assert await in_one_batch(group, tg, [claim_many(group, org_id, first, 3)]) == [None]
     assert await verify(conn) == []
+
+
+async def test_claimers_of_one_shape_read_on_past_rows_others_hold_and_never_share_one(db_url, conn, org):
+    """The one-statement lock skips rows held elsewhere; a claimer it leaves short reads on, never retaking the batch's own rows."""
+    org_id, _ = org
+    first, second = await add_node(conn, org_id, "a", [CPU64]), await add_node(conn, org_id, "b", [CPU64])
+    jobs = [(await submit(conn, org_id)).id for _ in range(5)]
+    async with await psycopg.AsyncConnection.connect(db_url) as other:  # another claimer holds the first two
+        await other.execute("SELECT 1 FROM jobs WHERE id = ANY(%s) FOR UPDATE", (jobs[:2],))
+        async with group_commit(db_url) as (group, _, tg):
+            a, b = await in_one_batch(group, tg, [claim_many(group, org_id, first, 2), claim_many(group, org_id, second, 2)])
+        await other.rollback()
+    assert [c.job_id for c in a] == jobs[2:4] and [c.job_id for c in b] == [jobs[4]]
+    assert group.batches == 1 and group.fallbacks == 0
+    assert await verify(conn) == []
