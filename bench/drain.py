@@ -115,7 +115,9 @@ async def _heartbeats(client: httpx.AsyncClient, credentials: list[str], tally: 
 async def drain_http(url: str, jobs: int, agents: int, *, chained: bool = False, per_request: int = 1) -> dict:
     org, api_key = await fleet.new_organization(url)
     with fleet.serve(url) as server:
-        limits = httpx.Limits(max_connections=agents + 4, max_keepalive_connections=agents + 4)
+        # Idle connections are dropped before uvicorn's 5-second keep-alive timeout closes them: reusing
+        # one as the server closes it fails the request (the /metrics read after a long drain did).
+        limits = httpx.Limits(max_connections=agents + 4, max_keepalive_connections=agents + 4, keepalive_expiry=2)
         async with httpx.AsyncClient(base_url=server.base, timeout=60, limits=limits) as client:
             nodes = await fleet.pair_over_http(client, api_key, [f"agent-{i}" for i in range(agents)])
             await fleet.submit_noops(url, org, jobs)

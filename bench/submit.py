@@ -35,7 +35,7 @@ from .common import print_table, scratch_database, write_json
 async def _http_one_by_one(base: str, api_key: str, jobs: int, clients: int) -> float:
     headers = {"Authorization": f"Bearer {api_key}"}
     per_client = jobs // clients
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients, keepalive_expiry=2)  # see bench.drain
     async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
 
         async def one_client(offset: int) -> None:
