@@ -12,6 +12,8 @@ Each tick, in separate command transactions:
 * **delayed jobs now due** → one hint per organization, so long-polls waiting
   for work wake when a backoff or lease-expiry delay ends rather than at their
   next poll;
+* **planner statistics** of the queue are refreshed when it has outgrown them
+  (:mod:`umbra.compute.statistics`);
 * every :data:`REEXAMINE_SECONDS`, **blocked jobs** get a second look (see
   :func:`sweep_once`), and spent **pairing codes** and ended rate-limit
   windows are deleted (:func:`umbra.compute.pairing.prune`).
@@ -45,7 +47,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change
 from umbra.settings import Settings
 
-from . import pairing
+from . import pairing, statistics
 from .blocked import reexamine_blocked
 from .jobs import record_and_settle
 
@@ -91,6 +93,8 @@ class SweepReport:
     jobs_woken: int = 0
     jobs_unblocked: int = 0
     pairing_rows_pruned: int = 0
+    #: Whether the tick analysed ``jobs`` (its planner statistics had been outgrown).
+    statistics_refreshed: bool = False
 
     @property
     def actions(self) -> int:
@@ -118,6 +122,7 @@ async def sweep_once(
         pass
     if since is not None:
         await _announce_due(conn, since, report)
+    report.statistics_refreshed = await statistics.refresh_if_outgrown(conn)
     if reexamine:
         for (organization_id,) in await (await conn.execute(_BLOCKED_ORGS)).fetchall():
             report.jobs_unblocked += await reexamine_blocked(conn, organization_id, metadata=_METADATA)

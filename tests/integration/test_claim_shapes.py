@@ -17,7 +17,7 @@ import msgspec
 import psycopg
 import pytest
 
-from umbra.compute import blocked, claims, jobs
+from umbra.compute import blocked, claims, jobs, statistics
 from umbra.db import PreparedStatement
 from umbra.domain.placement import best_placement
 from umbra.events.types import Requirements
@@ -231,3 +231,34 @@ async def test_a_queue_that_grew_since_its_plans_were_made_is_still_read_by_inde
     async with conn.transaction(force_rollback=True):
         locked = await claims.lock_queued(conn, org_id, ids)
     assert len(locked) == 20 and await jobs_pages_read(conn) - before < 150
+
+
+async def test_a_queue_that_outgrew_its_statistics_is_analysed_and_claims_seek_their_shape(conn, org):
+    """A burst of GPU work in front of CPU work, on a table never analysed: the sweeper's check analyses it.
+
+    Before, a claim's lock of the CPU shape's first rows walks the queue in
+    claim order through the GPU work; after, every connection replans and
+    seeks the shape. The service role may do it (through ``umbra_analyze_jobs``).
+    """
+    org_id, _ = org
+    await conn.execute("ALTER TABLE jobs SET (autovacuum_enabled = false)")  # nothing else analyses it
+    await add_node(conn, org_id, "cpu", [CPU8])
+    await add_node(conn, org_id, "gpu", [GPU24])
+    burst = [spec(requires={"accelerators": ["cuda"]}) for _ in range(15_000)] + [spec() for _ in range(15_000)]
+    await jobs.submit(conn, org_id, burst, actor="t", batch=True)
+    cpu_shape = next(s for (s,) in await (await claims.queued_shapes(conn, org_id)).fetchall() if "cuda" not in s)
+
+    async def pages_to_lock_ten() -> int:
+        before = await jobs_pages_read(conn)
+        async with conn.transaction(force_rollback=True):
+            assert len(await claims.lock_first_of_shape(conn, org_id, cpu_shape, count=10)) == 10
+        return await jobs_pages_read(conn) - before
+
+    assert await pages_to_lock_ten() > 400  # the premise: planned without statistics
+    await conn.execute("SET ROLE umbra_service")
+    try:
+        assert await statistics.refresh_if_outgrown(conn)
+        assert not await statistics.refresh_if_outgrown(conn)  # no longer outgrown
+    finally:
+        await conn.execute("RESET ROLE")
+    assert await pages_to_lock_ten() < 100
