@@ -200,9 +200,9 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
     last: dict[UUID, int] = {}
     children = [item for item in staged if item.row and item.row.parent_job_id]
     if not children:
-        await commit_with(conn, queue.UPSERT, queue.upsert_params(rows))
+        await commit_with(conn, queue.TRANSITIONS, queue.transition_params(rows))
     else:
-        await queue.write_rows(conn, rows)
+        await queue.write_transitions(conn, rows)
         # Parents are locked after their children and in id order, as in every other command.
         for item in sorted(children, key=lambda s: str(s.row.parent_job_id)):  # type: ignore[union-attr]
             for settled in await settle_parents(conn, [item.row], metadata=item.command.actor):  # type: ignore[list-item]

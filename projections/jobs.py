@@ -334,9 +334,6 @@ _UPSERT = (
 )
 
 
-#: The same upsert for :func:`umbra.db.commit_with` (with :func:`upsert_params`).
-UPSERT = PreparedStatement("umbra_jobs_upsert", _UPSERT)
-
 
 def upsert_params(rows: Sequence[JobRow]) -> dict[str, str]:
     return {"rows": _encoder.encode(rows).decode()}
@@ -346,6 +343,42 @@ async def write_rows(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> N
     """Upsert rows in one statement (a batch of 10,000 is still one round trip)."""
     if rows:
         await conn.execute(_UPSERT, upsert_params(rows))
+
+
+#: The columns a job's events change after its submission (what :func:`_apply` sets, and the
+#: version, position and time of the last event). The others are written once, at submission,
+#: and a transition's write leaves them alone, a large payload's out-of-line value included.
+#: ``tests/unit/test_jobs_fold.py`` folds every event type and checks that nothing else moves.
+TRANSITION_COLUMNS = (
+    "status", "attempt", "not_before", "lease_owner", "lease_expires_at", "result", "error", "placement",
+    "blocked_reason", "blocked_at", "children_total", "version", "position", "updated_at", "started_at", "finished_at",
+)  # fmt: skip
+_TRANSITION_KEYS = ("id", *TRANSITION_COLUMNS)
+_transition_values = operator.attrgetter(*_TRANSITION_KEYS)
+_TRANSITION = (
+    "UPDATE jobs SET " + ", ".join(f"{c} = r.{c}" for c in TRANSITION_COLUMNS)
+    + " FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
+    + ", ".join(f"{c} {_SQL_TYPES.get(c, 'text')}" for c in _TRANSITION_KEYS)
+    + ") WHERE jobs.id = r.id"
+)  # fmt: skip
+#: The transitions' write for :func:`umbra.db.commit_with` (with :func:`transition_params`).
+TRANSITIONS = PreparedStatement("umbra_jobs_transitions", _TRANSITION)
+
+
+def transition_params(rows: Sequence[JobRow]) -> dict[str, str]:
+    return {"rows": _encoder.encode([dict(zip(_TRANSITION_KEYS, _transition_values(row))) for row in rows]).decode()}
+
+
+async def write_transitions(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> None:
+    """Write rows that already exist, changed by events after their submission: only :data:`TRANSITION_COLUMNS`.
+
+    An agent's claim or completion used to rewrite the whole row, its payload
+    and requirements included. For 150 rows: 3.35 against 3.75 ms with tiny
+    payloads, 3.65 against 8.96 ms with 4 KB payloads (the payload was
+    encoded, parsed and stored out of line again at every transition).
+    """
+    if rows:
+        await conn.execute(_TRANSITION, transition_params(rows))
 
 
 _COPY = f"COPY jobs ({', '.join(COLUMNS)}) FROM STDIN"
@@ -468,9 +501,9 @@ async def record(
         # A change without a state starts its stream at version 1, which the
         # append just proved new: its row cannot exist yet and needs no upsert.
         await insert_rows(conn, new)
-        await write_rows(conn, changed)
     else:
-        await write_rows(conn, rows)
+        await write_rows(conn, new)
+    await write_transitions(conn, changed)
     return rows
 
 

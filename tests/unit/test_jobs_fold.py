@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from typing import get_args
 from uuid import uuid4
 
 import pytest
@@ -10,9 +11,9 @@ import pytest
 from umbra.events.store import RecordedEvent
 from umbra.events.types import (
     JobBlocked, JobCancelled, JobClaimed, JobCompleted, JobDecomposed, JobFailed, JobLeaseExpired, JobLeaseRenewed,
-    JobReleased, JobRequeued, JobSettled, JobSubmitted, JobUnblocked, NodeDraining, Placement, Requirements,
+    JobEvent, JobReleased, JobRequeued, JobSettled, JobSubmitted, JobUnblocked, NodeDraining, Placement, Requirements,
 )  # fmt: skip
-from umbra.projections.jobs import fold, to_json
+from umbra.projections.jobs import COLUMNS, TRANSITION_COLUMNS, fold, to_json
 
 JOB, ORG, NODE = uuid4(), uuid4(), uuid4()
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
@@ -158,3 +159,36 @@ def test_the_job_object_encodes_the_same_as_its_plain_json_with_utc_timestamps()
                                  "accelerators": [], "max_runtime_s": None, "prefer_node": str(NODE)}  # fmt: skip
     assert plain["placement"]["node_id"] == str(NODE) and plain["payload"] == {"a": [1, "x"]}
     assert list(plain)[:3] == ["id", "organization_id", "kind"] and list(plain)[-1] == "position"
+
+
+AFTER_SUBMISSION = [
+    JobClaimed(attempt=1, node_id=NODE, placement=PLACEMENT, lease_expires_at=T0 + timedelta(minutes=5)),
+    JobLeaseRenewed(attempt=1, lease_expires_at=T0 + timedelta(minutes=9)),
+    JobCompleted(attempt=1, result={"ok": True}),
+    JobFailed(attempt=1, error="boom"),
+    JobRequeued(attempt=1, error="flaky", not_before=T0 + timedelta(seconds=30)),
+    JobLeaseExpired(attempt=1, node_id=NODE, requeued=True, not_before=T0 + timedelta(seconds=30)),
+    JobLeaseExpired(attempt=1, node_id=NODE, requeued=False),
+    JobReleased(attempt=1),
+    JobBlocked(reason="no_eligible_device"),
+    JobUnblocked(),
+    JobDecomposed(attempt=1, children=(uuid4(), uuid4())),
+    JobSettled(outcome="partial", detail="1 of 2 failed", children_total=2, children_failed=1),
+    JobCancelled(by="user:x", reason="not needed"),
+]
+
+
+def test_every_job_event_type_after_submission_is_checked():
+    assert {type(e) for e in AFTER_SUBMISSION} == set(get_args(JobEvent)) - {JobSubmitted}
+
+
+@pytest.mark.parametrize("event", AFTER_SUBMISSION, ids=lambda e: e.__struct_config__.tag)
+def test_an_event_after_submission_changes_only_the_columns_a_transition_writes(event):
+    """The group commit writes only ``TRANSITION_COLUMNS`` of an existing row: the fold must change nothing else."""
+    log = Log()
+    log(submitted(payload={"data": "x" * 100}, project_id=uuid4(), lang="en", parent_job_id=uuid4(),
+                  idempotency_key="k", requested_by="user:x"))  # fmt: skip
+    before = log(claimed(1, log)) if not isinstance(event, (JobBlocked, JobUnblocked)) else log.row
+    after = log(event)
+    moved = {c for c in COLUMNS if getattr(after, c) != getattr(before, c)}
+    assert moved <= set(TRANSITION_COLUMNS) and {"version", "position", "updated_at"} <= moved
