@@ -170,9 +170,12 @@ FOR UPDATE SKIP LOCKED
 """
 
 
-#: By the number of heads read: :data:`SHAPE_PAGE` for a claim of that many jobs or fewer,
-#: :data:`SCAN_PAGE` (the most one claim may take) for more.
-_LOCK_FIRST_OF_SHAPE = {heads: _lock_first_of_shape_sql(heads) for heads in (SHAPE_PAGE, SCAN_PAGE)}
+#: By the number of heads read (a literal in the SQL: see above), at least twice the rows
+#: wanted. The other group-commit batch in flight holds about as many of the shape's first rows
+#: as this one wants, and they are skipped: reading only as many heads as wanted, the second of
+#: two batches found too few and read on page by page (16 HTTP agents taking ten jobs at a time:
+#: 3,404-3,632 jobs/s against 3,777-4,025, interleaved).
+_LOCK_FIRST_OF_SHAPE = {heads: _lock_first_of_shape_sql(heads) for heads in (SHAPE_PAGE, SCAN_PAGE, 2 * SCAN_PAGE)}
 _LOCK_BY_ID = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = %s AND organization_id = %s FOR UPDATE"
 
 _requirements = msgspec.json.Decoder(Requirements)
@@ -298,12 +301,13 @@ async def lock_first_of_shape(conn: psycopg.AsyncConnection, organization_id: UU
     """The first ``count`` claimable (queued, due, not held by another claimer) rows of ``shape``, locked.
 
     At most ``count`` (≤ :data:`SCAN_PAGE`) among the shape's first
-    :data:`SHAPE_PAGE` claimable rows (or :data:`SCAN_PAGE`, for more than that
-    many); empty if those are all held by others (or there are none): the
-    caller then reads on page by page. Each row comes with the database clock
-    as its last column, as every locking read here.
+    :data:`SHAPE_PAGE`, :data:`SCAN_PAGE` or twice that many claimable rows
+    (the fewest that are at least twice ``count``); empty if those are all
+    held by others (or there are none): the caller then reads on page by
+    page. Each row comes with the database clock as its last column, as
+    every locking read here.
     """
-    sql = _LOCK_FIRST_OF_SHAPE[SHAPE_PAGE if count <= SHAPE_PAGE else SCAN_PAGE]
+    sql = _LOCK_FIRST_OF_SHAPE[next(heads for heads in _LOCK_FIRST_OF_SHAPE if heads >= 2 * min(count, SCAN_PAGE))]
     return await (await conn.execute(sql, {"org": organization_id, "shapes": [shape], "count": count})).fetchall()
 
 
