@@ -4,8 +4,8 @@ Every job transition appends to the log under one advisory lock held to
 commit (see :mod:`umbra.events.store`), so one transaction per transition caps
 a server at one commit flush per transition. :class:`GroupCommit` is a
 per-process batcher in front of those commands: a command queues up while the
-previous batch runs, and the worker then takes everything queued as one
-batch, one transaction (:mod:`umbra.compute.batch_commands` runs it: each
+previous batch runs, and the next free worker (:data:`WORKERS` of them) takes
+everything queued as one batch, one transaction (:mod:`umbra.compute.batch_commands` runs it: each
 command still loads, decides, appends to its own stream, folds and writes its
 own row; the statements and the commit are shared).
 
