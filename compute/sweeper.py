@@ -129,7 +129,8 @@ async def sweep_once(
         report.pairing_rows_pruned = await pairing.prune(conn)
     for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
                           ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed),
-                          ("job_unblocked", report.jobs_unblocked), ("pairing_pruned", report.pairing_rows_pruned)):
+                          ("job_unblocked", report.jobs_unblocked), ("pairing_pruned", report.pairing_rows_pruned),
+                          ("jobs_analysed", int(report.statistics_refreshed))):
         metrics.count_sweeper_action(action, count)
     if report.actions:
         log.info("sweep", extra={"action": "sweep", "leases_requeued": report.leases_requeued,

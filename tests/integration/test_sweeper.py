@@ -204,3 +204,15 @@ async def test_spent_pairing_codes_and_ended_rate_limit_windows_are_pruned(conn,
     assert [name for (name,) in kept] == ["just-expired", "just-redeemed", "live"]
     sources = await (await conn.execute("SELECT source FROM pairing_attempts")).fetchall()
     assert [source for (source,) in sources] == ["current"]
+
+
+async def test_a_tick_analyses_the_queue_once_it_has_outgrown_its_statistics(conn, org):
+    org_id, _ = org
+    await conn.execute("ALTER TABLE jobs SET (autovacuum_enabled = false)")  # nothing else analyses it
+    await add_node(conn, org_id, "box", [CPU64])
+    await jobs.submit(conn, org_id, [spec(payload={"i": i}) for i in range(1_500)], actor="t", batch=True)
+    await conn.execute("SELECT pg_stat_force_next_flush()")  # this session's inserts, counted now
+    assert (await sweep_once(conn, SETTINGS)).statistics_refreshed
+    [(rows,)] = await (await conn.execute("SELECT reltuples FROM pg_class WHERE oid = 'jobs'::regclass")).fetchall()
+    assert rows == 1_500  # counted by the analysis (a never-analysed table reads -1)
+    assert not (await sweep_once(conn, SETTINGS)).statistics_refreshed
