@@ -15,7 +15,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from umbra.compute import claims
-from umbra.compute.group_commit import GroupCommit, HintNotifier
+from umbra.compute.group_commit import OVERLAP_MIN_COMMANDS, GroupCommit, HintNotifier
 from umbra.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from umbra.events import store
 from umbra.projections.verify import verify
@@ -438,3 +438,48 @@ async def test_claimers_of_one_shape_read_on_past_rows_others_hold_and_never_sha
     assert [c.job_id for c in a] == jobs[2:4] and [c.job_id for c in b] == [jobs[4]]
     assert group.batches == 1 and group.fallbacks == 0
     assert await verify(conn) == []
+
+
+async def test_a_second_batch_starts_while_one_runs_only_for_a_queue_worth_it(db_url, conn, org):
+    """A few commands wait for the running batch; enough of them start a second batch beside it."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    await submit(conn, org_id)
+    held = await claim_now(conn, org_id, node)
+    for _ in range(OVERLAP_MIN_COMMANDS + 4):
+        await submit(conn, org_id)
+    claimed: list[Any] = []
+
+    async def claim_one() -> None:
+        claimed.append(await claim_now_grouped(group, org_id, node))
+
+    async with await psycopg.AsyncConnection.connect(db_url) as other:
+        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (held.job_id,))  # the first batch waits on it
+        async with group_commit(db_url) as (group, _, tg):
+            await tg.start(group.run)
+            try:
+                tg.start_soon(lambda: group.complete(organization_id=org_id, node_id=node, job_id=held.job_id,
+                                                     attempt=1, result=None))  # fmt: skip
+                while group.queued or not group.running:
+                    await anyio.sleep(0.01)  # the first batch has taken it
+                for _ in range(3):
+                    tg.start_soon(claim_one)
+                await anyio.sleep(0.5)
+                assert claimed == [] and group.queued == 3  # too few to start a batch beside the running one
+                for _ in range(OVERLAP_MIN_COMMANDS - 3):
+                    tg.start_soon(claim_one)
+                with anyio.fail_after(10):
+                    while len(claimed) < OVERLAP_MIN_COMMANDS:
+                        await anyio.sleep(0.01)
+                assert all(c is not None for c in claimed) and group.batches == 1  # the first one still waits
+            finally:
+                await other.rollback()  # the first batch goes on (a shielded batch cannot be cancelled)
+            with anyio.fail_after(10):
+                while group.batches < 2:
+                    await anyio.sleep(0.01)
+    assert len({c.job_id for c in claimed}) == OVERLAP_MIN_COMMANDS
+    assert await verify(conn) == []
+
+
+def claim_now_grouped(group: GroupCommit, org_id, node_id):
+    return group.claim(node_id=node_id, organization_id=org_id, lease_seconds=60, stale_seconds=45)
