@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Sequence
 from uuid import UUID
 
 import anyio
@@ -106,8 +106,8 @@ async def claim(request: Request) -> Response:
     elapsed = time.monotonic() - started
     if gone.is_set():
         metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(elapsed)
-        for claimed in result or ():
-            await release_unheard(services, claimed, node_id)
+        if result:
+            await release_unheard(services, result, node_id)
         return Response(status_code=204)
     if result is None:
         metrics.CLAIM_WAIT.labels(outcome="timeout").observe(elapsed)
@@ -119,15 +119,17 @@ async def claim(request: Request) -> Response:
     return json_response({**result[0].to_json(), "claims": [claimed.to_json() for claimed in result]})
 
 
-async def release_unheard(services, result: claims.ClaimResult, node_id: UUID) -> None:
-    """Give back a claim its agent left before hearing of (``job.released``), instead of leaving it leased."""
+async def release_unheard(services, results: Sequence[claims.ClaimResult], node_id: UUID) -> None:
+    """Give back claims their agent left before hearing of (``job.released``), instead of leaving them leased.
+
+    One connection for all of them; each release is its own transaction.
+    """
     with anyio.CancelScope(shield=True):
         async with services.pool.connection() as conn:
-            released = await claims.release(conn, result.job_id, node_id, result.attempt)
-    log.info(
-        "claim released: client left",
-        extra={"action": "claim_released_client_gone", "job_id": str(result.job_id), "node_id": str(node_id), "released": released},
-    )
+            for result in results:
+                released = await claims.release(conn, result.job_id, node_id, result.attempt)
+                log.info("claim released: client left", extra={"action": "claim_released_client_gone",
+                         "job_id": str(result.job_id), "node_id": str(node_id), "released": released})  # fmt: skip
 
 
 routes = [

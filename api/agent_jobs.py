@@ -106,7 +106,7 @@ async def complete(request: Request) -> Response:
     )  # fmt: skip
     if claimed is not None:
         if await request.is_disconnected():  # the agent left while its batch ran: nobody would run the job
-            await release_unheard(request.app.state.services, claimed, who.node_id)
+            await release_unheard(request.app.state.services, [claimed], who.node_id)
             claimed = None
         else:
             metrics.CLAIMS.labels(trigger="completion").inc()
@@ -144,8 +144,7 @@ async def complete_many(request: Request) -> Response:
     failure = next((a for a in answers if isinstance(a, Unauthenticated) or _unexpected(a)), None)
     if claimed and (failure is not None or await request.is_disconnected()):
         # The agent will not hear of these claims (it left, or gets an error): give them back now.
-        for claim in claimed:
-            await release_unheard(request.app.state.services, claim, who.node_id)
+        await release_unheard(request.app.state.services, claimed, who.node_id)
         claimed = []
     if failure is not None:
         raise failure
