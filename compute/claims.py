@@ -148,7 +148,9 @@ def _lock_first_of_shape_sql(heads: int) -> str:
     shape as a plain constant it walked ``jobs_claimable`` through all the work
     in front that other shapes hold (200 ms at 1,000,000 queued, half of it GPU
     work ahead of the CPU shape), and with the page size as a parameter the
-    generic plan did the same.
+    generic plan did the same. The heads are then fetched by primary key alone
+    (the other conditions under ``IS TRUE``, as in :func:`lock_queued`): joined
+    to them, the planner hashed a scan of the whole table.
     """
     return f"""
 WITH heads AS MATERIALIZED (
@@ -162,8 +164,8 @@ WITH heads AS MATERIALIZED (
     ) j
 )
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
-WHERE id IN (SELECT id FROM heads) AND organization_id = %(org)s AND status = 'queued'
-  AND (not_before IS NULL OR not_before <= umbra_now())
+WHERE id = ANY(ARRAY(SELECT id FROM heads))
+  AND (organization_id = %(org)s AND status = 'queued' AND (not_before IS NULL OR not_before <= umbra_now())) IS TRUE
 ORDER BY priority, seq
 LIMIT %(count)s
 FOR UPDATE SKIP LOCKED

@@ -72,6 +72,7 @@ class PreparedStatement:
 
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+_GENERIC_INDEX_PLANS = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_seqscan', 'off', true);"
 #: The statements each connection has prepared (a prepared statement lives as long as its session).
 _prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection, set[str]] = weakref.WeakKeyDictionary()
 
@@ -83,12 +84,16 @@ async def begin_with(conn: psycopg.AsyncConnection, reads: Sequence[tuple[Prepar
     Returns each read's rows, in order. ``generic_plans`` makes the
     transaction's prepared statements use their generic plan (``SET LOCAL
     plan_cache_mode``) instead of being planned again for each call's values,
-    for statements whose best plan does not depend on them. The caller ends
-    the transaction (``COMMIT``, or ``conn.rollback()``).
+    for statements whose best plan does not depend on them, and rules out
+    sequential scans for the plans made in it: such statements reach their
+    rows by key, and on a table of a few thousand rows the planner believed
+    a scan and a hash join cheaper than a hundred probes of a primary key
+    (the group commit's lock and write, 1.4 and 0.7 ms a batch at 6,000
+    jobs). The caller ends the transaction (``COMMIT``, or ``conn.rollback()``).
     """
     done = await _prepare(conn, [read for read, _values in reads])
     # Each read's placeholders are renamed apart (``%(r0_ids)s``) so the reads share one parameter set.
-    query = ["BEGIN;", "SET LOCAL plan_cache_mode = force_generic_plan;"] if generic_plans else ["BEGIN;"]
+    query = ["BEGIN;", _GENERIC_INDEX_PLANS] if generic_plans else ["BEGIN;"]
     params: dict[str, Any] = {}
     for index, (read, values) in enumerate(reads):
         query.append(_PLACEHOLDER.sub(f"%(r{index}_\\1)s", read.execute) + ";")
