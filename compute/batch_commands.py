@@ -35,7 +35,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
-from umbra.db import PreparedStatement, begin_with, commit_with
+from umbra.db import PreparedStatement, begin_with, commit_with, uuid_array
 from umbra.domain.eligibility import NodeView, is_busy
 from umbra.domain.jobs import check_holder
 from umbra.domain.node_status import effective_status
@@ -94,6 +94,8 @@ class _Staged:
     command: Command
     state: JobRow
     event: Event
+    #: The transaction's clock (``umbra_now()``, read with the row): when the event is recorded.
+    at: datetime
     placement: Placement | None = None
     row: JobRow | None = field(default=None)
 
@@ -135,9 +137,10 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     held_ids = sorted({c.job_id for c in held}, key=str)
     node_ids = list({c.node_id for c in claimers})
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
-    reads = [(_HELD, {"ids": held_ids, "credentials": credentials})] if held else []
+    credential_ids = uuid_array(credentials)
+    reads = [(_HELD, {"ids": uuid_array(held_ids), "credentials": credential_ids})] if held else []
     if claimers:
-        reads.append((_NODES, {"ids": node_ids, "credentials": credentials}))
+        reads.append((_NODES, {"ids": uuid_array(node_ids), "credentials": credential_ids}))
         reads += [(_SHAPES, {"org": org, "limit": MAX_SHAPES + 1}) for org in orgs]
     results = await begin_with(conn, reads, generic_plans=True)
     held_records = results.pop(0) if held else []
@@ -185,30 +188,42 @@ def _refuse_revoked(commands: list[Command], live: set[UUID]) -> list[Command]:
 async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> list[tuple[UUID, int, int]]:
     """Append every staged event, fold each onto its own row, write the rows, settle parents, commit; returns hints.
 
-    Without parents to settle, the rows' write is the last statement and
-    carries the ``COMMIT`` (one round trip for both).
+    Without parents to settle, the events are folded before they are
+    appended (they are recorded at the transaction's clock, read with the
+    rows; only their positions come later), and the append, the rows' write
+    and the ``COMMIT`` go in one round trip. The log's ordering lock, which
+    the append takes and the commit releases, is then held only while
+    PostgreSQL runs them: holding it across two round trips and the fold
+    between them, the other batch in flight waited for this one's Python.
     """
     if not staged:
         await conn.execute("COMMIT")  # only reads (and refusals): ends the transaction, releases the locks
         return []
     batch = [store.PendingAppend(store.job_stream(s.state.id), s.state.version, [s.event], s.state.organization_id,
                                  s.command.actor) for s in staged]  # fmt: skip
-    recorded = await store.append_many(conn, batch)
-    for item, event_record in zip(staged, recorded):
-        item.row = queue.fold(item.state, event_record, job_id=item.state.id)
-    rows: list[JobRow] = [s.row for s in staged]  # type: ignore[misc]
     last: dict[UUID, int] = {}
-    children = [item for item in staged if item.row and item.row.parent_job_id]
+    children = [item for item in staged if item.state.parent_job_id]
     if not children:
-        await commit_with(conn, queue.TRANSITIONS, queue.transition_params(rows))
+        at = staged[0].at
+        recorded = store.recorded_before_append(batch, recorded_at=at)
+        rows = [queue.fold(item.state, event_record, job_id=item.state.id) for item, event_record in zip(staged, recorded)]
+        positions, _ = await commit_with(conn, [store.append_statement(batch, recorded_at=at),
+                                                (queue.TRANSITIONS, queue.transition_params(rows))])  # fmt: skip
+        for item, row, event_record in zip(staged, rows, store.appended(recorded, positions)):
+            item.row = queue.positioned(row, event_record.position)
     else:
-        await queue.write_transitions(conn, rows)
+        recorded = await store.append_many(conn, batch)
+        for item, event_record in zip(staged, recorded):
+            item.row = queue.fold(item.state, event_record, job_id=item.state.id)
+        await queue.write_transitions(conn, [s.row for s in staged])  # type: ignore[misc]
         # Parents are locked after their children and in id order, as in every other command.
         for item in sorted(children, key=lambda s: str(s.row.parent_job_id)):  # type: ignore[union-attr]
             for settled in await settle_parents(conn, [item.row], metadata=item.command.actor):  # type: ignore[list-item]
                 last[settled.organization_id] = max(last.get(settled.organization_id, 0), settled.position)
         await conn.execute("COMMIT")
-    for row in rows:
+    for item in staged:
+        row = item.row
+        assert row is not None
         last[row.organization_id] = max(last.get(row.organization_id, 0), row.position)
     return [(org, position, 0) for org, position in last.items()]
 
@@ -256,7 +271,7 @@ def _stage_held(records: Sequence[Any], held: Sequence[Command], deferred: list[
         except UmbraError as refusal:
             command.error = refusal
             continue
-        staged.append(_Staged(command, row, event))  # type: ignore[arg-type]
+        staged.append(_Staged(command, row, event, now))  # type: ignore[arg-type]
     return staged
 
 
@@ -360,4 +375,4 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
 def _claimed(command: Command, node: NodeView, row: JobRow, now: datetime, placement: Placement) -> _Staged:
     event = JobClaimed(attempt=row.attempt + 1, node_id=node.id, placement=placement,
                        lease_expires_at=now + timedelta(seconds=command.lease_seconds))  # fmt: skip
-    return _Staged(command, row, event, placement)
+    return _Staged(command, row, event, now, placement)

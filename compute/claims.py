@@ -41,6 +41,7 @@ from uuid import UUID, uuid4
 import msgspec
 import psycopg
 
+from umbra.db import uuid_array
 from umbra.domain.eligibility import is_busy
 from umbra.domain.jobs import check_holder, decide_failure
 from umbra.domain.models import RegisteredModel
@@ -105,7 +106,7 @@ LIMIT %(limit)s
 #: The rows among ``ids`` that are still queued and due, in claim order (:func:`lock_queued`).
 _QUEUED_AMONG = f"""
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
-WHERE id = ANY(%(ids)s)
+WHERE id = ANY(%(ids)s::uuid[])
   AND (organization_id = %(org)s AND status = 'queued' AND (not_before IS NULL OR not_before <= umbra_now())) IS TRUE
 ORDER BY priority, seq
 """
@@ -134,7 +135,7 @@ async def lock_queued(conn: psycopg.AsyncConnection, organization_id: UUID, ids:
       by the table's current size, for about 0.1 ms.
     """
     cursor = psycopg.AsyncClientCursor(conn)
-    await cursor.execute(_LOCK_ONE if first_only else _LOCK_QUEUED, {"ids": list(ids), "org": organization_id})
+    await cursor.execute(_LOCK_ONE if first_only else _LOCK_QUEUED, {"ids": uuid_array(ids), "org": organization_id})
     return await cursor.fetchall()
 
 

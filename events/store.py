@@ -34,6 +34,7 @@ import msgspec
 import psycopg
 
 from umbra import metrics
+from umbra.db import PreparedStatement
 from umbra.errors import ConcurrencyConflict
 
 from .types import Event, decode_event, encode_event
@@ -224,7 +225,8 @@ def _new_streams(batch: Iterable[PendingAppend]) -> Iterator[PendingAppend]:
         yield item
 
 
-async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> list[RecordedEvent]:
+def _encoded_rows(batch: Sequence[PendingAppend]) -> tuple[list[tuple[PendingAppend, Event, int]], bytes]:
+    """Each event of ``batch`` with its version, and all of them as the append's JSON rows."""
     rows: list[tuple[PendingAppend, Event, int]] = []
     for item in batch:
         for offset, event in enumerate(item.events):
@@ -243,6 +245,11 @@ async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingA
             for item, event, version in rows
         ]
     )
+    return rows, encoded
+
+
+async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> list[RecordedEvent]:
+    rows, encoded = _encoded_rows(batch)
     params = {"lock": LOG_LOCK_KEY, "rows": encoded.decode()}
     try:
         cursor = await conn.execute(_APPEND_GUARDED if ORDERING_GUARD else _APPEND_UNGUARDED, params)
@@ -264,6 +271,63 @@ async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingA
         )
         for (position, stream, version, recorded_at), (item, event, _) in zip(returned, rows)
     ]
+
+
+#: The append of events folded before they were appended (:func:`append_statement`). Every event is
+#: recorded at the caller's time (the transaction's ``umbra_now()``, which the column's default would
+#: have stored), so only the positions are unknown until it runs, and a later statement of the same
+#: transaction reads them from the log.
+_APPEND_AT = PreparedStatement("umbra_append_at", """
+WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s))
+INSERT INTO events (stream, version, type, organization_id, data, metadata, recorded_at)
+SELECT r.stream,
+       -- A stream not at its expected version gets a NULL version: the statement fails, and the
+       -- transaction with it, before the statements sent after it (and their COMMIT) run.
+       CASE WHEN r.expected = 0
+              OR coalesce((SELECT true FROM events e WHERE e.stream = r.stream AND e.version = r.expected LIMIT 1), false)
+            THEN r.version END,
+       r.type, r.org, r.data, r.meta, %(at)s
+FROM ordering_guard,
+     ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb)
+       AS (stream text, version int, type text, org uuid, data jsonb, meta jsonb, expected int)) WITH ORDINALITY
+       AS r(stream, version, type, org, data, meta, expected, n)
+ORDER BY r.n
+RETURNING position
+""")
+
+
+def append_statement(batch: Sequence[PendingAppend], *, recorded_at: datetime) -> tuple[PreparedStatement, dict[str, Any]]:
+    """The append of ``batch`` as a statement to send with the transaction's last ones, and its arguments.
+
+    For a caller that folds its events before appending them, so that the
+    append, the writes that follow from it and the ``COMMIT`` travel in one
+    round trip (``db.commit_with``): the ordering lock is then held only
+    while PostgreSQL runs them, not across round trips and the caller's own
+    work. Every event is recorded at ``recorded_at``, which must be the
+    transaction's ``umbra_now()`` (see :func:`recorded_before_append`). A
+    stream not at its expected version fails the statement, and with it the
+    transaction: nothing is written (it is not answered as a
+    :class:`ConcurrencyConflict`; the caller rolls back). The statement's
+    rows are the events' positions, in order (:func:`appended`).
+    """
+    _rows, encoded = _encoded_rows(batch)
+    return _APPEND_AT, {"lock": LOG_LOCK_KEY, "rows": encoded.decode(), "at": recorded_at}
+
+
+def recorded_before_append(batch: Sequence[PendingAppend], *, recorded_at: datetime) -> list[RecordedEvent]:
+    """``batch``'s events as they will be recorded by :func:`append_statement`, but at position 0: for folding."""
+    return [RecordedEvent(0, item.stream, item.expected_version + offset + 1, item.organization_id, event,
+                          item.metadata or {}, recorded_at)
+            for item in batch for offset, event in enumerate(item.events)]  # fmt: skip
+
+
+def appended(recorded: Sequence[RecordedEvent], positions: Sequence[Sequence[Any]]) -> list[RecordedEvent]:
+    """The events of :func:`recorded_before_append` with the positions :func:`append_statement` returned."""
+    if len(positions) != len(recorded):  # cannot happen: a skipped event fails the statement
+        raise RuntimeError(f"{len(recorded)} events appended, {len(positions)} positions returned")
+    metrics.count_events_appended(len(positions))
+    return [RecordedEvent(position, e.stream, e.version, e.organization_id, e.event, e.metadata, e.recorded_at)
+            for e, (position,) in zip(recorded, positions)]  # fmt: skip
 
 
 @contextlib.asynccontextmanager

@@ -87,6 +87,7 @@ COLUMNS = tuple(f.name for f in fields(JobRow))
 _values_of = operator.attrgetter(*COLUMNS)
 _slot_setters = [JobRow.__dict__[name].__set__ for name in COLUMNS]
 _slot_setter = dict(zip(COLUMNS, _slot_setters))
+_column_index = {name: index for index, name in enumerate(COLUMNS)}
 
 
 def replace(row: JobRow, **changes: Any) -> JobRow:
@@ -94,14 +95,23 @@ def replace(row: JobRow, **changes: Any) -> JobRow:
 
     The fold copies a row per event; ``dataclasses.replace`` spent most of a
     rebuild's time re-validating 30 fields through the frozen ``__setattr__``.
-    Unknown field names still raise.
+    Unknown field names still raise (``KeyError``).
     """
-    new = object.__new__(JobRow)
-    for setter, value in zip(_slot_setters, _values_of(row)):
-        setter(new, value)
+    values = list(_values_of(row))
     for name, value in changes.items():
-        _slot_setter[name](new, value)
-    return new
+        values[_column_index[name]] = value
+    return _build(values)
+
+
+def positioned(row: JobRow, position: int) -> JobRow:
+    """``row`` with its ``position`` set, in place: for a row folded before its event's position was known.
+
+    Only for a row the caller has just folded and shared with nobody
+    (:func:`umbra.events.store.append_statement`): the slot is written
+    directly, where :func:`replace` would copy the row once more.
+    """
+    _slot_setter["position"](row, position)
+    return row
 
 
 # -- the fold -------------------------------------------------------------------
@@ -274,7 +284,8 @@ def to_json(row: JobRow) -> dict[str, Any]:
 
 
 def _utc(value: datetime | None) -> datetime | None:
-    return None if value is None else _in_utc(value)
+    # The server's connections read timestamps in UTC already (umbra.db's pool).
+    return value if value is None or value.tzinfo is timezone.utc else _in_utc(value)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -353,19 +364,24 @@ TRANSITION_COLUMNS = (
     "status", "attempt", "not_before", "lease_owner", "lease_expires_at", "result", "error", "placement",
     "blocked_reason", "blocked_at", "children_total", "version", "position", "updated_at", "started_at", "finished_at",
 )  # fmt: skip
-_TRANSITION_KEYS = ("id", *TRANSITION_COLUMNS)
+#: Sent for each row: the position is not, it is read from the log (below).
+_TRANSITION_KEYS = ("id", *(c for c in TRANSITION_COLUMNS if c != "position"))
 _transition_values = operator.attrgetter(*_TRANSITION_KEYS)
+#: Each row's position is that of its last event (the one at its version), read from the log in the
+#: same transaction: a caller may then fold its events, and send this write, before the append has
+#: told it their positions (:func:`umbra.events.store.append_statement`).
 _TRANSITION = (
-    "UPDATE jobs SET " + ", ".join(f"{c} = r.{c}" for c in TRANSITION_COLUMNS)
+    "UPDATE jobs SET " + ", ".join(f"{c} = r.{c}" for c in _TRANSITION_KEYS[1:]) + ", position = e.position"
     + " FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
     + ", ".join(f"{c} {_SQL_TYPES.get(c, 'text')}" for c in _TRANSITION_KEYS)
-    + ") WHERE jobs.id = r.id"
+    + ") JOIN events e ON e.stream = 'job:' || r.id AND e.version = r.version WHERE jobs.id = r.id"
 )  # fmt: skip
 #: The transitions' write for :func:`umbra.db.commit_with` (with :func:`transition_params`).
 TRANSITIONS = PreparedStatement("umbra_jobs_transitions", _TRANSITION)
 
 
 def transition_params(rows: Sequence[JobRow]) -> dict[str, str]:
+    """The rows' changing columns; for a row whose event is appended in the same transaction, before this write runs."""
     return {"rows": _encoder.encode([dict(zip(_TRANSITION_KEYS, _transition_values(row))) for row in rows]).decode()}
 
 

@@ -109,17 +109,21 @@ async def test_several_reads_share_the_round_trip_each_with_its_own_arguments_an
     await conn.rollback()
 
 
-async def test_commit_with_runs_the_last_statement_and_commits(conn):
+async def test_commit_with_runs_the_last_statements_in_order_and_commits(conn):
     from umbra.db import commit_with
 
     await conn.execute("CREATE TABLE t (v text UNIQUE)")
+    counted = PreparedStatement("test_counted", "SELECT count(*) FROM t WHERE v <= %(v)s")
+    touched = PreparedStatement("test_touched", "UPDATE t SET v = v WHERE v = %(v)s")
     await begin_with(conn, [(INSERT, {"v": "a"})])
-    await commit_with(conn, INSERT, {"v": "b"})
+    results = await commit_with(conn, [(INSERT, {"v": "b"}), (counted, {"v": "b"}), (touched, {"v": "a"}),
+                                       (INSERT, {"v": "c"})])  # fmt: skip
+    assert results == [[("b",)], [(2,)], [], [("c",)]]  # the second saw the first one's row; the third has none
     assert conn.info.transaction_status == TransactionStatus.IDLE
-    assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",)]
+    assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",), ("c",)]
 
-    await begin_with(conn, [(INSERT, {"v": "c"})])
+    await begin_with(conn, [(INSERT, {"v": "d"})])
     with pytest.raises(psycopg.errors.UniqueViolation):
-        await commit_with(conn, INSERT, {"v": "a"})  # fails: the COMMIT after it never runs
+        await commit_with(conn, [(INSERT, {"v": "e"}), (INSERT, {"v": "a"}), (INSERT, {"v": "f"})])  # the second fails
     await conn.rollback()
-    assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",)]
+    assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",), ("c",)]

@@ -9,11 +9,14 @@ import anyio
 import psycopg
 import pytest
 
+from umbra.db import PreparedStatement, begin_with, commit_with
 from umbra.errors import ConcurrencyConflict
 from umbra.events import store
 from umbra.events.types import JobCancelled, JobSubmitted, NodeDraining
 
 pytestmark = pytest.mark.anyio
+
+CLOCK = PreparedStatement("test_clock", "SELECT umbra_now()")
 
 
 @pytest.fixture(params=["insert", "copy"])
@@ -90,6 +93,39 @@ async def test_append_refuses_a_taken_first_version(conn, org, append_path):
             ])  # fmt: skip
     assert len(await store.read_stream(conn, stream)) == 1
     assert await store.read_stream(conn, other) == []
+
+
+async def test_an_append_sent_with_the_commit_records_at_the_given_time_and_returns_positions(conn, org):
+    """``append_statement``: folded before appending, so the events' time is given and only positions come back."""
+    org_id, _ = org
+    first, second = store.job_stream(uuid.uuid4()), store.job_stream(uuid.uuid4())
+    await store.append(conn, first, 0, [_submitted()], organization_id=org_id)
+    [(now,)] = await begin_with(conn, [(CLOCK, {})])
+    batch = [store.PendingAppend(first, 1, [JobCancelled(by="a")], org_id, {"actor": "t"}),
+             store.PendingAppend(second, 0, [_submitted(1), JobCancelled(by="b")], org_id)]  # fmt: skip
+    before = store.recorded_before_append(batch, recorded_at=now[0])
+    assert [(e.stream, e.version, e.position) for e in before] == [(first, 2, 0), (second, 1, 0), (second, 2, 0)]
+    [positions] = await commit_with(conn, [store.append_statement(batch, recorded_at=now[0])])
+    recorded = store.appended(before, positions)
+    assert [r.position for r in recorded] == sorted(r.position for r in recorded)
+    read = {(r.stream, r.version): r for r in [*await store.read_stream(conn, first), *await store.read_stream(conn, second)]}
+    for event in recorded:
+        assert read[event.stream, event.version] == event  # position, time, event and metadata as stored
+
+
+async def test_an_append_sent_with_the_commit_fails_it_for_a_stream_not_at_its_expected_version(conn, org):
+    """Nothing of the message commits: not the other streams' events, not the statements sent after it."""
+    org_id, _ = org
+    stream, other = store.job_stream(uuid.uuid4()), store.job_stream(uuid.uuid4())
+    await store.append(conn, stream, 0, [_submitted()], organization_id=org_id)
+    for expected in (0, 2):  # behind (version 1 taken) and ahead (a gap)
+        [(now,)] = await begin_with(conn, [(CLOCK, {})])
+        batch = [store.PendingAppend(other, 0, [_submitted()], org_id),
+                 store.PendingAppend(stream, expected, [JobCancelled()], org_id)]  # fmt: skip
+        with pytest.raises((psycopg.errors.NotNullViolation, psycopg.errors.UniqueViolation)):
+            await commit_with(conn, [store.append_statement(batch, recorded_at=now[0]), (CLOCK, {})])
+        await conn.rollback()
+        assert len(await store.read_stream(conn, stream)) == 1 and await store.read_stream(conn, other) == []
 
 
 async def test_large_append_keeps_batch_order_and_stores_what_it_returns(conn, org):
