@@ -139,46 +139,23 @@ async def lock_queued(conn: psycopg.AsyncConnection, organization_id: UUID, ids:
     return await cursor.fetchall()
 
 
-def _lock_first_of_shape_sql(heads: int) -> str:
-    """The first claimable rows of one requirement shape, locked: scan and lock in one statement.
-
-    For a claimer that can run exactly one of the queued shapes
-    (:meth:`ClaimableScan.only_shape`). The shape's first ``heads`` rows are
-    read as in :data:`SHAPES_SCAN` (by ``jobs_by_shape``), and the first of them
-    nobody else holds are locked. Both forms matter to the planner: with the
-    shape as a plain constant it walked ``jobs_claimable`` through all the work
-    in front that other shapes hold (200 ms at 1,000,000 queued, half of it GPU
-    work ahead of the CPU shape), and with the page size as a parameter the
-    generic plan did the same. The heads are then fetched by primary key alone
-    (the other conditions under ``IS TRUE``, as in :func:`lock_queued`): joined
-    to them, the planner hashed a scan of the whole table.
-    """
-    return f"""
-WITH heads AS MATERIALIZED (
-    SELECT j.id FROM unnest(%(shapes)s::text[]) AS s(requires)
-    CROSS JOIN LATERAL (
-        SELECT id, priority, seq FROM jobs
-        WHERE organization_id = %(org)s AND status = 'queued' AND requires = s.requires::jsonb
-          AND (not_before IS NULL OR not_before <= umbra_now())
-        ORDER BY priority, seq
-        LIMIT {int(heads)}
-    ) j
-)
-SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
-WHERE id = ANY(ARRAY(SELECT id FROM heads))
-  AND (organization_id = %(org)s AND status = 'queued' AND (not_before IS NULL OR not_before <= umbra_now())) IS TRUE
-ORDER BY priority, seq
-LIMIT %(count)s
-FOR UPDATE SKIP LOCKED
+#: The first claimable rows of one requirement shape that nobody else holds, locked, in claim order:
+#: the shape's rows are walked by ``jobs_by_shape`` and locked as they come (``FOR UPDATE SKIP
+#: LOCKED``, the lock re-checking queued and due), until ``count`` are held or the shape has no more.
+#: The shape comes from ``unnest`` for the planner's sake: as a plain constant it walked
+#: ``jobs_claimable`` through all the work in front that other shapes hold (200 ms at 1,000,000
+#: queued, half of it GPU work ahead of the CPU shape).
+_LOCK_FIRST_OF_SHAPE = f"""
+SELECT j.* FROM unnest(%(shapes)s::text[]) AS s(requires)
+CROSS JOIN LATERAL (
+    SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
+    WHERE organization_id = %(org)s AND status = 'queued' AND requires = s.requires::jsonb
+      AND (not_before IS NULL OR not_before <= umbra_now())
+    ORDER BY priority, seq
+    LIMIT %(count)s
+    FOR UPDATE SKIP LOCKED
+) j
 """
-
-
-#: By the number of heads read (a literal in the SQL: see above), at least twice the rows
-#: wanted. The other group-commit batch in flight holds about as many of the shape's first rows
-#: as this one wants, and they are skipped: reading only as many heads as wanted, the second of
-#: two batches found too few and read on page by page (16 HTTP agents taking ten jobs at a time:
-#: 3,404-3,632 jobs/s against 3,777-4,025, interleaved).
-_LOCK_FIRST_OF_SHAPE = {heads: _lock_first_of_shape_sql(heads) for heads in (SHAPE_PAGE, SCAN_PAGE, 2 * SCAN_PAGE)}
 _LOCK_BY_ID = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = %s AND organization_id = %s FOR UPDATE"
 
 _requirements = msgspec.json.Decoder(Requirements)
@@ -303,15 +280,13 @@ async def lock_first_of_shape(conn: psycopg.AsyncConnection, organization_id: UU
                               count: int = 1) -> list[Any]:  # fmt: skip
     """The first ``count`` claimable (queued, due, not held by another claimer) rows of ``shape``, locked.
 
-    At most ``count`` (≤ :data:`SCAN_PAGE`) among the shape's first
-    :data:`SHAPE_PAGE`, :data:`SCAN_PAGE` or twice that many claimable rows
-    (the fewest that are at least twice ``count``); empty if those are all
-    held by others (or there are none): the caller then reads on page by
-    page. Each row comes with the database clock as its last column, as
-    every locking read here.
+    Fewer when the shape has fewer that nobody else holds (the caller then
+    reads on page by page, which also says whether anything was due). Each
+    row comes with the database clock as its last column, as every locking
+    read here.
     """
-    sql = _LOCK_FIRST_OF_SHAPE[next(heads for heads in _LOCK_FIRST_OF_SHAPE if heads >= 2 * min(count, SCAN_PAGE))]
-    return await (await conn.execute(sql, {"org": organization_id, "shapes": [shape], "count": count})).fetchall()
+    params = {"org": organization_id, "shapes": [shape], "count": count}
+    return await (await conn.execute(_LOCK_FIRST_OF_SHAPE, params)).fetchall()
 
 
 def _merged_page(rows: list[ScanRow], per_shape: int) -> tuple[list[ScanRow], list[str]]:
