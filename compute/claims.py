@@ -286,7 +286,7 @@ async def lock_first_of_shape(conn: psycopg.AsyncConnection, organization_id: UU
     read here.
     """
     params = {"org": organization_id, "shapes": [shape], "count": count}
-    return await (await conn.execute(_LOCK_FIRST_OF_SHAPE, params)).fetchall()
+    return await (await conn.execute(_LOCK_FIRST_OF_SHAPE, params, binary=True)).fetchall()
 
 
 def _merged_page(rows: list[ScanRow], per_shape: int) -> tuple[list[ScanRow], list[str]]:
