@@ -209,8 +209,8 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
         rows = [queue.fold(item.state, event_record, job_id=item.state.id) for item, event_record in zip(staged, recorded)]
         positions, _ = await commit_with(conn, [store.append_statement(batch, recorded_at=at),
                                                 (queue.TRANSITIONS, queue.transition_params(rows))])  # fmt: skip
-        for item, row, event_record in zip(staged, rows, store.appended(recorded, positions)):
-            item.row = queue.positioned(row, event_record.position)
+        for item, row, position in zip(staged, rows, store.appended(recorded, positions)):
+            item.row = queue.positioned(row, position)
     else:
         recorded = await store.append_many(conn, batch)
         for item, event_record in zip(staged, recorded):

@@ -347,7 +347,7 @@ class ClaimResult:
 
     def to_json(self) -> dict[str, Any]:
         """The claim response, for the JSON encoder (the Job as a :class:`~umbra.projections.jobs.JobOut`)."""
-        return {"job": queue.job_out(self.row), "placement": self.placement, "lease_expires_at": self.lease_expires_at}
+        return {"job": queue.job_out(self.row), "placement": self.placed, "lease_expires_at": self.lease_expires_at}
 
 
 async def claim(

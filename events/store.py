@@ -321,13 +321,12 @@ def recorded_before_append(batch: Sequence[PendingAppend], *, recorded_at: datet
             for item in batch for offset, event in enumerate(item.events)]  # fmt: skip
 
 
-def appended(recorded: Sequence[RecordedEvent], positions: Sequence[Sequence[Any]]) -> list[RecordedEvent]:
-    """The events of :func:`recorded_before_append` with the positions :func:`append_statement` returned."""
-    if len(positions) != len(recorded):  # cannot happen: a skipped event fails the statement
-        raise RuntimeError(f"{len(recorded)} events appended, {len(positions)} positions returned")
-    metrics.count_events_appended(len(positions))
-    return [RecordedEvent(position, e.stream, e.version, e.organization_id, e.event, e.metadata, e.recorded_at)
-            for e, (position,) in zip(recorded, positions)]  # fmt: skip
+def appended(recorded: Sequence[RecordedEvent], returned: Sequence[Sequence[Any]]) -> list[int]:
+    """The positions of the events of :func:`recorded_before_append`, from the rows :func:`append_statement` returned."""
+    if len(returned) != len(recorded):  # cannot happen: a skipped event fails the statement
+        raise RuntimeError(f"{len(recorded)} events appended, {len(returned)} positions returned")
+    metrics.count_events_appended(len(returned))
+    return [position for (position,) in returned]
 
 
 @contextlib.asynccontextmanager

@@ -234,7 +234,7 @@ def _requires_json(requires: Requirements) -> dict[str, Any]:
 class JobOut(msgspec.Struct):
     """The API's Job object (API.md), plus ``blocked_reason``, in its field order.
 
-    UUIDs and timestamps stay objects here and become text in msgspec's C
+    UUIDs, timestamps and the placement stay objects here and become JSON in msgspec's C
     encoder: a 10,000-job batch response is encoded straight from these, and
     :func:`to_json` gives the same object as plain JSON values. Timestamps are
     UTC, so both write them as RFC 3339 with ``Z``.
@@ -259,7 +259,7 @@ class JobOut(msgspec.Struct):
     lease_expires_at: datetime | None
     result: Any
     error: str | None
-    placement: dict[str, Any] | None
+    placement: Placement | None
     blocked_reason: str | None
     created_at: datetime
     started_at: datetime | None
@@ -273,14 +273,16 @@ def job_out(row: JobRow) -> JobOut:
         row.id, row.organization_id, row.kind, row.status, row.priority, _requires_json(row.requires), row.payload,
         row.project_id, row.lang, row.attempt, row.max_attempts, _utc(row.not_before), row.parent_job_id,
         row.idempotency_key, row.requested_by, row.lease_owner, _utc(row.lease_expires_at), row.result, row.error,
-        placement_json(row.placement), row.blocked_reason, _utc(row.created_at), _utc(row.started_at),
+        row.placement, row.blocked_reason, _utc(row.created_at), _utc(row.started_at),
         _utc(row.finished_at), row.position,
     )  # fmt: skip
 
 
 def to_json(row: JobRow) -> dict[str, Any]:
     """The API's Job object as plain JSON values (:class:`JobOut`)."""
-    return msgspec.to_builtins(job_out(row))
+    out = msgspec.to_builtins(job_out(row))
+    out["placement"] = placement_json(row.placement)  # its tuple as a list, as JSON gives it back
+    return out
 
 
 def _utc(value: datetime | None) -> datetime | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import uuid
 
@@ -105,9 +106,10 @@ async def test_an_append_sent_with_the_commit_records_at_the_given_time_and_retu
              store.PendingAppend(second, 0, [_submitted(1), JobCancelled(by="b")], org_id)]  # fmt: skip
     before = store.recorded_before_append(batch, recorded_at=now[0])
     assert [(e.stream, e.version, e.position) for e in before] == [(first, 2, 0), (second, 1, 0), (second, 2, 0)]
-    [positions] = await commit_with(conn, [store.append_statement(batch, recorded_at=now[0])])
-    recorded = store.appended(before, positions)
-    assert [r.position for r in recorded] == sorted(r.position for r in recorded)
+    [returned] = await commit_with(conn, [store.append_statement(batch, recorded_at=now[0])])
+    positions = store.appended(before, returned)
+    assert positions == sorted(positions)
+    recorded = [dataclasses.replace(event, position=position) for event, position in zip(before, positions)]
     read = {(r.stream, r.version): r for r in [*await store.read_stream(conn, first), *await store.read_stream(conn, second)]}
     for event in recorded:
         assert read[event.stream, event.version] == event  # position, time, event and metadata as stored
