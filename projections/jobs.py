@@ -369,14 +369,26 @@ TRANSITION_COLUMNS = (
 #: Sent for each row: the position is not, it is read from the log (below).
 _TRANSITION_KEYS = ("id", *(c for c in TRANSITION_COLUMNS if c != "position"))
 _transition_values = operator.attrgetter(*_TRANSITION_KEYS)
-#: Each row's position is that of its last event (the one at its version), read from the log in the
-#: same transaction: a caller may then fold its events, and send this write, before the append has
-#: told it their positions (:func:`umbra.events.store.append_statement`).
+
+def _transition_value(index: int, column: str) -> str:
+    """The SQL for one column of a row sent as a JSON array (JSON null is SQL NULL, as for every column)."""
+    kind = _SQL_TYPES.get(column, "text")
+    if kind == "jsonb":
+        return f"nullif(r.v->{index}, 'null')"
+    return f"r.v->>{index}" if kind == "text" else f"(r.v->>{index})::{kind}"
+
+
+#: Each row travels as a JSON array in :data:`_TRANSITION_KEYS` order: as objects, the keys made
+#: up 40 % of the document that psycopg quotes and PostgreSQL parses (0.62 against 0.55 ms of
+#: PostgreSQL's time for 150 rows). Each row's position is that of its last event (the one at its
+#: version), read from the log in the same transaction: a caller may then fold its events, and send
+#: this write, before the append has told it their positions (:func:`umbra.events.store.append_statement`).
 _TRANSITION = (
-    "UPDATE jobs SET " + ", ".join(f"{c} = r.{c}" for c in _TRANSITION_KEYS[1:]) + ", position = e.position"
-    + " FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
-    + ", ".join(f"{c} {_SQL_TYPES.get(c, 'text')}" for c in _TRANSITION_KEYS)
-    + ") JOIN events e ON e.stream = 'job:' || r.id AND e.version = r.version WHERE jobs.id = r.id"
+    "UPDATE jobs SET "
+    + ", ".join(f"{c} = {_transition_value(i, c)}" for i, c in enumerate(_TRANSITION_KEYS) if c != "id")
+    + ", position = e.position FROM jsonb_array_elements(%(rows)s::jsonb) AS r(v)"
+    + f" JOIN events e ON e.stream = 'job:' || (r.v->>0) AND e.version = {_transition_value(_TRANSITION_KEYS.index('version'), 'version')}"
+    + " WHERE jobs.id = (r.v->>0)::uuid"
 )  # fmt: skip
 #: The transitions' write for :func:`umbra.db.commit_with` (with :func:`transition_params`).
 TRANSITIONS = PreparedStatement("umbra_jobs_transitions", _TRANSITION)
@@ -384,7 +396,7 @@ TRANSITIONS = PreparedStatement("umbra_jobs_transitions", _TRANSITION)
 
 def transition_params(rows: Sequence[JobRow]) -> dict[str, str]:
     """The rows' changing columns; for a row whose event is appended in the same transaction, before this write runs."""
-    return {"rows": _encoder.encode([dict(zip(_TRANSITION_KEYS, _transition_values(row))) for row in rows]).decode()}
+    return {"rows": _encoder.encode([_transition_values(row) for row in rows]).decode()}
 
 
 async def write_transitions(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> None:
