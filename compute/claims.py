@@ -142,9 +142,10 @@ async def lock_queued(conn: psycopg.AsyncConnection, organization_id: UUID, ids:
 #: The first claimable rows of one requirement shape that nobody else holds, locked, in claim order:
 #: the shape's rows are walked by ``jobs_by_shape`` and locked as they come (``FOR UPDATE SKIP
 #: LOCKED``, the lock re-checking queued and due), until ``count`` are held or the shape has no more.
-#: The shape comes from ``unnest`` for the planner's sake: as a plain constant it walked
-#: ``jobs_claimable`` through all the work in front that other shapes hold (200 ms at 1,000,000
-#: queued, half of it GPU work ahead of the CPU shape).
+#: Rows are locked only as the outer ``LIMIT`` pulls them. Both the shape and the inner limit are
+#: written for the planner: with the shape as a plain constant, or the inner limit as a parameter,
+#: the generic plan walked ``jobs_claimable`` through all the work in front that other shapes hold
+#: (250 ms a claim at 1,000,000 queued, half of it GPU work ahead of the CPU shape).
 _LOCK_FIRST_OF_SHAPE = f"""
 SELECT j.* FROM unnest(%(shapes)s::text[]) AS s(requires)
 CROSS JOIN LATERAL (
@@ -152,9 +153,10 @@ CROSS JOIN LATERAL (
     WHERE organization_id = %(org)s AND status = 'queued' AND requires = s.requires::jsonb
       AND (not_before IS NULL OR not_before <= umbra_now())
     ORDER BY priority, seq
-    LIMIT %(count)s
+    LIMIT {SCAN_PAGE}
     FOR UPDATE SKIP LOCKED
 ) j
+LIMIT %(count)s
 """
 _LOCK_BY_ID = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = %s AND organization_id = %s FOR UPDATE"
 
@@ -285,7 +287,7 @@ async def lock_first_of_shape(conn: psycopg.AsyncConnection, organization_id: UU
     row comes with the database clock as its last column, as every locking
     read here.
     """
-    params = {"org": organization_id, "shapes": [shape], "count": count}
+    params = {"org": organization_id, "shapes": [shape], "count": min(count, SCAN_PAGE)}
     return await (await conn.execute(_LOCK_FIRST_OF_SHAPE, params, binary=True)).fetchall()
 
 
