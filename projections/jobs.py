@@ -383,12 +383,14 @@ def _transition_value(index: int, column: str) -> str:
 #: PostgreSQL's time for 150 rows). Each row's position is that of its last event (the one at its
 #: version), read from the log in the same transaction: a caller may then fold its events, and send
 #: this write, before the append has told it their positions (:func:`umbra.events.store.append_statement`).
+#: A row whose event is not in the log gets no position, which ``jobs.position NOT NULL`` refuses:
+#: the write fails rather than leave the row behind.
 _TRANSITION = (
     "UPDATE jobs SET "
     + ", ".join(f"{c} = {_transition_value(i, c)}" for i, c in enumerate(_TRANSITION_KEYS) if c != "id")
-    + ", position = e.position FROM jsonb_array_elements(%(rows)s::jsonb) AS r(v)"
-    + f" JOIN events e ON e.stream = 'job:' || (r.v->>0) AND e.version = {_transition_value(_TRANSITION_KEYS.index('version'), 'version')}"
-    + " WHERE jobs.id = (r.v->>0)::uuid"
+    + ", position = (SELECT e.position FROM events e WHERE e.stream = 'job:' || (r.v->>0)"
+    + f" AND e.version = {_transition_value(_TRANSITION_KEYS.index('version'), 'version')})"
+    + " FROM jsonb_array_elements(%(rows)s::jsonb) AS r(v) WHERE jobs.id = (r.v->>0)::uuid"
 )  # fmt: skip
 #: The transitions' write for :func:`umbra.db.commit_with` (with :func:`transition_params`).
 TRANSITIONS = PreparedStatement("umbra_jobs_transitions", _TRANSITION)

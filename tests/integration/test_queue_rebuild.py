@@ -113,3 +113,23 @@ async def test_rebuilding_the_queue_from_the_log_equals_the_live_table(world, hi
         if row.children_total and row.status == "running":
             children = [c for c in live.values() if c.parent_job_id == row.id]
             assert any(c.status not in TERMINAL_JOB_STATUSES for c in children)
+
+
+async def test_a_transition_whose_event_is_not_in_the_log_is_refused(conn, org):
+    """The transitions' write reads each row's position from the log: a row folded from an event never appended fails.
+
+    (It would otherwise leave the row as it was while its caller believed it written.)
+    """
+    import psycopg
+
+    org_id, _ = org
+    [submitted], _ = await jobs.submit(conn, org_id, [spec()], actor="t", batch=False)
+    job_id = submitted.id
+    [record] = await (await conn.execute(f"SELECT {queue.SELECT_LIST} FROM jobs WHERE id = %s", (job_id,))).fetchall()
+    row = queue.from_db(record)
+    unrecorded = queue.replace(row, status="cancelled", version=row.version + 1)
+    with pytest.raises(psycopg.errors.NotNullViolation):
+        async with conn.transaction():
+            await queue.write_transitions(conn, [unrecorded])
+    [(status, version)] = await (await conn.execute("SELECT status, version FROM jobs WHERE id = %s", (job_id,))).fetchall()
+    assert (status, version) == (row.status, row.version)
