@@ -35,7 +35,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
-from umbra.db import PreparedStatement, begin_with, commit_with, uuid_array
+from umbra.db import PreparedStatement, begin_with, commit_with, run_together, uuid_array
 from umbra.domain.eligibility import NodeView, is_busy
 from umbra.domain.jobs import check_holder
 from umbra.domain.node_status import effective_status
@@ -188,13 +188,14 @@ def _refuse_revoked(commands: list[Command], live: set[UUID]) -> list[Command]:
 async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> list[tuple[UUID, int, int]]:
     """Append every staged event, fold each onto its own row, write the rows, settle parents, commit; returns hints.
 
-    Without parents to settle, the events are folded before they are
-    appended (they are recorded at the transaction's clock, read with the
-    rows; only their positions come later), and the append, the rows' write
-    and the ``COMMIT`` go in one round trip. The log's ordering lock, which
-    the append takes and the commit releases, is then held only while
-    PostgreSQL runs them: holding it across two round trips and the fold
-    between them, the other batch in flight waited for this one's Python.
+    The events are folded before they are appended (they are recorded at
+    the transaction's clock, read with the rows; only their positions come
+    later), so the append and the rows' write go in one round trip, and
+    without parents to settle the ``COMMIT`` goes with them. The log's
+    ordering lock, which the append takes and the commit releases, is then
+    held only while PostgreSQL runs them: holding it across two round trips
+    and the fold between them, the other batch in flight waited for this
+    one's Python.
     """
     if not staged:
         await conn.execute("COMMIT")  # only reads (and refusals): ends the transaction, releases the locks
@@ -203,19 +204,13 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
                                  s.command.actor) for s in staged]  # fmt: skip
     last: dict[UUID, int] = {}
     children = [item for item in staged if item.state.parent_job_id]
-    if not children:
-        at = staged[0].at
-        recorded = store.recorded_before_append(batch, recorded_at=at)
-        rows = [queue.fold(item.state, event_record, job_id=item.state.id) for item, event_record in zip(staged, recorded)]
-        positions, _ = await commit_with(conn, [store.append_statement(batch, recorded_at=at),
-                                                (queue.TRANSITIONS, queue.transition_params(rows))])  # fmt: skip
-        for item, row, position in zip(staged, rows, store.appended(recorded, positions)):
-            item.row = queue.positioned(row, position)
-    else:
-        recorded = await store.append_many(conn, batch)
-        for item, event_record in zip(staged, recorded):
-            item.row = queue.fold(item.state, event_record, job_id=item.state.id)
-        await queue.write_transitions(conn, [s.row for s in staged])  # type: ignore[misc]
+    append, recorded = store.append_statement(batch, recorded_at=staged[0].at)
+    rows = [queue.fold(item.state, event_record, job_id=item.state.id) for item, event_record in zip(staged, recorded)]
+    writes = [append, (queue.TRANSITIONS, queue.transition_params(rows))]
+    positions, _ = await (run_together(conn, writes) if children else commit_with(conn, writes))
+    for item, row, position in zip(staged, rows, store.appended(recorded, positions)):
+        item.row = queue.positioned(row, position)
+    if children:
         # Parents are locked after their children and in id order, as in every other command.
         for item in sorted(children, key=lambda s: str(s.row.parent_job_id)):  # type: ignore[union-attr]
             for settled in await settle_parents(conn, [item.row], metadata=item.command.actor):  # type: ignore[list-item]

@@ -296,33 +296,33 @@ RETURNING position
 """)
 
 
-def append_statement(batch: Sequence[PendingAppend], *, recorded_at: datetime) -> tuple[PreparedStatement, dict[str, Any]]:
-    """The append of ``batch`` as a statement to send with the transaction's last ones, and its arguments.
+#: The append of :func:`append_statement`, with its arguments, ready for ``db.commit_with``.
+AppendStatement = tuple[PreparedStatement, dict[str, Any]]
+
+
+def append_statement(batch: Sequence[PendingAppend], *, recorded_at: datetime) -> tuple[AppendStatement, list[RecordedEvent]]:
+    """The append of ``batch`` as a statement to send with the transaction's last ones, and its events.
 
     For a caller that folds its events before appending them, so that the
     append, the writes that follow from it and the ``COMMIT`` travel in one
     round trip (``db.commit_with``): the ordering lock is then held only
     while PostgreSQL runs them, not across round trips and the caller's own
     work. Every event is recorded at ``recorded_at``, which must be the
-    transaction's ``umbra_now()`` (see :func:`recorded_before_append`). A
-    stream not at its expected version fails the statement, and with it the
-    transaction: nothing is written (it is not answered as a
-    :class:`ConcurrencyConflict`; the caller rolls back). The statement's
-    rows are the events' positions, in order (:func:`appended`).
+    transaction's ``umbra_now()`` (the column's default). The events come
+    back as they will be recorded, at position 0 until :func:`appended`
+    reads their positions from the statement's rows. A stream not at its
+    expected version fails the statement, and with it the transaction:
+    nothing is written (it is not answered as a :class:`ConcurrencyConflict`;
+    the caller rolls back).
     """
-    _rows, encoded = _encoded_rows(batch)
-    return _APPEND_AT, {"lock": LOG_LOCK_KEY, "rows": encoded.decode(), "at": recorded_at}
-
-
-def recorded_before_append(batch: Sequence[PendingAppend], *, recorded_at: datetime) -> list[RecordedEvent]:
-    """``batch``'s events as they will be recorded by :func:`append_statement`, but at position 0: for folding."""
-    return [RecordedEvent(0, item.stream, item.expected_version + offset + 1, item.organization_id, event,
-                          item.metadata or {}, recorded_at)
-            for item in batch for offset, event in enumerate(item.events)]  # fmt: skip
+    rows, encoded = _encoded_rows(batch)
+    recorded = [RecordedEvent(0, item.stream, version, item.organization_id, event, item.metadata or {}, recorded_at)
+                for item, event, version in rows]  # fmt: skip
+    return (_APPEND_AT, {"lock": LOG_LOCK_KEY, "rows": encoded.decode(), "at": recorded_at}), recorded
 
 
 def appended(recorded: Sequence[RecordedEvent], returned: Sequence[Sequence[Any]]) -> list[int]:
-    """The positions of the events of :func:`recorded_before_append`, from the rows :func:`append_statement` returned."""
+    """The positions of the events of :func:`append_statement`, from the rows its statement returned."""
     if len(returned) != len(recorded):  # cannot happen: a skipped event fails the statement
         raise RuntimeError(f"{len(recorded)} events appended, {len(returned)} positions returned")
     metrics.count_events_appended(len(returned))

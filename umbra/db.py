@@ -123,12 +123,22 @@ async def commit_with(conn: psycopg.AsyncConnection,
     PostgreSQL runs nothing of the message after it. A statement without rows
     answers ``[]``.
     """
-    done = await _prepare(conn, [write for write, _values in writes])
-    query, params = _joined(writes)
+    return await run_together(conn, writes, then="COMMIT")
+
+
+async def run_together(conn: psycopg.AsyncConnection, statements: Sequence[tuple[PreparedStatement, Mapping[str, Any]]],
+                       *, then: str = "") -> list[list[Any]]:  # fmt: skip
+    """Prepared statements of the caller's transaction in one round trip, in order; returns each one's rows.
+
+    ``then`` is sent after them in the same message (:func:`commit_with`
+    sends ``COMMIT``). An error stops the message there.
+    """
+    done = await _prepare(conn, [statement for statement, _values in statements])
+    query, params = _joined(statements)
     cursor = psycopg.AsyncClientCursor(conn)
-    await _run(cursor, done, f"{query}\nCOMMIT", params)
+    await _run(cursor, done, f"{query}\n{then}" if then else query, params)
     results = []
-    for _ in writes:
+    for _ in statements:
         results.append(await cursor.fetchall() if cursor.description is not None else [])
         cursor.nextset()
     return results

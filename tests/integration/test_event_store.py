@@ -104,9 +104,9 @@ async def test_an_append_sent_with_the_commit_records_at_the_given_time_and_retu
     [(now,)] = await begin_with(conn, [(CLOCK, {})])
     batch = [store.PendingAppend(first, 1, [JobCancelled(by="a")], org_id, {"actor": "t"}),
              store.PendingAppend(second, 0, [_submitted(1), JobCancelled(by="b")], org_id)]  # fmt: skip
-    before = store.recorded_before_append(batch, recorded_at=now[0])
+    append, before = store.append_statement(batch, recorded_at=now[0])
     assert [(e.stream, e.version, e.position) for e in before] == [(first, 2, 0), (second, 1, 0), (second, 2, 0)]
-    [returned] = await commit_with(conn, [store.append_statement(batch, recorded_at=now[0])])
+    [returned] = await commit_with(conn, [append])
     positions = store.appended(before, returned)
     assert positions == sorted(positions)
     recorded = [dataclasses.replace(event, position=position) for event, position in zip(before, positions)]
@@ -125,7 +125,8 @@ async def test_an_append_sent_with_the_commit_fails_it_for_a_stream_not_at_its_e
         batch = [store.PendingAppend(other, 0, [_submitted()], org_id),
                  store.PendingAppend(stream, expected, [JobCancelled()], org_id)]  # fmt: skip
         with pytest.raises((psycopg.errors.NotNullViolation, psycopg.errors.UniqueViolation)):
-            await commit_with(conn, [store.append_statement(batch, recorded_at=now[0]), (CLOCK, {})])
+            append, _recorded = store.append_statement(batch, recorded_at=now[0])
+            await commit_with(conn, [append, (CLOCK, {})])
         await conn.rollback()
         assert len(await store.read_stream(conn, stream)) == 1 and await store.read_stream(conn, other) == []
 
