@@ -21,8 +21,9 @@
   :mod:`umbra.compute.group_commit`, claim then complete, or chained.
 
 The clock starts when the agents start and stops when the N-th completion has
-returned. Prints jobs/s per mode and agent count and writes
-``bench/results/drain.json``.
+returned; the steady rate is taken over the middle 80 % of the completions
+(:func:`bench.common.steady_rate`). Prints jobs/s per mode and agent count and
+writes ``bench/results/drain.json``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from umbra.compute import claims
 from umbra.compute.group_commit import GroupCommit, HintNotifier
 
 from . import fleet, wire
-from .common import print_table, scratch_database, write_json
+from .common import print_table, scratch_database, steady_rate, write_json
 
 #: Lease the in-process agents ask for (the server's default).
 LEASE_SECONDS = 60
@@ -54,12 +55,20 @@ class Tally:
         self.done = 0
         self.finished = anyio.Event()
         self.ended_at = 0.0
+        self.completed_at: list[float] = []
 
     def one(self) -> None:
         self.done += 1
+        self.completed_at.append(time.perf_counter())
         if self.done >= self.target and not self.finished.is_set():
             self.ended_at = time.perf_counter()
             self.finished.set()
+
+    def figures(self, started: float) -> dict:
+        """The whole drain's rate (from ``started``) and the steady rate (see :func:`bench.common.steady_rate`)."""
+        seconds = self.ended_at - started
+        return {"jobs": self.target, "seconds": seconds, "jobs_per_s": self.target / seconds,
+                "steady_jobs_per_s": steady_rate(self.completed_at)}  # fmt: skip
 
 
 async def _http_agent(base: str, credential: str, tally: Tally, *, chained: bool = False) -> None:
@@ -134,10 +143,8 @@ async def drain_http(url: str, jobs: int, agents: int, *, chained: bool = False,
                 tg.cancel_scope.cancel()
             server_cpu_ms_per_job = 1000 * (_cpu_seconds(server_process) - cpu_before) / jobs
             batches = await _batch_figures(client, api_key)
-    seconds = tally.ended_at - started
     mode = f"http-batch{per_request}" if per_request > 1 else "http-chained" if chained else "http"
-    return {"mode": mode, "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
-            "server_cpu_ms_per_job": server_cpu_ms_per_job, **batches}  # fmt: skip
+    return {"mode": mode, "agents": agents, **tally.figures(started), "server_cpu_ms_per_job": server_cpu_ms_per_job, **batches}  # fmt: skip
 
 
 def _cpu_seconds(process: psutil.Process) -> float:
@@ -184,8 +191,7 @@ async def drain_inproc(url: str, jobs: int, agents: int) -> dict:
                 tg.start_soon(_inproc_agent, pool, org, node_id, tally)
             await tally.finished.wait()
             tg.cancel_scope.cancel()
-    seconds = tally.ended_at - started
-    return {"mode": "inproc", "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds}
+    return {"mode": "inproc", "agents": agents, **tally.figures(started)}
 
 
 async def _grouped_agent(group: GroupCommit, org: uuid.UUID, node_id: uuid.UUID, tally: Tally, *,
@@ -241,9 +247,8 @@ async def drain_grouped(url: str, jobs: int, agents: int, *, chained: bool = Fal
                 tg.start_soon(agent, group, org, node_id, tally)
             await tally.finished.wait()
             tg.cancel_scope.cancel()
-    seconds = tally.ended_at - started
     mode = f"inproc-batch{per_request}" if per_request > 1 else "inproc-chained" if chained else "inproc-grouped"
-    return {"mode": mode, "agents": agents, "jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds,
+    return {"mode": mode, "agents": agents, **tally.figures(started),
             "batches": group.batches, "fallbacks": group.fallbacks, "notify_ticks": notifier.ticks,
             "commands_per_batch": group.commands / max(1, group.batches)}
 
@@ -269,7 +274,8 @@ def run(jobs: int, agent_counts: list[int], modes: list[str]) -> list[dict]:
             batches = f" ({extra['commands_per_batch']:.1f} commands/batch" if "commands_per_batch" in extra else ""
             batches += f", {extra['ms_per_batch']:.1f} ms/batch)" if "ms_per_batch" in extra else (")" if batches else "")
             cpu = f", server CPU {extra['server_cpu_ms_per_job']:.2f} ms/job" if "server_cpu_ms_per_job" in extra else ""
-            print(f"  {mode} x{agents}: {extra['jobs_per_s']:,.0f} jobs/s{batches}{cpu}", flush=True)
+            print(f"  {mode} x{agents}: {extra['jobs_per_s']:,.0f} jobs/s (steady {extra['steady_jobs_per_s']:,.0f}){batches}{cpu}",
+                  flush=True)  # fmt: skip
     return results
 
 

@@ -6,7 +6,10 @@
 asyncpg connection with the default dequeue batch of 10) or ``procrastinate``
 (psycopg connector, one worker with ``concurrency`` = CONCURRENCY). The schema is
 installed into the (empty) database, JOBS no-op jobs are enqueued in batches,
-then a worker drains them; only the drain is timed. Prints one JSON object.
+then a worker drains them; only the drain is timed. Prints one JSON object,
+with the moment each job ran (``completed_at``, ``time.perf_counter``
+seconds) for the steady rate: PgQueuer and Procrastinate record a job's end
+in buffered writes, so a job's run stands for its completion there.
 
 This file imports neither umbra nor the rest of ``bench``: it runs in a
 separate virtual environment holding the peers (``bench/peers.py`` makes it).
@@ -39,6 +42,7 @@ async def pgqueuer(url: str, jobs: int, concurrency: int) -> dict:
     await setup.close()
 
     done = 0
+    completed_at: list[float] = []
 
     async def worker() -> None:
         connection = await asyncpg.connect(url)
@@ -48,6 +52,7 @@ async def pgqueuer(url: str, jobs: int, concurrency: int) -> dict:
         async def noop(job) -> None:
             nonlocal done
             done += 1
+            completed_at.append(time.perf_counter())
 
         await manager.run(mode=QueueExecutionMode.drain, dequeue_timeout=timedelta(seconds=1))
         await connection.close()
@@ -55,7 +60,8 @@ async def pgqueuer(url: str, jobs: int, concurrency: int) -> dict:
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     seconds = time.perf_counter() - started
-    return {"system": "pgqueuer", "concurrency": concurrency, "jobs": done, "seconds": seconds, "jobs_per_s": done / seconds}
+    return {"system": "pgqueuer", "concurrency": concurrency, "jobs": done, "seconds": seconds, "jobs_per_s": done / seconds,
+            "completed_at": completed_at}  # fmt: skip
 
 
 async def procrastinate(url: str, jobs: int, concurrency: int) -> dict:
@@ -63,11 +69,13 @@ async def procrastinate(url: str, jobs: int, concurrency: int) -> dict:
 
     app = p.App(connector=p.PsycopgConnector(conninfo=url))
     done = 0
+    completed_at: list[float] = []
 
     @app.task(name="noop")
     async def noop() -> None:
         nonlocal done
         done += 1
+        completed_at.append(time.perf_counter())
 
     async with app.open_async():
         await app.schema_manager.apply_schema_async()
@@ -76,7 +84,8 @@ async def procrastinate(url: str, jobs: int, concurrency: int) -> dict:
         started = time.perf_counter()
         await app.run_worker_async(concurrency=concurrency, wait=False, install_signal_handlers=False)
         seconds = time.perf_counter() - started
-    return {"system": "procrastinate", "concurrency": concurrency, "jobs": done, "seconds": seconds, "jobs_per_s": done / seconds}
+    return {"system": "procrastinate", "concurrency": concurrency, "jobs": done, "seconds": seconds, "jobs_per_s": done / seconds,
+            "completed_at": completed_at}  # fmt: skip
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import psycopg
 from psycopg import conninfo, sql
 
 from . import drain
-from .common import print_table, server_url, write_json
+from .common import print_table, server_url, steady_rate, write_json
 
 VENV = Path(__file__).parent / ".venv-peers"
 PEERS = ("pgqueuer==1.6.0", "asyncpg==0.32.0", "procrastinate==3.10.0", "psycopg[binary,pool]>=3.2")
@@ -69,7 +69,8 @@ def run_peer(python: Path, system: str, jobs: int, concurrency: int) -> dict:
     with empty_database() as url:
         out = subprocess.run([str(python), str(Path(__file__).parent / "peer_worker.py"), system, url, str(jobs), str(concurrency)],
                              check=True, capture_output=True, text=True, timeout=600)  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {**result, "steady_jobs_per_s": steady_rate(result.pop("completed_at"))}
 
 
 def run(jobs: int, concurrencies: list[int], modes: list[str]) -> dict:
@@ -78,12 +79,14 @@ def run(jobs: int, concurrencies: list[int], modes: list[str]) -> dict:
     for system in SYSTEMS:
         for c in concurrencies:
             peers.append(run_peer(python, system, jobs, c))
-            print(f"  {system} x{c}: {peers[-1]['jobs_per_s']:,.0f} jobs/s", flush=True)
+            print(f"  {system} x{c}: {peers[-1]['jobs_per_s']:,.0f} jobs/s (steady {peers[-1]['steady_jobs_per_s']:,.0f})", flush=True)
     umbra = drain.run(jobs, concurrencies, modes)
-    rate = {(r["mode"], r["agents"]): r["jobs_per_s"] for r in umbra}
-    peer_rate = {(p["system"], p["concurrency"]): p["jobs_per_s"] for p in peers}
+    rate = {(r["mode"], r["agents"]): r for r in umbra}
+    peer_rate = {(p["system"], p["concurrency"]): p for p in peers}
     ratios = [
-        {"concurrency": c, "umbra_mode": mode, "peer": system, "ratio": rate[mode, c] / peer_rate[system, c]}
+        {"concurrency": c, "umbra_mode": mode, "peer": system, **{
+            key: rate[mode, c][figure] / peer_rate[system, c][figure]
+            for key, figure in (("ratio", "jobs_per_s"), ("steady_ratio", "steady_jobs_per_s"))}}
         for c in concurrencies for mode in modes for system in SYSTEMS
     ]  # fmt: skip
     return {"jobs": jobs, "peers": peers, "umbra": umbra, "ratios": ratios}
@@ -104,8 +107,8 @@ def main() -> None:
     concurrencies = sorted({p["concurrency"] for p in result["peers"]})
     print_table(f"Drain {result['jobs']} no-op jobs, jobs/s", ["system", *[f"c={c}" for c in concurrencies]],
                 [[name, *[row.get(c, float("nan")) for c in concurrencies]] for name, row in table.items()])  # fmt: skip
-    print_table("Umbra / peer", ["c", "umbra", "peer", "ratio"],
-                [[r["concurrency"], r["umbra_mode"], r["peer"], r["ratio"]] for r in result["ratios"]])  # fmt: skip
+    print_table("Umbra / peer", ["c", "umbra", "peer", "ratio", "steady ratio"],
+                [[r["concurrency"], r["umbra_mode"], r["peer"], r["ratio"], r["steady_ratio"]] for r in result["ratios"]])  # fmt: skip
     print(f"\nwrote {write_json('peers', result)}")
 
 
