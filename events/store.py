@@ -25,7 +25,6 @@ caller owns the transaction.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from uuid import UUID
@@ -45,8 +44,7 @@ LOG_LOCK_KEY = 0x756D6272616C6F67
 LOG_CHANNEL = "umbra_log"
 
 
-@dataclass(frozen=True, slots=True)
-class RecordedEvent:
+class RecordedEvent(msgspec.Struct, frozen=True):
     position: int
     stream: str
     version: int
@@ -73,8 +71,7 @@ class RecordedEvent:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class PendingAppend:
+class PendingAppend(msgspec.Struct, frozen=True):
     """Events for one stream, to be appended at ``expected_version`` + 1, + 2, ..."""
 
     stream: str

@@ -481,8 +481,7 @@ async def load(conn: psycopg.AsyncConnection, job_id: UUID, organization_id: UUI
     return from_db(record) if record else None
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
+class Change(msgspec.Struct, frozen=True):
     """Events to append to one job's stream; ``state`` is its current row (None when new)."""
 
     job_id: UUID

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import uuid
 
 import anyio
+import msgspec
 import psycopg
 import pytest
 
@@ -109,7 +109,7 @@ async def test_an_append_sent_with_the_commit_records_at_the_given_time_and_retu
     [returned] = await commit_with(conn, [append])
     positions = store.appended(before, returned)
     assert positions == sorted(positions)
-    recorded = [dataclasses.replace(event, position=position) for event, position in zip(before, positions)]
+    recorded = [msgspec.structs.replace(event, position=position) for event, position in zip(before, positions)]
     read = {(r.stream, r.version): r for r in [*await store.read_stream(conn, first), *await store.read_stream(conn, second)]}
     for event in recorded:
         assert read[event.stream, event.version] == event  # position, time, event and metadata as stored
