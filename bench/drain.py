@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import time
 from functools import partial
+from typing import Awaitable, Callable
 import uuid
 
 import anyio
@@ -113,12 +114,17 @@ async def _http_batch_agent(base: str, credential: str, tally: Tally, *, per_req
         await connection.aclose()
 
 
-async def _heartbeats(client: httpx.AsyncClient, credentials: list[str], tally: Tally) -> None:
+async def _heartbeats(beat: Callable[[], Awaitable[None]], tally: Tally) -> None:
+    """Every 10 s until the drain ends: a node silent for 45 s reads offline and is given no work."""
     while not tally.finished.is_set():
         with anyio.move_on_after(10):
             await tally.finished.wait()
-        for credential in credentials:
-            await fleet.beat(client, credential)
+        await beat()
+
+
+async def _beat_over_http(client: httpx.AsyncClient, credentials: list[str]) -> None:
+    for credential in credentials:
+        await fleet.beat(client, credential)
 
 
 async def drain_http(url: str, jobs: int, agents: int, *, chained: bool = False, per_request: int = 1) -> dict:
@@ -136,7 +142,7 @@ async def drain_http(url: str, jobs: int, agents: int, *, chained: bool = False,
             cpu_before = _cpu_seconds(server_process)
             started = time.perf_counter()
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_heartbeats, client, [c for _, c in nodes], tally)
+                tg.start_soon(_heartbeats, partial(_beat_over_http, client, [c for _, c in nodes]), tally)
                 for _, credential in nodes:
                     agent = partial(_http_batch_agent, per_request=per_request) if per_request > 1 else partial(_http_agent, chained=chained)
                     tg.start_soon(agent, server.base, credential, tally)
@@ -189,6 +195,7 @@ async def drain_inproc(url: str, jobs: int, agents: int) -> dict:
         await pool.wait()
         started = time.perf_counter()
         async with anyio.create_task_group() as tg:
+            tg.start_soon(_heartbeats, partial(fleet.beat_in_process, url, org, [n for n, _ in nodes]), tally)
             for node_id, _ in nodes:
                 tg.start_soon(_inproc_agent, pool, org, node_id, tally)
             await tally.finished.wait()
@@ -245,6 +252,7 @@ async def drain_grouped(url: str, jobs: int, agents: int, *, chained: bool = Fal
             await tg.start(notifier.run)
             await tg.start(group.run)
             started = time.perf_counter()
+            tg.start_soon(_heartbeats, partial(fleet.beat_in_process, url, org, [n for n, _ in nodes]), tally)
             for node_id, _ in nodes:
                 agent = partial(_grouped_batch_agent, per_request=per_request) if per_request > 1 else partial(_grouped_agent, chained=chained)
                 tg.start_soon(agent, group, org, node_id, tally)
