@@ -44,9 +44,9 @@ def scratch_database(prefix: str = "umbra_bench") -> Iterator[str]:
 async def checkpoint(url: str) -> None:
     """Write the set-up's dirty pages out before a clock starts.
 
-    Queueing 10,000 jobs leaves some 20 MB of dirty buffers; the checkpointer
-    would otherwise write them during the measurement that follows, or the
-    next workload's. Every timed drain and submission (the peers' included,
+    Queueing 10,000 jobs leaves some 10 MB of dirty pages (jobs and events
+    with their indexes), which the checkpointer would otherwise write during
+    the measurement that follows, or the next workload's. Every timed drain and submission (the peers' included,
     in ``peer_worker.py``) starts after one. Needs a superuser, as the local
     and the embedded servers' default users are; without one it is skipped.
     """
