@@ -41,22 +41,6 @@ def scratch_database(prefix: str = "umbra_bench") -> Iterator[str]:
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
-async def checkpoint(url: str) -> None:
-    """Write the set-up's dirty pages out before a clock starts.
-
-    Queueing 10,000 jobs leaves some 10 MB of dirty pages (jobs and events
-    with their indexes), which the checkpointer would otherwise write during
-    the measurement that follows, or the next workload's. Every timed drain and submission (the peers' included,
-    in ``peer_worker.py``) starts after one. Needs a superuser, as the local
-    and the embedded servers' default users are; without one it is skipped.
-    """
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        try:
-            await conn.execute("CHECKPOINT")
-        except psycopg.errors.InsufficientPrivilege:
-            pass
-
-
 def percentile(samples: list[float], p: float) -> float:
     ordered = sorted(samples)
     if not ordered:

@@ -44,7 +44,7 @@ from umbra.compute import claims
 from umbra.compute.group_commit import GroupCommit, HintNotifier
 
 from . import fleet, wire
-from .common import checkpoint, print_table, scratch_database, steady_rate, write_json
+from .common import print_table, scratch_database, steady_rate, write_json
 
 #: Lease the in-process agents ask for (the server's default).
 LEASE_SECONDS = 60
@@ -136,7 +136,6 @@ async def drain_http(url: str, jobs: int, agents: int, *, chained: bool = False,
         async with httpx.AsyncClient(base_url=server.base, timeout=60, limits=limits) as client:
             nodes = await fleet.pair_over_http(client, api_key, [f"agent-{i}" for i in range(agents)])
             await fleet.submit_noops(url, org, jobs)
-            await checkpoint(url)
             tally = Tally(jobs)
             server_process = psutil.Process(server.pid)
             cpu_before = _cpu_seconds(server_process)
@@ -189,7 +188,6 @@ async def drain_inproc(url: str, jobs: int, agents: int) -> dict:
     org, _ = await fleet.new_organization(url)
     nodes = await fleet.pair_in_process(url, org, [f"agent-{i}" for i in range(agents)])
     await fleet.submit_noops(url, org, jobs)
-    await checkpoint(url)
     tally = Tally(jobs)
     async with AsyncConnectionPool(url, min_size=10, max_size=10, kwargs={"autocommit": True}, open=False) as pool:
         await pool.wait()
@@ -242,7 +240,6 @@ async def drain_grouped(url: str, jobs: int, agents: int, *, chained: bool = Fal
     org, _ = await fleet.new_organization(url)
     nodes = await fleet.pair_in_process(url, org, [f"agent-{i}" for i in range(agents)])
     await fleet.submit_noops(url, org, jobs)
-    await checkpoint(url)
     tally = Tally(jobs)
     async with AsyncConnectionPool(url, min_size=10, max_size=10, kwargs={"autocommit": True}, open=False) as pool:
         await pool.wait()

@@ -39,7 +39,6 @@ async def pgqueuer(url: str, jobs: int, concurrency: int) -> dict:
     for start in range(0, jobs, ENQUEUE_BATCH):
         count = min(ENQUEUE_BATCH, jobs - start)
         await queries.enqueue(["noop"] * count, [None] * count, [0] * count)
-    await setup.execute("CHECKPOINT")  # as bench.common.checkpoint does before Umbra's drains
     await setup.close()
 
     done = 0
@@ -82,20 +81,11 @@ async def procrastinate(url: str, jobs: int, concurrency: int) -> dict:
         await app.schema_manager.apply_schema_async()
         for start in range(0, jobs, ENQUEUE_BATCH):
             await noop.batch_defer_async(*({} for _ in range(min(ENQUEUE_BATCH, jobs - start))))
-        await _checkpoint(url)
         started = time.perf_counter()
         await app.run_worker_async(concurrency=concurrency, wait=False, install_signal_handlers=False)
         seconds = time.perf_counter() - started
     return {"system": "procrastinate", "concurrency": concurrency, "jobs": done, "seconds": seconds, "jobs_per_s": done / seconds,
             "completed_at": completed_at}  # fmt: skip
-
-
-async def _checkpoint(url: str) -> None:
-    import asyncpg
-
-    connection = await asyncpg.connect(url)
-    await connection.execute("CHECKPOINT")  # as bench.common.checkpoint does before Umbra's drains
-    await connection.close()
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import psycopg
 from umbra.compute.jobs import JobRequest, submit
 
 from . import fleet
-from .common import checkpoint, print_table, scratch_database, write_json
+from .common import print_table, scratch_database, write_json
 
 
 async def _http_one_by_one(base: str, api_key: str, jobs: int, clients: int) -> float:
@@ -79,7 +79,6 @@ def run(jobs: int, batch: int, batches: int, *, node: bool = True) -> list[dict]
     results = []
 
     def record(mode: str, clients: int, per_request: int, total: int, rate: float) -> None:
-        anyio.run(checkpoint, url)  # written out before the next measurement starts
         results.append({"mode": mode, "clients": clients, "jobs_per_request": per_request, "jobs": total, "jobs_per_s": rate})
         print(f"  {mode} clients={clients} per_request={per_request}: {rate:,.0f} jobs/s", flush=True)
 
@@ -87,7 +86,6 @@ def run(jobs: int, batch: int, batches: int, *, node: bool = True) -> list[dict]
         org, api_key = anyio.run(fleet.new_organization, url)
         if node:
             anyio.run(fleet.pair_in_process, url, org, ["bench-node"])
-        anyio.run(checkpoint, url)
         with fleet.serve(url) as server:
             for clients in (1, 16):
                 record("http", clients, 1, jobs, anyio.run(_http_one_by_one, server.base, api_key, jobs, clients))
