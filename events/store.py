@@ -93,20 +93,28 @@ def node_stream(node_id: UUID) -> str:
 #: gap test can detect a missing guard turns it off.
 ORDERING_GUARD = True
 
+#: The one INSERT of an append: small batches through :func:`append_many`, and the group
+#: commit's batches through :func:`append_statement`, which gives the events' time (the
+#: transaction's ``umbra_now()``, read earlier) so that it can fold them before appending. Without
+#: a given time, the column's default is what ``coalesce`` stores.
 _APPEND_GUARDED = """
 WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s))
-INSERT INTO events (stream, version, type, organization_id, data, metadata)
-SELECT r.stream, r.version, r.type, r.org, r.data, r.meta
+INSERT INTO events (stream, version, type, organization_id, data, metadata, recorded_at)
+SELECT r.stream,
+       -- A stream not at its expected version gets a NULL version: the statement fails, and the
+       -- transaction with it, before any statement sent after it in the same message runs.
+       -- A scalar subquery with LIMIT is probed per row through events_stream_version;
+       -- written as OR EXISTS, the planner may hash a scan of the whole log instead.
+       CASE WHEN r.expected = 0
+              OR coalesce((SELECT true FROM events e WHERE e.stream = r.stream AND e.version = r.expected LIMIT 1), false)
+            THEN r.version END,
+       r.type, r.org, r.data, r.meta, coalesce(%(at)s, umbra_now())
 FROM ordering_guard,
      ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb)
        AS (stream text, version int, type text, org uuid, data jsonb, meta jsonb, expected int)) WITH ORDINALITY
        AS r(stream, version, type, org, data, meta, expected, n)
-WHERE r.expected = 0
-   -- A scalar subquery with LIMIT is probed per row through events_stream_version;
-   -- written as OR EXISTS, the planner may hash a scan of the whole log instead.
-   OR coalesce((SELECT true FROM events e WHERE e.stream = r.stream AND e.version = r.expected LIMIT 1), false)
 ORDER BY r.n
-RETURNING position, stream, version, recorded_at
+RETURNING position, recorded_at
 """
 _APPEND_UNGUARDED = _APPEND_GUARDED.replace(
     "WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s))\n", ""
@@ -247,50 +255,24 @@ def _encoded_rows(batch: Sequence[PendingAppend]) -> tuple[list[tuple[PendingApp
 
 async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingAppend]) -> list[RecordedEvent]:
     rows, encoded = _encoded_rows(batch)
-    params = {"lock": LOG_LOCK_KEY, "rows": encoded.decode()}
+    params = {"lock": LOG_LOCK_KEY, "rows": encoded.decode(), "at": None}
     try:
         cursor = await conn.execute(_APPEND_GUARDED if ORDERING_GUARD else _APPEND_UNGUARDED, params)
         returned = await cursor.fetchall()
     except psycopg.errors.UniqueViolation as exc:
         raise _conflict(batch) from exc
-    if len(returned) != len(rows):
-        raise _conflict(batch)
-    metrics.count_events_appended(len(returned))
+    except psycopg.errors.NotNullViolation as exc:  # the NULL version of a stream not at its expected one
+        if exc.diag.column_name != "version":
+            raise
+        raise _conflict(batch) from exc
+    positions = appended(rows, returned)
     return [
-        RecordedEvent(
-            position=position,
-            stream=stream,
-            version=version,
-            organization_id=item.organization_id,
-            event=event,
-            metadata=item.metadata or {},
-            recorded_at=recorded_at,
-        )
-        for (position, stream, version, recorded_at), (item, event, _) in zip(returned, rows)
+        RecordedEvent(position, item.stream, version, item.organization_id, event, item.metadata or {}, recorded_at)
+        for position, (_position, recorded_at), (item, event, version) in zip(positions, returned, rows)
     ]
 
 
-#: The append of events folded before they were appended (:func:`append_statement`). Every event is
-#: recorded at the caller's time (the transaction's ``umbra_now()``, which the column's default would
-#: have stored), so only the positions are unknown until it runs, and a later statement of the same
-#: transaction reads them from the log.
-_APPEND_AT = PreparedStatement("umbra_append_at", """
-WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s))
-INSERT INTO events (stream, version, type, organization_id, data, metadata, recorded_at)
-SELECT r.stream,
-       -- A stream not at its expected version gets a NULL version: the statement fails, and the
-       -- transaction with it, before the statements sent after it (and their COMMIT) run.
-       CASE WHEN r.expected = 0
-              OR coalesce((SELECT true FROM events e WHERE e.stream = r.stream AND e.version = r.expected LIMIT 1), false)
-            THEN r.version END,
-       r.type, r.org, r.data, r.meta, %(at)s
-FROM ordering_guard,
-     ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb)
-       AS (stream text, version int, type text, org uuid, data jsonb, meta jsonb, expected int)) WITH ORDINALITY
-       AS r(stream, version, type, org, data, meta, expected, n)
-ORDER BY r.n
-RETURNING position
-""")
+_APPEND_AT = PreparedStatement("umbra_append_at", _APPEND_GUARDED)
 
 
 #: The append of :func:`append_statement`, with its arguments, ready for ``db.commit_with``.
@@ -318,12 +300,12 @@ def append_statement(batch: Sequence[PendingAppend], *, recorded_at: datetime) -
     return (_APPEND_AT, {"lock": LOG_LOCK_KEY, "rows": encoded.decode(), "at": recorded_at}), recorded
 
 
-def appended(recorded: Sequence[RecordedEvent], returned: Sequence[Sequence[Any]]) -> list[int]:
-    """The positions of the events of :func:`append_statement`, from the rows its statement returned."""
-    if len(returned) != len(recorded):  # cannot happen: a skipped event fails the statement
+def appended(recorded: Sequence[Any], returned: Sequence[Sequence[Any]]) -> list[int]:
+    """The positions of an append's events, in order, from the rows its statement returned."""
+    if len(returned) != len(recorded):  # cannot happen: a stream not at its version fails the statement
         raise RuntimeError(f"{len(recorded)} events appended, {len(returned)} positions returned")
     metrics.count_events_appended(len(returned))
-    return [position for (position,) in returned]
+    return [row[0] for row in returned]
 
 
 @contextlib.asynccontextmanager
