@@ -53,6 +53,8 @@ AUTH = {(info.method, openapi_path(info.path)): info.auth
 STREAMS = {(info.method, openapi_path(info.path))
            for route in all_routes() if (info := getattr(route, "endpoint_info", None)) and info.produces == "text/event-stream"}  # fmt: skip
 
+_FINGERPRINTED = ("event count", "last position", "jobs", "nodes", "node_liveness", "models", "pairing_codes",
+                  "node_credentials", "api_keys")
 _FINGERPRINT = """
 SELECT (SELECT count(*) FROM events), (SELECT coalesce(max(position), 0) FROM events),
        (SELECT md5(coalesce(string_agg(t::text, '|' ORDER BY t.id), '')) FROM jobs t),
@@ -71,6 +73,15 @@ class Target:
 
     def fingerprint(self) -> tuple:
         return tuple(self.db.execute(_FINGERPRINT).fetchone())
+
+    def what_changed(self, before: tuple) -> str:
+        """The parts of the fingerprint that moved, and the events appended since ``before``: a failure says who wrote."""
+        after = self.fingerprint()
+        moved = [name for name, a, b in zip(_FINGERPRINTED, before, after) if a != b]
+        events = self.db.execute(
+            "SELECT position, stream, type, metadata::text FROM events WHERE position > %s ORDER BY position", (before[1],)
+        ).fetchall()
+        return f"changed: {', '.join(moved)}; events since: {events}"
 
 
 @pytest.fixture(scope="module")
@@ -173,4 +184,6 @@ def test_no_server_error_and_refusals_write_nothing(case, target):
         text = "" if key in STREAMS and status == 200 else response.text[:300]
     assert status < 500, f"{case.method} {case.formatted_path}: {status} {text}"
     if 400 <= status < 500:
-        assert target.fingerprint() == before, f"{case.method} {case.formatted_path} was refused ({status}) but wrote"
+        assert target.fingerprint() == before, (
+            f"{case.method} {case.formatted_path} was refused ({status}) but wrote: {target.what_changed(before)}"
+        )
