@@ -6,10 +6,13 @@ argon2id hash, and redemption is rate-limited per source address *before* the
 code is looked at. Wrong, expired and used codes get one identical answer; a
 code for another name and a name already taken are not secret and say so.
 
-Codes are salted hashes, so a redeemed code is found by verifying the
-candidate against every live code: this name's first, then the others (only
-to tell a name mismatch from a wrong code). Live codes are few — none outlives
-half an hour.
+A code is found by its hash. Every code is hashed with one salt drawn for
+the database (``pairing_salt``, migration 0027), so an attempt costs one
+argon2id computation and an index lookup however many codes are waiting. With
+a salt per code, each wrong attempt, unauthenticated, cost one computation per
+live code of every organization. No two live codes are equal, whatever their
+name or organization, so the lookup finds at most one, and a code presented
+under another name is recognised as such.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from umbra.domain.heartbeat import normalize_devices
 from umbra.errors import Conflict, InvalidRequest, RateLimited, Unauthenticated
 from umbra.events import store
 from umbra.events.types import Device, NodeCreated, NodePaired
-from umbra.security import hash_secret, verify_secret
+from umbra.security import hash_secret_salted
 
 from .blocked import reexamine_blocked
 from .credentials import mint_node_credential, store_node_credential
@@ -80,9 +83,9 @@ class IssuedCode:
     expires_at: datetime
 
 
-_LIVE_FOR_NAME = """
-SELECT code_hash FROM pairing_codes
-WHERE node_name = %s AND redeemed_at IS NULL AND expires_at > umbra_now()
+_LIVE = """
+SELECT id, node_name FROM pairing_codes
+WHERE code_hash = %s AND redeemed_at IS NULL AND expires_at > umbra_now()
 """
 _ISSUE = """
 INSERT INTO pairing_codes (id, organization_id, node_name, code_hash, trust_domain, locality, expires_at, created_at)
@@ -91,11 +94,10 @@ RETURNING expires_at
 """
 
 
-async def _matches_any(code: str, hashes: Sequence[str]) -> bool:
-    for code_hash in hashes:
-        if await anyio.to_thread.run_sync(verify_secret, code_hash, code):
-            return True
-    return False
+async def _code_hash(conn: psycopg.AsyncConnection, code: str) -> str:
+    """``code``'s stored form: argon2id under the database's pairing salt, off the event loop."""
+    salt = (await (await conn.execute("SELECT salt FROM pairing_salt")).fetchone())[0]
+    return await anyio.to_thread.run_sync(hash_secret_salted, code, bytes(salt))
 
 
 async def issue_pairing_code(
@@ -109,24 +111,29 @@ async def issue_pairing_code(
 ) -> IssuedCode:
     """Mint a code for a node named ``name``. The plain code is returned once, never stored.
 
-    A fresh code never equals another live code for the same name (in any
-    organization), so a redeemer can never be paired into the wrong tenant by
-    a coincidence of six digits.
+    A fresh code never equals another live code, of any name in any
+    organization, so a redeemer can never be paired into the wrong tenant by a
+    coincidence of six digits. Issuers of the same digits serialise on them (a
+    transaction-scoped advisory lock on the hash) between the check and the
+    insert.
     """
     name = check_node_name(name)
     if not TTL_MIN_SECONDS <= ttl_seconds <= TTL_MAX_SECONDS:
         raise InvalidRequest(
             f"ttl_seconds must be between {TTL_MIN_SECONDS} and {TTL_MAX_SECONDS}.", field="ttl_seconds"
         )
-    live = [row[0] for row in await (await conn.execute(_LIVE_FOR_NAME, (name,))).fetchall()]
-    code = f"{secrets.randbelow(1_000_000):06d}"
-    while await _matches_any(code, live):
-        code = f"{secrets.randbelow(1_000_000):06d}"
-    code_hash = await anyio.to_thread.run_sync(hash_secret, code)
     code_id = uuid4()
-    row = await (
-        await conn.execute(_ISSUE, (code_id, organization_id, name, code_hash, trust_domain, locality, ttl_seconds))
-    ).fetchone()
+    while True:
+        code = f"{secrets.randbelow(1_000_000):06d}"
+        code_hash = await _code_hash(conn, code)
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (code_hash,))
+            if await (await conn.execute(_LIVE, (code_hash,))).fetchone() is not None:
+                continue  # those digits are waiting for another node: draw again
+            row = await (
+                await conn.execute(_ISSUE, (code_id, organization_id, name, code_hash, trust_domain, locality, ttl_seconds))
+            ).fetchone()
+            break
     log.info("pairing code issued", extra={"action": "pairing_code_issued", "pairing_id": str(code_id)})
     return IssuedCode(id=code_id, code=code, node_name=name, expires_at=row[0])
 
@@ -171,11 +178,6 @@ class Redemption:
     scopes: tuple[str, ...]
 
 
-_CANDIDATES = """
-SELECT id, node_name, code_hash FROM pairing_codes
-WHERE redeemed_at IS NULL AND expires_at > umbra_now()
-ORDER BY (node_name = %s) DESC, created_at DESC
-"""
 _SPEND = """
 UPDATE pairing_codes SET redeemed_at = umbra_now()
 WHERE id = %s AND redeemed_at IS NULL AND expires_at > umbra_now()
@@ -187,16 +189,17 @@ async def _find_code(conn: psycopg.AsyncConnection, code: str, name: str) -> UUI
     """The live code ``code`` names, issued for ``name``; raise the right refusal otherwise."""
     if not _CODE.match(code):
         raise _invalid()
-    for code_id, node_name, code_hash in await (await conn.execute(_CANDIDATES, (name,))).fetchall():
-        if await anyio.to_thread.run_sync(verify_secret, code_hash, code):
-            if node_name != name:
-                raise Conflict(
-                    "pairing_name_mismatch",
-                    f"This code was issued for a node named {node_name!r}, not {name!r}; "
-                    "redeem it under that name or ask for a code for this one.",
-                )
-            return code_id
-    raise _invalid()
+    found = await (await conn.execute(_LIVE, (await _code_hash(conn, code),))).fetchone()
+    if found is None:
+        raise _invalid()
+    code_id, node_name = found
+    if node_name != name:
+        raise Conflict(
+            "pairing_name_mismatch",
+            f"This code was issued for a node named {node_name!r}, not {name!r}; "
+            "redeem it under that name or ask for a code for this one.",
+        )
+    return code_id
 
 
 async def redeem_pairing_code(

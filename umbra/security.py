@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import secrets
 
-from argon2 import PasswordHasher, Type
+from argon2 import PasswordHasher, Type, low_level
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
 #: The argon2id profile for every stored secret. RFC 9106's second recommended
@@ -26,6 +26,23 @@ PREFIX_LENGTH = 10
 
 def hash_secret(secret: str) -> str:
     return PASSWORD_HASHER.hash(secret)
+
+
+def hash_secret_salted(secret: str, salt: bytes) -> str:
+    """The one profile's argon2id hash of ``secret`` under a given ``salt``: the same inputs, the same hash.
+
+    For a secret that must be *found* by its hash rather than checked against
+    a hash found by other means (a pairing code carries no prefix to look it
+    up by): the caller supplies a salt kept per database, so hashing the
+    candidate once and looking the result up replaces verifying it against
+    every stored hash in turn. The result verifies with :func:`verify_secret`.
+    """
+    if len(salt) != PASSWORD_HASHER.salt_len:
+        raise ValueError(f"the salt must be {PASSWORD_HASHER.salt_len} bytes")
+    return low_level.hash_secret(
+        secret.encode(), salt, time_cost=PASSWORD_HASHER.time_cost, memory_cost=PASSWORD_HASHER.memory_cost,
+        parallelism=PASSWORD_HASHER.parallelism, hash_len=PASSWORD_HASHER.hash_len, type=PASSWORD_HASHER.type,
+    ).decode()
 
 
 def verify_secret(stored_hash: str, secret: str) -> bool:

@@ -123,10 +123,13 @@ def _populate(server: LiveServer, db: psycopg.Connection) -> Target:
 
 
 def _bounded_wait(case) -> None:
-    """A claim's ``wait`` within 0..60 becomes 0, so the fuzz never parks on a long-poll."""
+    """A claim's ``wait`` within 0..60 becomes 0, so the fuzz never parks on a long-poll.
+
+    An empty ``wait=`` is the default (30 s), as an absent one is.
+    """
     query = dict(case.query or {})
     raw = query.get("wait")
-    if raw is None or (isinstance(raw, (int, str)) and str(raw).isdigit() and int(raw) <= 60):
+    if raw is None or raw == "" or (isinstance(raw, (int, str)) and str(raw).isdigit() and int(raw) <= 60):
         query["wait"] = 0
     case.query = query
 

@@ -183,3 +183,98 @@ async def test_two_codes_for_one_name_racing_leave_one_node(db_url, conn, org):
             tg.start_soon(redeemer, code)
     assert sorted(outcomes) == ["node_name_taken", "won"]
     assert await footprint(conn) == (2, 1, 1, 1)
+
+
+async def test_an_attempt_costs_one_hash_however_many_codes_wait(conn, org, monkeypatch):
+    """A redemption hashes the candidate once and looks it up; it never walks the waiting codes.
+
+    With a salt per code, each wrong attempt (unauthenticated) verified the
+    candidate against every live code of every organization, about 60 ms each.
+    """
+    from umbra.compute import pairing
+    from umbra.compute.accounts import create_organization
+
+    other, _ = await create_organization(conn, "globex")
+    waiting = [await issue_pairing_code(conn, owner, f"box-{i}") for i in range(6) for owner in (org[0], other)]
+    hashed: list[str] = []
+    real = pairing.hash_secret_salted
+
+    def counting(secret: str, salt: bytes) -> str:
+        hashed.append(secret)
+        return real(secret, salt)
+
+    monkeypatch.setattr(pairing, "hash_secret_salted", counting)
+    live = {issued.code for issued in waiting}
+    wrong = next(f"{n:06d}" for n in range(1_000_000) if f"{n:06d}" not in live)
+    with pytest.raises(Unauthenticated):
+        await redeem(conn, wrong, name="box-0")
+    assert hashed == [wrong]
+    target = waiting[-1]  # the last code issued, for the other organization's "box-5"
+    with pytest.raises(Conflict) as refused:
+        await redeem(conn, target.code, name="box-0")
+    assert refused.value.code == "pairing_name_mismatch" and "'box-5'" in refused.value.message
+    assert hashed == [wrong, target.code]
+    redeemed = await redeem(conn, target.code, name="box-5")
+    assert redeemed.organization_id == other and hashed == [wrong, target.code, target.code]
+
+
+async def test_a_fresh_code_is_never_a_live_one_of_any_name_or_organization(conn, org, monkeypatch):
+    """Drawn digits that another node's code holds are drawn again; spent codes free their digits."""
+    from umbra.compute import pairing
+    from umbra.compute.accounts import create_organization
+
+    draws = iter([111111, 111111, 111111, 222222, 111111])
+
+    class Scripted:
+        @staticmethod
+        def randbelow(n: int) -> int:
+            return next(draws)
+
+    monkeypatch.setattr(pairing, "secrets", Scripted)
+    other, _ = await create_organization(conn, "globex")
+    first = await issue_pairing_code(conn, org[0], "gpu-a")
+    second = await issue_pairing_code(conn, other, "gpu-b")
+    assert (first.code, second.code) == ("111111", "222222")
+    await redeem(conn, first.code, name="gpu-a")
+    third = await issue_pairing_code(conn, other, "gpu-c")  # 111111 is spent, so no longer taken
+    assert third.code == "111111"
+    assert (await redeem(conn, "111111", name="gpu-c")).organization_id == other
+    assert next(draws, None) is None
+
+
+async def test_every_code_is_hashed_under_the_database_salt(conn, org):
+    from umbra.security import hash_secret_salted
+
+    issued = await issue_pairing_code(conn, org[0], "gpu-box")
+    salt = bytes((await (await conn.execute("SELECT salt FROM pairing_salt")).fetchone())[0])
+    (stored,) = (await (await conn.execute("SELECT code_hash FROM pairing_codes")).fetchone())
+    assert stored == hash_secret_salted(issued.code, salt) and len(salt) == 16
+    # The service role reads the salt and cannot replace it.
+    await conn.execute("SET ROLE umbra_service")
+    try:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            await conn.execute("UPDATE pairing_salt SET salt = %s", (bytes(16),))
+    finally:
+        await conn.execute("RESET ROLE")
+
+
+async def test_codes_issued_before_the_hash_lookup_end_when_it_is_installed(db_url, conn, org):
+    """Migration 0027: a code hashed under its own salt cannot be found by its hash, so it ends."""
+    from umbra.migrate import migrate
+    from umbra.security import hash_secret
+
+    await conn.execute("DELETE FROM schema_migrations WHERE version = 27")
+    await conn.execute("DROP TABLE pairing_salt")
+    await conn.execute("DROP INDEX pairing_codes_by_hash")
+    await conn.execute(
+        "INSERT INTO pairing_codes (id, organization_id, node_name, code_hash, expires_at, created_at) "
+        "VALUES (gen_random_uuid(), %s, 'old-box', %s, umbra_now() + interval '10 minutes', umbra_now())",
+        (org[0], hash_secret("123456")),
+    )
+    assert await migrate(db_url) == ["0027_pairing_codes_by_hash.sql"]
+    ended = (await (await conn.execute("SELECT expires_at <= now() FROM pairing_codes WHERE node_name = 'old-box'")).fetchone())[0]
+    assert ended
+    with pytest.raises(Unauthenticated):
+        await redeem(conn, "123456", name="old-box")
+    fresh = await issue_pairing_code(conn, org[0], "old-box")
+    assert (await redeem(conn, fresh.code, name="old-box")).organization_id == org[0]
