@@ -127,15 +127,30 @@ async def test_each_completion_brings_the_next_job_and_the_agent_polls_only_when
 
 
 async def test_an_agent_with_three_slots_runs_three_jobs_at_once_and_stops_them_all_gracefully(server, api):
+    """Stopped while three handlers run, the agent lets each finish and report.
+
+    The stop comes once the agent's own handlers have started, not when the
+    server shows the jobs running: a claim committed but not yet received would
+    be abandoned by the stop and wait out its lease (the documented limit of a
+    lost claim answer), which is not what this test is about.
+    """
     paired = await pair(server, api, "box-slots")
-    async with running_agent(server, paired["credential"], concurrency=3) as agent:
+    started: list[str] = []
+
+    async def sleep_noting_start(claim):
+        started.append(claim.job_id)
+        await anyio.sleep(1.5)
+        return {"slept": 1.5}
+
+    async with running_agent(server, paired["credential"], {"nap": sleep_noting_start}, concurrency=3) as agent:
         await eventually(lambda: _node_if(api, paired["node_id"], "online"))
-        ids = [(await submit(api, "sleep", {"seconds": 1.5}))["id"] for _ in range(3)]
+        ids = [(await submit(api, "nap"))["id"] for _ in range(3)]
 
         async def all_running():
-            return True if all([await job_in(api, i, "running") for i in ids]) else None
+            return True if len(started) == 3 and all([await job_in(api, i, "running") for i in ids]) else None
 
         await eventually(all_running, timeout=10)  # three at once, on one node
+        assert sorted(started) == sorted(ids)
         agent.stop()
         with anyio.fail_after(10):
             await eventually(lambda: _true_if(len(agent.outcomes) == 3))
