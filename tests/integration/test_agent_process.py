@@ -80,6 +80,16 @@ async def _job(api, job_id: str, *statuses: str):
     return job if job["status"] in statuses else None
 
 
+async def _claimed_by(agent: AgentProcess, api, job_id: str):
+    """The job is running and the agent has logged receiving it.
+
+    The server shows a claim as running once committed, a moment before the
+    agent reads the answer; a SIGTERM in between abandons the claim, which then
+    waits out its lease (a lost claim answer), so the stop would test that.
+    """
+    return await _job(api, job_id, "running") if job_id in agent.stderr.decode() else None
+
+
 async def _online_node(api, name: str):
     nodes = (await api.get("/v1/nodes")).json()["nodes"]
     return next((n for n in nodes if n["name"] == name and n["status"] == "online"), None)
@@ -98,7 +108,7 @@ async def test_pairs_into_a_private_file_and_sigterm_finishes_the_current_job(se
                              "--credential-file", str(credential_file), "--grace", "20") as agent:
         node = await eventually(lambda: _online_node(api, "proc-1"), timeout=20)
         running = await _submit(api, "sleep", {"seconds": 2})
-        await eventually(lambda: _job(api, running, "running"), timeout=10)
+        await eventually(lambda: _claimed_by(agent, api, running), timeout=10)
         waiting = await _submit(api, "echo", {"left": "behind"})
         agent.process.send_signal(signal.SIGTERM)
         assert await agent.wait() == 0, agent.stderr.decode()
@@ -124,7 +134,7 @@ async def test_a_restart_reuses_the_credential_and_gives_a_job_back_after_the_gr
     async with agent_process("--credential-file", str(credential_file), "--grace", "0.5") as second:
         await eventually(lambda: _restarted(api, first_node), timeout=20)
         stuck = await _submit(api, "sleep", {"seconds": 600})
-        await eventually(lambda: _job(api, stuck, "running"), timeout=10)
+        await eventually(lambda: _claimed_by(agent=second, api=api, job_id=stuck), timeout=10)
         second.process.send_signal(signal.SIGTERM)
         assert await second.wait(timeout=15) == 0, second.stderr.decode()
     given_back = await _job(api, stuck, "queued")
