@@ -13,6 +13,10 @@ checked on every request:
   pairing rate-limit counter (``pairing_attempts``) is meant to move on a
   refused redemption, so it is left out.
 
+Twenty examples per operation keep the suite fast; ``UMBRA_FUZZ_EXAMPLES``
+asks for more (400 each take about five minutes on two cores, and reach
+inputs and states the short run rarely does).
+
 The server runs once for the module with long leases and no staleness, so
 the sweeper (which legitimately writes on its own) stays idle while requests
 are compared. Long-polls are asked for ``wait=0`` (a valid value) so a claim
@@ -22,6 +26,7 @@ returns at once, and event streams are opened and closed.
 from __future__ import annotations
 
 import copy
+import os
 import uuid
 
 import httpx
@@ -168,7 +173,7 @@ def test_every_path_template_names_its_parameters():
 
 
 @schema.parametrize()
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("UMBRA_FUZZ_EXAMPLES", "20")), deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_server_error_and_refusals_write_nothing(case, target):
     key = (case.method.upper(), case.path)
     # A method the path does not declare (negative mode tries them) authenticates like the path's others.
