@@ -265,10 +265,10 @@ async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingA
         if exc.diag.column_name != "version":
             raise
         raise _conflict(batch) from exc
-    positions = appended(rows, returned)
+    appended(rows, returned)  # one row back per event, counted
     return [
         RecordedEvent(position, item.stream, version, item.organization_id, event, item.metadata or {}, recorded_at)
-        for position, (_position, recorded_at), (item, event, version) in zip(positions, returned, rows)
+        for (position, recorded_at), (item, event, version) in zip(returned, rows)
     ]
 
 
