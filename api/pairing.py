@@ -55,15 +55,14 @@ class RedeemOut(msgspec.Struct, kw_only=True):
 async def create_pairing(request: Request):
     who = await authorized(request, "nodes:admin")
     body = await read_json(request, PairingRequest)  # read with no connection held
-    async with request.app.state.services.pool.connection() as conn:
-        issued = await pairing.issue_pairing_code(
-            conn,
-            who.organization_id,
-            body.name,
-            trust_domain=body.trust_domain,
-            locality=body.locality,
-            ttl_seconds=body.ttl_seconds,
-        )
+    issued = await pairing.issue_pairing_code(
+        request.app.state.services.pool,  # borrowed around the hash, not held across it
+        who.organization_id,
+        body.name,
+        trust_domain=body.trust_domain,
+        locality=body.locality,
+        ttl_seconds=body.ttl_seconds,
+    )
     out = PairingOut(code=issued.code, node_name=issued.node_name, expires_at=rfc3339(issued.expires_at), pairing_id=issued.id)
     return json_response(out, status=201, headers={"Cache-Control": "no-store"})
 
@@ -71,17 +70,16 @@ async def create_pairing(request: Request):
 async def redeem_pairing(request: Request):
     body = await read_json(request, RedeemRequest)
     devices = to_devices(body.devices)
-    async with request.app.state.services.pool.connection() as conn:
-        redeemed = await pairing.redeem_pairing_code(
-            conn,
-            code=body.code,
-            name=body.name,
-            source=client_address(request),
-            agent_version=body.agent_version,
-            devices=devices,
-            transport=body.transport,
-            request_id=request_id(request),
-        )
+    redeemed = await pairing.redeem_pairing_code(
+        request.app.state.services.pool,  # borrowed around the hashes, not held across them
+        code=body.code,
+        name=body.name,
+        source=client_address(request),
+        agent_version=body.agent_version,
+        devices=devices,
+        transport=body.transport,
+        request_id=request_id(request),
+    )
     out = RedeemOut(node_id=redeemed.node_id, credential=redeemed.credential, scopes=list(redeemed.scopes))
     return json_response(out, status=201, headers={"Cache-Control": "no-store"})
 

@@ -13,6 +13,13 @@ a salt per code, each wrong attempt, unauthenticated, cost one computation per
 live code of every organization. No two live codes are equal, whatever their
 name or organization, so the lookup finds at most one, and a code presented
 under another name is recognised as such.
+
+Given a pool, the commands borrow a connection for each step that talks to
+the database and give it back before every argon2id computation (about 60 ms
+here: the code's hash, and the node credential's). Redemption is
+unauthenticated: had it held a connection while hashing, ten wrong codes at
+once from ten addresses, each within its rate limit, would pin a pool of ten
+and stall every submit and report behind them.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from umbra.domain.heartbeat import normalize_devices
 from umbra.errors import Conflict, InvalidRequest, RateLimited, Unauthenticated
 from umbra.events import store
 from umbra.events.types import Device, NodeCreated, NodePaired
+from umbra.db import Database, borrowed
 from umbra.security import hash_secret_salted
 
 from .blocked import reexamine_blocked
@@ -94,14 +102,18 @@ RETURNING expires_at
 """
 
 
-async def _code_hash(conn: psycopg.AsyncConnection, code: str) -> str:
+async def _salt(conn: psycopg.AsyncConnection) -> bytes:
+    """The database's pairing salt: read each time, never cached, so it cannot be stale."""
+    return bytes((await (await conn.execute("SELECT salt FROM pairing_salt")).fetchone())[0])
+
+
+async def _code_hash(code: str, salt: bytes) -> str:
     """``code``'s stored form: argon2id under the database's pairing salt, off the event loop."""
-    salt = (await (await conn.execute("SELECT salt FROM pairing_salt")).fetchone())[0]
-    return await anyio.to_thread.run_sync(hash_secret_salted, code, bytes(salt))
+    return await anyio.to_thread.run_sync(hash_secret_salted, code, salt)
 
 
 async def issue_pairing_code(
-    conn: psycopg.AsyncConnection,
+    db: Database,
     organization_id: UUID,
     name: str,
     *,
@@ -123,10 +135,12 @@ async def issue_pairing_code(
             f"ttl_seconds must be between {TTL_MIN_SECONDS} and {TTL_MAX_SECONDS}.", field="ttl_seconds"
         )
     code_id = uuid4()
+    async with borrowed(db) as conn:
+        salt = await _salt(conn)
     while True:
         code = f"{secrets.randbelow(1_000_000):06d}"
-        code_hash = await _code_hash(conn, code)
-        async with conn.transaction():
+        code_hash = await _code_hash(code, salt)
+        async with borrowed(db) as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (code_hash,))
             if await (await conn.execute(_LIVE, (code_hash,))).fetchone() is not None:
                 continue  # those digits are waiting for another node: draw again
@@ -185,11 +199,9 @@ RETURNING organization_id, node_name, trust_domain, locality
 """
 
 
-async def _find_code(conn: psycopg.AsyncConnection, code: str, name: str) -> UUID:
-    """The live code ``code`` names, issued for ``name``; raise the right refusal otherwise."""
-    if not _CODE.match(code):
-        raise _invalid()
-    found = await (await conn.execute(_LIVE, (await _code_hash(conn, code),))).fetchone()
+async def _find_code(conn: psycopg.AsyncConnection, code_hash: str, name: str) -> UUID:
+    """The live code hashed as ``code_hash``, issued for ``name``; raise the right refusal otherwise."""
+    found = await (await conn.execute(_LIVE, (code_hash,))).fetchone()
     if found is None:
         raise _invalid()
     code_id, node_name = found
@@ -203,7 +215,7 @@ async def _find_code(conn: psycopg.AsyncConnection, code: str, name: str) -> UUI
 
 
 async def redeem_pairing_code(
-    conn: psycopg.AsyncConnection,
+    db: Database,
     *,
     code: str,
     name: str,
@@ -215,18 +227,27 @@ async def redeem_pairing_code(
 ) -> Redemption:
     """Exchange a code for a new ``provisioning`` node and its credential.
 
-    Order: charge the attempt (committed), find the code, then one transaction
-    that spends it with a conditional UPDATE (``redeemed_at IS NULL``) and
-    creates the node. Two redeemers of one code serialise on that row: the
+    Order: charge the attempt (committed), hash the code, find it, mint the
+    credential, then one transaction that spends the code with a conditional
+    UPDATE (``redeemed_at IS NULL``) and creates the node. The two hashes run
+    with no connection borrowed from a pool, and only a code that was found
+    pays for the second. Two redeemers of one code serialise on that row: the
     second finds it spent and gets the ordinary invalid answer, and a failure
     after spending rolls the spend back with the node, so no orphan remains.
     """
-    await charge_attempt(conn, source)
+    async with borrowed(db) as conn:
+        await charge_attempt(conn, source)
+        salt = await _salt(conn)
     name = check_node_name(name)
-    code_id = await _find_code(conn, code.strip(), name)
+    code = code.strip()
+    if not _CODE.match(code):
+        raise _invalid()
+    code_hash = await _code_hash(code, salt)
+    async with borrowed(db) as conn:
+        code_id = await _find_code(conn, code_hash, name)
     credential = await mint_node_credential()
     try:
-        async with conn.transaction():
+        async with borrowed(db) as conn, conn.transaction():
             spent = await (await conn.execute(_SPEND, (code_id,))).fetchone()
             if spent is None:
                 raise _invalid()

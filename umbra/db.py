@@ -178,6 +178,26 @@ async def _run(cursor: psycopg.AsyncClientCursor[Any], done: set[str], query: st
         raise
 
 
+#: Where a command gets its connections: the caller's own, held throughout, or
+#: a pool it borrows from for each step (see :func:`borrowed`).
+Database = psycopg.AsyncConnection | AsyncConnectionPool
+
+
+@asynccontextmanager
+async def borrowed(db: Database) -> AsyncIterator[psycopg.AsyncConnection]:
+    """A connection for one step of a command: the pool's for that step only, or the one the caller holds.
+
+    A command that computes something slow between its queries (argon2id)
+    takes a pool, so no connection is held while it computes; given a
+    connection, it runs every step on it, as the CLI and tests do.
+    """
+    if isinstance(db, AsyncConnectionPool):
+        async with db.connection() as conn:
+            yield conn
+    else:
+        yield db
+
+
 async def _configure(conn: psycopg.AsyncConnection) -> None:
     """A pooled connection: the service role, and timestamps read in UTC.
 

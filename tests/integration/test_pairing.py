@@ -278,3 +278,44 @@ async def test_codes_issued_before_the_hash_lookup_end_when_it_is_installed(db_u
         await redeem(conn, "123456", name="old-box")
     fresh = await issue_pairing_code(conn, org[0], "old-box")
     assert (await redeem(conn, fresh.code, name="old-box")).organization_id == org[0]
+
+
+async def test_given_a_pool_pairing_holds_no_connection_while_it_hashes(db_url, conn, org, monkeypatch):
+    """Each argon2id computation (about 60 ms) runs with the borrowed connection given back.
+
+    Redemption is unauthenticated: had it held a connection through its
+    hashes, a few wrong codes at once would pin the server's pool. With a pool
+    of one connection, a query made in the middle of every hash must get it.
+    """
+    from umbra.compute import credentials, pairing
+    from umbra.db import open_pool
+
+    probed: list[str] = []
+
+    async with open_pool(db_url, size=1) as pool:
+
+        async def probe(what: str) -> None:
+            async with pool.connection(timeout=2) as other:  # PoolTimeout if the command held it
+                await other.execute("SELECT 1")
+            probed.append(what)
+
+        def probing(real, what: str):
+            def hashing(*args):
+                anyio.from_thread.run(probe, what)
+                return real(*args)
+
+            return hashing
+
+        monkeypatch.setattr(pairing, "hash_secret_salted", probing(pairing.hash_secret_salted, "code"))
+        monkeypatch.setattr(credentials, "hash_secret", probing(credentials.hash_secret, "credential"))
+        issued = await issue_pairing_code(pool, org[0], "gpu-box")
+        assert probed == ["code"]
+        with pytest.raises(Unauthenticated):
+            await redeem(pool, "000000" if issued.code != "000000" else "000001")
+        assert probed == ["code", "code"]  # a code not found mints no credential
+        redeemed = await redeem(pool, issued.code, devices=[GPU])
+        assert probed == ["code", "code", "code", "credential"]
+    who = await authenticate(conn, redeemed.credential, VerifiedTokenCache())
+    assert (who.kind, who.node_id) == ("node", redeemed.node_id)
+    attempts = (await (await conn.execute("SELECT sum(attempts) FROM pairing_attempts")).fetchone())[0]
+    assert attempts == 2
