@@ -72,7 +72,7 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
         routes=routes,
         exception_handlers=HANDLERS,
         lifespan=lifespan,
-        middleware=[Middleware(RequestContext, route_templates=templates)],
+        middleware=[Middleware(RequestContext, route_templates=templates, trusted_proxies=settings.trusted_proxies)],
     )
     app.state.metrics_registry, app.state.metrics_views = metrics.build_registry()
     return app

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 from uuid import UUID
 
 import msgspec
@@ -17,6 +18,7 @@ from umbra.errors import InvalidRequest, NotFound, UmbraError
 MAX_BODY_BYTES = 1024 * 1024
 
 T = TypeVar("T")
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _encoder = msgspec.json.Encoder()
 
@@ -141,24 +143,31 @@ def client_address(request: Request) -> str:
     """The TCP peer, or X-Forwarded-For's client when the peer is a trusted proxy."""
     peer = request.client.host if request.client else "unknown"
     trusted = request.app.state.services.settings.trusted_proxies
-    if trusted:
-        import ipaddress
+    return forwarded_client(peer, request.headers.getlist("x-forwarded-for"), trusted)
 
+
+def forwarded_client(peer: str, forwarded: Sequence[str], trusted: Sequence[IPNetwork]) -> str:
+    """The client behind ``peer``: the nearest untrusted hop of ``X-Forwarded-For`` when ``peer`` is trusted.
+
+    ``forwarded`` is every line of the header, in order: a proxy may add its
+    own line rather than extend the client's, and the first line alone is the
+    client's own word.
+    """
+    if not trusted:
+        return peer
+    try:
+        peer_ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return peer
+    if not any(peer_ip in net for net in trusted):
+        return peer
+    hops = [h.strip() for line in forwarded for h in line.split(",") if h.strip()]
+    # Walk from the nearest hop back; the first untrusted one is the client.
+    for hop in reversed(hops):
         try:
-            peer_ip = ipaddress.ip_address(peer)
+            hop_ip = ipaddress.ip_address(hop)
         except ValueError:
-            return peer
-        if any(peer_ip in net for net in trusted):
-            forwarded = request.headers.get("x-forwarded-for", "")
-            hops = [h.strip() for h in forwarded.split(",") if h.strip()]
-            # Walk from the nearest hop back; the first untrusted one is the client.
-            for hop in reversed(hops):
-                try:
-                    hop_ip = ipaddress.ip_address(hop)
-                except ValueError:
-                    return hop
-                if not any(hop_ip in net for net in trusted):
-                    return hop
-            if hops:
-                return hops[0]
-    return peer
+            return hop
+        if not any(hop_ip in net for net in trusted):
+            return hop
+    return hops[0] if hops else peer

@@ -22,14 +22,14 @@ import logging
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
-from starlette.datastructures import MutableHeaders
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from umbra import metrics
 
-from .http import MAX_BODY_BYTES, PayloadTooLarge, json_response
+from .http import MAX_BODY_BYTES, IPNetwork, PayloadTooLarge, forwarded_client, json_response
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,12 @@ def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 
 class RequestContext:
-    def __init__(self, app: ASGIApp, *, route_templates: dict[Any, str], max_body: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, *, route_templates: dict[Any, str], max_body: int = MAX_BODY_BYTES,
+                 trusted_proxies: Sequence[IPNetwork] = ()) -> None:  # fmt: skip
         self.app = app
         self.max_body = max_body
+        #: ``UMBRA_TRUSTED_PROXIES``: the access log names the client behind them, as the rate limit does.
+        self.trusted_proxies = trusted_proxies
         #: endpoint function -> path template, for bounded metric labels.
         self.route_templates = route_templates
 
@@ -104,7 +107,8 @@ class RequestContext:
         if not log.isEnabledFor(logging.INFO):
             return
         who = scope.get("state", {}).get("principal")
-        client = scope.get("client")
+        peer = scope.get("client")
+        client = forwarded_client(peer[0], Headers(scope=scope).getlist("x-forwarded-for"), self.trusted_proxies) if peer else None
         log.info(
             "request",
             extra={
@@ -115,7 +119,7 @@ class RequestContext:
                 "route": route,
                 "status": status,
                 "duration_ms": round(seconds * 1000, 2),
-                "client": client[0] if client else None,
+                "client": client,
                 "credential_id": str(who.credential_id) if who is not None else None,
                 "organization_id": str(who.organization_id) if who is not None else None,
             },

@@ -42,6 +42,11 @@ def config(app, *, host: str, port: int, **options) -> uvicorn.Config:
         port=port,
         log_level=options.pop("log_level", "warning"),
         access_log=False,  # api.middleware writes the structured access log
+        # X-Forwarded-For is read by api.http.client_address alone, and only from
+        # UMBRA_TRUSTED_PROXIES. uvicorn's own reading trusts 127.0.0.1 by
+        # default: behind a local proxy that passes the header on, a client could
+        # name any address, and with it any pairing rate-limit bucket.
+        proxy_headers=False,
         lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         **options,

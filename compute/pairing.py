@@ -206,10 +206,12 @@ async def _find_code(conn: psycopg.AsyncConnection, code_hash: str, name: str) -
         raise _invalid()
     code_id, node_name = found
     if node_name != name:
+        # The issued name is not repeated: whoever redeems unauthenticated would
+        # learn, with a guessed live code, the one name it still lacked.
         raise Conflict(
             "pairing_name_mismatch",
-            f"This code was issued for a node named {node_name!r}, not {name!r}; "
-            "redeem it under that name or ask for a code for this one.",
+            f"This code was issued for a node of another name, not {name!r}; "
+            "redeem it under the name it was issued for, or ask for a code for this one.",
         )
     return code_id
 

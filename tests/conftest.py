@@ -115,6 +115,7 @@ class LiveServer:
         import uvicorn
 
         from umbra.api.app import create_app
+        from umbra.api.server import config
         from umbra.settings import load_settings
 
         env = {"UMBRA_DATABASE_URL": db_url, **settings_env}
@@ -122,8 +123,7 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(self.settings, db_url)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(config(self.app, host="127.0.0.1", port=self.port))  # as `umbra serve` has it
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":

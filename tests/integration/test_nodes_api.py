@@ -7,7 +7,7 @@ import pytest
 
 from umbra.compute.accounts import create_api_key, create_organization
 from umbra.compute.auth import NODE_SCOPES
-from umbra.compute.pairing import WINDOW_SECONDS
+from umbra.compute.pairing import ATTEMPTS_PER_WINDOW as ATTEMPTS, WINDOW_SECONDS
 from tests.helpers import bearer
 
 pytestmark = pytest.mark.anyio
@@ -206,3 +206,53 @@ async def test_the_twenty_first_redeem_is_429_with_retry_after(client, conn, org
     # The seconds until the window the attempts were counted in ends: no more, no less.
     assert after <= int(limited.headers["Retry-After"]) <= before
     assert (await client.get("/v1/nodes", headers=bearer(key))).json() == {"nodes": []}
+
+
+@pytest.mark.parametrize(
+    "trusted, forwarded, counted",
+    [
+        # No proxy is trusted: the header is the client's own word, whatever the peer (here 127.0.0.1).
+        ("", lambda i: [("x-forwarded-for", f"198.51.100.{i}")], "127.0.0.1"),
+        # A trusted proxy that adds its own line after the client's: the client is in the last line.
+        ("127.0.0.1/32", lambda i: [("x-forwarded-for", f"198.51.100.{i}"), ("x-forwarded-for", "203.0.113.7")],
+         "203.0.113.7"),
+    ],
+    ids=["no-trusted-proxy", "proxy-adds-a-line"],
+)
+async def test_a_client_cannot_choose_its_rate_limit_bucket_with_x_forwarded_for(db_url, conn, org, trusted, forwarded,
+                                                                                 counted):  # fmt: skip
+    """Every attempt names another address in ``X-Forwarded-For``; all are still charged to one source.
+
+    The access log names the same client as the rate limit.
+    """
+    import logging
+
+    import httpx
+
+    from tests.conftest import LiveServer
+
+    if (left := await seconds_left_in_window(conn)) < 10:  # the 21 attempts must fall in one fixed window
+        await anyio.sleep(left + 1)
+    logged: list[logging.LogRecord] = []
+    access_log = logging.getLogger("umbra.api.middleware")
+    capture = logging.Handler()
+    capture.emit = logged.append
+    access_log.addHandler(capture)
+    old_level = access_log.level
+    access_log.setLevel(logging.INFO)
+    try:
+        with LiveServer(db_url, UMBRA_TRUSTED_PROXIES=trusted) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                answers = [
+                    (await client.post("/v1/pairings/redeem", json={"code": "000000", "name": "gpu-box"},
+                                       headers=forwarded(i))).status_code  # fmt: skip
+                    for i in range(ATTEMPTS + 1)
+                ]
+    finally:
+        access_log.removeHandler(capture)
+        access_log.setLevel(old_level)
+    assert answers == [401] * ATTEMPTS + [429]
+    sources = await (await conn.execute("SELECT source, attempts FROM pairing_attempts")).fetchall()
+    assert sources == [(counted, ATTEMPTS + 1)]
+    requests = [r for r in logged if getattr(r, "action", None) == "http_request"]
+    assert len(requests) == ATTEMPTS + 1 and {r.client for r in requests} == {counted}

@@ -212,7 +212,7 @@ async def test_an_attempt_costs_one_hash_however_many_codes_wait(conn, org, monk
     target = waiting[-1]  # the last code issued, for the other organization's "box-5"
     with pytest.raises(Conflict) as refused:
         await redeem(conn, target.code, name="box-0")
-    assert refused.value.code == "pairing_name_mismatch" and "'box-5'" in refused.value.message
+    assert refused.value.code == "pairing_name_mismatch" and "box-5" not in refused.value.message  # not told to a guesser
     assert hashed == [wrong, target.code]
     redeemed = await redeem(conn, target.code, name="box-5")
     assert redeemed.organization_id == other and hashed == [wrong, target.code, target.code]
