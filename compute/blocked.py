@@ -7,11 +7,18 @@ online and idle: device totals and capabilities, not the memory free this
 second (see :func:`umbra.domain.eligibility.blocking_reason`). An organization
 with no such node blocks everything, and its first pairing unblocks it.
 
-:func:`reexamine_blocked` returns blocked jobs to the queue when something
-could now run them. Call it, inside the transaction that changed them, wherever
-node, device or model state changes: pairing, a heartbeat whose devices
-changed, a model registry update. It is cheap when nothing is blocked (one
-index probe).
+:func:`reexamine_waiting_jobs` judges again the jobs waiting to run when
+capacity changed: a blocked job something could now run returns to the queue,
+and a queued job nothing could ever run any more is blocked. The second
+matters as much as the first: a retired node, a device gone from a heartbeat
+or a model whose floor was raised can leave queued work that no device will
+ever take, and a child job queued like that would hold its parent open for
+ever, where a blocked one fails after the blocked timeout and lets its parent
+settle. Call it, inside the transaction that changed them, wherever node,
+device or model state changes: pairing, drain and retirement, a heartbeat
+whose devices changed, a model registry update. It is cheap when nothing is
+waiting (two index probes), and otherwise reads one row per distinct
+requirement shape before it judges any job.
 
 This module also reads the organization's fleet (nodes, their devices and
 effective status) and model registry in the shape eligibility needs; the claim
@@ -21,6 +28,7 @@ path uses the same readers.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 from uuid import UUID
 
@@ -95,53 +103,75 @@ class BlockingJudge:
         return self._memo[requires]
 
 
+#: The organization's distinct queued requirement shapes, at most ``limit``: a skip scan
+#: of ``jobs_by_shape`` (each step is one descent to the first entry past the previous
+#: shape), so the cost follows the number of shapes, not of jobs. The SQL is a function
+#: (migrations/0025) because it must be planned with sorting disabled.
+QUEUED_SHAPES = "SELECT umbra_queued_shapes(%(org)s, %(limit)s)"
+#: Queued shapes one re-examination judges at most. An organization with more
+#: has its other shapes' jobs judged by the next change or sweep that reaches them.
+REEXAMINED_SHAPES = 1000
 _BLOCKED_SHAPES = """
 SELECT DISTINCT requires::text, blocked_reason FROM jobs WHERE organization_id = %s AND status = 'blocked'
 """
-_BLOCKED_WITH = f"""
+_WAITING_WITH = f"""
 SELECT {queue.SELECT_LIST} FROM jobs
-WHERE organization_id = %s AND status = 'blocked' AND requires = ANY(%s::text[]::jsonb[])
+WHERE organization_id = %s AND status = %s AND requires = ANY(%s::text[]::jsonb[])
 ORDER BY seq FOR UPDATE SKIP LOCKED
 """
 _requirements = msgspec.json.Decoder(Requirements)
 
 
-async def reexamine_blocked(
+@dataclass(frozen=True, slots=True)
+class Reexamined:
+    unblocked: int = 0
+    blocked: int = 0
+
+
+async def reexamine_waiting_jobs(
     conn: psycopg.AsyncConnection, organization_id: UUID, *, metadata: Mapping[str, Any] | None = None
-) -> int:
-    """Unblock every blocked job of the organization that some device could now run.
+) -> Reexamined:
+    """Unblock the organization's blocked jobs some device could now run; block its queued jobs none could.
 
     Runs in the caller's transaction (as a savepoint when one is open). Each
-    distinct requirement shape among the blocked jobs is judged once, and only
+    distinct requirement shape among the waiting jobs is judged once, and only
     the jobs whose verdict changed are locked and written, so a heartbeat that
-    changes nothing for them costs one small read. A job still blocked whose
-    shortfall changed gets its new reason, keeping the time it was first
-    blocked. Blocked jobs another transaction holds are left for the next
-    re-examination. Returns how many jobs went back to the queue.
+    changes nothing for them costs two small reads and the judgement. A job
+    still blocked whose shortfall changed gets its new reason, keeping the
+    time it was first blocked. Jobs another transaction holds (a claim in
+    flight, say) are left for the next re-examination.
     """
+    metadata = metadata or {"actor": "reexamine"}
     async with conn.transaction():
-        shapes = await (await conn.execute(_BLOCKED_SHAPES, (organization_id,))).fetchall()
-        if not shapes:
-            return 0
+        blocked_shapes = await (await conn.execute(_BLOCKED_SHAPES, (organization_id,))).fetchall()
+        queued_shapes = [text for (text,) in await (await conn.execute(
+            QUEUED_SHAPES, {"org": organization_id, "limit": REEXAMINED_SHAPES})).fetchall()]  # fmt: skip
+        if not blocked_shapes and not queued_shapes:
+            return Reexamined()
         judge = await BlockingJudge.load(conn, organization_id)
-        verdicts = {text: judge.reason(_requirements.decode(text)) for text in {text for text, _ in shapes}}
-        moved = sorted({text for text, reason in shapes if verdicts[text] != reason})
-        if not moved:
-            return 0
-        rows = [queue.from_db(r) for r in await (await conn.execute(_BLOCKED_WITH, (organization_id, moved))).fetchall()]
+        verdicts = {text: judge.reason(_requirements.decode(text))
+                    for text in {text for text, _ in blocked_shapes} | set(queued_shapes)}  # fmt: skip
+        to_unblock = sorted({text for text, reason in blocked_shapes if verdicts[text] != reason})
+        to_block = sorted(text for text in queued_shapes if verdicts[text] is not None)
         changes: list[queue.Change] = []
-        unblocked = 0
-        for row in rows:
-            reason = judge.reason(row.requires)
-            if reason is None:
-                changes.append(queue.Change(row.id, organization_id, row, [JobUnblocked()]))
-                unblocked += 1
-            elif reason != row.blocked_reason:
-                changes.append(queue.Change(row.id, organization_id, row, [JobBlocked(reason=reason)]))
+        unblocked = blocked = 0
+        for status, shapes in (("blocked", to_unblock), ("queued", to_block)):
+            if not shapes:
+                continue
+            for record in await (await conn.execute(_WAITING_WITH, (organization_id, status, shapes))).fetchall():
+                row = queue.from_db(record)
+                reason = judge.reason(row.requires)
+                if reason is None:
+                    changes.append(queue.Change(row.id, organization_id, row, [JobUnblocked()]))
+                    unblocked += 1
+                elif reason != row.blocked_reason:
+                    changes.append(queue.Change(row.id, organization_id, row, [JobBlocked(reason=reason)]))
+                    blocked += status == "queued"
         if not changes:
-            return 0
-        written = await queue.record(conn, changes, metadata=metadata or {"actor": "reexamine"})
+            return Reexamined()
+        written = await queue.record(conn, changes, metadata=metadata)
         await store.publish(conn, [(organization_id, max(r.position for r in written), unblocked)])
-    if unblocked:
-        log.info("blocked jobs unblocked", extra={"action": "jobs_unblocked", "organization_id": str(organization_id), "count": unblocked})
-    return unblocked
+    if unblocked or blocked:
+        log.info("waiting jobs re-examined", extra={"action": "jobs_reexamined", "organization_id": str(organization_id),
+                                                   "unblocked": unblocked, "blocked": blocked})  # fmt: skip
+    return Reexamined(unblocked=unblocked, blocked=blocked)

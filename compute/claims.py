@@ -53,7 +53,7 @@ from umbra.events.types import JobClaimed, JobCompleted, JobDecomposed, JobLease
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
-from .blocked import BlockingJudge, read_models, read_nodes
+from .blocked import QUEUED_SHAPES, BlockingJudge, read_models, read_nodes
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, jobs_by_idempotency_key, record_and_settle, refusing_nul,
     submitted_events,
@@ -73,11 +73,6 @@ MAX_SHAPES = 64
 SHAPE_PAGE = 16
 MIN_SHAPE_ROWS = 2
 
-#: The organization's distinct queued requirement shapes, at most ``limit``: a skip scan
-#: of ``jobs_by_shape`` (each step is one descent to the first entry past the previous
-#: shape), so the cost follows the number of shapes, not of jobs. The SQL is a function
-#: (migrations/0025) because it must be planned with sorting disabled.
-QUEUED_SHAPES = "SELECT umbra_queued_shapes(%(org)s, %(limit)s)"
 #: The first ``limit`` claimable rows after (priority, seq) of each of the given shapes,
 #: by ``jobs_by_shape``; the caller merges them (:class:`ClaimableScan`).
 SHAPES_SCAN = """

@@ -19,7 +19,7 @@ from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.events import store
 from umbra.projections import nodes as projection
 
-from .blocked import reexamine_blocked
+from .blocked import reexamine_waiting_jobs
 from .nodes import append_node_events, capacity_cause, node_not_found
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ async def heartbeat(
                 request_id=request_id,
             )
             if decision.changes_capacity:
-                await reexamine_blocked(conn, organization_id, metadata=capacity_cause(node_id, request_id))
+                await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id))
             await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
         else:
             state = locked

@@ -17,7 +17,7 @@ import psycopg
 from umbra.domain.models import RegisteredModel
 from umbra.errors import InvalidRequest
 
-from .blocked import reexamine_blocked
+from .blocked import reexamine_waiting_jobs
 from .nodes import capacity_cause
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ async def upsert_model(
             )
         ).fetchone()
         stored = _model(row)
-        await reexamine_blocked(conn, organization_id, metadata=capacity_cause(None, request_id))
+        await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(None, request_id))
     log.info("model registered", extra={"action": "model_upserted", "slug": model.slug})
     return stored
 

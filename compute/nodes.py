@@ -24,7 +24,7 @@ from umbra.events.types import Device, Event, NodeDraining, NodeRetired, NodeWen
 from umbra.projections import nodes as projection
 from umbra.projections.nodes import NodeState
 
-from .blocked import reexamine_blocked
+from .blocked import reexamine_waiting_jobs
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ async def _transition(
             conn, state, [event], node_id=node_id, organization_id=organization_id, actor=actor, request_id=request_id
         )
         # A node that stops taking work changes what blocked jobs could ever run on, and so their reasons.
-        await reexamine_blocked(conn, organization_id, metadata=capacity_cause(node_id, request_id))
+        await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id))
         await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
     log.info("node transition", extra={"action": recorded[-1].type, "node_id": str(node_id)})
     return state

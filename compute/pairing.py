@@ -42,7 +42,7 @@ from umbra.events.types import Device, NodeCreated, NodePaired
 from umbra.db import Database, borrowed
 from umbra.security import hash_secret_salted
 
-from .blocked import reexamine_blocked
+from .blocked import reexamine_waiting_jobs
 from .credentials import mint_node_credential, store_node_credential
 from .nodes import append_node_events, capacity_cause
 
@@ -274,7 +274,7 @@ async def redeem_pairing_code(
                 request_id=request_id,
             )
             await store_node_credential(conn, credential, node_id=node_id, organization_id=organization_id)
-            await reexamine_blocked(conn, organization_id, metadata=capacity_cause(node_id, request_id))
+            await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id))
             await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
     except psycopg.errors.UniqueViolation as exc:
         if exc.diag.constraint_name == "nodes_name_per_org":

@@ -14,8 +14,9 @@ Each tick, in separate command transactions:
   next poll;
 * **planner statistics** of the queue are refreshed when it has outgrown them
   (:mod:`umbra.compute.statistics`);
-* every :data:`REEXAMINE_SECONDS`, **blocked jobs** get a second look (see
-  :func:`sweep_once`), and spent **pairing codes** and ended rate-limit
+* every :data:`REEXAMINE_SECONDS`, **waiting jobs** get a second look (see
+  :func:`sweep_once`): blocked ones something could now run are unblocked,
+  queued ones nothing could ever run are blocked; and spent **pairing codes** and ended rate-limit
   windows are deleted (:func:`umbra.compute.pairing.prune`).
 
 It runs inside the server from startup, in exactly one process at a time:
@@ -48,7 +49,7 @@ from umbra.projections.jobs import Change
 from umbra.settings import Settings
 
 from . import pairing, statistics
-from .blocked import reexamine_blocked
+from .blocked import reexamine_waiting_jobs
 from .jobs import record_and_settle
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,11 @@ WHERE status = 'blocked' AND blocked_at <= umbra_now() - make_interval(secs => %
 ORDER BY blocked_at LIMIT %s
 FOR UPDATE SKIP LOCKED
 """
-_BLOCKED_ORGS = "SELECT DISTINCT organization_id FROM jobs WHERE status = 'blocked'"
+_WAITING_ORGS = """
+SELECT o.id FROM organizations o
+WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.organization_id = o.id AND j.status = 'queued')
+   OR EXISTS (SELECT 1 FROM jobs j WHERE j.organization_id = o.id AND j.status = 'blocked')
+"""
 _DUE = """
 SELECT organization_id, count(*), max(position) FROM jobs
 WHERE status = 'queued' AND not_before > %s AND not_before <= %s
@@ -92,6 +97,7 @@ class SweepReport:
     blocked_failed: int = 0
     jobs_woken: int = 0
     jobs_unblocked: int = 0
+    jobs_blocked: int = 0
     pairing_rows_pruned: int = 0
     #: Whether the tick analysed ``jobs`` (its planner statistics had been outgrown).
     statistics_refreshed: bool = False
@@ -106,12 +112,13 @@ async def sweep_once(
 ) -> SweepReport:
     """One tick. ``since`` is the previous tick's ``now``: jobs due after it are announced.
 
-    ``reexamine`` also gives every organization's blocked jobs a second look,
-    and prunes the pairing tables.
+    ``reexamine`` also gives every organization's waiting (blocked and queued)
+    jobs a second look, and prunes the pairing tables.
     Node changes re-examine in their own transaction, but a job submitted
-    concurrently (blocked against a fleet snapshot that had not seen the
-    change) or held by another transaction at that moment would otherwise stay
-    blocked until the next change; the loop does this every
+    concurrently (judged against a fleet snapshot that had not seen the
+    change), held by another transaction at that moment, or returned to the
+    queue after the change (a failure to retry, an expired lease) would
+    otherwise wait as it was until the next change; the loop does this every
     :data:`REEXAMINE_SECONDS`.
     """
     report = SweepReport(now=(await (await conn.execute("SELECT umbra_now()")).fetchone())[0])
@@ -124,12 +131,15 @@ async def sweep_once(
         await _announce_due(conn, since, report)
     report.statistics_refreshed = await statistics.refresh_if_outgrown(conn)
     if reexamine:
-        for (organization_id,) in await (await conn.execute(_BLOCKED_ORGS)).fetchall():
-            report.jobs_unblocked += await reexamine_blocked(conn, organization_id, metadata=_METADATA)
+        for (organization_id,) in await (await conn.execute(_WAITING_ORGS)).fetchall():
+            reexamined = await reexamine_waiting_jobs(conn, organization_id, metadata=_METADATA)
+            report.jobs_unblocked += reexamined.unblocked
+            report.jobs_blocked += reexamined.blocked
         report.pairing_rows_pruned = await pairing.prune(conn)
     for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
                           ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed),
-                          ("job_unblocked", report.jobs_unblocked), ("pairing_pruned", report.pairing_rows_pruned),
+                          ("job_unblocked", report.jobs_unblocked), ("job_blocked", report.jobs_blocked),
+                          ("pairing_pruned", report.pairing_rows_pruned),
                           ("jobs_analysed", int(report.statistics_refreshed))):
         metrics.count_sweeper_action(action, count)
     if report.actions:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from umbra.compute import claims
 from umbra.compute.heartbeat import heartbeat
+from umbra.compute.jobs import RequiresRequest
+from umbra.compute.nodes import retire_node
+from umbra.compute.sweeper import sweep_once
 from umbra.compute.jobs import JobRequest, submit
 from umbra.compute.models import upsert_model
 from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
@@ -13,6 +17,9 @@ from umbra.domain.heartbeat import HeartbeatReport
 from umbra.domain.models import RegisteredModel
 from umbra.events import store
 from umbra.events.types import Device
+from umbra.settings import load_settings
+
+from .queue_support import add_node, beat, set_clock
 
 pytestmark = pytest.mark.anyio
 
@@ -63,3 +70,82 @@ async def test_registering_the_model_unblocks(conn, org):
     assert await status(conn, job_id) == "blocked"
     await upsert_model(conn, org_id, RegisteredModel(slug="gemma4:26b", vram_min_mb=16000))
     assert await status(conn, job_id) == "queued"
+
+
+# Capacity that goes away: queued work nothing could ever run any more is blocked, so it cannot
+# look alive for ever, and a child blocked like that fails after the blocked timeout and lets its
+# parent settle.
+
+GPU48 = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=49152, vram_free_mb=48000, accelerators=("cuda",))
+SETTINGS = load_settings({})
+
+
+async def test_retiring_the_only_capable_node_blocks_the_work_only_it_could_run(conn, org):
+    org_id, _ = org
+    big = await add_node(conn, org_id, "big", [GPU48])
+    await add_node(conn, org_id, "small", [GPU])
+    needs_big = await job(conn, org_id, vram_min_mb=40000, accelerators=["cuda"])
+    fits_small = await job(conn, org_id, vram_min_mb=8000, accelerators=["cuda"])
+    assert (await status(conn, needs_big), await status(conn, fits_small)) == ("queued", "queued")
+    await retire_node(conn, org_id, big, actor="admin")
+    assert (await status(conn, needs_big), await status(conn, fits_small)) == ("blocked", "queued")
+    blocked = (await store.read_stream(conn, store.job_stream(needs_big)))[-1]
+    assert blocked.type == "job.blocked" and "40000" in blocked.event.reason
+    assert blocked.metadata["actor"] == "reexamine" and blocked.metadata["causation"] == f"node:{big}"
+    await add_node(conn, org_id, "bigger", [GPU48])
+    assert await status(conn, needs_big) == "queued"
+
+
+async def test_raising_a_models_floor_past_every_device_blocks_its_queued_jobs(conn, org):
+    org_id, _ = org
+    await pair(conn, org_id, [CPU, GPU])
+    await upsert_model(conn, org_id, RegisteredModel(slug="gemma4:26b", vram_min_mb=16000))
+    job_id = await job(conn, org_id, models=["gemma4:26b"])
+    assert await status(conn, job_id) == "queued"
+    await upsert_model(conn, org_id, RegisteredModel(slug="gemma4:26b", vram_min_mb=80000))
+    assert await status(conn, job_id) == "blocked"
+    await upsert_model(conn, org_id, RegisteredModel(slug="gemma4:26b", vram_min_mb=16000))
+    assert await status(conn, job_id) == "queued"
+
+
+async def test_a_heartbeat_that_loses_a_device_blocks_what_needed_it_and_nothing_else(conn, org):
+    org_id, _ = org
+    node_id = await add_node(conn, org_id, "box", [CPU, GPU])
+    needs_gpu = await job(conn, org_id, accelerators=["cuda"])
+    any_device = await job(conn, org_id)
+    await beat(conn, org_id, node_id, [CPU])
+    assert (await status(conn, needs_gpu), await status(conn, any_device)) == ("blocked", "queued")
+
+
+async def test_a_child_nothing_can_run_any_more_fails_after_the_blocked_timeout_and_its_parent_settles(conn, org):
+    org_id, _ = org
+    big = await add_node(conn, org_id, "big", [GPU48])
+    cpu = await add_node(conn, org_id, "cpu", [CPU])
+    parent = await job(conn, org_id, ram_min_mb=1024)
+    got = await claims.claim(conn, node_id=cpu, organization_id=org_id, lease_seconds=60)
+    assert got is not None and got.job_id == parent
+    big_child = claims.ChildRequest(kind="render", requires=RequiresRequest(vram_min_mb=40000, accelerators=["cuda"]))
+    [child] = await claims.add_children(conn, organization_id=org_id, node_id=cpu, job_id=parent, attempt=got.attempt,
+                                        children=[big_child])  # fmt: skip
+    await retire_node(conn, org_id, big, actor="admin")
+    assert (await status(conn, child.id), await status(conn, parent)) == ("blocked", "running")
+    await set_clock(conn, SETTINGS.blocked_timeout_seconds + 60)
+    await sweep_once(conn, SETTINGS)
+    assert (await status(conn, child.id), await status(conn, parent)) == ("failed", "partial")
+
+
+async def test_a_job_requeued_after_its_only_capable_node_retired_is_blocked_by_the_next_sweep(conn, org):
+    org_id, _ = org
+    big = await add_node(conn, org_id, "big", [GPU48])
+    job_id = await job(conn, org_id, vram_min_mb=40000, accelerators=["cuda"])
+    got = await claims.claim(conn, node_id=big, organization_id=org_id, lease_seconds=60)
+    assert got is not None and got.job_id == job_id
+    await retire_node(conn, org_id, big, actor="admin")
+    assert await status(conn, job_id) == "running"  # a job running on a retired node runs on
+    await set_clock(conn, 61)  # its lease runs out: back to the queue, where nothing could run it
+    report = await sweep_once(conn, SETTINGS)
+    assert (report.leases_requeued, report.jobs_blocked) == (1, 1)
+    assert await status(conn, job_id) == "blocked"
+    types = [r.type for r in await store.read_stream(conn, store.job_stream(job_id))]
+    assert types[-2:] == ["job.lease_expired", "job.blocked"]
+    assert (await sweep_once(conn, SETTINGS)).jobs_blocked == 0  # judged once, not again every sweep

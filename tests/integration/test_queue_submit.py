@@ -201,13 +201,13 @@ async def test_submitting_notifies_once_with_the_claimable_count(db_url, conn, o
 
 
 async def test_reexamining_when_nothing_changed_for_blocked_jobs_writes_nothing(conn, org):
-    from umbra.compute.blocked import reexamine_blocked
+    from umbra.compute.blocked import Reexamined, reexamine_waiting_jobs
 
     org_id, _ = org
     await add_node(conn, org_id, "box", [CPU8])
     await jobs.submit(conn, org_id, [spec(requires={"accelerators": ["cuda"]}) for _ in range(50)], actor="t", batch=True)
     head = await store.head_position(conn)
-    assert await reexamine_blocked(conn, org_id) == 0
+    assert await reexamine_waiting_jobs(conn, org_id) == Reexamined(unblocked=0, blocked=0)
     assert await store.head_position(conn) == head
     await add_node(conn, org_id, "gpu", [GPU24], online=False)
     assert (await (await conn.execute("SELECT count(*) FROM jobs WHERE status = 'queued'")).fetchone())[0] == 50
