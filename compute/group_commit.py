@@ -104,7 +104,7 @@ class HintNotifier:
             await self._ready.wait()
             self._ready = anyio.Event()
             pending, self._pending = self._pending, {}
-            payloads = [store.hint_payload(org, position, claimable) for org, (position, claimable) in pending.items()]
+            payloads = store.hint_payloads((org, position, claimable) for org, (position, claimable) in pending.items())
             try:
                 async with self._pool.connection() as conn:
                     await conn.execute(_NOTIFY, (store.LOG_CHANNEL, payloads))

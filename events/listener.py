@@ -20,7 +20,7 @@ from uuid import UUID
 import anyio
 import psycopg
 
-from .store import LOG_CHANNEL, parse_hint
+from .store import LOG_CHANNEL, parse_hints
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,13 @@ class LogListener:
     def _dispatch(self, payload: str, sender_pid: int) -> None:
         if sender_pid in self._ignore():
             return
-        hint = parse_hint(payload)
-        if hint is None:
+        hints = parse_hints(payload)
+        if hints is None:
             log.warning("ignored malformed notification", extra={"action": "bad_hint"})
             return
-        for callback in self._hint_subscribers:
-            callback(*hint)
+        for hint in hints:
+            for callback in self._hint_subscribers:
+                callback(*hint)
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled, reconnecting with jittered back-off."""

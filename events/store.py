@@ -454,15 +454,53 @@ async def head_position(conn: psycopg.AsyncConnection, organization_id: UUID | N
     return (await cursor.fetchone())[0]
 
 
+#: Room for hints in one NOTIFY payload, under PostgreSQL's 8000-byte limit: about 140 organizations.
+MAX_HINT_PAYLOAD = 7800
+
+
 def hint_payload(organization_id: UUID, position: int, claimable: int = 0) -> str:
-    """A tiny notification payload: ``<org hex> <position> <claimable jobs>``."""
+    """One organization's hint: ``<org hex> <position> <claimable jobs>``."""
     return f"{organization_id.hex} {position} {claimable}"
 
 
-def parse_hint(payload: str) -> tuple[UUID, int, int] | None:
+def hint_payloads(hints: Iterable[tuple[UUID, int, int]]) -> list[str]:
+    """Coalesced hints as NOTIFY payloads: one, unless more organizations changed than one can carry.
+
+    ``hints`` are ``(organization_id, position, claimable)``; per organization
+    the highest position and the summed claimable count are kept, and the
+    organizations' hints share a payload, separated by ``;``. A transaction
+    that touched several organizations (a sweep, a group commit's batch) so
+    sends one notification, not one per organization: each is a message every
+    listener of the cluster must read.
+    """
+    merged: dict[UUID, list[int]] = {}
+    for org, position, claimable in hints:
+        slot = merged.setdefault(org, [0, 0])
+        slot[0] = max(slot[0], position)
+        slot[1] += claimable
+    payloads: list[str] = []
+    pieces: list[str] = []
+    size = 0
+    for org, (position, claimable) in merged.items():
+        piece = hint_payload(org, position, claimable)
+        if pieces and size + 1 + len(piece) > MAX_HINT_PAYLOAD:
+            payloads.append(";".join(pieces))
+            pieces, size = [], 0
+        size += len(piece) + (1 if pieces else 0)
+        pieces.append(piece)
+    if pieces:
+        payloads.append(";".join(pieces))
+    return payloads
+
+
+def parse_hints(payload: str) -> list[tuple[UUID, int, int]] | None:
+    """The hints of one payload (see :func:`hint_payloads`); ``None`` when any is malformed."""
     try:
-        org, position, claimable = payload.split(" ")
-        return UUID(hex=org), int(position), int(claimable)
+        hints = []
+        for piece in payload.split(";"):
+            org, position, claimable = piece.split(" ")
+            hints.append((UUID(hex=org), int(position), int(claimable)))
+        return hints
     except ValueError:
         return None
 
@@ -470,18 +508,9 @@ def parse_hint(payload: str) -> tuple[UUID, int, int] | None:
 async def publish(
     conn: psycopg.AsyncConnection, hints: Iterable[tuple[UUID, int, int]]
 ) -> None:
-    """Send coalesced hints: one NOTIFY per organization for the whole transaction.
-
-    ``hints`` are ``(organization_id, position, claimable)``; per organization
-    the highest position and the summed claimable count are sent.
-    """
-    merged: dict[UUID, list[int]] = {}
-    for org, position, claimable in hints:
-        slot = merged.setdefault(org, [0, 0])
-        slot[0] = max(slot[0], position)
-        slot[1] += claimable
-    for org, (position, claimable) in merged.items():
-        await conn.execute("SELECT pg_notify(%s, %s)", (LOG_CHANNEL, hint_payload(org, position, claimable)))
+    """Send the transaction's hints, coalesced (:func:`hint_payloads`): one NOTIFY as a rule."""
+    for payload in hint_payloads(hints):
+        await conn.execute("SELECT pg_notify(%s, %s)", (LOG_CHANNEL, payload))
 
 
 __all__ = [
@@ -493,9 +522,10 @@ __all__ = [
     "appending",
     "head_position",
     "hint_payload",
+    "hint_payloads",
     "job_stream",
     "node_stream",
-    "parse_hint",
+    "parse_hints",
     "publish",
     "read_log",
     "read_stream",

@@ -193,7 +193,7 @@ async def test_hints_of_a_batch_are_sent_after_it_commits(db_url, conn, org):
             ])  # fmt: skip
             hints = []
             async for note in listener.notifies(timeout=10):
-                hints.append(store.parse_hint(note.payload))
+                hints.extend(store.parse_hints(note.payload))
                 if hints[-1][1] >= claimed.job["position"]:
                     break
     assert hints[-1] == (org_id, claimed.job["position"], 0)

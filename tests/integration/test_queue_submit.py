@@ -197,7 +197,7 @@ async def test_submitting_notifies_once_with_the_claimable_count(db_url, conn, o
         specs = [spec() for _ in range(5)] + [spec(requires={"vram_min_mb": 10**6})]
         rows, _ = await jobs.submit(conn, org_id, specs, actor="t", batch=True)
         notes = [n async for n in listener.notifies(timeout=1.0)]
-    assert [store.parse_hint(n.payload) for n in notes] == [(org_id, max(r.position for r in rows), 5)]
+    assert [store.parse_hints(n.payload) for n in notes] == [[(org_id, max(r.position for r in rows), 5)]]
 
 
 async def test_reexamining_when_nothing_changed_for_blocked_jobs_writes_nothing(conn, org):

@@ -100,7 +100,7 @@ async def test_jobs_that_became_due_since_the_last_tick_are_announced_once(db_ur
         await set_clock(conn, 6)
         second = await sweep_once(conn, SETTINGS, since=first.now)
         third = await sweep_once(conn, SETTINGS, since=second.now)
-        notes = [store.parse_hint(n.payload) for n in [n async for n in listener.notifies(timeout=0.5)]]
+        notes = [hint for n in [n async for n in listener.notifies(timeout=0.5)] for hint in store.parse_hints(n.payload)]
     assert (second.jobs_woken, third.jobs_woken) == (1, 0)
     row = await queue.load(conn, job.id, org_id)
     assert notes == [(org_id, row.position, 1)]
@@ -216,3 +216,26 @@ async def test_a_tick_analyses_the_queue_once_it_has_outgrown_its_statistics(con
     [(rows,)] = await (await conn.execute("SELECT reltuples FROM pg_class WHERE oid = 'jobs'::regclass")).fetchall()
     assert rows == 1_500  # counted by the analysis (a never-analysed table reads -1)
     assert not (await sweep_once(conn, SETTINGS)).statistics_refreshed
+
+
+async def test_a_sweep_that_changes_several_organizations_sends_one_notification(db_url, conn, org):
+    """At most one NOTIFY per channel per transaction: every organization's hint rides in it."""
+    from umbra.compute.accounts import create_organization
+
+    other, _ = await create_organization(conn, "globex")
+    expected = {}
+    for org_id, name in ((org[0], "a"), (other, "b")):
+        node = await add_node(conn, org_id, name, [CPU64])
+        job = await submit(conn, org_id)
+        await claim(conn, org_id, node)
+        expected[org_id] = job.id
+    await set_clock(conn, 31)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
+        await listener.execute(f"LISTEN {store.LOG_CHANNEL}")
+        report = await sweep_once(conn, SETTINGS, reexamine=False)
+        notes = [n async for n in listener.notifies(timeout=0.5)]
+    assert report.leases_requeued == 2
+    assert len(notes) == 1
+    hints = {org_id: position for org_id, position, _ in store.parse_hints(notes[0].payload)}
+    rows = {org_id: await queue.load(conn, job_id, org_id) for org_id, job_id in expected.items()}
+    assert hints == {org_id: row.position for org_id, row in rows.items()}
