@@ -21,6 +21,7 @@ from starlette.responses import Response
 from umbra import metrics
 from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
+from umbra.compute.jobs import check_json_depth
 from umbra.errors import InvalidRequest, Unauthenticated, UmbraError
 from umbra.projections import jobs as queue
 
@@ -41,11 +42,19 @@ class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     attempt: Attempt
     result: Any = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.result, (dict, list)):
+            check_json_depth(self.result)
+
 
 class ReportedResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     job_id: UUID
     attempt: Attempt
     result: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.result, (dict, list)):
+            check_json_depth(self.result)
 
 
 class CompleteManyRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from umbra.compute.auth import Principal, authenticate, authenticate_pooled
+from umbra.compute.jobs import MAX_JSON_DEPTH
 from umbra.errors import InvalidRequest, NotFound, UmbraError
 
 #: Request bodies above this are refused with 413 before they are parsed.
@@ -68,11 +69,18 @@ async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False)
         else:
             raise InvalidRequest("A JSON request body is required.")
     try:
-        return msgspec.json.decode(body, type=type_)
+        decoded = msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid request: {exc}", field=_field_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Malformed JSON: {exc}") from None
+    except RecursionError:  # deeper than the free-form fields' own check (MAX_JSON_DEPTH) could look
+        raise _too_deep() from None
+    return decoded
+
+
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest(f"JSON may nest arrays and objects at most {MAX_JSON_DEPTH} levels deep.")
 
 
 def _field_of(message: str) -> str | None:

@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from umbra.compute import pairing
 from umbra.compute.auth import NODE_SCOPES
+from umbra.errors import InvalidRequest
 
 from .http import authorized, client_address, json_response, read_json
 from .nodes import Devices, Label, Word, request_id, rfc3339, to_devices
@@ -68,13 +69,21 @@ async def create_pairing(request: Request):
 
 
 async def redeem_pairing(request: Request):
-    body = await read_json(request, RedeemRequest)
-    devices = to_devices(body.devices)
+    pool = request.app.state.services.pool
+    source = client_address(request)
+    try:
+        body = await read_json(request, RedeemRequest)
+        devices = to_devices(body.devices)
+    except InvalidRequest:
+        # An invalid body is an attempt too: past the budget it gets 429, not 422, whatever it carries.
+        async with pool.connection() as conn:
+            await pairing.charge_attempt(conn, source)
+        raise
     redeemed = await pairing.redeem_pairing_code(
-        request.app.state.services.pool,  # borrowed around the hashes, not held across them
+        pool,  # borrowed around the hashes, not held across them
         code=body.code,
         name=body.name,
-        source=client_address(request),
+        source=source,
         agent_version=body.agent_version,
         devices=devices,
         transport=body.transport,

@@ -55,7 +55,8 @@ from umbra.projections.jobs import Change, JobRow
 
 from .blocked import QUEUED_SHAPES, BlockingJudge, read_models, read_nodes
 from .jobs import (
-    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, jobs_by_idempotency_key, record_and_settle, refusing_nul,
+    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, check_json_depth, jobs_by_idempotency_key,
+    record_and_settle, refusing_nul,
     submitted_events,
 )  # fmt: skip
 
@@ -492,6 +493,10 @@ class ChildRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority: Priority | None = None
     max_attempts: MaxAttempts = 3
     idempotency_key: IdempotencyKey | None = None
+
+    def __post_init__(self) -> None:
+        if self.payload:
+            check_json_depth(self.payload)
 
 
 async def add_children(

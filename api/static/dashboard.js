@@ -156,7 +156,7 @@
   // -- stream -------------------------------------------------------------------------
 
   function closeStream() {
-    if (source) { source.close(); source = null; }
+    if (source) { source.abort(); source = null; }
     clearTimeout(retryTimer);
   }
 
@@ -167,34 +167,67 @@
     retryDelay = Math.min(retryDelay * 2, 15000);
   }
 
+  // The stream is read with fetch rather than EventSource: EventSource cannot
+  // send an Authorization header, and a key in the URL would be written down
+  // by every proxy log and browser history it passed through.
   function connect() {
     closeStream();
     if (!apiKey) { askForKey(); return; }
     $("key-panel").hidden = true;
     $("change-key").hidden = false;
     if ($("conn-state").dataset.state !== "reconnecting") setState("connecting");
-    const url = `/v1/projections/stream?views=queue,nodes&access_token=${encodeURIComponent(apiKey)}`;
-    const es = new EventSource(url);
-    source = es;
-    es.onopen = () => {
-      retryDelay = 1000;
-      setState("live");
-      refresh();
-    };
-    es.onerror = () => {
-      if (source !== es) return;
-      setState("reconnecting");
-      // The browser retries by itself unless the stream is closed for good
-      // (an HTTP error): then find out why, and retry with back-off.
-      if (es.readyState === EventSource.CLOSED) {
-        api("/v1/projections/queue").then(scheduleReconnect, (error) => {
-          if (error instanceof AuthError) askForKey(error.message);
-          else scheduleReconnect();
-        });
+    const stream = new AbortController();
+    source = stream;
+    readStream(stream).then(() => {
+      if (source === stream) scheduleReconnect();  // the server ended it (shutting down, say)
+    }, () => {
+      if (source === stream) scheduleReconnect();  // the connection dropped
+    });
+  }
+
+  async function readStream(stream) {
+    const response = await fetch("/v1/projections/stream?views=queue,nodes", {
+      headers: { Authorization: `Bearer ${apiKey}`, Accept: "text/event-stream" },
+      cache: "no-store",
+      signal: stream.signal,
+    });
+    if (source !== stream) return;
+    if (response.status === 401 || response.status === 403) {
+      let message = `The server refused this key (${response.status}).`;
+      try { message = (await response.json()).message || message; } catch (_) { /* keep the default */ }
+      source = null;
+      askForKey(message);
+      return;
+    }
+    if (!response.ok || !response.body) throw new Error(`stream: HTTP ${response.status}`);
+    retryDelay = 1000;
+    setState("live");
+    refresh();
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    let type = "message";
+    let data = [];
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done || source !== stream) return;
+      buffer += value;
+      let end;
+      while ((end = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, end).replace(/\r$/, "");
+        buffer = buffer.slice(end + 1);
+        if (line === "") {  // a blank line ends one message
+          if (data.length) onStreamMessage({ type, data: data.join("\n") });
+          type = "message";
+          data = [];
+        } else if (!line.startsWith(":")) {  // ":" lines are heartbeats
+          const colon = line.indexOf(":");
+          const field = colon < 0 ? line : line.slice(0, colon);
+          const text = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+          if (field === "event") type = text;
+          else if (field === "data") data.push(text);
+        }
       }
-    };
-    es.onmessage = onStreamMessage;
-    for (const name of ["queue", "nodes", "change", "position"]) es.addEventListener(name, onStreamMessage);
+    }
   }
 
   // -- rendering ----------------------------------------------------------------------

@@ -106,6 +106,8 @@ def test_dashboard_shows_the_live_queue_and_nodes_without_reloading(restartable_
         page = context.new_page()
         problems: list[str] = []
         page.on("pageerror", lambda error: problems.append(str(error)))
+        api_urls: list[str] = []
+        page.on("request", lambda request: api_urls.append(request.url) if "/v1/" in request.url else None)
         page.goto(f"{live_server.url}/#key={key}")
 
         expect(page.locator("#conn-state")).to_have_attribute("data-state", "live")
@@ -156,6 +158,8 @@ def test_dashboard_shows_the_live_queue_and_nodes_without_reloading(restartable_
         expect(page.locator("#count-blocked")).to_have_text("0")
         assert page.evaluate("window.__sameDocument") is True
         assert problems == []
+        assert any("/v1/projections/stream" in url for url in api_urls)
+        assert not [url for url in api_urls if key in url], "the key travels in a header, never in a URL"
         browser.close()
     api.close()
     node.close()

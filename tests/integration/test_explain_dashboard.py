@@ -65,10 +65,11 @@ def test_blocked_and_long_queued_jobs_show_why_and_the_answer_follows_the_fleet(
         expect(page.locator(f'#waiting-table tr[data-job="{fresh}"]')).to_have_count(0)
         assert set(explained) == {blocked, old}, "only blocked and long-waiting jobs are explained"
 
-        # The fleet changes without the job moving: the cached answer is refreshed within its lifetime.
+        # The only node drains: it takes no new work again, so the waiting job is blocked, and says why.
         _run(db_url, lambda conn: drain_node(conn, org_id, node_id))
-        expect(waiting_row.locator(".explain")).to_have_text(
-            "No device can take it now: 1 node is draining.", timeout=20_000
-        )
+        now_blocked = page.locator(f'#blocked-table tr[data-job="{old}"]')
+        expect(now_blocked.locator(".reason")).to_contain_text("no_eligible_device: no active node", timeout=20_000)
+        expect(now_blocked.locator(".explain")).to_contain_text("Blocked because no registered device could ever run it")
+        expect(waiting_row).to_have_count(0)
         assert problems == []
         browser.close()

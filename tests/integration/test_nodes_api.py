@@ -208,6 +208,39 @@ async def test_the_twenty_first_redeem_is_429_with_retry_after(client, conn, org
     assert (await client.get("/v1/nodes", headers=bearer(key))).json() == {"nodes": []}
 
 
+async def test_an_invalid_redeem_body_counts_as_an_attempt(client, conn, org):
+    """Otherwise invalid bodies would be free probes, and past the budget they would get 422 rather than 429."""
+    _, key = org
+    code = (await client.post("/v1/pairings", json={"name": "gpu-box"}, headers=bearer(key))).json()["code"]
+    tpu = {**CPU, "kind": "tpu"}
+    answer = await client.post("/v1/pairings/redeem", json={"code": code, "name": "gpu-box", "devices": [tpu]})
+    assert (answer.status_code, answer.json()["error"]) == (422, "invalid_request"), answer.text
+    assert (await (await conn.execute("SELECT sum(attempts) FROM pairing_attempts")).fetchone())[0] == 1
+    assert (await client.get("/v1/nodes", headers=bearer(key))).json() == {"nodes": []}
+
+
+async def test_the_twenty_first_redeem_is_429_after_twenty_invalid_bodies(client, conn, org):
+    """The limit is checked before the body as well as the code: the 21st gets 429 whatever it carries."""
+    _, key = org
+    if (left := await seconds_left_in_window(conn)) < 10:  # the 21 attempts must fall in one fixed window
+        await anyio.sleep(left + 1)
+    code = (await client.post("/v1/pairings", json={"name": "gpu-box"}, headers=bearer(key))).json()["code"]
+    invalid = [{"json": {"code": code, "name": "gpu-box", "devices": [{**CPU, "kind": "tpu"}]}},  # an unknown device kind
+               {"json": {"code": "1" * 33, "name": "gpu-box"}},  # a code longer than 32 characters
+               {"content": b"{not json", "headers": {"content-type": "application/json"}}]  # fmt: skip
+    for i in range(ATTEMPTS):
+        answer = await client.post("/v1/pairings/redeem", **invalid[i % len(invalid)])
+        assert (answer.status_code, answer.json()["error"]) == (422, "invalid_request"), answer.text
+    before = await seconds_left_in_window(conn)
+    limited = await client.post("/v1/pairings/redeem", json={"code": code, "name": "gpu-box"})
+    after = await seconds_left_in_window(conn)
+    assert (limited.status_code, limited.json()["error"]) == (429, "rate_limited")
+    assert after <= int(limited.headers["Retry-After"]) <= before
+    still = await client.post("/v1/pairings/redeem", **invalid[0])
+    assert (still.status_code, still.json()["error"]) == (429, "rate_limited")
+    assert (await client.get("/v1/nodes", headers=bearer(key))).json() == {"nodes": []}
+
+
 @pytest.mark.parametrize(
     "trusted, forwarded, counted",
     [

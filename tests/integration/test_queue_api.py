@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from uuid import UUID
 
 import psycopg
@@ -9,6 +10,7 @@ import pytest
 
 from umbra.compute import claims
 from umbra.compute.accounts import create_api_key, create_organization, create_project
+from umbra.compute.jobs import MAX_JSON_DEPTH
 from tests.helpers import bearer
 
 pytestmark = pytest.mark.anyio
@@ -79,6 +81,56 @@ async def test_refused_submissions_name_the_problem_and_write_nothing(client, or
     assert await job_count(db_url) == before
 
 
+@pytest.mark.parametrize("levels", [MAX_JSON_DEPTH, 970, 5000])  # past the limit, near the recursion limit, past it
+async def test_json_nested_too_deeply_is_refused_and_writes_nothing(client, org, db_url, levels):
+    """A payload or result nested past MAX_JSON_DEPTH is a 422, never a 500, and nothing is written.
+
+    Just short of the recursion limit msgspec decoded it, and encoding it again
+    later failed: after the job or the result was written.
+    """
+    _, key = org
+    _, credential = await pair(client, key)
+    job = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))).json()
+    claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
+    assert claimed.json()["job"]["id"] == job["id"]
+    deep = b'{"x":' + b"[" * levels + b"]" * levels + b"}"  # the object and its arrays: levels + 1 deep
+    before = await job_count(db_url)
+    refusals = [
+        ("/v1/jobs", key, b'{"kind":"k","payload":' + deep + b"}"),
+        ("/v1/jobs/batch", key, b'{"jobs":[{"kind":"k"},{"kind":"k","payload":' + deep + b"}]}"),
+        (f"/v1/agent/jobs/{job['id']}/complete", credential, b'{"attempt":1,"result":' + deep + b"}"),
+        (f"/v1/agent/jobs/{job['id']}/complete?claim_next=true", credential, b'{"attempt":1,"result":' + deep + b"}"),
+        ("/v1/agent/complete", credential,
+         b'{"results":[{"job_id":"' + job["id"].encode() + b'","attempt":1,"result":' + deep + b"}]}"),
+        (f"/v1/agent/jobs/{job['id']}/children", credential,
+         b'{"attempt":1,"children":[{"kind":"c","payload":' + deep + b"}]}"),
+    ]
+    for path, token, body in refusals:
+        answer = await client.post(path, content=body, headers={**bearer(token), "content-type": "application/json"})
+        assert (answer.status_code, answer.json()["error"]) == (422, "invalid_request"), (path, answer.text[:300])
+    assert await job_count(db_url) == before
+    held = (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()
+    assert (held["status"], held["result"]) == ("running", None)
+
+
+async def test_json_nested_to_the_limit_is_stored_and_read_back(client, org):
+    _, key = org
+    _, credential = await pair(client, key)
+    inner = MAX_JSON_DEPTH - 1  # the payload object is one level
+    payload = {"x": functools.reduce(lambda value, _: [value], range(inner - 1), [])}
+    job = await client.post("/v1/jobs", json={"kind": "k", "payload": payload}, headers=bearer(key))
+    assert job.status_code == 201, job.text[:300]
+    claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
+    done = await client.post(f"/v1/agent/jobs/{job.json()['id']}/complete", json={"attempt": 1, "result": payload},
+                             headers=bearer(credential))  # fmt: skip
+    assert claimed.status_code == 200 and done.status_code == 200, done.text[:300]
+    again = (await client.get(f"/v1/jobs/{job.json()['id']}", headers=bearer(key))).json()
+    assert again["payload"] == payload and again["result"] == payload and again["status"] == "complete"
+    assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
+    events = await client.get(f"/v1/jobs/{job.json()['id']}/events", headers=bearer(key))
+    assert events.status_code == 200 and events.json()["events"][0]["data"]["payload"] == payload
+
+
 async def test_a_batch_is_all_or_nothing_and_names_the_failing_index(client, org, db_url):
     _, key = org
     await pair(client, key)
@@ -97,6 +149,21 @@ async def test_a_batch_is_all_or_nothing_and_names_the_failing_index(client, org
     assert too_many.status_code in (413, 422)
     assert (await client.post("/v1/jobs/batch", json={"jobs": []}, headers=bearer(key))).status_code == 422
     assert await job_count(db_url) == before
+
+
+async def test_a_batch_of_known_idempotency_keys_still_answers_201(client, org, db_url):
+    """Only the single ``POST /v1/jobs`` answers a known key with 200 (API.md); a batch is always 201."""
+    _, key = org
+    jobs = [{"kind": "echo", "idempotency_key": f"k{i}"} for i in range(2)]
+    first = await client.post("/v1/jobs/batch", json={"jobs": jobs}, headers=bearer(key))
+    assert first.status_code == 201, first.text
+    ids = [job["id"] for job in first.json()["jobs"]]
+    before = await job_count(db_url)
+    again = await client.post("/v1/jobs/batch", json={"jobs": jobs}, headers=bearer(key))
+    assert again.status_code == 201 and [job["id"] for job in again.json()["jobs"]] == ids, again.text
+    assert await job_count(db_url) == before
+    single = await client.post("/v1/jobs", json=jobs[0], headers=bearer(key))
+    assert single.status_code == 200 and single.json()["id"] == ids[0]
 
 
 async def test_listing_pages_by_cursor_and_filters_by_status(client, org):
@@ -119,6 +186,19 @@ async def test_listing_pages_by_cursor_and_filters_by_status(client, org):
     bad = await client.get("/v1/jobs", params={"status": "done"}, headers=bearer(key))
     assert (bad.status_code, bad.json()["error"]) == (422, "invalid_request")
     assert (await client.get("/v1/jobs", params={"limit": 0}, headers=bearer(key))).status_code == 422
+
+
+async def test_a_status_filter_with_an_empty_item_is_refused(client, org):
+    """``status=,`` would filter on nothing and answer an empty page; an absent or blank ``status`` is no filter."""
+    _, key = org
+    await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))
+    for raw in (",", " , ", "queued,", "queued,,blocked"):
+        refused = await client.get("/v1/jobs", params={"status": raw}, headers=bearer(key))
+        assert refused.status_code == 422, (raw, refused.text)
+        assert (refused.json()["error"], refused.json().get("field")) == ("invalid_request", "status")
+    for params in ({}, {"status": ""}, {"status": " "}):
+        listed = await client.get("/v1/jobs", params=params, headers=bearer(key))
+        assert listed.status_code == 200 and len(listed.json()["jobs"]) == 1, (params, listed.text)
 
 
 async def test_cancel_and_tenancy_and_scopes(client, org, conn):

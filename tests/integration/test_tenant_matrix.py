@@ -344,11 +344,11 @@ async def test_body_named_objects_of_another_organization(conn, live_server, wor
         assert report.json()["next_claims"] == [] and leaked(world, report.text, asked=a_job) == []
         assert await fingerprint(conn) == before
         # A's idempotency key means nothing in B: a new job of B's, not A's job.
-        # (the batch then finds B's job by it, 200).
+        # (the batch then finds B's job by it, still 201: API.md gives the batch one answer).
         first = await client.post("/v1/jobs", json={"kind": "echo", "idempotency_key": "alpha-key-1"}, headers=b)
         assert first.status_code == 201 and leaked(world, first.text, asked="alpha-key-1") == [], first.text
         again = await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "echo", "idempotency_key": "alpha-key-1"}]}, headers=b)
-        assert again.status_code == 200 and [j["id"] for j in again.json()["jobs"]] == [first.json()["id"]]
+        assert again.status_code == 201 and [j["id"] for j in again.json()["jobs"]] == [first.json()["id"]]
         # Node names are per organization: B may pair a node called like A's.
         answer = await client.post("/v1/pairings", json={"name": "alpha-node-7f3"}, headers=b)
         assert answer.status_code == 201 and leaked(world, answer.text.replace("alpha-node-7f3", "")) == []
