@@ -265,3 +265,91 @@ async def test_a_job_past_its_max_runtime_is_cancelled_and_failed_for_good(serve
         job = await submit(api, "sleep", {"seconds": 60}, requires={"max_runtime_s": 1}, max_attempts=3)
         failed = await eventually(lambda: job_in(api, job["id"], "failed"), timeout=15)
     assert failed["error"] == "The job exceeded its max_runtime_s." and failed["attempt"] == 1
+
+
+@pytest.mark.parametrize("refused", ["result", "error"])
+async def test_a_report_the_server_refuses_fails_the_job_for_good_instead_of_running_it_again(server, api, refused):
+    """A result over the body limit, or a failure message over the field's length, is not left to its lease."""
+    paired = await pair(server, api, f"box-refused-{refused}")
+    calls: list[int] = []
+
+    async def oversized(claim):
+        calls.append(claim.attempt)
+        if refused == "result":
+            return {"blob": "x" * (1024 * 1024 + 10)}
+        raise RuntimeError("E" * 10_001 + "\x00")
+
+    async with running_agent(server, paired["credential"], handlers={"big": oversized}):
+        job = await submit(api, "big", max_attempts=2)
+        failed = await eventually(lambda: job_in(api, job["id"], "failed"), timeout=15)
+    assert calls == [1] and failed["attempt"] == 1
+    if refused == "result":
+        assert failed["error"] == "The server refused the job's result (payload_too_large); it was not stored."
+    else:
+        assert failed["error"].startswith("EEEE") and failed["error"].endswith("…") and len(failed["error"]) == 4000
+
+
+async def test_a_job_that_runs_out_of_time_during_a_stops_grace_fails_for_good(server, api):
+    paired = await pair(server, api, "box-runtime-grace")
+    async with running_agent(server, paired["credential"], grace_seconds=30.0) as agent:
+        job = await submit(api, "sleep", {"seconds": 60}, requires={"max_runtime_s": 2}, max_attempts=3)
+        await eventually(lambda: job_in(api, job["id"], "running"))
+        agent.stop()  # the grace (30 s) outlasts the runtime limit (2 s): the limit is what ends it
+        failed = await eventually(lambda: job_in(api, job["id"], "failed"), timeout=15)
+    assert failed["error"] == "The job exceeded its max_runtime_s." and failed["attempt"] == 1
+
+
+async def test_a_plain_handler_cancelled_with_its_job_keeps_its_slot_until_it_returns(server, api):
+    """A thread cannot be cancelled: a one-slot agent takes no other job while it still runs."""
+    import threading
+    import time
+
+    paired = await pair(server, api, "box-thread")
+    release = threading.Event()
+    running: list[str] = []
+
+    def blocking(claim):
+        running.append(claim.job_id)
+        release.wait(20)
+        running.remove(claim.job_id)
+        return {"done": True}
+
+    def quick(claim):
+        return {"alone": running == []}
+
+    async with running_agent(server, paired["credential"], handlers={"blocking": blocking, "quick": quick}) as agent:
+        first = await submit(api, "blocking")
+        async def blocking_started():
+            return running == [first["id"]]
+
+        await eventually(blocking_started)
+        assert (await api.post(f"/v1/jobs/{first['id']}/cancel")).status_code == 200
+        await eventually(lambda: _has_outcome(agent, "lost"), timeout=10)
+        second = await submit(api, "quick")
+        await anyio.sleep(2.5)  # long enough for a free slot to claim and finish it
+        assert (await job_in(api, second["id"], "queued")) is not None, "the slot waited for the thread"
+        started = time.monotonic()
+        release.set()
+        done = await eventually(lambda: job_in(api, second["id"], "complete"), timeout=10)
+    assert done["result"] == {"alone": True} and time.monotonic() - started < 10
+
+
+async def test_an_idle_slot_with_a_zero_wait_polls_about_once_a_second(server, api):
+    paired = await pair(server, api, "box-zero-wait")
+    requests: list[str] = []
+
+    async def count(request):
+        if request.url.path == "/v1/agent/claim":
+            requests.append(request.url.path)
+
+    async with AgentClient(server.url, paired["credential"]) as client:
+        client._http.event_hooks["request"].append(count)
+        agent = Agent(client, HandlerRegistry(BUILTINS), lambda: [CPU], AgentConfig(agent_version="t", claim_wait_seconds=0))
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+            before = len(requests)
+            await anyio.sleep(3)
+            polled = len(requests) - before
+            agent.stop()
+    assert 2 <= polled <= 5, polled

@@ -9,6 +9,7 @@ import random
 import stat
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from umbra.agent.credentials import CredentialFile, CredentialFileError, StoredCredential
@@ -61,6 +62,15 @@ def test_small_memory_drift_keeps_the_previous_report_and_real_changes_pass():
     resized = [Device(kind="cpu", label="cpu", ram_total_mb=131072, ram_free_mb=40300)]
     assert steady(before, resized) == resized
     assert steady(None, drifted) == drifted
+
+
+def test_a_gpu_running_out_of_free_memory_is_reported_even_within_the_drift():
+    """A non-CPU device with no free VRAM is busy: reaching zero, or leaving it, is never drift."""
+    gpu = Device(kind="gpu_discrete", label="g", vram_total_mb=24576, vram_free_mb=200)
+    full = msgspec.structs.replace(gpu, vram_free_mb=0)
+    assert steady([gpu], [full]) == [full]
+    assert steady([full], [gpu]) == [gpu]
+    assert steady([gpu], [msgspec.structs.replace(gpu, vram_free_mb=300)]) == [gpu]
 
 
 def test_backoff_grows_exponentially_is_capped_and_jittered():
@@ -155,3 +165,13 @@ async def test_handlers_come_from_the_umbra_handlers_entry_point_group_and_from_
     assert handlers.load_object(f"{__name__}:double") is double
     with pytest.raises(ValueError):
         handlers.load_object("no-colon")
+
+
+def test_a_credential_file_that_cannot_be_written_is_found_out_before_pairing(tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(CredentialFileError) as refused:
+        CredentialFile(tmp_path / "afile" / "credential.json").check_writable()
+    assert "Cannot write a credential" in refused.value.message
+    writable = CredentialFile(tmp_path / "agent" / "credential.json")
+    writable.check_writable()
+    assert list((tmp_path / "agent").iterdir()) == []  # the probe is gone, nothing is saved yet

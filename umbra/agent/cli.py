@@ -103,6 +103,7 @@ async def _pair(args, store: CredentialFile, devices) -> StoredCredential:
         raise InvalidRequest(f"{store.path} already holds a credential; run without --code, or remove it to pair again.")
     if not args.name:
         raise InvalidRequest("--name is required with --code: the name the pairing code was issued for.")
+    store.check_writable()  # before the code is spent: the credential is shown only once
     server = args.server or os.environ.get("UMBRA_SERVER") or DEFAULT_SERVER
     async with AgentClient(server) as client:
         answer = await client.redeem(code=args.code, name=args.name, agent_version=agent_version(), devices=devices())

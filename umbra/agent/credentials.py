@@ -59,6 +59,20 @@ class CredentialFile:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise CredentialFileError(f"{self.path} is not a credential file: {exc}") from None
 
+    def check_writable(self) -> None:
+        """Fail now if :meth:`save` could not write here: a pairing's credential is shown only once.
+
+        Run before redeeming a code. A credential the server minted but the
+        agent could not store would be lost, and the node's name taken.
+        """
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            probe = self.path.parent / f".{self.path.name}.{os.getpid()}.probe"
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            os.unlink(probe)
+        except OSError as exc:
+            raise CredentialFileError(f"Cannot write a credential at {self.path}: {exc.strerror or exc}.") from None
+
     def save(self, credential: StoredCredential) -> None:
         """Write atomically with mode 0600; never overwrites an existing credential."""
         directory = self.path.parent

@@ -117,14 +117,16 @@ def parse_device_spec(text: str) -> Device:
 
 
 def _moved(old: int, new: int, total: int) -> bool:
-    return abs(new - old) > max(DRIFT_MB, DRIFT_FRACTION * total)
+    # Reaching or leaving zero always counts: a GPU with no free VRAM is busy (no new work).
+    return (old <= 0) != (new <= 0) or abs(new - old) > max(DRIFT_MB, DRIFT_FRACTION * total)
 
 
 def steady(previous: Sequence[Device] | None, current: Iterable[Device]) -> list[Device]:
     """``current``, except that small free-memory drift keeps the previous figures.
 
     A device is matched to its previous report by label. Any change other than
-    free memory (a device appearing, totals, resident models) passes through.
+    free memory (a device appearing, totals, resident models) passes through,
+    and so does free memory reaching or leaving zero.
     """
     before = {device.label: device for device in previous or ()}
     out = []

@@ -18,6 +18,7 @@ built-ins ``echo`` and ``sleep`` exist for demos and tests.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -124,6 +125,8 @@ class HandlerRegistry:
 
     def __init__(self, handlers: dict[str, Handler] | None = None) -> None:
         self._handlers: dict[str, Handler] = dict(handlers or {})
+        #: Plain handlers cancelled while their thread still runs, by claim: set when it returns.
+        self._abandoned: dict[int, anyio.Event] = {}
 
     @classmethod
     def default(cls) -> "HandlerRegistry":
@@ -153,7 +156,40 @@ class HandlerRegistry:
             raise UnknownKind(claim.kind, self.kinds)
         if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None)):
             return await handler(claim)
-        result = await to_thread.run_sync(handler, claim, abandon_on_cancel=True)
+        returned = anyio.Event()
+
+        def call() -> Any:
+            try:
+                return handler(claim)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the event loop is gone: the agent exited
+                    anyio.from_thread.run_sync(returned.set)
+
+        # A thread cannot be cancelled: the job's cancellation (lost, stopped, out of time)
+        # is answered at once, and the thread is left to finish; see :meth:`returned`.
+        self._abandoned[id(claim)] = returned
+        try:
+            result = await to_thread.run_sync(call, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException:
+            self._abandoned.pop(id(claim), None)
+            raise
+        self._abandoned.pop(id(claim), None)
         if inspect.isawaitable(result):
             result = await result
         return result
+
+    async def returned(self, claim) -> bool:
+        """Wait until the handler of ``claim`` has returned; True if it was still running.
+
+        A plain handler cancelled with its job keeps its thread (and whatever
+        device it drives) until it returns. The agent's slot waits for it
+        before it takes other work, so it never runs more jobs at once than
+        its concurrency, nor offers a device that is still in use.
+        """
+        running = self._abandoned.pop(id(claim), None)
+        if running is None or running.is_set():
+            return False
+        await running.wait()
+        return True

@@ -8,10 +8,15 @@ scope early, and each is reported differently:
   and the job re-claimed): nothing is reported, the server would refuse it;
 * the agent is stopping and the grace period ran out: the job is failed as
   retryable, so another node picks it up after the back-off;
-* the job's ``max_runtime_s`` passed: the job is failed for good.
+* the job's ``max_runtime_s`` passed: the job is failed for good (even
+  during a stop's grace period: another node would only hit it again).
 
 Reports are retried on transport errors while the lease could still hold;
-after that the sweeper's lease expiry is the recovery path.
+after that the sweeper's lease expiry is the recovery path. A result or
+children the server refuses as invalid or too large (422, 413) cannot be
+delivered by retrying, nor by running the job again: the job is failed for
+good with the server's reason, instead of being left to its lease and run
+again. Failure messages are cut to what the server accepts.
 
 A completion asks for the node's next job in the same request when
 ``claim_next`` says so at that moment (the agent is not stopping): the
@@ -40,8 +45,12 @@ log = logging.getLogger(__name__)
 
 #: Server answers meaning "this job is no longer yours": stop, report nothing.
 LOST_CODES = frozenset({"job_cancelled", "job_not_claimed_by_this_node", "job_not_found", "not_found"})
+#: Refusals of a result or children that no retry, and no rerun, could change.
+UNDELIVERABLE_CODES = frozenset({"invalid_request", "payload_too_large"})
 STOPPED_MESSAGE = "The agent stopped before the job finished."
 RUNTIME_MESSAGE = "The job exceeded its max_runtime_s."
+#: Longest failure message sent; the server accepts 10,000 characters.
+MAX_ERROR_CHARS = 4000
 
 
 def backoff_delay(failures: int, base: float, cap: float, rng: random.Random | None = None) -> float:
@@ -98,12 +107,13 @@ class JobRun:
         claim = self.claim
         result: Any = None
         failure: Exception | None = None
+        runtime_deadline: float | None = None
         async with anyio.create_task_group() as tg:
             with anyio.CancelScope() as scope:
                 self._scope = scope
                 max_runtime = (claim.job.get("requires") or {}).get("max_runtime_s")
                 if isinstance(max_runtime, (int, float)) and max_runtime > 0:
-                    scope.deadline = anyio.current_time() + max_runtime
+                    runtime_deadline = scope.deadline = anyio.current_time() + max_runtime
                 if self._stop_deadline is not None:
                     scope.deadline = min(scope.deadline, self._stop_deadline)
                 tg.start_soon(self._renew_loop)
@@ -117,17 +127,20 @@ class JobRun:
             tg.cancel_scope.cancel()
         if self._lost is not None:
             return Outcome(claim.job_id, claim.kind, "lost", self._lost.code)
-        if scope.cancelled_caught and self._stop_deadline is not None:
-            return await self._fail(STOPPED_MESSAGE, retry=True)
         if scope.cancelled_caught:
-            return await self._fail(RUNTIME_MESSAGE, retry=False)
+            # Whichever deadline came first ended it: the runtime limit's, or the stop's.
+            if runtime_deadline is not None and runtime_deadline <= scope.deadline:
+                return await self._fail(RUNTIME_MESSAGE, retry=False)
+            return await self._fail(STOPPED_MESSAGE, retry=True)
         if failure is not None:
             return await self._fail(str(failure) or type(failure).__name__, retry=is_retryable(failure))
         if isinstance(result, Decompose):
             children = [child.to_json() for child in result.children]
-            return await self._report("decomposed", self.client.add_children, claim.job_id, claim.attempt, children)
+            return await self._undeliverable_fails(
+                await self._report("decomposed", self.client.add_children, claim.job_id, claim.attempt, children), "children")
         if not self._claim_next():
-            return await self._report("complete", self.client.complete, claim.job_id, claim.attempt, result)
+            return await self._undeliverable_fails(
+                await self._report("complete", self.client.complete, claim.job_id, claim.attempt, result), "result")
         asked = False
 
         async def complete_and_claim() -> tuple[dict[str, Any], Claim | None]:
@@ -137,7 +150,7 @@ class JobRun:
             asked = True
             return await self.client.complete_and_claim(claim.job_id, claim.attempt, result)
 
-        outcome = await self._report("complete", complete_and_claim)
+        outcome = await self._undeliverable_fails(await self._report("complete", complete_and_claim), "result")
         if outcome.status != "complete":
             return outcome
         job, following = outcome.detail
@@ -146,7 +159,16 @@ class JobRun:
     async def _fail(self, message: str, *, retry: bool) -> Outcome:
         claim = self.claim
         status = "retrying" if retry else "failed"
+        message = message.replace("\x00", "\ufffd")  # PostgreSQL cannot store NUL
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[: MAX_ERROR_CHARS - 1] + "…"
         return await self._report(status, self.client.fail, claim.job_id, claim.attempt, message, retry=retry)
+
+    async def _undeliverable_fails(self, outcome: Outcome, what: str) -> Outcome:
+        """A result or children the server refused as invalid or too large: fail the job for good, saying why."""
+        if outcome.status != "unreported" or outcome.detail not in UNDELIVERABLE_CODES:
+            return outcome
+        return await self._fail(f"The server refused the job's {what} ({outcome.detail}); it was not stored.", retry=False)
 
     async def _report(self, status: str, call, *args, **kwargs) -> Outcome:
         """Deliver an outcome, retrying transport errors while the lease could still hold."""

@@ -38,6 +38,9 @@ from .jobrun import JobRun, Outcome, backoff_delay, describe
 
 log = logging.getLogger(__name__)
 
+#: Shortest time between two claim requests of a slot that found nothing.
+MIN_POLL_SECONDS = 1.0
+
 __all__ = ["Agent", "AgentConfig", "Outcome", "backoff_delay"]
 
 
@@ -143,7 +146,8 @@ class Agent:
             await anyio.sleep(delay)
 
     async def heartbeat(self) -> dict[str, Any]:
-        devices = steady(self._reported, self._devices())
+        # Off the event loop: discovery runs nvidia-smi, which may take seconds, and renewals must not wait.
+        devices = steady(self._reported, await anyio.to_thread.run_sync(self._devices))
         answer = await self.client.heartbeat(
             devices=devices, agent_version=self.config.agent_version, agent_started_at=self.started_at
         )
@@ -168,6 +172,7 @@ class Agent:
         while not self.stopping:
             claim: Claim | None = None
             error: Exception | None = None
+            asked = anyio.current_time()
             with self._poll_scope():
                 try:
                     claim = await self.client.claim(self.config.claim_wait_seconds)
@@ -191,6 +196,9 @@ class Agent:
                 await self._pause(delay)
             else:
                 failures = 0
+                # Nothing to do, answered at once (a short --claim-wait): poll again no sooner than
+                # MIN_POLL_SECONDS after asking, not in a tight loop.
+                await self._pause(MIN_POLL_SECONDS - (anyio.current_time() - asked))
 
     @contextlib.contextmanager
     def _poll_scope(self) -> Iterator[anyio.CancelScope]:
@@ -220,4 +228,8 @@ class Agent:
             self._current.discard(run)
         self.outcomes.append(outcome)
         log.info("job finished", extra={"action": "job_finished", "job_id": claim.job_id, "outcome": outcome.status})
+        if not self.stopping:
+            with self._poll_scope():  # a stop need not wait for it: the process exits
+                if await self.registry.returned(claim):
+                    log.info("handler thread returned after its job ended", extra={"action": "handler_returned", "job_id": claim.job_id})
         return outcome
