@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+from typing import Any, Awaitable, Callable
 
 import anyio
 from starlette.applications import Starlette
@@ -36,6 +38,31 @@ def all_routes():
     return [route for module in ROUTE_MODULES for route in module.routes]
 
 
+def _essential(app: Starlette, name: str, run: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """``run``, whose failure fails the server: it is marked failed and asked to stop.
+
+    The background tasks share the lifespan's task group, so one that raises
+    ends them all and closes the pool. uvicorn only logs a lifespan that
+    fails after startup and goes on serving: ``/healthz`` said 200 while every
+    request that needed the database failed, and no supervisor restarted it.
+    """
+
+    @functools.wraps(run)
+    async def essential(*args: Any, **kwargs: Any) -> None:
+        try:
+            await run(*args, **kwargs)
+        except Exception as exc:
+            app.state.failure = f"the {name} stopped: {type(exc).__name__}: {exc}"[:300]
+            log.critical("background task failed; stopping the server", exc_info=True,
+                         extra={"action": "background_task_failed", "task": name})  # fmt: skip
+            request_shutdown = getattr(app.state, "request_shutdown", None)
+            if request_shutdown is not None:
+                request_shutdown()
+            raise
+
+    return essential
+
+
 def create_app(settings: Settings, database_url: str) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -56,12 +83,12 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
             app.state.group_commit = GroupCommit(pool, notifier)
             app.state.stop_streams = lambda: (waiters.stop(), log_watch.stop())
             async with anyio.create_task_group() as tg:
-                await tg.start(listener.run)
-                await tg.start(notifier.run)
-                await tg.start(app.state.group_commit.run)
-                tg.start_soon(waiters.safety_poll, pool)
+                await tg.start(_essential(app, "listener", listener.run))
+                await tg.start(_essential(app, "hint notifier", notifier.run))
+                await tg.start(_essential(app, "group commit", app.state.group_commit.run))
+                tg.start_soon(_essential(app, "long-poll safety poll", waiters.safety_poll), pool)
                 # From startup, not on first request: a restarted server must recover leases.
-                tg.start_soon(sweeper.run, settings, database_url)
+                tg.start_soon(_essential(app, "sweeper", sweeper.run), settings, database_url)
                 yield
                 app.state.stop_streams()
                 tg.cancel_scope.cancel()
@@ -75,4 +102,5 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
         middleware=[Middleware(RequestContext, route_templates=templates, trusted_proxies=settings.trusted_proxies)],
     )
     app.state.metrics_registry, app.state.metrics_views = metrics.build_registry()
+    app.state.failure = None
     return app

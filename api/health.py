@@ -11,6 +11,10 @@ from .http import json_response
 
 
 async def healthz(request: Request):
+    """200 while the process can serve; 503 once a background task it needs has failed (it is stopping)."""
+    failure = getattr(request.app.state, "failure", None)
+    if failure:
+        return json_response({"status": "failed", "error": "background_task_failed", "message": failure}, status=503)
     return json_response({"status": "ok"})
 
 

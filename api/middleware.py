@@ -25,10 +25,12 @@ import uuid
 from typing import Any, Sequence
 
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from umbra import metrics
 
+from .errors import unexpected_error
 from .http import MAX_BODY_BYTES, IPNetwork, PayloadTooLarge, forwarded_client, json_response
 
 log = logging.getLogger(__name__)
@@ -73,10 +75,13 @@ class RequestContext:
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
 
+        responded = False
+
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, responded
             if message["type"] == "http.response.start":
                 status = message["status"]
+                responded = True
                 MutableHeaders(scope=message)["X-Request-ID"] = request_id
             await send(message)
 
@@ -97,7 +102,15 @@ class RequestContext:
                 exc = PayloadTooLarge()
                 await json_response(exc.to_json(), status=exc.status)(scope, receive, send_with_id)
             else:
-                await self.app(scope, limited_receive, send_with_id)
+                try:
+                    await self.app(scope, limited_receive, send_with_id)
+                except Exception as exc:
+                    if responded:
+                        raise
+                    # Answered here: Starlette's outermost handler re-raises after answering, and
+                    # uvicorn then drops the connection, so a keep-alive client lost the 500 itself.
+                    response = await unexpected_error(Request(scope), exc)
+                    await response(scope, receive, send_with_id)
         finally:
             self._record(scope, request_id, status, time.perf_counter() - started)
 

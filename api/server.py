@@ -21,6 +21,9 @@ GRACEFUL_SHUTDOWN_SECONDS = 10
 
 class Server(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
+        state = getattr(self.config.app, "state", None)
+        if state is not None:  # a failed background task stops the process (api.app._essential)
+            state.request_shutdown = lambda: setattr(self, "should_exit", True)
         await super().startup(sockets)
         # What startup made (modules, routes, the pool, caches) lives as long as the process: it is
         # kept out of the cyclic collector, whose full passes over it stopped the event loop (and the

@@ -126,10 +126,13 @@ _requirements = msgspec.json.Decoder(Requirements)
 class Reexamined:
     unblocked: int = 0
     blocked: int = 0
+    #: The log hint for what was written (see ``publish``), empty if nothing was.
+    hints: tuple[tuple[UUID, int, int], ...] = ()
 
 
 async def reexamine_waiting_jobs(
-    conn: psycopg.AsyncConnection, organization_id: UUID, *, metadata: Mapping[str, Any] | None = None
+    conn: psycopg.AsyncConnection, organization_id: UUID, *, metadata: Mapping[str, Any] | None = None,
+    publish: bool = True,
 ) -> Reexamined:
     """Unblock the organization's blocked jobs some device could now run; block its queued jobs none could.
 
@@ -139,7 +142,9 @@ async def reexamine_waiting_jobs(
     changes nothing for them costs two small reads and the judgement. A job
     still blocked whose shortfall changed gets its new reason, keeping the
     time it was first blocked. Jobs another transaction holds (a claim in
-    flight, say) are left for the next re-examination.
+    flight, say) are left for the next re-examination. ``publish=False``: the
+    caller sends the returned ``hints`` with its own, so its transaction
+    notifies once.
     """
     metadata = metadata or {"actor": "reexamine"}
     async with conn.transaction():
@@ -170,8 +175,10 @@ async def reexamine_waiting_jobs(
         if not changes:
             return Reexamined()
         written = await queue.record(conn, changes, metadata=metadata)
-        await store.publish(conn, [(organization_id, max(r.position for r in written), unblocked)])
+        hints = ((organization_id, max(r.position for r in written), unblocked),)
+        if publish:
+            await store.publish(conn, hints)
     if unblocked or blocked:
         log.info("waiting jobs re-examined", extra={"action": "jobs_reexamined", "organization_id": str(organization_id),
                                                    "unblocked": unblocked, "blocked": blocked})  # fmt: skip
-    return Reexamined(unblocked=unblocked, blocked=blocked)
+    return Reexamined(unblocked=unblocked, blocked=blocked, hints=hints)

@@ -82,9 +82,12 @@ async def heartbeat(
                 actor=f"node:{node_id}",
                 request_id=request_id,
             )
+            hints = [(organization_id, recorded[-1].position, 0)]
             if decision.changes_capacity:
-                await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id))
-            await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
+                reexamined = await reexamine_waiting_jobs(conn, organization_id, publish=False,
+                                                          metadata=capacity_cause(node_id, request_id))  # fmt: skip
+                hints.extend(reexamined.hints)
+            await store.publish(conn, hints)
         else:
             state = locked
     if decision.event is not None:

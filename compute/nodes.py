@@ -161,8 +161,9 @@ async def _transition(
             conn, state, [event], node_id=node_id, organization_id=organization_id, actor=actor, request_id=request_id
         )
         # A node that stops taking work changes what blocked jobs could ever run on, and so their reasons.
-        await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id))
-        await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
+        reexamined = await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id),
+                                                  publish=False)  # fmt: skip
+        await store.publish(conn, [(organization_id, recorded[-1].position, 0), *reexamined.hints])
     log.info("node transition", extra={"action": recorded[-1].type, "node_id": str(node_id)})
     return state
 

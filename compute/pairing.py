@@ -274,8 +274,9 @@ async def redeem_pairing_code(
                 request_id=request_id,
             )
             await store_node_credential(conn, credential, node_id=node_id, organization_id=organization_id)
-            await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id))
-            await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
+            reexamined = await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id),
+                                                      publish=False)  # fmt: skip
+            await store.publish(conn, [(organization_id, recorded[-1].position, 0), *reexamined.hints])
     except psycopg.errors.UniqueViolation as exc:
         if exc.diag.constraint_name == "nodes_name_per_org":
             raise _name_taken(name) from None

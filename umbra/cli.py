@@ -117,6 +117,7 @@ def cmd_serve(args) -> int:
     port = args.port if args.port is not None else settings.port
     url, embedded = resolve_database(settings)
     install_exit_on_sigterm()
+    app = None
     try:
         anyio.run(migrate, url)
         app = create_app(settings, url)
@@ -126,7 +127,21 @@ def cmd_serve(args) -> int:
     finally:
         if embedded is not None:
             embedded.stop()
+    failure = getattr(app.state, "failure", None) if app is not None else None
+    if failure:  # a background task failed and stopped the server: a supervisor should restart it
+        print(f"umbra serve: error: {failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, not {port}")
+    return port
 
 
 def _register_bootstrap(sub: argparse._SubParsersAction) -> None:
@@ -135,7 +150,7 @@ def _register_bootstrap(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="serve the HTTP API; runs migrations and the sweeper")
     p.add_argument("--host", default=None, help="listen address (default UMBRA_HOST or 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="listen port (default UMBRA_PORT or 8080)")
+    p.add_argument("--port", type=_port, default=None, help="listen port, 0..65535 (default UMBRA_PORT or 8080)")
     p.set_defaults(func=cmd_serve)
 
     admin = sub.add_parser("admin", help="organizations, API keys, projects, pairing codes, nodes")

@@ -17,13 +17,16 @@ from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from .embedded import EmbeddedPostgres, start_embedded
-from .settings import Settings
+from .settings import Settings, SettingsError
 
 
 def resolve_database(settings: Settings) -> tuple[str, EmbeddedPostgres | None]:
     """Return ``(url, embedded handle or None)``; the caller stops the handle."""
     if settings.database_url:
         return settings.database_url, None
+    if any(character.isspace() for character in str(settings.pgdata)):
+        # The embedded server's package passes the socket directory to postgres unquoted.
+        raise SettingsError(f"UMBRA_DATA_DIR must not contain spaces for the embedded database: {str(settings.data_dir)!r}")
     server = start_embedded(settings.pgdata)
     return server.url, server
 
@@ -218,6 +221,9 @@ async def open_pool(url: str, *, size: int = 10) -> AsyncIterator[AsyncConnectio
         open=False,
         kwargs={"autocommit": True},
         configure=_configure,
+        # An idle connection the server closed (a restart, a failover, an idle timeout) is
+        # replaced before it is handed out, instead of failing one request each.
+        check=AsyncConnectionPool.check_connection,
     )
     await pool.open(wait=True, timeout=30)
     try:

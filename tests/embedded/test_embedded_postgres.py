@@ -67,7 +67,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise AssertionError("serve never became ready")
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_serve_on_embedded_database_leaves_no_postgres_behind(tmp_path, stop_signal):
     from tests.conftest import free_port
 
@@ -115,3 +115,25 @@ def test_a_killed_server_is_adopted_and_then_stopped(tmp_path):
     while _postmasters_for(pgdata) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _postmasters_for(pgdata) == []
+
+
+def test_a_stale_pidfile_naming_another_process_is_set_aside_and_that_process_lives(tmp_path):
+    """After a killed postmaster, its PID may belong to anything: starting must neither adopt nor kill that."""
+    pgdata = tmp_path / "pg"
+    first = start_embedded(pgdata)
+    left_behind = (pgdata / "postmaster.pid").read_text().split("\n")  # as a killed postmaster leaves it
+    first.stop()
+    bystander = subprocess.Popen(["sleep", "120"])
+    try:
+        (pgdata / "postmaster.pid").write_text("\n".join([str(bystander.pid), *left_behind[1:]]))
+        server = start_embedded(pgdata)
+        try:
+            with psycopg.connect(server.url, autocommit=True) as conn:
+                assert conn.execute("SELECT 1").fetchone() == (1,)
+            assert server.pid != bystander.pid and _postmasters_for(pgdata)
+        finally:
+            server.stop()
+        assert bystander.poll() is None, "the unrelated process was killed"
+    finally:
+        bystander.kill()
+        bystander.wait()

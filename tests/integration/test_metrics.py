@@ -155,3 +155,19 @@ async def test_chunked_oversize_body_is_refused_as_it_arrives():
     assert large.status_code == 413 and large.json()["error"] == "payload_too_large"
     assert reached == [1000]
 
+
+
+async def test_an_unexpected_error_is_answered_500_and_not_raised_to_the_server():
+    """Starlette's outermost handler answers and then re-raises, and uvicorn drops the connection for it:
+    the keep-alive client lost the answer. The request middleware answers such errors itself."""
+
+    async def broken(request: Request):
+        raise RuntimeError("the database went away")
+
+    routes = [endpoint("GET", "/broken", broken, summary="broken", auth="none")]
+    app = Starlette(routes=routes, exception_handlers=HANDLERS,
+                    middleware=[Middleware(RequestContext, route_templates={broken: "/broken"})])  # fmt: skip
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        answer = await client.get("/broken", headers={"X-Request-ID": "rid-broken"})
+    assert answer.status_code == 500 and answer.json()["error"] == "internal"
+    assert answer.headers["X-Request-ID"] == "rid-broken" and "database" not in answer.text

@@ -149,3 +149,20 @@ async def test_a_job_requeued_after_its_only_capable_node_retired_is_blocked_by_
     types = [r.type for r in await store.read_stream(conn, store.job_stream(job_id))]
     assert types[-2:] == ["job.lease_expired", "job.blocked"]
     assert (await sweep_once(conn, SETTINGS)).jobs_blocked == 0  # judged once, not again every sweep
+
+
+async def test_a_drain_that_blocks_work_notifies_once_with_the_last_position(db_url, conn, org):
+    """The drain's transaction appends the node's event and the jobs' blocks: one NOTIFY carries both."""
+    import psycopg
+
+    from umbra.compute.nodes import drain_node
+
+    org_id, _ = org
+    big = await add_node(conn, org_id, "big", [GPU48])
+    job_id = await job(conn, org_id, vram_min_mb=40000, accelerators=["cuda"])
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
+        await listener.execute(f"LISTEN {store.LOG_CHANNEL}")
+        await drain_node(conn, org_id, big, actor="admin")
+        notes = [n async for n in listener.notifies(timeout=0.5)]
+    assert await status(conn, job_id) == "blocked"
+    assert [store.parse_hints(n.payload) for n in notes] == [[(org_id, await store.head_position(conn), 0)]]

@@ -13,7 +13,8 @@ def test_defaults():
 @pytest.mark.parametrize(
     "name,value",
     [("UMBRA_PORT", "eighty"), ("UMBRA_LEASE_SECONDS", "0"), ("UMBRA_TRUSTED_PROXIES", "10.0.0.0/33"),
-     ("UMBRA_LOG_LEVEL", "chatty"), ("UMBRA_POLL_FALLBACK_SECONDS", "-1")],
+     ("UMBRA_LOG_LEVEL", "chatty"), ("UMBRA_POLL_FALLBACK_SECONDS", "-1"), ("UMBRA_PORT", "70000"),
+     ("UMBRA_SWEEP_INTERVAL_SECONDS", "nan"), ("UMBRA_SWEEP_INTERVAL_SECONDS", "inf")],
 )
 def test_invalid_values_fail_naming_the_variable(name, value):
     with pytest.raises(SettingsError, match=name):
@@ -25,3 +26,21 @@ def test_values_are_read(tmp_path: Path):
     assert s.pgdata == tmp_path / "pg" and s.port == 9000 and len(s.trusted_proxies) == 2
     with pytest.raises(Exception):
         s.port = 1  # frozen
+
+
+def test_the_embedded_database_refuses_a_data_dir_with_spaces_in_one_line(tmp_path: Path):
+    from umbra.db import resolve_database
+
+    settings = load_settings({"UMBRA_DATA_DIR": str(tmp_path / "with space")})
+    with pytest.raises(SettingsError, match="UMBRA_DATA_DIR must not contain spaces"):
+        resolve_database(settings)
+    assert not (tmp_path / "with space").exists(), "refused before anything was created"
+
+
+def test_the_default_data_dir_has_no_spaces_on_any_system(monkeypatch, tmp_path: Path):
+    import umbra.settings as settings_module
+
+    monkeypatch.setattr(settings_module.os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_settings({}).data_dir == tmp_path / ".local" / "share" / "umbra"
