@@ -36,7 +36,7 @@ from umbra import metrics
 from umbra.db import PreparedStatement
 from umbra.errors import ConcurrencyConflict
 
-from .types import Event, decode_event, encode_event
+from .types import Event, UnknownEvent, decode_event, encode_event
 
 #: Advisory lock key serialising appends ("umbralog" in ASCII).
 LOG_LOCK_KEY = 0x756D6272616C6F67
@@ -49,12 +49,14 @@ class RecordedEvent(msgspec.Struct, frozen=True):
     stream: str
     version: int
     organization_id: UUID
-    event: Event
+    event: Event | UnknownEvent
     metadata: Mapping[str, Any]
     recorded_at: datetime
 
     @property
     def type(self) -> str:
+        if isinstance(self.event, UnknownEvent):
+            return self.event.type
         return self.event.__struct_config__.tag  # type: ignore[attr-defined]
 
     def to_json(self) -> dict[str, Any]:
@@ -65,7 +67,7 @@ class RecordedEvent(msgspec.Struct, frozen=True):
             "version": self.version,
             "type": self.type,
             "organization_id": str(self.organization_id),
-            "data": msgspec.to_builtins(self.event),
+            "data": self.event.data if isinstance(self.event, UnknownEvent) else msgspec.to_builtins(self.event),
             "metadata": dict(self.metadata),
             "recorded_at": self.recorded_at.isoformat().replace("+00:00", "Z"),
         }

@@ -245,9 +245,31 @@ def encode_event(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
-def decode_event(data: bytes | str) -> Event:
-    """Decode one stored event. Raises ``msgspec.ValidationError``/``DecodeError``."""
-    return _decoder.decode(data)
+class UnknownEvent(msgspec.Struct, frozen=True):
+    """A stored event this server cannot read: a type, or a field's value, from a newer writer.
+
+    Unknown *fields* are ignored when an event is decoded; an unknown event
+    type or value (a new failure reason, say) would fail the decoding, and
+    with it every read of the log that pages over the event: the event API,
+    the SSE stream (for ever, at that position), ``as_of`` and ``verify``.
+    So it is read as this instead. The API shows it as stored; the folds skip
+    it (advancing the stream's version), so a view this server rebuilds lacks
+    what it meant, and ``verify`` shows where.
+    """
+
+    type: str
+    data: dict[str, Any]
+
+
+def decode_event(data: bytes | str) -> Event | UnknownEvent:
+    """Decode one stored event. Raises ``msgspec.DecodeError`` for what is not a JSON object."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError:
+        raw = msgspec.json.decode(data)
+        if not isinstance(raw, dict):
+            raise
+        return UnknownEvent(type=str(raw.get("type", "")), data=raw)
 
 
 def to_builtins(event: Event) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from umbra.events.types import (
     JobUnblocked,
     Placement,
     Requirements,
+    UnknownEvent,
 )
 
 
@@ -131,6 +132,8 @@ def fold(state: JobRow | None, recorded: RecordedEvent, *, job_id: UUID | None =
         if not isinstance(event, JobSubmitted):
             raise ValueError(f"{recorded.stream} does not start with job.submitted")
         return _submitted(recorded, event, job_id or job_id_of(recorded.stream))
+    if isinstance(event, UnknownEvent):  # a newer writer's: skipped, the stream's version still advances
+        return replace(state, version=recorded.version, position=recorded.position, updated_at=at)
     return replace(state, **_apply(state, event, at), version=recorded.version, position=recorded.position, updated_at=at)
 
 

@@ -31,6 +31,7 @@ from umbra.events.types import (
     NodePaired,
     NodeRetired,
     NodeWentOffline,
+    UnknownEvent,
     decode_event,
 )
 
@@ -104,6 +105,8 @@ def fold(state: NodeState | None, recorded: RecordedEvent) -> NodeState:
         return dataclasses.replace(state, status="retired", **stamp)
     if isinstance(event, NodeCredentialRevoked):
         return dataclasses.replace(state, status=after_revoked(state.status), **stamp)
+    if isinstance(event, UnknownEvent):  # a newer writer's: skipped, the stream's version still advances
+        return dataclasses.replace(state, **stamp)
     raise ValueError(f"{recorded.stream} v{recorded.version}: {recorded.type} is not a node event")
 
 

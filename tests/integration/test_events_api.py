@@ -98,3 +98,41 @@ async def test_refusals_name_the_problem(conn, org, live_server):
         assert response.json()["error"] == "invalid_request"
         assert response.json()["field"] == field
         assert field in response.json()["message"]
+
+
+async def test_a_newer_writers_event_type_and_value_are_read_as_stored_and_skipped_by_the_folds(conn, org, live_server):
+    """A rolling upgrade: events this server cannot decode must not stop the log, the stream or verify."""
+    import json
+
+    from tests.integration.queue_support import CPU64, add_node, submit
+
+    org_id, key = org
+    await add_node(conn, org_id, "box", [CPU64])
+    job = await submit(conn, org_id)
+    newer = [
+        ("job.preempted", {"type": "job.preempted", "by": "scheduler-2"}),  # a type this server does not know
+        ("job.failed", {"type": "job.failed", "attempt": 0, "error": "x", "reason": "preempted"}),  # a value
+    ]
+    for version, (kind, data) in enumerate(newer, start=2):
+        await conn.execute(
+            "INSERT INTO events (stream, version, type, organization_id, data) VALUES (%s, %s, %s, %s, %s::jsonb)",
+            (store.job_stream(job.id), version, kind, org_id, json.dumps(data)))  # fmt: skip
+    async with httpx.AsyncClient(base_url=live_server.url, headers=_auth(key), timeout=10) as client:
+        page = (await client.get("/v1/events", params={"after": 0, "limit": 1000})).json()
+        history = (await client.get(f"/v1/jobs/{job.id}/events")).json()["events"]
+        as_of = await client.get(f"/v1/jobs/{job.id}", params={"as_of": page["next"]})
+        async with client.stream("GET", "/v1/events/stream", params={"after": 0}) as stream:
+            ids = []
+            async for line in stream.aiter_lines():
+                if line.startswith("id:"):
+                    ids.append(int(line.split(":", 1)[1]))
+                if len(ids) == len(page["events"]):
+                    break
+        verified = await client.post("/v1/projections/verify")
+    assert [(e["type"], e["data"]) for e in history[-2:]] == newer
+    assert [e["position"] for e in page["events"]] == ids
+    assert as_of.status_code == 200 and as_of.json()["status"] == "queued"  # the folds skipped what they cannot read
+    # verify runs, and shows where this server's view lacks what the newer events meant
+    assert verified.status_code == 200
+    assert {(d["id"], d["field"]) for d in verified.json()["differences"]} <= {
+        (str(job.id), field) for field in ("version", "position", "updated_at")}

@@ -33,9 +33,17 @@ def test_unknown_fields_from_a_newer_writer_are_tolerated():
     assert decode_event(raw).by == "x"
 
 
-def test_unknown_tag_is_refused():
+def test_an_unknown_type_or_value_from_a_newer_writer_is_read_as_stored():
+    from umbra.events.types import UnknownEvent
+
+    assert decode_event(b'{"type":"job.teleported","to":"mars"}') == UnknownEvent(
+        type="job.teleported", data={"type": "job.teleported", "to": "mars"})
+    preempted = decode_event(b'{"type":"job.failed","attempt":1,"error":"x","reason":"preempted"}')
+    assert isinstance(preempted, UnknownEvent) and preempted.type == "job.failed"
+    with pytest.raises(msgspec.DecodeError):
+        decode_event(b'{"type": "job.failed"')  # not JSON: refused, never passed off as an event
     with pytest.raises(msgspec.ValidationError):
-        decode_event(b'{"type":"job.teleported"}')
+        decode_event(b'["job.failed"]')  # JSON, but not an event object
 
 
 @settings(max_examples=300, deadline=None)
