@@ -221,9 +221,6 @@ async def open_pool(url: str, *, size: int = 10) -> AsyncIterator[AsyncConnectio
         open=False,
         kwargs={"autocommit": True},
         configure=_configure,
-        # An idle connection the server closed (a restart, a failover, an idle timeout) is
-        # replaced before it is handed out, instead of failing one request each.
-        check=AsyncConnectionPool.check_connection,
     )
     await pool.open(wait=True, timeout=30)
     try:
