@@ -209,8 +209,13 @@ class WaiterHub:
         try:
             while True:
                 token = waiter.take()
-                with anyio.CancelScope(shield=True):
-                    result = await attempt()
+                try:
+                    with anyio.CancelScope(shield=True):
+                        result = await attempt()
+                except BaseException:
+                    if token is not None:  # a waiter that could not try the wake (revoked, say) passes it on
+                        self._pass_on(token, waiter)
+                    raise
                 metrics.CLAIM_ATTEMPTS.inc()
                 if token is not None:
                     token.attempts += 1

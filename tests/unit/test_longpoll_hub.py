@@ -210,3 +210,39 @@ async def test_stop_answers_parked_waiters_at_once():
             hub.stop()
             await eventually(lambda: _async(len(results) == 3))
     assert results == [None, None, None]
+
+
+async def test_a_waiter_whose_attempt_raises_passes_the_wake_on():
+    """A revoked node's parked poll (its attempt raises) must not take a wake another node could use."""
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    results: dict[str, object] = {}
+    raised: list[str] = []
+    calls = {"revoked": 0}
+
+    async def revoked():
+        calls["revoked"] += 1
+        if calls["revoked"] > 1:
+            raise RuntimeError("credential revoked")
+        return None
+
+    async with anyio.create_task_group() as tg:
+
+        async def run_revoked():
+            try:
+                await hub.wait_for(ORG, revoked, timeout=5)
+            except RuntimeError as exc:
+                raised.append(str(exc))
+
+        async def run(name, can):
+            results[name] = await hub.wait_for(ORG, queue.attempt_for(name, can), timeout=5)
+
+        tg.start_soon(run_revoked)
+        await _park(hub, 1)
+        tg.start_soon(run, "able", {"cpu"})
+        await _park(hub, 2)
+        queue.jobs.append(("job-1", "cpu"))
+        hub.on_hint(ORG, 1, 1)  # the oldest waiter, the revoked one, gets the wake first
+        with anyio.fail_after(2):  # well inside the 60 s safety poll: the wake itself reached "able"
+            await eventually(lambda: _async(results.get("able") == "job-1"))
+    assert raised == ["credential revoked"]
