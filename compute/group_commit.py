@@ -305,10 +305,19 @@ class GroupCommit:
                         raise revoked()
                 if command.kind == "claim":
                     while len(command.claims) < command.count:
-                        claimed = await claims.claim(
-                            conn, node_id=command.node_id, organization_id=command.organization_id,
-                            lease_seconds=command.lease_seconds, stale_seconds=command.stale_seconds,
-                        )  # fmt: skip
+                        try:
+                            claimed = await claims.claim(
+                                conn, node_id=command.node_id, organization_id=command.organization_id,
+                                lease_seconds=command.lease_seconds, stale_seconds=command.stale_seconds,
+                            )  # fmt: skip
+                        except Exception:
+                            if not command.claims:
+                                raise
+                            # The jobs claimed so far are committed: answered, not turned into an
+                            # error that would leave them leased to an agent that never hears of them.
+                            log.warning("claim stopped short", exc_info=True,
+                                        extra={"action": "claim_short", "claimed": len(command.claims)})  # fmt: skip
+                            break
                         if claimed is None:
                             break
                         command.claims.append(claimed)

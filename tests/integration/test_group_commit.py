@@ -483,3 +483,29 @@ async def test_a_second_batch_starts_while_one_runs_only_for_a_queue_worth_it(db
 
 def claim_now_grouped(group: GroupCommit, org_id, node_id):
     return group.claim(node_id=node_id, organization_id=org_id, lease_seconds=60, stale_seconds=45)
+
+
+async def test_a_fallback_claim_that_fails_part_way_answers_the_jobs_it_claimed(db_url, conn, org, monkeypatch):
+    """Each fallback claim commits on its own: an error after the first must not hide the ones committed."""
+    org_id, _ = org
+    a, b, job_a, job_b = await two_held_jobs(conn, org_id)
+    queued = [(await submit(conn, org_id)).id for _ in range(3)]
+    real, calls = claims.claim, []
+
+    async def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise psycopg.errors.DeadlockDetected("deadlock detected")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(claims, "claim", second_fails)
+    async with group_commit(db_url) as (group, _, tg):
+        taken, bad = await in_one_batch(group, tg, [
+            lambda: group.claim_many(node_id=a, organization_id=org_id, count=3, lease_seconds=60, stale_seconds=45),
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=job_b, attempt=1, result={"bad": "\u0000"}),
+        ])  # fmt: skip
+    assert group.fallbacks == 1 and isinstance(bad, InvalidRequest)
+    assert [c.job_id for c in taken] == queued[:1]
+    running = await (await conn.execute(
+        "SELECT id FROM jobs WHERE status = 'running' AND lease_owner = %s AND id = ANY(%s)", (a, queued))).fetchall()
+    assert [r[0] for r in running] == queued[:1]  # every job leased to the node was answered
