@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from umbra.compute.auth import Principal, authenticate, authenticate_pooled
-from umbra.compute.jobs import MAX_JSON_DEPTH
+from umbra.compute.jobs import TOO_DEEP
 from umbra.errors import InvalidRequest, NotFound, UmbraError
 
 #: Request bodies above this are refused with 413 before they are parsed.
@@ -74,13 +74,11 @@ async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False)
         raise InvalidRequest(f"Invalid request: {exc}", field=_field_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Malformed JSON: {exc}") from None
-    except RecursionError:  # deeper than the free-form fields' own check (MAX_JSON_DEPTH) could look
-        raise _too_deep() from None
+    except RecursionError:  # deeper than the free-form fields' own check could look
+        raise InvalidRequest(TOO_DEEP) from None
     return decoded
 
 
-def _too_deep() -> InvalidRequest:
-    return InvalidRequest(f"JSON may nest arrays and objects at most {MAX_JSON_DEPTH} levels deep.")
 
 
 def _field_of(message: str) -> str | None:
@@ -161,21 +159,20 @@ def forwarded_client(peer: str, forwarded: Sequence[str], trusted: Sequence[IPNe
     own line rather than extend the client's, and the first line alone is the
     client's own word.
     """
-    if not trusted:
-        return peer
-    try:
-        peer_ip = ipaddress.ip_address(peer)
-    except ValueError:
-        return peer
-    if not any(peer_ip in net for net in trusted):
+    if not _trusted(peer, trusted):
         return peer
     hops = [h.strip() for line in forwarded for h in line.split(",") if h.strip()]
     # Walk from the nearest hop back; the first untrusted one is the client.
     for hop in reversed(hops):
-        try:
-            hop_ip = ipaddress.ip_address(hop)
-        except ValueError:
-            return hop
-        if not any(hop_ip in net for net in trusted):
+        if not _trusted(hop, trusted):
             return hop
     return hops[0] if hops else peer
+
+
+def _trusted(address: str, trusted: Sequence[IPNetwork]) -> bool:
+    """Whether ``address`` is one of the trusted proxies (an unreadable address is not)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in net for net in trusted)

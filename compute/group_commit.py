@@ -78,7 +78,7 @@ class HintNotifier:
 
     A tick starts as soon as a hint arrives, unless the previous one was less
     than ``min_interval`` ago; hints that arrive in between go out together, merged per
-    organization (highest position, summed claimable count) as
+    organization (:func:`umbra.events.store.merge_hints`), as
     :func:`umbra.events.store.publish` merges them within a transaction.
     """
 
@@ -91,10 +91,7 @@ class HintNotifier:
         self.ticks = 0
 
     def hint(self, hints: Iterable[tuple[UUID, int, int]]) -> None:
-        for org, position, claimable in hints:
-            slot = self._pending.setdefault(org, [0, 0])
-            slot[0] = max(slot[0], position)
-            slot[1] += claimable
+        store.merge_hints(self._pending, hints)
         if self._pending:
             self._ready.set()
 

@@ -79,6 +79,7 @@ _NO_REQUIREMENTS = Requirements()
 #: deeper stack: after the job was written, so every later read of the job, and
 #: of its organization's job list, failed.
 MAX_JSON_DEPTH = 100
+TOO_DEEP = f"JSON may nest arrays and objects at most {MAX_JSON_DEPTH} levels deep."
 
 
 def check_json_depth(value: Any) -> None:
@@ -93,7 +94,7 @@ def check_json_depth(value: Any) -> None:
     depth = 1
     while level:
         if depth > MAX_JSON_DEPTH:
-            raise ValueError(f"JSON may nest arrays and objects at most {MAX_JSON_DEPTH} levels deep")
+            raise ValueError(TOO_DEEP)
         deeper = []
         for item in level:
             for child in item.values() if type(item) is dict else item:

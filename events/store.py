@@ -465,6 +465,16 @@ def hint_payload(organization_id: UUID, position: int, claimable: int = 0) -> st
     return f"{organization_id.hex} {position} {claimable}"
 
 
+def merge_hints(merged: dict[UUID, list[int]], hints: Iterable[tuple[UUID, int, int]]) -> dict[UUID, list[int]]:
+    """Fold ``(organization_id, position, claimable)`` hints into ``merged``: per organization
+    ``[highest position, summed claimable count]``. Returns ``merged``."""
+    for org, position, claimable in hints:
+        slot = merged.setdefault(org, [0, 0])
+        slot[0] = max(slot[0], position)
+        slot[1] += claimable
+    return merged
+
+
 def hint_payloads(hints: Iterable[tuple[UUID, int, int]]) -> list[str]:
     """Coalesced hints as NOTIFY payloads: one, unless more organizations changed than one can carry.
 
@@ -475,11 +485,7 @@ def hint_payloads(hints: Iterable[tuple[UUID, int, int]]) -> list[str]:
     sends one notification, not one per organization: each is a message every
     listener of the cluster must read.
     """
-    merged: dict[UUID, list[int]] = {}
-    for org, position, claimable in hints:
-        slot = merged.setdefault(org, [0, 0])
-        slot[0] = max(slot[0], position)
-        slot[1] += claimable
+    merged = merge_hints({}, hints)
     payloads: list[str] = []
     pieces: list[str] = []
     size = 0
@@ -525,6 +531,7 @@ __all__ = [
     "head_position",
     "hint_payload",
     "hint_payloads",
+    "merge_hints",
     "job_stream",
     "node_stream",
     "parse_hints",
