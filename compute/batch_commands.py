@@ -6,7 +6,8 @@ command is still a command: it loads (its row, its node), decides with the same
 pure rules as :mod:`umbra.compute.claims` (``check_holder`` for fencing,
 ``best_placement`` for eligibility), and its events go to its own stream and
 are folded onto its own row. What the batch shares is the statements: one
-``FOR UPDATE`` of every held row, one read of the claiming nodes, one scan per
+``FOR UPDATE`` of every held row, one read of the claiming nodes (after
+sharing their claim guards: :func:`umbra.compute.nodes.guard_against_claims`), one scan per
 organization (the single claim's :class:`~umbra.compute.claims.ClaimableScan`),
 one ``append_many``, one multi-row write, one commit.
 
@@ -52,6 +53,7 @@ from .claims import (
     models_for_shapes,
 )  # fmt: skip
 from .jobs import settle_parents
+from .nodes import SHARE_CLAIM_GUARDS
 
 
 @dataclass(eq=False)
@@ -115,6 +117,7 @@ WHERE n.id = ANY(%(ids)s)
 #: batch uses generic plans: planned for each call's values, the shape scan alone cost 0.29 ms of
 #: the server's time per claim.
 _HELD = PreparedStatement("umbra_batch_held", _LOCK_HELD)
+_GUARDS = PreparedStatement("umbra_batch_claim_guards", SHARE_CLAIM_GUARDS)
 _NODES = PreparedStatement("umbra_batch_nodes", _NODES_QUERY)
 _SHAPES = PreparedStatement("umbra_batch_shapes", QUEUED_SHAPES)
 _devices = msgspec.json.Decoder(tuple[Device, ...])
@@ -140,10 +143,14 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     credential_ids = uuid_array(credentials)
     reads = [(_HELD, {"ids": uuid_array(held_ids), "credentials": credential_ids})] if held else []
     if claimers:
+        # The guards first: the nodes' read then starts after any drain, retirement or revocation
+        # holding one has committed (see nodes.guard_against_claims).
+        reads.append((_GUARDS, {"ids": uuid_array(node_ids)}))
         reads.append((_NODES, {"ids": uuid_array(node_ids), "credentials": credential_ids}))
         reads += [(_SHAPES, {"org": org, "limit": MAX_SHAPES + 1}) for org in orgs]
     results = await begin_with(conn, reads, generic_plans=True)
     held_records = results.pop(0) if held else []
+    guarded = set(results.pop(0)[0][0]) if claimers else set()
     node_records = results.pop(0) if claimers else []
     if credentials:
         live = await _live_credentials(conn, credentials, held_records or node_records)
@@ -155,7 +162,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
         unstaged = {id(c.then) for c in held if c.then is not None and (c.error is not None or c in deferred)}
         claimers = [c for c in claimers if id(c) not in unstaged]
     if claimers:
-        waiting = _waiting_claimers([r[:-1] for r in node_records], claimers)
+        # A node whose guard a change holds is left out: its claimers take nothing this time.
+        waiting = _waiting_claimers([r[:-1] for r in node_records if r[0] in guarded], claimers)
         for org, shape_records in zip(orgs, results):
             shapes = [shape for (shape,) in shape_records]
             if not shapes or waiting.get(org):

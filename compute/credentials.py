@@ -26,7 +26,7 @@ from umbra.projections import nodes as projection
 from umbra.security import hash_secret, new_token
 
 from .auth import NODE_CREDENTIAL_KIND, NODE_SCOPES
-from .nodes import append_node_events, node_not_found
+from .nodes import append_node_events, guard_against_claims, node_not_found
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ async def revoke_node(
     live: revoking twice records nothing the second time).
     """
     async with conn.transaction():
+        await guard_against_claims(conn, node_id)
         state = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         if state is None:
             raise node_not_found(node_id)

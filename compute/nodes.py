@@ -140,6 +140,44 @@ async def append_node_events(
     return state, recorded
 
 
+# -- the claim guard -----------------------------------------------------------------------
+
+#: Advisory lock class of the per-node claim guard (the two-key form: apart from every one-key lock).
+CLAIM_GUARD_CLASS = 0x756D6E67
+
+#: Of the claiming nodes ``ids``, those whose guard this transaction now shares (never waiting).
+SHARE_CLAIM_GUARDS = f"""
+SELECT coalesce(array_agg(id), '{{}}') FROM unnest(%(ids)s::uuid[]) AS id
+WHERE pg_try_advisory_xact_lock_shared({CLAIM_GUARD_CLASS}, hashtext(id::text))
+"""
+
+
+async def guard_against_claims(conn: psycopg.AsyncConnection, node_id: UUID) -> None:
+    """Hold the node's claim guard to commit: no claim for it commits in between, once this returns.
+
+    A claim reads its node (online? which devices?) at the start of its
+    transaction and commits later. A drain, retirement or revocation that
+    committed in between would answer 200, and then a job would be leased to a
+    node that takes no new work or cannot report it (it waited out the
+    lease). So those changes take the guard exclusively before they read the
+    node, and every claim shares it before reading the node and holds it to
+    commit (:data:`SHARE_CLAIM_GUARDS`, in a statement of its own: a
+    statement's snapshot is taken when it starts). A claim then either
+    commits before the change answers, or reads the node as the change left
+    it. Claims only try: a node whose guard is taken claims nothing this time
+    and its long-poll goes on, so a slow change never stalls a batch of other
+    nodes' commands. The guard is an advisory lock, kept in memory: locking
+    the node's row ``FOR SHARE`` instead would write that row at every claim.
+    """
+    await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s::text))", (CLAIM_GUARD_CLASS, node_id))
+
+
+async def share_claim_guard(conn: psycopg.AsyncConnection, node_id: UUID) -> bool:
+    """Share the node's claim guard to commit (see :func:`guard_against_claims`); False if a change holds it."""
+    [(shared,)] = await (await conn.execute(SHARE_CLAIM_GUARDS, {"ids": [node_id]})).fetchall()
+    return bool(shared)
+
+
 def capacity_cause(node_id: UUID | None, request_id: str | None) -> dict[str, str]:
     """Metadata for blocked-job re-examination caused by a node or registry change."""
     cause = {"actor": "reexamine", "causation": f"node:{node_id}" if node_id else "models"}
@@ -152,6 +190,7 @@ async def _transition(
     conn, organization_id: UUID, node_id: UUID, event: Event, check, actor: str | None, request_id: str | None
 ) -> NodeState:
     async with conn.transaction():
+        await guard_against_claims(conn, node_id)
         state = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         if state is None:
             raise node_not_found(node_id)

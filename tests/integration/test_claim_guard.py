@@ -1,0 +1,79 @@
+"""The claim guard: no claim commits for a node after its drain, retirement or revocation has answered.
+
+A claim reads its node when its transaction starts and commits later; the
+change in between must either wait for that claim or be seen by it (see
+:func:`umbra.compute.nodes.guard_against_claims`).
+"""
+
+from __future__ import annotations
+
+import anyio
+import psycopg
+import pytest
+
+from umbra.compute import batch_commands, claims
+from umbra.compute.batch_commands import Command
+from umbra.compute.credentials import revoke_node
+from umbra.compute.nodes import drain_node, guard_against_claims, retire_node
+from umbra.events import store
+
+from .queue_support import CPU64, add_node, submit
+
+pytestmark = pytest.mark.anyio
+
+CHANGES = {
+    "drain": lambda conn, org_id, node: drain_node(conn, org_id, node, actor="admin"),
+    "retire": lambda conn, org_id, node: retire_node(conn, org_id, node, actor="admin"),
+    "revoke": lambda conn, org_id, node: revoke_node(conn, org_id, node, actor="admin"),
+}
+
+
+async def _waiting_on_an_advisory_lock(conn) -> bool:
+    row = await (await conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")).fetchone()
+    return row[0] > 0
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+async def test_a_change_answers_only_after_the_claim_that_read_its_node_online_commits(db_url, conn, org, change):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    await add_node(conn, org_id, "b", [CPU64])  # so the change leaves the job runnable: it never touches the job's row
+    job = (await submit(conn, org_id)).id
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as claimer, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:  # fmt: skip
+        staged, _ = await batch_commands.stage(claimer, [Command("claim", org_id, node)])
+        assert [s.state.id for s in staged] == [job]  # read the node online and locked the job: not committed yet
+        changed = anyio.Event()
+
+        async def run_change() -> None:
+            await CHANGES[change](admin, org_id, node)
+            changed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_change)
+            with anyio.move_on_after(10):
+                while not changed.is_set() and not await _waiting_on_an_advisory_lock(conn):
+                    await anyio.sleep(0.01)
+            assert not changed.is_set(), f"the {change} answered while a claim that saw the node online was in flight"
+            await batch_commands.write(claimer, staged)
+        claimed = [e for e in await store.read_stream(conn, store.job_stream(job)) if e.type == "job.claimed"]
+        node_events = await store.read_stream(conn, store.node_stream(node))
+        assert len(claimed) == 1 and claimed[0].position < node_events[-1].position
+
+
+async def test_a_claim_for_a_node_being_changed_takes_nothing_and_waits_for_nothing(db_url, conn, org):
+    org_id, _ = org
+    a = await add_node(conn, org_id, "a", [CPU64])
+    b = await add_node(conn, org_id, "b", [CPU64])
+    first, second = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as claimer:  # fmt: skip
+        async with admin.transaction():
+            await guard_against_claims(admin, a)  # a drain of `a` that has not committed yet
+            with anyio.fail_after(5):
+                staged, _ = await batch_commands.stage(claimer, [Command("claim", org_id, a), Command("claim", org_id, b)])
+                assert [(s.command.node_id, s.state.id) for s in staged] == [(b, first)]
+                await batch_commands.write(claimer, staged)
+                assert await claims.claim(claimer, node_id=a, organization_id=org_id, lease_seconds=60) is None
+        got = await claims.claim(claimer, node_id=a, organization_id=org_id, lease_seconds=60)
+        assert got is not None and got.job_id == second
