@@ -1,9 +1,19 @@
-"""Event types: a msgspec tagged union with explicit, permanent tags.
+"""Event types: a msgspec tagged union with explicit, permanent, versioned tags.
 
 The ``tag`` of each class is what is stored in ``events.type``; renaming a class
 never orphans stored rows, and a tag is never reused. New fields get defaults so
 old rows still decode, and unknown fields written by a newer version are ignored
 on read (stored events are never decoded with ``forbid_unknown_fields``).
+
+The tag carries the type's schema version: version 1 is the bare name
+(``job.failed``), a later one ends in ``.v<N>`` (:func:`event_version`). Within
+a version a type changes only compatibly (a field added with a default). A
+change old rows cannot be read as (a field renamed, retyped or given another
+meaning) makes a new version: the struct takes the next tag, the old tag
+leaves the union, and an upcast from the old version's stored form to the
+next one's is registered in :data:`UPCASTS`. Stored rows are never rewritten;
+:func:`decode_event` upcasts them as it reads them, so the folds and the API
+only ever meet the current versions.
 
 The value structs (devices, requirements, placements) live here too because
 they are part of what the log stores; everything above this layer imports them.
@@ -12,7 +22,8 @@ they are part of what the log stores; everything above this layer imports them.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal, Union
+import re
+from typing import Any, Callable, Literal, Union
 from uuid import UUID
 
 import msgspec
@@ -245,6 +256,20 @@ def encode_event(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
+_VERSIONED_TAG = re.compile(r"^(?P<name>.+)\.v(?P<version>[2-9]|[1-9][0-9]+)$")
+
+
+def event_version(tag: str) -> int:
+    """The schema version a tag names: ``job.failed`` is 1, ``job.failed.v2`` is 2."""
+    match = _VERSIONED_TAG.match(tag)
+    return int(match["version"]) if match else 1
+
+
+#: Superseded tag -> the upcast of its stored form (a dict, ``type`` included) to the next version's.
+#: Applied in turn until the tag is a current one. Empty while every type is at its first version.
+UPCASTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
 class UnknownEvent(msgspec.Struct, frozen=True):
     """A stored event this server cannot read: a type, or a field's value, from a newer writer.
 
@@ -262,14 +287,26 @@ class UnknownEvent(msgspec.Struct, frozen=True):
 
 
 def decode_event(data: bytes | str) -> Event | UnknownEvent:
-    """Decode one stored event. Raises ``msgspec.DecodeError`` for what is not a JSON object."""
+    """Decode one stored event, upcast to its type's current version. Raises ``msgspec.DecodeError`` for what is not a JSON object.
+
+    A current event decodes in one pass; only an event the union cannot read
+    (a superseded version, or a newer writer's) is looked at again.
+    """
     try:
         return _decoder.decode(data)
     except msgspec.ValidationError:
         raw = msgspec.json.decode(data)
         if not isinstance(raw, dict):
             raise
-        return UnknownEvent(type=str(raw.get("type", "")), data=raw)
+        stored = raw
+        while isinstance(raw.get("type"), str) and raw["type"] in UPCASTS:
+            raw = UPCASTS[raw["type"]](raw)
+        if raw is not stored:
+            try:
+                return _decoder.decode(_encoder.encode(raw))
+            except msgspec.ValidationError:
+                pass  # upcast, yet still not readable: shown as stored
+        return UnknownEvent(type=str(stored.get("type", "")), data=stored)
 
 
 def to_builtins(event: Event) -> dict[str, Any]:

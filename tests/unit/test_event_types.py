@@ -64,3 +64,40 @@ def test_random_json_objects_decode_or_fail_cleanly(fields, tag):
         decode_event(raw)
     except msgspec.ValidationError:
         pass
+
+
+def test_a_tag_names_its_schema_version():
+    from umbra.events.types import event_version
+
+    assert [event_version(t) for t in ("job.failed", "job.failed.v2", "job.failed.v12", "job.failed.v1", "job.v")] == [1, 2, 12, 1, 1]
+    assert {event_version(tag) for tag in EVENT_TYPES} == {1}  # every type is at its first version
+
+
+def test_a_superseded_version_is_upcast_as_it_is_read(monkeypatch):
+    """How a type changes incompatibly: its version 1 rows are upcast to version 2 as they are read, never rewritten."""
+    from datetime import datetime, timezone
+    from typing import Union
+
+    from umbra.events import types
+    from umbra.events.types import Event, JobRequeued, UnknownEvent
+
+    # Say job.requeued one day records the delay instead of the time: version 2, tag job.requeued.v2.
+    class JobRequeuedV2(types._Event, tag="job.requeued.v2"):
+        attempt: int
+        error: str
+        delay_s: float
+
+    def upcast(v1: dict) -> dict:
+        recorded = datetime(2026, 1, 1, tzinfo=timezone.utc)  # (a real upcast would be given the row's recorded_at)
+        delay = datetime.fromisoformat(v1["not_before"]) - recorded
+        return {"type": "job.requeued.v2", "attempt": v1["attempt"], "error": v1["error"], "delay_s": delay.total_seconds()}
+
+    current = tuple(t for t in Event.__args__ if t is not JobRequeued) + (JobRequeuedV2,)
+    monkeypatch.setattr(types, "_decoder", msgspec.json.Decoder(Union[current]))
+    stored = encode_event(JobRequeued(attempt=2, error="oom", not_before=datetime(2026, 1, 1, 0, 0, 5, tzinfo=timezone.utc)))
+    assert isinstance(decode_event(stored), UnknownEvent)  # before its upcast is registered: shown as stored, not refused
+    monkeypatch.setitem(types.UPCASTS, "job.requeued", upcast)
+    assert decode_event(stored) == JobRequeuedV2(attempt=2, error="oom", delay_s=5.0)
+    assert types.event_version("job.requeued.v2") == 2
+    monkeypatch.setitem(types.UPCASTS, "job.requeued", lambda v1: {**v1, "type": "job.requeued.v2"})  # a wrong upcast
+    assert decode_event(stored) == UnknownEvent(type="job.requeued", data=msgspec.json.decode(stored))
