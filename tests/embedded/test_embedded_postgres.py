@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import psutil
 import psycopg
 import pytest
 
-from umbra.embedded import start_embedded
+from umbra.embedded import _HANDLE_STARTS, _prune_dead_handles, _record_handle, start_embedded
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +46,7 @@ def test_embedded_server_migrates_notifies_and_stops(tmp_path):
             notes = list(listener.notifies(timeout=5, stop_after=1))
             assert [n.payload for n in notes] == ["hello"]
         assert _postmasters_for(pgdata)
+        assert str(os.getpid()) in json.loads((pgdata / _HANDLE_STARTS).read_text())
     finally:
         server.stop()
     deadline = time.monotonic() + 10
@@ -137,3 +139,53 @@ def test_a_stale_pidfile_naming_another_process_is_set_aside_and_that_process_li
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_handle_whose_pid_now_names_another_process_is_pruned_and_a_live_holder_kept(tmp_path):
+    """A dead holder's PID given to some later process is no holder: its server must still be stopped."""
+    pgdata = tmp_path / "pg"
+    pgdata.mkdir()
+    holder, reused = subprocess.Popen(["sleep", "120"]), subprocess.Popen(["sleep", "120"])
+    try:
+        dead = _dead_pid()
+        (pgdata / ".handle_pids.json").write_text(json.dumps([holder.pid, reused.pid, dead]))
+        _record_handle(pgdata, holder.pid)
+        _record_handle(pgdata, reused.pid)
+        starts = json.loads((pgdata / _HANDLE_STARTS).read_text())
+        starts[str(reused.pid)] -= 3600  # recorded by the holder that had this PID an hour ago
+        (pgdata / _HANDLE_STARTS).write_text(json.dumps(starts))
+
+        _prune_dead_handles(pgdata)
+
+        assert json.loads((pgdata / ".handle_pids.json").read_text()) == [holder.pid]
+        assert list(json.loads((pgdata / _HANDLE_STARTS).read_text())) == [str(holder.pid)]
+    finally:
+        for proc in (holder, reused):
+            proc.kill()
+            proc.wait()
+
+
+def test_an_unrecorded_handle_is_kept_only_if_its_process_predates_the_list(tmp_path):
+    """With no recorded create time, a process created after the list was last written cannot have added itself."""
+    pgdata = tmp_path / "pg"
+    pgdata.mkdir()
+    handles = pgdata / ".handle_pids.json"
+    proc = subprocess.Popen(["sleep", "120"])
+    try:
+        handles.write_text(json.dumps([proc.pid]))
+        _prune_dead_handles(pgdata)
+        assert json.loads(handles.read_text()) == [proc.pid]
+
+        written = time.time() - 3600  # left by a holder that died before this process started
+        os.utime(handles, (written, written))
+        _prune_dead_handles(pgdata)
+        assert json.loads(handles.read_text()) == []
+    finally:
+        proc.kill()
+        proc.wait()
