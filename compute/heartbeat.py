@@ -20,7 +20,7 @@ from umbra.events import store
 from umbra.projections import nodes as projection
 
 from .blocked import reexamine_waiting_jobs
-from .nodes import append_node_events, capacity_cause, node_not_found
+from .nodes import append_node_events, capacity_cause, guard_against_claims, node_not_found
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ async def heartbeat(
     if decision.event is None:
         return HeartbeatResult(node_id, effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds), False, False)
     async with conn.transaction():
+        if decision.changes_capacity:  # a claim must not place work on devices this beat says are gone
+            await guard_against_claims(conn, node_id)
         locked = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         assert locked is not None
         now = (await (await conn.execute("SELECT umbra_now()")).fetchone())[0]

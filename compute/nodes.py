@@ -159,8 +159,9 @@ async def guard_against_claims(conn: psycopg.AsyncConnection, node_id: UUID) -> 
     transaction and commits later. A drain, retirement or revocation that
     committed in between would answer 200, and then a job would be leased to a
     node that takes no new work or cannot report it (it waited out the
-    lease). So those changes take the guard exclusively before they read the
-    node, and every claim shares it before reading the node and holds it to
+    lease); after a heartbeat that reported a device gone, the claim would
+    place work on that device. So those changes take the guard exclusively
+    before they read the node, and every claim shares it before reading the node and holds it to
     commit (:data:`SHARE_CLAIM_GUARDS`, in a statement of its own: a
     statement's snapshot is taken when it starts). A claim then either
     commits before the change answers, or reads the node as the change left

@@ -17,11 +17,12 @@ from umbra.compute.credentials import revoke_node
 from umbra.compute.nodes import drain_node, guard_against_claims, retire_node
 from umbra.events import store
 
-from .queue_support import CPU64, add_node, submit
+from .queue_support import CPU64, GPU24, add_node, beat, submit
 
 pytestmark = pytest.mark.anyio
 
 CHANGES = {
+    "heartbeat that loses the GPU": lambda conn, org_id, node: beat(conn, org_id, node, [CPU64]),
     "drain": lambda conn, org_id, node: drain_node(conn, org_id, node, actor="admin"),
     "retire": lambda conn, org_id, node: retire_node(conn, org_id, node, actor="admin"),
     "revoke": lambda conn, org_id, node: revoke_node(conn, org_id, node, actor="admin"),
@@ -36,9 +37,9 @@ async def _waiting_on_an_advisory_lock(conn) -> bool:
 @pytest.mark.parametrize("change", sorted(CHANGES))
 async def test_a_change_answers_only_after_the_claim_that_read_its_node_online_commits(db_url, conn, org, change):
     org_id, _ = org
-    node = await add_node(conn, org_id, "a", [CPU64])
-    await add_node(conn, org_id, "b", [CPU64])  # so the change leaves the job runnable: it never touches the job's row
-    job = (await submit(conn, org_id)).id
+    node = await add_node(conn, org_id, "a", [CPU64, GPU24])
+    await add_node(conn, org_id, "b", [GPU24])  # so the change leaves the job runnable: it never touches the job's row
+    job = (await submit(conn, org_id, requires={"vram_min_mb": 8000})).id
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as claimer, \
             await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:  # fmt: skip
         staged, _ = await batch_commands.stage(claimer, [Command("claim", org_id, node)])
