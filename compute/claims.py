@@ -56,6 +56,7 @@ from umbra.projections.jobs import Change, JobRow
 from .blocked import QUEUED_SHAPES, BlockingJudge, read_models, read_nodes
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, check_json_depth, jobs_by_idempotency_key,
+    lock_idempotency_keys,
     record_and_settle, refusing_nul,
     submitted_events,
 )  # fmt: skip
@@ -527,9 +528,10 @@ async def _add_children(
     conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int,
     children: Sequence[ChildRequest],
 ) -> list[JobRow]:  # fmt: skip
+    keys = [c.idempotency_key for c in children if c.idempotency_key]
     async with conn.transaction():
+        await lock_idempotency_keys(conn, organization_id, keys)  # before any row lock, as a submission takes them
         parent, _ = await _held(conn, organization_id, job_id, node_id, attempt)
-        keys = [c.idempotency_key for c in children if c.idempotency_key]
         taken = await jobs_by_idempotency_key(conn, organization_id, keys)
         for index, child in enumerate(children):
             key = child.idempotency_key

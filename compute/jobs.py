@@ -16,6 +16,7 @@ and the loser's transaction is retried and finds the winner's job.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from typing import Annotated, Any, Iterator, Mapping, Sequence
 from uuid import UUID
@@ -179,6 +180,34 @@ def submitted_event_count(requires: Requirements, judge: BlockingJudge) -> int:
 
 _BY_KEYS = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE organization_id = %s AND idempotency_key = ANY(%s)"
 
+#: Advisory lock class of the idempotency-key locks (the two-key form: apart from every one-key lock).
+IDEMPOTENCY_LOCK_CLASS = 0x756D696B
+#: Locks per organization the keys are spread over: a transaction takes at most this many, however
+#: many keys it names (PostgreSQL's lock table is shared and sized for about 64 locks a connection).
+IDEMPOTENCY_LOCKS = 16
+_LOCK_KEYS = f"SELECT count(pg_advisory_xact_lock({IDEMPOTENCY_LOCK_CLASS}, k)) FROM unnest(%s::int[]) AS k"
+
+
+async def lock_idempotency_keys(conn: psycopg.AsyncConnection, organization_id: UUID, keys: Sequence[str]) -> None:
+    """Hold, to commit, the locks of ``keys``: before a transaction looks them up to decide whether they are new.
+
+    Without them two transactions naming one key both find it unused, and the
+    second fails on the unique index at its insert. A retry could fail the
+    same way for as long as batches sharing keys keep arriving. With them, the
+    second waits for the first to commit and then finds its job. Keys share
+    :data:`IDEMPOTENCY_LOCKS` locks per organization, taken in one order
+    (sorted), so no two transactions wait for each other.
+    """
+    if not keys:
+        return
+    locks = sorted({_lock_of(organization_id, key) for key in keys})
+    await conn.execute(_LOCK_KEYS, (locks,))
+
+
+def _lock_of(organization_id: UUID, key: str) -> int:
+    bucket = hashlib.blake2b(key.encode(), digest_size=8).digest()[0] % IDEMPOTENCY_LOCKS
+    return int.from_bytes(hashlib.blake2b(organization_id.bytes + bytes([bucket]), digest_size=4).digest(), "big", signed=True)
+
 
 async def jobs_by_idempotency_key(conn: psycopg.AsyncConnection, organization_id: UUID, keys: Sequence[str]) -> dict[str, JobRow]:
     if not keys:
@@ -194,15 +223,9 @@ async def submit(
 
     ``batch`` adds the failing item's ``index`` to a refusal.
     """
-    for attempt in range(3):
-        try:
-            with refusing_nul():
-                async with conn.transaction():
-                    return await _submit(conn, organization_id, specs, actor=actor, batch=batch)
-        except psycopg.errors.UniqueViolation as exc:
-            if exc.diag.constraint_name != "jobs_idempotency_per_org" or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    with refusing_nul():
+        async with conn.transaction():
+            return await _submit(conn, organization_id, specs, actor=actor, batch=batch)
 
 
 async def _submit(
@@ -215,9 +238,9 @@ async def _submit(
                 extra = {"index": index} if batch else {}
                 raise NotFound("project_not_found", f"No project {spec.project_id} in this organization.", **extra)
             checked.add(spec.project_id)
-    existing = await jobs_by_idempotency_key(
-        conn, organization_id, list({s.idempotency_key for s in specs if s.idempotency_key})
-    )
+    keys = list({s.idempotency_key for s in specs if s.idempotency_key})
+    await lock_idempotency_keys(conn, organization_id, keys)
+    existing = await jobs_by_idempotency_key(conn, organization_id, keys)
     judge: BlockingJudge | None = None
     fresh: list[tuple[JobRequest, Requirements]] = []
     slots: list[JobRow | int] = []

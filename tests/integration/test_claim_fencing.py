@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import anyio
+import psycopg
 import pytest
 
 from umbra.compute import claims, jobs
@@ -15,7 +17,7 @@ from umbra.events import store
 from umbra.projections import jobs as queue
 from umbra.settings import load_settings
 
-from .queue_support import CPU64, add_node, set_clock, submit
+from .queue_support import CPU64, add_node, set_clock, spec, submit
 
 pytestmark = pytest.mark.anyio
 
@@ -272,3 +274,29 @@ async def test_children_completing_concurrently_settle_the_parent_exactly_once(d
             tg.start_soon(finish, h)
     assert [r.type for r in await stream(conn, parent.id)].count("job.settled") == 1
     assert (await queue.load(conn, parent.id, org_id)).status == "complete"
+
+
+async def test_a_childs_idempotency_key_taken_by_a_submission_committing_meanwhile_is_refused(db_url, conn, two_nodes):
+    """The submission holds the key until it commits; the decomposition then finds it taken: 422, not a crash."""
+    org_id, a, _ = two_nodes
+    parent = await submit(conn, org_id)
+    got = await claim(conn, org_id, a)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as other:
+        async with anyio.create_task_group() as tg:
+            async with other.transaction():
+                [racer], _ = await jobs.submit(other, org_id, [spec(idempotency_key="K")], actor="t", batch=False)
+                outcome: list[BaseException] = []
+
+                async def decompose() -> None:
+                    try:
+                        await claims.add_children(conn, organization_id=org_id, node_id=a, job_id=parent.id,
+                                                  attempt=got.attempt, children=[child(idempotency_key="K")])  # fmt: skip
+                    except Exception as exc:
+                        outcome.append(exc)
+
+                tg.start_soon(decompose)
+                await anyio.sleep(0.3)  # the decomposition is under way while the submission is uncommitted
+    [refused] = outcome
+    assert isinstance(refused, InvalidRequest) and str(racer.id) in refused.message
+    assert (await queue.load(conn, parent.id, org_id)).status == "running"
+    assert [e.type for e in await store.read_stream(conn, store.job_stream(parent.id))] == ["job.submitted", "job.claimed"]

@@ -71,7 +71,7 @@ async def test_racing_submissions_with_one_key_make_one_job(db_url, org):
 
 
 async def test_racing_large_batches_with_the_same_keys_make_each_job_once(db_url, org):
-    """Batches written by COPY: the loser's rows hit the unique index, and its retry finds the winner's jobs."""
+    """Batches written by COPY: the losers wait on the keys' locks, then find the winner's jobs."""
     org_id, _ = org
     size = store.COPY_MIN_EVENTS + 10
     results = []
@@ -88,6 +88,34 @@ async def test_racing_large_batches_with_the_same_keys_make_each_job_once(db_url
     assert len({tuple(r.id for r in rows) for rows, _ in results}) == 1
     async with await psycopg.AsyncConnection.connect(db_url) as c:
         assert await footprint(c) == (size, size)
+
+
+async def test_racing_batches_with_overlapping_keys_make_each_job_once_and_never_fail(db_url, org):
+    """Each batch shares some keys with others: every batch is answered, each key names one job."""
+    import random
+
+    org_id, _ = org
+    rng = random.Random(7)
+    batches = [rng.sample(range(60), 15) for _ in range(48)]
+    answers: list[tuple[list[int], list]] = []
+
+    async def worker(mine: list[list[int]]) -> None:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            for keys in mine:
+                rows, _ = await jobs.submit(c, org_id, [spec(idempotency_key=f"k{k}") for k in keys], actor="t", batch=True)
+                answers.append((keys, rows))
+
+    async with anyio.create_task_group() as tg:
+        for w in range(8):
+            tg.start_soon(worker, batches[w::8])
+    assert len(answers) == len(batches)
+    ids: dict[int, set] = {}
+    for keys, rows in answers:
+        for key, row in zip(keys, rows):
+            ids.setdefault(key, set()).add(row.id)
+    assert all(len(v) == 1 for v in ids.values())
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        assert await footprint(c) == (len(ids), len(ids))
 
 
 async def test_a_project_must_exist_in_the_submitters_own_tenant(conn, org):
