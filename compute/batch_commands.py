@@ -50,7 +50,7 @@ from umbra.projections.jobs import JobRow
 from .auth import live_node_credentials, revoked
 from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, lock_first_of_shape, lock_queued,
-    models_for_shapes,
+    models_for_shapes, node_metadata,
 )  # fmt: skip
 from .jobs import settle_parents
 from .nodes import SHARE_CLAIM_GUARDS
@@ -85,10 +85,12 @@ class Command:
     count: int = 1
     #: Set by the batch on a claim: every job it took, in claim order (``outcome`` is the first).
     claims: list[ClaimResult] = field(default_factory=list)
+    #: The HTTP request the command came in (``X-Request-ID``), recorded with its events.
+    request_id: str | None = None
 
     @property
-    def actor(self) -> dict[str, str]:
-        return {"actor": f"node:{self.node_id}"}
+    def metadata(self) -> dict[str, str]:
+        return node_metadata(self.node_id, self.request_id)
 
 
 @dataclass
@@ -209,7 +211,7 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
         await conn.execute("COMMIT")  # only reads (and refusals): ends the transaction, releases the locks
         return []
     batch = [store.PendingAppend(store.job_stream(s.state.id), s.state.version, [s.event], s.state.organization_id,
-                                 s.command.actor) for s in staged]  # fmt: skip
+                                 s.command.metadata) for s in staged]  # fmt: skip
     last: dict[UUID, int] = {}
     children = [item for item in staged if item.state.parent_job_id]
     append, recorded = store.append_statement(batch, recorded_at=staged[0].at)
@@ -221,7 +223,7 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
     if children:
         # Parents are locked after their children and in id order, as in every other command.
         for item in sorted(children, key=lambda s: str(s.row.parent_job_id)):  # type: ignore[union-attr]
-            for settled in await settle_parents(conn, [item.row], metadata=item.command.actor):  # type: ignore[list-item]
+            for settled in await settle_parents(conn, [item.row], metadata=item.command.metadata):  # type: ignore[list-item]
                 last[settled.organization_id] = max(last.get(settled.organization_id, 0), settled.position)
         await conn.execute("COMMIT")
     for item in staged:

@@ -357,6 +357,7 @@ async def claim(
     organization_id: UUID,
     lease_seconds: int,
     stale_seconds: int = DEFAULT_STALE_SECONDS,
+    request_id: str | None = None,
 ) -> ClaimResult | None:
     """Claim the first queued job of the organization this node is eligible for, or ``None``."""
     async with conn.transaction():
@@ -377,35 +378,42 @@ async def claim(
         scan = ClaimableScan(conn, organization_id, shapes, runnable)
         only = scan.only_shape()
         if only is not None and (locked := await lock_first_of_shape(conn, organization_id, only)):
-            return await _take(conn, locked[0], node_id, judged[only], lease_seconds)  # type: ignore[arg-type]
+            return await _take(conn, locked[0], node_id, judged[only], lease_seconds, request_id)  # type: ignore[arg-type]
         async for page in scan.pages():
             shape_of = {job_id: requires for job_id, _priority, _seq, requires in page}
             locked = next(iter(await lock_queued(conn, organization_id, list(shape_of), first_only=True)), None)
             if locked is not None:
                 placement = judged[shape_of[locked[0]]]
                 assert placement is not None
-                return await _take(conn, locked, node_id, placement, lease_seconds)
+                return await _take(conn, locked, node_id, placement, lease_seconds, request_id)
         return None
 
 
 async def _take(
-    conn: psycopg.AsyncConnection, locked: Sequence[Any], node_id: UUID, placement: Placement, lease_seconds: int
+    conn: psycopg.AsyncConnection, locked: Sequence[Any], node_id: UUID, placement: Placement, lease_seconds: int,
+    request_id: str | None,
 ) -> ClaimResult:
     row, now = queue.from_db(locked), locked[-1]
     event = JobClaimed(
         attempt=row.attempt + 1, node_id=node_id, placement=placement,
         lease_expires_at=now + timedelta(seconds=lease_seconds),
     )  # fmt: skip
-    [claimed] = await queue.record(conn, [Change(row.id, row.organization_id, row, [event])], metadata={"actor": f"node:{node_id}"})
+    [claimed] = await queue.record(conn, [Change(row.id, row.organization_id, row, [event])], metadata=node_metadata(node_id, request_id))
     await store.publish(conn, [(row.organization_id, claimed.position, 0)])
     log.debug("job claimed", extra={"action": "job_claimed", "job_id": str(row.id), "node_id": str(node_id)})
     return ClaimResult(claimed, placement)
 
 
+def node_metadata(node_id: UUID, request_id: str | None) -> dict[str, str]:
+    """The metadata of an event a node's request caused."""
+    return store.event_metadata(f"node:{node_id}", request_id)
+
+
 _LOCK_FOR_RELEASE = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE id = %s FOR UPDATE"
 
 
-async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, attempt: int) -> bool:
+async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, attempt: int, *,
+                  request_id: str | None = None) -> bool:  # fmt: skip
     """Give a just-claimed job back to the queue (``job.released``); False if this node no longer holds it.
 
     For a long-poll whose client went away before it received its claim. The
@@ -421,7 +429,7 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
             return False
         [released] = await queue.record(
             conn, [Change(row.id, row.organization_id, row, [JobReleased(attempt=attempt, reason="client_gone")])],
-            metadata={"actor": f"node:{node_id}"},
+            metadata=node_metadata(node_id, request_id),
         )
         await store.publish(conn, [(row.organization_id, released.position, 1)])
     return True
@@ -439,30 +447,34 @@ async def _held(
 
 
 async def renew(
-    conn: psycopg.AsyncConnection, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int
+    conn: psycopg.AsyncConnection, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int,
+    request_id: str | None = None,
 ) -> JobRow:
     """Extend the holder's lease to ``now + lease_seconds`` (database clock)."""
     async with conn.transaction():
         row, now = await _held(conn, organization_id, job_id, node_id, attempt)
         event = JobLeaseRenewed(attempt=attempt, lease_expires_at=now + timedelta(seconds=lease_seconds))
-        [renewed] = await queue.record(conn, [Change(row.id, organization_id, row, [event])], metadata={"actor": f"node:{node_id}"})
+        [renewed] = await queue.record(conn, [Change(row.id, organization_id, row, [event])],
+                                       metadata=node_metadata(node_id, request_id))  # fmt: skip
         await store.publish(conn, [(organization_id, renewed.position, 0)])
     return renewed
 
 
 async def complete(
-    conn: psycopg.AsyncConnection, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any
+    conn: psycopg.AsyncConnection, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
+    request_id: str | None = None,
 ) -> JobRow:
     """The holder finished: the job completes and, if it was the last open child, its parent settles."""
     with refusing_nul():
-        return await _complete(conn, organization_id, node_id, job_id, attempt, result)
+        return await _complete(conn, organization_id, node_id, job_id, attempt, result, request_id)
 
 
-async def _complete(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any) -> JobRow:
+async def _complete(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
+                    request_id: str | None) -> JobRow:  # fmt: skip
     async with conn.transaction():
         row, _ = await _held(conn, organization_id, job_id, node_id, attempt)
         changes = [Change(row.id, organization_id, row, [JobCompleted(attempt=attempt, result=result)])]
-        [done], position = await record_and_settle(conn, changes, metadata={"actor": f"node:{node_id}"})
+        [done], position = await record_and_settle(conn, changes, metadata=node_metadata(node_id, request_id))
         await store.publish(conn, [(organization_id, position, 0)])
     return done
 
@@ -476,6 +488,7 @@ async def fail(
     attempt: int,
     error: str,
     retry: bool,
+    request_id: str | None = None,
 ) -> JobRow:
     """A retryable failure requeues with backoff while attempts remain; otherwise the job fails."""
     with refusing_nul():
@@ -483,7 +496,7 @@ async def fail(
             row, now = await _held(conn, organization_id, job_id, node_id, attempt)
             event = decide_failure(attempt=attempt, max_attempts=row.max_attempts, error=error, retry=retry, now=now)
             [failed], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
-                                                         metadata={"actor": f"node:{node_id}"})  # fmt: skip
+                                                         metadata=node_metadata(node_id, request_id))  # fmt: skip
             await store.publish(conn, [(organization_id, position, 0)])
     return failed
 
@@ -511,6 +524,7 @@ async def add_children(
     job_id: UUID,
     attempt: int,
     children: Sequence[ChildRequest],
+    request_id: str | None = None,
 ) -> list[JobRow]:
     """Decompose a held job: children are ordinary jobs; the parent becomes a container.
 
@@ -521,12 +535,12 @@ async def add_children(
     if not children:
         raise InvalidRequest("children must name at least one child.", field="children")
     with refusing_nul():
-        return await _add_children(conn, organization_id, node_id, job_id, attempt, children)
+        return await _add_children(conn, organization_id, node_id, job_id, attempt, children, request_id)
 
 
 async def _add_children(
     conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int,
-    children: Sequence[ChildRequest],
+    children: Sequence[ChildRequest], request_id: str | None,
 ) -> list[JobRow]:  # fmt: skip
     keys = [c.idempotency_key for c in children if c.idempotency_key]
     async with conn.transaction():
@@ -553,7 +567,7 @@ async def _add_children(
         ]  # fmt: skip
         decomposed = JobDecomposed(attempt=attempt, children=tuple(c.job_id for c in child_changes))
         rows = await queue.record(conn, [Change(parent.id, organization_id, parent, [decomposed]), *child_changes],
-                                  metadata={"actor": actor})  # fmt: skip
+                                  metadata=store.event_metadata(actor, request_id))  # fmt: skip
         queued = sum(1 for row in rows[1:] if row.status == "queued")
         await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])
     return rows[1:]

@@ -147,7 +147,7 @@ class GroupCommit:
     # -- the commands (the same arguments and answers as umbra.compute.claims) ------------
 
     async def claim(self, *, node_id: UUID, organization_id: UUID, lease_seconds: int, stale_seconds: int,
-                    empty: Any = None, credential_id: UUID | None = None) -> Any:  # fmt: skip
+                    empty: Any = None, credential_id: UUID | None = None, request_id: str | None = None) -> Any:  # fmt: skip
         """A :class:`~umbra.compute.claims.ClaimResult`, or ``None`` when none this node may take.
 
         ``empty`` is answered instead of ``None`` when nothing but other
@@ -157,16 +157,17 @@ class GroupCommit:
         """
         claimed = await self.claim_many(node_id=node_id, organization_id=organization_id, count=1,
                                         lease_seconds=lease_seconds, stale_seconds=stale_seconds, empty=empty,
-                                        credential_id=credential_id)  # fmt: skip
+                                        credential_id=credential_id, request_id=request_id)  # fmt: skip
         return claimed[0] if isinstance(claimed, list) else claimed
 
     async def claim_many(self, *, node_id: UUID, organization_id: UUID, count: int, lease_seconds: int,
-                         stale_seconds: int, empty: Any = None, credential_id: UUID | None = None) -> Any:  # fmt: skip
+                         stale_seconds: int, empty: Any = None, credential_id: UUID | None = None,
+                         request_id: str | None = None) -> Any:  # fmt: skip
         """Up to ``count`` jobs for one node in one claim: a non-empty list of
         :class:`~umbra.compute.claims.ClaimResult` in claim order, or ``None``
         (``empty`` when nothing but other claimers stood in the way), as :meth:`claim`."""
         command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
-                          credential_id=credential_id, count=count)  # fmt: skip
+                          credential_id=credential_id, count=count, request_id=request_id)  # fmt: skip
         await self._call(command)
         if command.claims:
             return list(command.claims)
@@ -174,7 +175,8 @@ class GroupCommit:
 
     async def complete_many(self, *, organization_id: UUID, node_id: UUID, results: list[tuple[UUID, int, Any]],
                             claim_next: int = 0, lease_seconds: int = 60, stale_seconds: int = 45,
-                            credential_id: UUID | None = None) -> tuple[list[JobRow | BaseException], list[Any]]:  # fmt: skip
+                            credential_id: UUID | None = None,
+                            request_id: str | None = None) -> tuple[list[JobRow | BaseException], list[Any]]:  # fmt: skip
         """Several completions of one node, each its own command, and a claim of up to ``claim_next`` jobs.
 
         ``results`` holds (job id, attempt, result). Returns each completion's
@@ -184,9 +186,10 @@ class GroupCommit:
         either way).
         """
         completions = [Command("complete", organization_id, node_id, job_id, attempt, result=result,
-                               credential_id=credential_id) for job_id, attempt, result in results]  # fmt: skip
+                               credential_id=credential_id, request_id=request_id)
+                       for job_id, attempt, result in results]  # fmt: skip
         follow = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
-                         credential_id=credential_id, count=claim_next) if claim_next else None  # fmt: skip
+                         credential_id=credential_id, count=claim_next, request_id=request_id) if claim_next else None  # fmt: skip
         done = [self._enqueue(command) for command in (*completions, *([follow] if follow else []))]
         for event in done:
             if not event.is_set():  # a set anyio Event's wait() still yields to the loop: ten times per report
@@ -195,18 +198,18 @@ class GroupCommit:
         return answers, list(follow.claims) if follow is not None and follow.error is None else []
 
     async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int,
-                    credential_id: UUID | None = None) -> JobRow:  # fmt: skip
+                    credential_id: UUID | None = None, request_id: str | None = None) -> JobRow:  # fmt: skip
         return await self._call(Command("renew", organization_id, node_id, job_id, attempt, lease_seconds=lease_seconds,
-                                        credential_id=credential_id))  # fmt: skip
+                                        credential_id=credential_id, request_id=request_id))  # fmt: skip
 
     async def complete(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
-                       credential_id: UUID | None = None) -> JobRow:  # fmt: skip
+                       credential_id: UUID | None = None, request_id: str | None = None) -> JobRow:  # fmt: skip
         return await self._call(Command("complete", organization_id, node_id, job_id, attempt, result=result,
-                                        credential_id=credential_id))  # fmt: skip
+                                        credential_id=credential_id, request_id=request_id))  # fmt: skip
 
     async def complete_and_claim(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int,
                                  result: Any, lease_seconds: int, stale_seconds: int,
-                                 credential_id: UUID | None = None) -> tuple[JobRow, Any]:  # fmt: skip
+                                 credential_id: UUID | None = None, request_id: str | None = None) -> tuple[JobRow, Any]:  # fmt: skip
         """Complete a held job and claim the node's next one in the same transaction.
 
         Returns the completed row and a :class:`~umbra.compute.claims.ClaimResult`, or ``None``
@@ -216,9 +219,9 @@ class GroupCommit:
         costs one transaction, one commit flush and one request per job instead of two.
         """
         follow = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
-                         credential_id=credential_id)  # fmt: skip
+                         credential_id=credential_id, request_id=request_id)  # fmt: skip
         row = await self._call(Command("complete", organization_id, node_id, job_id, attempt, result=result,
-                                       credential_id=credential_id, then=follow))  # fmt: skip
+                                       credential_id=credential_id, then=follow, request_id=request_id))  # fmt: skip
         return row, follow.outcome if follow.error is None else None
 
     def _enqueue(self, command: Command) -> anyio.Event:
@@ -306,6 +309,7 @@ class GroupCommit:
                             claimed = await claims.claim(
                                 conn, node_id=command.node_id, organization_id=command.organization_id,
                                 lease_seconds=command.lease_seconds, stale_seconds=command.stale_seconds,
+                                request_id=command.request_id,
                             )  # fmt: skip
                         except Exception:
                             if not command.claims:
@@ -323,11 +327,13 @@ class GroupCommit:
                     command.outcome = await claims.renew(
                         conn, organization_id=command.organization_id, node_id=command.node_id,
                         job_id=command.job_id, attempt=command.attempt, lease_seconds=command.lease_seconds,
+                        request_id=command.request_id,
                     )  # fmt: skip
                 else:
                     command.outcome = await claims.complete(
                         conn, organization_id=command.organization_id, node_id=command.node_id,
                         job_id=command.job_id, attempt=command.attempt, result=command.result,
+                        request_id=command.request_id,
                     )  # fmt: skip
         except Exception as exc:
             command.error = exc

@@ -217,7 +217,8 @@ async def jobs_by_idempotency_key(conn: psycopg.AsyncConnection, organization_id
 
 
 async def submit(
-    conn: psycopg.AsyncConnection, organization_id: UUID, specs: Sequence[JobRequest], *, actor: str | None, batch: bool
+    conn: psycopg.AsyncConnection, organization_id: UUID, specs: Sequence[JobRequest], *, actor: str | None, batch: bool,
+    request_id: str | None = None,
 ) -> tuple[list[JobRow], int]:
     """Submit jobs; returns the job for each spec (in order) and how many were created.
 
@@ -225,11 +226,12 @@ async def submit(
     """
     with refusing_nul():
         async with conn.transaction():
-            return await _submit(conn, organization_id, specs, actor=actor, batch=batch)
+            return await _submit(conn, organization_id, specs, actor=actor, batch=batch, request_id=request_id)
 
 
 async def _submit(
-    conn: psycopg.AsyncConnection, organization_id: UUID, specs: Sequence[JobRequest], *, actor: str | None, batch: bool
+    conn: psycopg.AsyncConnection, organization_id: UUID, specs: Sequence[JobRequest], *, actor: str | None, batch: bool,
+    request_id: str | None,
 ) -> tuple[list[JobRow], int]:
     checked: set[UUID] = set()
     for index, spec in enumerate(specs):
@@ -273,7 +275,7 @@ async def _submit(
                 idempotency_key=spec.idempotency_key, requested_by=actor, judge=judge,
             ))  # fmt: skip
 
-    rows = await queue.record(conn, changes(), metadata={"actor": actor}, events=events) if fresh else []
+    rows = await queue.record(conn, changes(), metadata=store.event_metadata(actor, request_id), events=events) if fresh else []
     if rows:
         queued = sum(1 for row in rows if row.status == "queued")
         await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])
@@ -344,7 +346,8 @@ FOR UPDATE OF jobs
 """
 
 
-async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, *, actor: str | None) -> JobRow:
+async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, *, actor: str | None,
+                 request_id: str | None = None) -> JobRow:  # fmt: skip
     """Cancel a job: queued or blocked ends at once; running ends and its holder learns on next renew/complete.
 
     Cancelling a container cancels its open descendants too (they are locked
@@ -363,7 +366,7 @@ async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: U
             Change(d.id, organization_id, d, [decide_cancel(status=d.status, by=actor, reason="parent_cancelled")])
             for d in descendants
         ]
-        rows, position = await record_and_settle(conn, changes, metadata={"actor": actor})
+        rows, position = await record_and_settle(conn, changes, metadata=store.event_metadata(actor, request_id))
         await store.publish(conn, [(organization_id, position, 0)])
     return rows[0]
 

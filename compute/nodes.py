@@ -124,7 +124,7 @@ async def append_node_events(
     The caller owns the transaction (and holds the row lock when ``state``
     came from ``load(..., for_update=True)``) and publishes once at the end.
     """
-    metadata = {key: value for key, value in (("actor", actor), ("request_id", request_id)) if value}
+    metadata = store.event_metadata(actor, request_id)
     recorded = await store.append(
         conn,
         store.node_stream(node_id),

@@ -465,6 +465,15 @@ def hint_payload(organization_id: UUID, position: int, claimable: int = 0) -> st
     return f"{organization_id.hex} {position} {claimable}"
 
 
+def event_metadata(actor: str | None, request_id: str | None = None) -> dict[str, str]:
+    """An event's metadata: who caused it and, for a command that came over HTTP, the request's id.
+
+    The request id is the one the server answers in ``X-Request-ID`` and logs,
+    so an auditor can go from an event to the request, and back.
+    """
+    return {key: value for key, value in (("actor", actor), ("request_id", request_id)) if value}
+
+
 def merge_hints(merged: dict[UUID, list[int]], hints: Iterable[tuple[UUID, int, int]]) -> dict[UUID, list[int]]:
     """Fold ``(organization_id, position, claimable)`` hints into ``merged``: per organization
     ``[highest position, summed claimable count]``. Returns ``merged``."""
