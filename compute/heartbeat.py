@@ -37,13 +37,14 @@ class HeartbeatResult:
 
 
 _BEAT = f"""
-WITH seen AS (
+WITH before AS (SELECT last_seen_at FROM node_liveness WHERE node_id = %(node)s),
+seen AS (
     INSERT INTO node_liveness (node_id, last_seen_at)
     SELECT id, umbra_now() FROM nodes WHERE id = %(node)s AND organization_id = %(org)s
     ON CONFLICT (node_id) DO UPDATE SET last_seen_at = EXCLUDED.last_seen_at
     RETURNING last_seen_at
 )
-SELECT {projection.COLUMNS}, seen.last_seen_at, umbra_now()
+SELECT {projection.COLUMNS}, seen.last_seen_at, umbra_now(), (SELECT last_seen_at FROM before)
 FROM nodes n, seen
 WHERE n.id = %(node)s
 """
@@ -63,9 +64,12 @@ async def heartbeat(
     row = await (await conn.execute(_BEAT, {"node": node_id, "org": organization_id})).fetchone()
     if row is None:
         raise node_not_found(node_id)
-    state, last_seen_at, now = projection.from_row(row), row[15], row[16]
+    state, last_seen_at, now, before = projection.from_row(row), row[15], row[16], row[17]
     decision = decide_heartbeat(state, report, now, event_interval_seconds=event_interval_seconds)
-    if decision.event is None:
+    # After a silence, the sweeper may be marking this node offline right now, from a read made before
+    # this beat: the stored status read here may already be out of date. Look again under the row's lock.
+    back_from_silence = before is None or (now - before).total_seconds() > stale_seconds
+    if decision.event is None and not back_from_silence:
         return HeartbeatResult(node_id, effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds), False, False)
     async with conn.transaction():
         if decision.changes_capacity:  # a claim must not place work on devices this beat says are gone

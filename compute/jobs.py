@@ -333,17 +333,20 @@ async def record_and_settle(
 
 # -- cancel ---------------------------------------------------------------------------
 
-_OPEN_DESCENDANTS = f"""
+_TREE = """
 WITH RECURSIVE tree(id, depth) AS (
     SELECT id, 1 FROM jobs WHERE parent_job_id = %(root)s
     UNION ALL
     SELECT j.id, t.depth + 1 FROM jobs j JOIN tree t ON j.parent_job_id = t.id
-)
+)"""
+_OPEN = "WHERE jobs.status NOT IN ('complete', 'failed', 'cancelled', 'partial')"
+_OPEN_DESCENDANTS = f"""{_TREE}
 SELECT {queue.SELECT_LIST} FROM jobs JOIN tree USING (id)
-WHERE jobs.status NOT IN ('complete', 'failed', 'cancelled', 'partial')
+{_OPEN}
 ORDER BY tree.depth DESC, jobs.id
 FOR UPDATE OF jobs
 """
+_OPEN_DESCENDANT_IDS = f"{_TREE}\nSELECT jobs.id FROM jobs JOIN tree USING (id)\n{_OPEN}"
 
 
 async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, *, actor: str | None,
@@ -352,22 +355,40 @@ async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: U
 
     Cancelling a container cancels its open descendants too (they are locked
     first, deepest first, so the child-before-parent lock order holds).
+
+    A decomposition that commits while the descendants are being locked adds
+    children this transaction did not see: it holds the job (or a descendant)
+    locked until it commits, so they show once that lock is granted. Then the
+    tree is read again, and if it grew, the locks are given back and the
+    cancel starts over: locking the new children after their parent would
+    break the lock order.
     """
-    async with conn.transaction():
-        row = await queue.load(conn, job_id, organization_id)
-        if row is None:
-            raise NotFound("job_not_found", f"No job {job_id}.")
-        decide_cancel(status=row.status, by=actor)  # refuse early, before taking locks
-        descendants = [queue.from_db(r) for r in await (await conn.execute(_OPEN_DESCENDANTS, {"root": job_id})).fetchall()]
-        row = await queue.load(conn, job_id, organization_id, lock=True)
-        assert row is not None
-        changes = [Change(row.id, organization_id, row, [decide_cancel(status=row.status, by=actor)])]
-        changes += [
-            Change(d.id, organization_id, d, [decide_cancel(status=d.status, by=actor, reason="parent_cancelled")])
-            for d in descendants
-        ]
-        rows, position = await record_and_settle(conn, changes, metadata=store.event_metadata(actor, request_id))
-        await store.publish(conn, [(organization_id, position, 0)])
+    while True:
+        async with conn.transaction():
+            row = await queue.load(conn, job_id, organization_id)
+            if row is None:
+                raise NotFound("job_not_found", f"No job {job_id}.")
+            decide_cancel(status=row.status, by=actor)  # refuse early, before taking locks
+            descendants = [queue.from_db(r) for r in await (await conn.execute(_OPEN_DESCENDANTS, {"root": job_id})).fetchall()]
+            row = await queue.load(conn, job_id, organization_id, lock=True)
+            assert row is not None
+            if await _open_descendant_ids(conn, job_id) <= {d.id for d in descendants}:
+                return await _cancel_locked(conn, organization_id, row, descendants, actor, request_id)
+
+
+async def _open_descendant_ids(conn: psycopg.AsyncConnection, job_id: UUID) -> set[UUID]:
+    return {r[0] for r in await (await conn.execute(_OPEN_DESCENDANT_IDS, {"root": job_id})).fetchall()}
+
+
+async def _cancel_locked(conn: psycopg.AsyncConnection, organization_id: UUID, row: JobRow, descendants: list[JobRow],
+                         actor: str | None, request_id: str | None) -> JobRow:  # fmt: skip
+    changes = [Change(row.id, organization_id, row, [decide_cancel(status=row.status, by=actor)])]
+    changes += [
+        Change(d.id, organization_id, d, [decide_cancel(status=d.status, by=actor, reason="parent_cancelled")])
+        for d in descendants
+    ]
+    rows, position = await record_and_settle(conn, changes, metadata=store.event_metadata(actor, request_id))
+    await store.publish(conn, [(organization_id, position, 0)])
     return rows[0]
 
 

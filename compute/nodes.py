@@ -243,6 +243,12 @@ FOR UPDATE OF n SKIP LOCKED
 """
 
 
+_BEAT_SINCE = """
+SELECT node_id FROM node_liveness
+WHERE node_id = ANY(%s) AND last_seen_at >= umbra_now() - make_interval(secs => %s)
+"""
+
+
 async def mark_stale_nodes_offline(
     conn: psycopg.AsyncConnection, *, stale_seconds: int = DEFAULT_STALE_SECONDS, limit: int = 500
 ) -> list[UUID]:
@@ -251,10 +257,18 @@ async def mark_stale_nodes_offline(
     Readers already see such nodes as offline (effective status); this makes
     the log say so too. Rows another transaction holds (a heartbeat promoting
     the node, an administrator draining it) are skipped and looked at on the
-    next sweep. Returns the ids marked, at most ``limit`` per call.
+    next sweep. A beat is not a lock of the node's row: one that commits while
+    this runs is caught by a second read of liveness, and one that commits
+    after it looks at the stored status again under the row's lock (see
+    :func:`umbra.compute.heartbeat.heartbeat`). Returns the ids marked, at most
+    ``limit`` per call.
     """
     async with conn.transaction():
         rows = await (await conn.execute(_STALE, (stale_seconds, limit))).fetchall()
+        if rows:
+            # A beat that committed after the read above (its liveness was not locked) saved the node.
+            beat = {r[0] for r in await (await conn.execute(_BEAT_SINCE, ([row[0] for row in rows], stale_seconds))).fetchall()}
+            rows = [row for row in rows if row[0] not in beat]
         if not rows:
             return []
         states = [projection.from_row(row) for row in rows]

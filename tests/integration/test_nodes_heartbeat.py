@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+import anyio
+import psycopg
 import pytest
 
 from umbra.compute.heartbeat import heartbeat
@@ -148,3 +150,77 @@ async def test_a_node_of_another_organization_cannot_be_beaten_for(conn, org):
     with pytest.raises(NotFound):
         await beat(conn, other, node_id)
     assert (await node_view(conn, node_id)).last_seen_at is None
+
+
+async def _silent_for_a_minute(conn, node_id) -> None:
+    await conn.execute("UPDATE node_liveness SET last_seen_at = now() - interval '60 seconds' WHERE node_id = %s", (node_id,))
+
+
+async def test_a_beat_that_waited_for_the_sweep_marking_its_node_offline_brings_it_back(db_url, conn, org):
+    """The beat's own read said ``online``; the sweep, holding the row, was about to commit ``offline``."""
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    await _silent_for_a_minute(conn, node_id)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as agent, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as sweeper:  # fmt: skip
+        answers = []
+
+        async def beat_now() -> None:
+            answers.append(await beat(agent, org_id, node_id))
+
+        async with anyio.create_task_group() as tg:
+            async with sweeper.transaction():
+                assert await mark_stale_nodes_offline(sweeper) == [node_id]
+                tg.start_soon(beat_now)
+                with anyio.move_on_after(10):
+                    while not answers and not await _waiting_on_a_lock(conn):
+                        await anyio.sleep(0.01)
+    assert answers[0].status == "online"
+    assert (await node_view(conn, node_id)).stored_status == "online"
+    assert (await types(conn, node_id))[-2:] == ["node.went_offline", "node.heartbeat"]
+
+
+async def test_a_sweep_running_while_a_beat_commits_leaves_the_node_online(db_url, conn, org):
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    await _silent_for_a_minute(conn, node_id)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as agent, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as sweeper:  # fmt: skip
+        async with agent.transaction():  # the beat has run; its commit is on its way
+            assert (await beat(agent, org_id, node_id)).status == "online"
+            await mark_stale_nodes_offline(sweeper)
+    view = await node_view(conn, node_id)
+    assert (view.stored_status, view.status) == ("online", "online")
+
+
+async def _waiting_on_a_lock(conn) -> bool:
+    row = await (await conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'")).fetchone()
+    return row[0] > 0
+
+
+async def test_a_beat_that_commits_between_the_sweeps_read_and_its_lock_leaves_the_node_online(db_url, conn, org, monkeypatch):
+    """The sweep's read is made before it locks the rows: here the window is widened to half a second."""
+    from umbra.compute import nodes
+
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    await _silent_for_a_minute(conn, node_id)
+    monkeypatch.setattr(nodes, "_STALE", nodes._STALE.replace("WHERE n.status = 'online'",
+                                                              "WHERE n.status = 'online' AND pg_sleep(0.5) IS NOT NULL"))
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as agent, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as sweeper:  # fmt: skip
+        async with anyio.create_task_group() as tg:
+            marked = []
+
+            async def sweep() -> None:
+                marked.extend(await mark_stale_nodes_offline(sweeper))
+
+            tg.start_soon(sweep)
+            await anyio.sleep(0.1)  # the sweep has read the node as stale and sleeps before locking it
+            assert (await beat(agent, org_id, node_id)).status == "online"
+    assert marked == []
+    assert (await node_view(conn, node_id)).stored_status == "online"

@@ -142,3 +142,38 @@ async def test_the_sweeper_racing_late_completions_leaves_exactly_one_answer_per
     assert sum(outcomes.values()) == count
     audit = await audit_log(conn)
     assert audit.violations == [] and audit.completions == outcomes["completed"]
+
+
+async def test_a_cancel_that_waited_for_a_decomposition_ends_the_children_it_made(db_url, conn, org):
+    """The cancel read the tree before the children existed; once the parent's lock is granted it sees them."""
+    from umbra.compute.claims import ChildRequest
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    parent = (await jobs.submit(conn, org_id, [spec()], actor="t", batch=False))[0][0].id
+    held = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
+    assert held is not None and held.job_id == parent
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as agent, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:  # fmt: skip
+        cancelled: list = []
+
+        async def run_cancel() -> None:
+            cancelled.append(await jobs.cancel(admin, org_id, parent, actor="admin"))
+
+        async with anyio.create_task_group() as tg:
+            async with agent.transaction():  # the decomposition, not committed yet
+                children = await claims.add_children(agent, organization_id=org_id, node_id=node, job_id=parent,
+                                                     attempt=held.attempt, children=[ChildRequest(kind="c")] * 2)  # fmt: skip
+                tg.start_soon(run_cancel)
+                with anyio.fail_after(10):
+                    while not await _waiting_on_a_lock(conn):
+                        await anyio.sleep(0.01)
+    assert cancelled[0].status == "cancelled" and cancelled[0].children_total == 2
+    assert {(await jobs.get_job(conn, org_id, c.id)).status for c in children} == {"cancelled"}
+    assert await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60) is None
+
+
+async def _waiting_on_a_lock(conn) -> bool:
+    row = await (await conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'")).fetchone()
+    return row[0] > 0
