@@ -145,9 +145,9 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     credential_ids = uuid_array(credentials)
     reads = [(_HELD, {"ids": uuid_array(held_ids), "credentials": credential_ids})] if held else []
     if claimers:
-        # The guards first: the nodes' read then starts after any drain, retirement or revocation
-        # holding one has committed (see nodes.guard_against_claims).
-        reads.append((_GUARDS, {"ids": uuid_array(node_ids)}))
+        # The guards first: the nodes' and registries' reads then start after any change holding
+        # one has committed (see nodes.guard_against_claims).
+        reads.append((_GUARDS, {"ids": uuid_array([*node_ids, *orgs])}))
         reads.append((_NODES, {"ids": uuid_array(node_ids), "credentials": credential_ids}))
         reads += [(_SHAPES, {"org": org, "limit": MAX_SHAPES + 1}) for org in orgs]
     results = await begin_with(conn, reads, generic_plans=True)
@@ -164,8 +164,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
         unstaged = {id(c.then) for c in held if c.then is not None and (c.error is not None or c in deferred)}
         claimers = [c for c in claimers if id(c) not in unstaged]
     if claimers:
-        # A node whose guard a change holds is left out: its claimers take nothing this time.
-        waiting = _waiting_claimers([r[:-1] for r in node_records if r[0] in guarded], claimers)
+        # A node (or organization) whose guard a change holds is left out: its claimers take nothing this time.
+        waiting = _waiting_claimers([r[:-1] for r in node_records if r[0] in guarded and r[1] in guarded], claimers)
         for org, shape_records in zip(orgs, results):
             shapes = [shape for (shape,) in shape_records]
             if not shapes or waiting.get(org):
@@ -371,9 +371,14 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         for command in claimers:
             if command.organization_id == org:
                 command.nothing_left = True
-    for command, _node in waiting:
+    every_shape_judged = len(shapes) <= MAX_SHAPES
+    for command, node in waiting:
         if left[id(command)] == command.count:  # a claim that took some jobs got what there was
-            command.nothing_left = scan.nothing_due or id(command) in saw_eligible
+            # Beaten to the rows it could run, it may say nothing is left only when nothing queued is
+            # for anyone else: every queued shape is one it can run. Otherwise its wake token must go on
+            # to a waiter that can run the rest.
+            runs_all = every_shape_judged and all(judged.get((node.id, shape)) is not None for shape in shapes)
+            command.nothing_left = scan.nothing_due or (id(command) in saw_eligible and runs_all)
     return staged
 
 

@@ -81,6 +81,30 @@ async def read_models(conn: psycopg.AsyncConnection, organization_id: UUID) -> d
     return await load_models(conn, organization_id)
 
 
+#: Advisory lock class of an organization's capacity lock (the two-key form: apart from every one-key lock).
+CAPACITY_LOCK_CLASS = 0x756D6361
+
+
+async def hold_capacity(conn: psycopg.AsyncConnection, organization_id: UUID, *, exclusive: bool) -> None:
+    """Order judgements of what the organization's fleet could run against changes to it, until commit.
+
+    A submission judges from one read of the nodes and the registry whether
+    anything could ever run its job, and blocks it if not; a change of what
+    could run (a pairing, a heartbeat that changes devices, a drain or
+    retirement, a registry update) re-examines the waiting jobs from a read of
+    its own. When each reads before the other commits, a job is left blocked
+    that something can now run (or queued that nothing can), with a false
+    reason, until the sweeper's next look. So every judgement shares this lock
+    (:meth:`BlockingJudge.load` takes it) and every change takes it alone
+    before it writes anything: a judgement then sees each change that has
+    answered, and a change's re-examination sees each job judged before it.
+    A change takes it first thing, before the log's ordering lock, which a
+    submission holding it waits for.
+    """
+    mode = "" if exclusive else "_shared"
+    await conn.execute(f"SELECT pg_advisory_xact_lock{mode}(%s, hashtext(%s::text))", (CAPACITY_LOCK_CLASS, organization_id))
+
+
 class BlockingJudge:
     """``blocking_reason`` over one snapshot of the fleet, memoised per requirement shape.
 
@@ -95,6 +119,8 @@ class BlockingJudge:
 
     @classmethod
     async def load(cls, conn: psycopg.AsyncConnection, organization_id: UUID) -> "BlockingJudge":
+        """The fleet as it stands once no change of it is in flight (see :func:`hold_capacity`)."""
+        await hold_capacity(conn, organization_id, exclusive=False)
         return cls(await read_models(conn, organization_id), await read_nodes(conn, organization_id))
 
     def reason(self, requires: Requirements) -> str | None:

@@ -60,7 +60,7 @@ from .jobs import (
     record_and_settle, refusing_nul,
     submitted_events,
 )  # fmt: skip
-from .nodes import share_claim_guard
+from .nodes import share_claim_guards
 
 log = logging.getLogger(__name__)
 
@@ -361,8 +361,8 @@ async def claim(
 ) -> ClaimResult | None:
     """Claim the first queued job of the organization this node is eligible for, or ``None``."""
     async with conn.transaction():
-        if not await share_claim_guard(conn, node_id):
-            return None  # the node is being drained, retired or revoked: read it once that has committed
+        if not await share_claim_guards(conn, node_id, organization_id):
+            return None  # the node or the registry is being changed: read them once that has committed
         nodes = await read_nodes(conn, organization_id, node_id=node_id, stale_seconds=stale_seconds)
         if not nodes or nodes[0].status != "online" or all(is_busy(d) for d in nodes[0].devices):
             return None

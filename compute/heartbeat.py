@@ -19,7 +19,7 @@ from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.events import store
 from umbra.projections import nodes as projection
 
-from .blocked import reexamine_waiting_jobs
+from .blocked import hold_capacity, reexamine_waiting_jobs
 from .nodes import append_node_events, capacity_cause, guard_against_claims, node_not_found
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ async def heartbeat(
     async with conn.transaction():
         if decision.changes_capacity:  # a claim must not place work on devices this beat says are gone
             await guard_against_claims(conn, node_id)
+        if decision.changes_capacity or back_from_silence:
+            await hold_capacity(conn, organization_id, exclusive=True)
         locked = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         assert locked is not None
         now = (await (await conn.execute("SELECT umbra_now()")).fetchone())[0]

@@ -17,8 +17,8 @@ import psycopg
 from umbra.domain.models import RegisteredModel
 from umbra.errors import InvalidRequest
 
-from .blocked import reexamine_waiting_jobs
-from .nodes import capacity_cause
+from .blocked import hold_capacity, reexamine_waiting_jobs
+from .nodes import capacity_cause, guard_against_claims
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ async def upsert_model(
     """Create or replace the organization's model ``model.slug``; blocked jobs get a second look."""
     check_model(model)
     async with conn.transaction():
+        await guard_against_claims(conn, organization_id)  # no claim places work by the old entry once this answers
+        await hold_capacity(conn, organization_id, exclusive=True)
         row = await (
             await conn.execute(
                 _UPSERT,

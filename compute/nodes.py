@@ -24,7 +24,7 @@ from umbra.events.types import Device, Event, NodeDraining, NodeRetired, NodeWen
 from umbra.projections import nodes as projection
 from umbra.projections.nodes import NodeState
 
-from .blocked import reexamine_waiting_jobs
+from .blocked import hold_capacity, reexamine_waiting_jobs
 
 log = logging.getLogger(__name__)
 
@@ -142,41 +142,47 @@ async def append_node_events(
 
 # -- the claim guard -----------------------------------------------------------------------
 
-#: Advisory lock class of the per-node claim guard (the two-key form: apart from every one-key lock).
+#: Advisory lock class of the claim guards (the two-key form: apart from every one-key lock).
 CLAIM_GUARD_CLASS = 0x756D6E67
 
-#: Of the claiming nodes ``ids``, those whose guard this transaction now shares (never waiting).
+#: Of ``ids`` (the claiming nodes and their organizations), those whose guard this transaction now
+#: shares, never waiting.
 SHARE_CLAIM_GUARDS = f"""
 SELECT coalesce(array_agg(id), '{{}}') FROM unnest(%(ids)s::uuid[]) AS id
 WHERE pg_try_advisory_xact_lock_shared({CLAIM_GUARD_CLASS}, hashtext(id::text))
 """
 
 
-async def guard_against_claims(conn: psycopg.AsyncConnection, node_id: UUID) -> None:
-    """Hold the node's claim guard to commit: no claim for it commits in between, once this returns.
+async def guard_against_claims(conn: psycopg.AsyncConnection, guarded: UUID) -> None:
+    """Hold a claim guard to commit: a node's (by its id), or every claim of an organization's (by its id).
 
-    A claim reads its node (online? which devices?) at the start of its
-    transaction and commits later. A drain, retirement or revocation that
-    committed in between would answer 200, and then a job would be leased to a
-    node that takes no new work or cannot report it (it waited out the
-    lease); after a heartbeat that reported a device gone, the claim would
-    place work on that device. So those changes take the guard exclusively
-    before they read the node, and every claim shares it before reading the node and holds it to
-    commit (:data:`SHARE_CLAIM_GUARDS`, in a statement of its own: a
-    statement's snapshot is taken when it starts). A claim then either
-    commits before the change answers, or reads the node as the change left
-    it. Claims only try: a node whose guard is taken claims nothing this time
-    and its long-poll goes on, so a slow change never stalls a batch of other
-    nodes' commands. The guard is an advisory lock, kept in memory: locking
-    the node's row ``FOR SHARE`` instead would write that row at every claim.
+    Once this returns, no claim it guards commits until this transaction has.
+
+    A claim reads its node (online? which devices?) and its organization's
+    model registry at the start of its transaction and commits later. A
+    drain, retirement or revocation that committed in between would answer
+    200, and then a job would be leased to a node that takes no new work or
+    cannot report it (it waited out the lease); after a heartbeat that
+    reported a device gone, or a registry update that raised a model's floor,
+    the claim would place work where it no longer fits. So those changes take
+    the guard (the node's; the organization's for the registry) exclusively
+    before they read anything, and every claim shares its node's and its
+    organization's before reading them and holds them to commit
+    (:data:`SHARE_CLAIM_GUARDS`, in a statement of its own: a statement's
+    snapshot is taken when it starts). A claim then either commits before the
+    change answers, or reads what the change left. Claims only try: one whose
+    guard is taken claims nothing this time and its long-poll goes on, so a
+    slow change never stalls a batch of other nodes' commands. The guard is an
+    advisory lock, kept in memory: locking the node's row ``FOR SHARE``
+    instead would write that row at every claim.
     """
-    await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s::text))", (CLAIM_GUARD_CLASS, node_id))
+    await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s::text))", (CLAIM_GUARD_CLASS, guarded))
 
 
-async def share_claim_guard(conn: psycopg.AsyncConnection, node_id: UUID) -> bool:
-    """Share the node's claim guard to commit (see :func:`guard_against_claims`); False if a change holds it."""
-    [(shared,)] = await (await conn.execute(SHARE_CLAIM_GUARDS, {"ids": [node_id]})).fetchall()
-    return bool(shared)
+async def share_claim_guards(conn: psycopg.AsyncConnection, node_id: UUID, organization_id: UUID) -> bool:
+    """Share the node's and its organization's claim guards to commit; False if a change holds either."""
+    [(shared,)] = await (await conn.execute(SHARE_CLAIM_GUARDS, {"ids": [node_id, organization_id]})).fetchall()
+    return len(shared) == 2
 
 
 def capacity_cause(node_id: UUID | None, request_id: str | None) -> dict[str, str]:
@@ -192,6 +198,7 @@ async def _transition(
 ) -> NodeState:
     async with conn.transaction():
         await guard_against_claims(conn, node_id)
+        await hold_capacity(conn, organization_id, exclusive=True)
         state = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         if state is None:
             raise node_not_found(node_id)

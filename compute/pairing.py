@@ -42,7 +42,7 @@ from umbra.events.types import Device, NodeCreated, NodePaired
 from umbra.db import Database, borrowed
 from umbra.security import hash_secret_salted
 
-from .blocked import reexamine_waiting_jobs
+from .blocked import hold_capacity, reexamine_waiting_jobs
 from .credentials import mint_node_credential, store_node_credential
 from .nodes import append_node_events, capacity_cause
 
@@ -254,6 +254,7 @@ async def redeem_pairing_code(
             if spent is None:
                 raise _invalid()
             organization_id, node_name, trust_domain, locality = spent
+            await hold_capacity(conn, organization_id, exclusive=True)
             taken = await (
                 await conn.execute("SELECT 1 FROM nodes WHERE organization_id = %s AND name = %s", (organization_id, node_name))
             ).fetchone()

@@ -14,10 +14,12 @@ import pytest
 from umbra.compute import batch_commands, claims
 from umbra.compute.batch_commands import Command
 from umbra.compute.credentials import revoke_node
+from umbra.compute.models import upsert_model
 from umbra.compute.nodes import drain_node, guard_against_claims, retire_node
+from umbra.domain.models import RegisteredModel
 from umbra.events import store
 
-from .queue_support import CPU64, GPU24, add_node, beat, submit
+from .queue_support import CPU64, GPU24, add_node, beat, register_model, submit
 
 pytestmark = pytest.mark.anyio
 
@@ -30,7 +32,9 @@ CHANGES = {
 
 
 async def _waiting_on_an_advisory_lock(conn) -> bool:
-    row = await (await conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")).fetchone()
+    row = await (await conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())")).fetchone()
     return row[0] > 0
 
 
@@ -78,3 +82,48 @@ async def test_a_claim_for_a_node_being_changed_takes_nothing_and_waits_for_noth
                 assert await claims.claim(claimer, node_id=a, organization_id=org_id, lease_seconds=60) is None
         got = await claims.claim(claimer, node_id=a, organization_id=org_id, lease_seconds=60)
         assert got is not None and got.job_id == second
+
+
+async def test_a_registry_update_answers_only_after_the_claim_that_read_the_old_entry_commits(db_url, conn, org):
+    org_id, _ = org
+    await register_model(conn, org_id, "m", vram_min_mb=16000)
+    node = await add_node(conn, org_id, "a", [GPU24])
+    job = (await submit(conn, org_id, requires={"models": ["m"]})).id
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as claimer, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:  # fmt: skip
+        staged, _ = await batch_commands.stage(claimer, [Command("claim", org_id, node)])
+        assert [s.state.id for s in staged] == [job]  # placed by the 16,000 MB floor: not committed yet
+        changed = anyio.Event()
+
+        async def raise_floor() -> None:
+            await upsert_model(admin, org_id, RegisteredModel(slug="m", vram_min_mb=40000))
+            changed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(raise_floor)
+            with anyio.move_on_after(10):
+                while not changed.is_set() and not await _waiting_on_an_advisory_lock(conn):
+                    await anyio.sleep(0.01)
+            assert not changed.is_set(), "the registry update answered while a claim placed by the old floor was in flight"
+            await batch_commands.write(claimer, staged)
+        with anyio.fail_after(10):
+            await changed.wait()
+        other = (await submit(conn, org_id, requires={"models": ["m"]}))
+        assert other.status == "blocked"  # the new floor holds from the moment the update answered
+
+
+async def test_a_claim_while_the_registry_is_being_changed_takes_nothing(db_url, conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    job = (await submit(conn, org_id)).id
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as claimer:  # fmt: skip
+        async with admin.transaction():
+            await guard_against_claims(admin, org_id)  # a registry update that has not committed yet
+            with anyio.fail_after(5):
+                staged, _ = await batch_commands.stage(claimer, [Command("claim", org_id, node)])
+                assert staged == []
+                await batch_commands.write(claimer, staged)
+                assert await claims.claim(claimer, node_id=node, organization_id=org_id, lease_seconds=60) is None
+        got = await claims.claim(claimer, node_id=node, organization_id=org_id, lease_seconds=60)
+        assert got is not None and got.job_id == job
