@@ -54,11 +54,10 @@ class ClaimOut(msgspec.Struct, kw_only=True):
 
 
 async def _watch_disconnect(request: Request, gone: anyio.Event, scope: anyio.CancelScope) -> None:
+    # The body was read before the handler ran (a route declared without one: umbra.api.routing),
+    # so all that can arrive now is the disconnect.
     while True:
-        try:
-            message = await request.receive()
-        except UmbraError:  # an oversized body: stop reading, the wait goes on
-            return
+        message = await request.receive()
         if message["type"] == "http.disconnect":
             gone.set()
             scope.cancel()
@@ -69,10 +68,10 @@ async def claim(request: Request) -> Response:
     services = request.app.state.services
     hub: WaiterHub = request.app.state.waiters
     who = await batch_principal(request, "compute:claim")
-    wait = query_int(request, "wait", default=DEFAULT_WAIT_SECONDS, minimum=0, maximum=MAX_WAIT_SECONDS)
-    most = query_int(request, "max", default=1, minimum=1, maximum=MAX_JOBS_PER_REQUEST)
     if who.node_id is None:
         raise Forbidden("Only a node credential can claim jobs.")
+    wait = query_int(request, "wait", default=DEFAULT_WAIT_SECONDS, minimum=0, maximum=MAX_WAIT_SECONDS)
+    most = query_int(request, "max", default=1, minimum=1, maximum=MAX_JOBS_PER_REQUEST)
     node_id: UUID = who.node_id
     settings = services.settings
 

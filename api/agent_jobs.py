@@ -28,7 +28,6 @@ from umbra.projections import jobs as queue
 from .agent import MAX_JOBS_PER_REQUEST, release_unheard
 from .http import authorized, batch_principal, json_response, path_uuid, read_json
 from .params import query_bool, query_int
-from .jobs import read_items
 from .routing import endpoint
 
 Attempt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
@@ -74,9 +73,9 @@ class ChildrenRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 async def renew(request: Request) -> Response:
-    job_id = path_uuid(request, code="job_not_found")
     services = request.app.state.services
     who = await batch_principal(request, "compute:claim", "compute:complete")
+    job_id = path_uuid(request, code="job_not_found")
     body = await read_json(request, RenewRequest)
     row = await request.app.state.group_commit.renew(
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
@@ -94,9 +93,9 @@ async def complete(request: Request) -> Response:
     If the agent hung up while the batch ran, the claim is released at once
     (``job.released``), as a long-poll's is; the completion stands.
     """
+    who = await batch_principal(request, "compute:complete")
     job_id = path_uuid(request, code="job_not_found")
     claim_next = query_bool(request, "claim_next", default=False)
-    who = await batch_principal(request, "compute:complete")
     if claim_next:
         who.require("compute:claim")
     body = await read_json(request, CompleteRequest)
@@ -133,11 +132,11 @@ async def complete_many(request: Request) -> Response:
     jobs for the node (never waiting), returned in ``next_claims``. A revoked
     credential refuses the whole request (401).
     """
-    claim_next = query_int(request, "claim_next", default=0, minimum=0, maximum=MAX_JOBS_PER_REQUEST)
     who = await batch_principal(request, "compute:complete")
+    claim_next = query_int(request, "claim_next", default=0, minimum=0, maximum=MAX_JOBS_PER_REQUEST)
     if claim_next:
         who.require("compute:claim")
-    body = await read_json(request, CompleteManyRequest)
+    body = await read_json(request, CompleteManyRequest, items="results")
     seen: set[UUID] = set()
     for index, item in enumerate(body.results):
         if item.job_id in seen:
@@ -174,8 +173,8 @@ def _reported(job_id: UUID, answer: Any) -> dict[str, Any]:
 
 
 async def fail(request: Request) -> Response:
-    job_id = path_uuid(request, code="job_not_found")
     who = await authorized(request, "compute:complete")
+    job_id = path_uuid(request, code="job_not_found")
     body = await read_json(request, FailRequest)  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
         row = await claims.fail(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
@@ -184,9 +183,9 @@ async def fail(request: Request) -> Response:
 
 
 async def children(request: Request) -> Response:
-    job_id = path_uuid(request, code="job_not_found")
     who = await authorized(request, "compute:complete")
-    body = await read_items(request, ChildrenRequest)  # read with no connection held
+    job_id = path_uuid(request, code="job_not_found")
+    body = await read_json(request, ChildrenRequest, items="children")  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
         rows = await claims.add_children(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                          attempt=body.attempt, children=body.children)  # fmt: skip

@@ -52,18 +52,18 @@ class JobHistory(msgspec.Struct, kw_only=True):
 
 
 async def list_events(request: Request):
-    after = query_int(request, "after", default=0, minimum=0, maximum=MAX_POSITION)
-    limit = query_int(request, "limit", default=100, minimum=1, maximum=MAX_PAGE)
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "events:read")
+        after = query_int(request, "after", default=0, minimum=0, maximum=MAX_POSITION)
+        limit = query_int(request, "limit", default=100, minimum=1, maximum=MAX_PAGE)
         batch = await store.read_log(conn, after=after, limit=limit, organization_id=who.organization_id)
     return json_response({"events": [r.to_json() for r in batch], "next": batch[-1].position if batch else after})
 
 
 async def job_events(request: Request):
-    job_id = path_uuid(request, "id", code="job_not_found")
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "events:read")
+        job_id = path_uuid(request, "id", code="job_not_found")
         history = await store.read_stream(conn, store.job_stream(job_id))
     if not history or history[0].organization_id != who.organization_id:
         raise NotFound("job_not_found", f"No job {job_id} in this organization.")
@@ -80,9 +80,9 @@ def resume_position(request: Request) -> int:
 
 async def stream_events(request: Request):
     services = request.app.state.services
-    after = resume_position(request)
     async with services.pool.connection() as conn:
         who = await stream_principal(request, conn, "events:read")
+    after = resume_position(request)
     watch: LogWatch = request.app.state.log_watch
     return sse_stream(
         _log_messages(services, watch, who.organization_id, after), name="events", watch=watch

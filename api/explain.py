@@ -13,10 +13,10 @@ from .routing import endpoint
 
 
 async def explain_job(request: Request) -> Response:
-    job_id = path_uuid(request, code="job_not_found")
     settings = request.app.state.services.settings
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:read")
+        job_id = path_uuid(request, code="job_not_found")
         answer = await explain(
             conn,
             who.organization_id,

@@ -12,8 +12,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from umbra.compute.auth import Principal, authenticate, authenticate_pooled
-from umbra.compute.jobs import TOO_DEEP
+from umbra.compute.jobs import MAX_JSON_DEPTH, TOO_DEEP
 from umbra.errors import InvalidRequest, NotFound, UmbraError
+
+from .items import item_at
 
 #: Request bodies above this are refused with 413 before they are parsed.
 MAX_BODY_BYTES = 1024 * 1024
@@ -53,16 +55,27 @@ async def read_body(request: Request) -> bytes:
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
-async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False) -> T:
+#: The refusal of a body holding U+0000.
+NUL_REFUSED = "Strings may not contain the NUL character (\\u0000); PostgreSQL cannot store it."
+#: How deep an item of a list (a batch's job, a child, a result) may nest: its own object, then a
+#: free-form field (payload, result) of at most MAX_JSON_DEPTH levels.
+_ITEM_DEPTH = MAX_JSON_DEPTH + 1
+
+
+async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False, items: str | None = None) -> T:
     """Decode the body strictly into ``type_`` or raise ``invalid_request`` naming the field.
 
     PostgreSQL's text and jsonb cannot hold U+0000, so a body carrying it is
     refused here, before anything is written, rather than failing mid-command.
+
+    ``items`` names the body's list whose items are numbered (``jobs`` of a
+    batch): a refusal within one of them also names its ``index``, since one
+    bad item refuses them all.
     """
     body = await read_body(request)
-    # The substring test first: the regex is tried at every byte, the test is a fast scan.
-    if b"\x00" in body or (b"\\u0000" in body and _NUL_ESCAPE.search(body)):
-        raise InvalidRequest("Strings may not contain the NUL character (\\u0000); PostgreSQL cannot store it.")
+    nul = _nul_offset(body)
+    if nul is not None:
+        raise _item_refusal(NUL_REFUSED, items, item_at(body, items, offset=nul) if items else None)
     if not body.strip():
         if empty_ok:
             body = b"{}"
@@ -71,14 +84,36 @@ async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False)
     try:
         decoded = msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"Invalid request: {exc}", field=_field_of(str(exc))) from None
+        field = _field_of(str(exc))
+        item = _ITEM.match(field or "") if items else None
+        extra = {"index": int(item.group(2))} if item and item.group(1) == items else {}
+        raise InvalidRequest(f"Invalid request: {exc}", field=field, **extra) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Malformed JSON: {exc}") from None
     except RecursionError:  # deeper than the free-form fields' own check could look
-        raise InvalidRequest(TOO_DEEP) from None
+        raise _item_refusal(TOO_DEEP, items, item_at(body, items, deeper_than=_ITEM_DEPTH) if items else None) from None
     return decoded
 
 
+def _nul_offset(body: bytes) -> int | None:
+    """Where ``body`` first holds U+0000, raw or as a JSON escape; None if nowhere."""
+    # The substring tests first: the regex is tried at every byte, the tests are fast scans.
+    raw = body.find(b"\x00")
+    escaped = _NUL_ESCAPE.search(body) if b"\\u0000" in body else None
+    if escaped is not None and (raw < 0 or escaped.end() <= raw):
+        return escaped.end() - 1
+    return raw if raw >= 0 else None
+
+
+_ITEM = re.compile(r"^(\w+)\[(\d+)\]")
+
+
+def _item_refusal(message: str, items: str | None, index: int | None) -> InvalidRequest:
+    """The refusal, naming the item of ``items`` it is about when one was found (as the decoder's own do)."""
+    if index is None:
+        return InvalidRequest(message)
+    field = f"{items}[{index}]"
+    return InvalidRequest(f"{message} - at `$.{field}`", field=field, index=index)
 
 
 def _field_of(message: str) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+from uuid import UUID
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -10,6 +10,7 @@ from starlette.responses import Response
 from umbra.compute import jobs
 from umbra.compute.jobs import BatchRequest, JobRequest
 from umbra.errors import InvalidRequest, NotFound
+from umbra.events import store
 from umbra.projections import jobs as queue
 
 from .http import authorized, json_response, path_uuid, principal, read_json
@@ -19,19 +20,6 @@ from .routing import endpoint
 #: Page size bounds for ``GET /v1/jobs``.
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
-
-_ITEM = re.compile(r"^(?:jobs|children)\[(\d+)\]")
-
-
-async def read_items(request: Request, type_: type):
-    """Decode a body whose list items are numbered; a refusal names the failing item's ``index``."""
-    try:
-        return await read_json(request, type_)
-    except InvalidRequest as exc:
-        match = _ITEM.match(str(exc.extra.get("field") or ""))
-        if match and "index" not in exc.extra:
-            exc.extra["index"] = int(match.group(1))
-        raise
 
 
 async def submit_job(request: Request) -> Response:
@@ -44,7 +32,7 @@ async def submit_job(request: Request) -> Response:
 
 async def submit_batch(request: Request) -> Response:
     who = await authorized(request, "jobs:write")
-    batch = await read_items(request, BatchRequest)  # read with no connection held
+    batch = await read_json(request, BatchRequest, items="jobs")  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
         rows, _ = await jobs.submit(conn, who.organization_id, batch.jobs, actor=who.actor, batch=True)
     # 201 even when every key was known: only the single submission answers a repeat with 200 (API.md).
@@ -52,34 +40,52 @@ async def submit_batch(request: Request) -> Response:
 
 
 async def list_jobs(request: Request) -> Response:
-    statuses = jobs.parse_statuses(request.query_params.get("status"))
-    limit = query_int(request, "limit", default=DEFAULT_LIMIT, minimum=1, maximum=MAX_LIMIT)
-    after = query_int(request, "after", default=0, minimum=0, maximum=2**63 - 1)
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:read")
+        statuses = jobs.parse_statuses(request.query_params.get("status"))
+        limit = query_int(request, "limit", default=DEFAULT_LIMIT, minimum=1, maximum=MAX_LIMIT)
+        after = query_int(request, "after", default=0, minimum=0, maximum=2**63 - 1)
         rows, cursor = await jobs.list_jobs(conn, who.organization_id, statuses=statuses, limit=limit, after=after)
     return json_response({"jobs": [queue.job_out(row) for row in rows], "next": str(cursor) if cursor else None})
 
 
 async def get_job(request: Request) -> Response:
-    job_id = path_uuid(request, code="job_not_found")
-    as_of = request.query_params.get("as_of")
-    if as_of is not None and not as_of.strip():
-        raise InvalidRequest("as_of must be a log position (an integer >= 0).", field="as_of")
-    position = None if as_of is None else query_int(request, "as_of", default=0, minimum=0, maximum=2**63 - 1)
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:read", "compute:read")
+        job_id = path_uuid(request, code="job_not_found")
+        as_of = request.query_params.get("as_of")
+        if as_of is not None and not as_of.strip():
+            raise InvalidRequest("as_of must be a log position (an integer >= 0).", field="as_of")
+        position = None if as_of is None else query_int(request, "as_of", default=0, minimum=0, maximum=2**63 - 1)
         row = await jobs.get_job(conn, who.organization_id, job_id, as_of=position)
-    if who.kind == "node" and row.lease_owner != who.node_id:
-        # A node credential sees only the jobs it holds or held.
-        raise NotFound("job_not_found", f"No job {job_id}.")
+        if who.kind == "node" and row.lease_owner != who.node_id and not await _ever_held(conn, job_id, who.node_id):
+            # A node credential sees only the jobs it holds or held; any other is as if missing.
+            raise NotFound("job_not_found", f"No job {job_id}" + (f" at position {position}." if as_of is not None else "."))
     return json_response(queue.job_out(row))
 
 
+_CLAIMED_BY = "SELECT EXISTS (SELECT 1 FROM events WHERE stream = %s AND type = 'job.claimed' AND data->>'node_id' = %s)"
+
+
+async def _ever_held(conn, job_id: UUID, node_id: UUID | None) -> bool:
+    """Whether ``node_id`` ever claimed the job: its ``job.claimed`` events say so for good.
+
+    The row's ``lease_owner`` is only the current holder: the fold clears it
+    when the job is requeued, released or its lease expires, and a node may
+    still read a job it held, e.g. to learn what became of a failure it
+    reported. The look-up stays within the job's own stream (indexed by
+    stream and version), and is made only when the node is not the holder.
+    """
+    if node_id is None:
+        return False
+    found = await (await conn.execute(_CLAIMED_BY, (store.job_stream(job_id), str(node_id)))).fetchone()
+    return bool(found[0])
+
+
 async def cancel_job(request: Request) -> Response:
-    job_id = path_uuid(request, code="job_not_found")
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:write")
+        job_id = path_uuid(request, code="job_not_found")
         row = await jobs.cancel(conn, who.organization_id, job_id, actor=who.actor)
     return json_response(queue.job_out(row))
 

@@ -9,7 +9,9 @@ long-poll's disconnect watch need ``receive``/``send`` untouched in timing.
   ``request.state.request_id`` (for event metadata).
 * **Body limit.** A declared ``Content-Length`` over the limit is refused with
   413 before the application runs; a chunked body is counted as it arrives and
-  refused the moment it passes the limit. Either way nothing is written.
+  refused the moment it passes the limit (a route declared without a body
+  reads it before its handler runs, :mod:`umbra.api.routing`, so it is counted
+  there too). Either way nothing is written.
 * **Access log.** One structured line per request: id, method, path (never the
   query string, which is where a careless client would put a secret), route
   template, status, duration, client, and who called (credential id and

@@ -170,9 +170,9 @@ async def list_nodes(request: Request):
 
 
 async def get_node(request: Request):
-    node_id = path_uuid(request, "id", code="node_not_found")
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:read", "nodes:admin", "compute:read")
+        node_id = path_uuid(request, "id", code="node_not_found")
         view = None
         if who.node_id is None or who.node_id == node_id:
             view = await nodes.node_view(conn, node_id, organization_id=who.organization_id, stale_seconds=_stale(request))
@@ -183,10 +183,10 @@ async def get_node(request: Request):
 
 def _admin_action(command):
     async def handle(request: Request):
-        node_id = path_uuid(request, "id", code="node_not_found")
         services = request.app.state.services
         async with services.pool.connection() as conn:
             who = await principal(request, conn, "nodes:admin")
+            node_id = path_uuid(request, "id", code="node_not_found")
             await command(request, conn, who, node_id)
             view = await nodes.node_view(conn, node_id, organization_id=who.organization_id, stale_seconds=_stale(request))
         return json_response(node_out(view))

@@ -87,9 +87,9 @@ async def read_nodes(conn, organization_id: UUID, stale_seconds: int) -> dict[st
 
 
 async def queue_snapshot(request: Request):
-    limit = query_int(request, "limit", default=DEFAULT_LISTED_JOBS, minimum=0, maximum=MAX_LISTED_JOBS)
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, *READ_SCOPES)
+        limit = query_int(request, "limit", default=DEFAULT_LISTED_JOBS, minimum=0, maximum=MAX_LISTED_JOBS)
         async with conn.transaction():
             await _snapshot_transaction(conn)
             view = await read_queue(conn, who.organization_id, limit)
@@ -115,9 +115,9 @@ async def verify_projections(request: Request):
 
 async def stream_projections(request: Request):
     services = request.app.state.services
-    views = query_list(request, "views", allowed=VIEWS, default=VIEWS)
     async with services.pool.connection() as conn:
         who = await stream_principal(request, conn, *READ_SCOPES)
+    views = query_list(request, "views", allowed=VIEWS, default=VIEWS)
     watch: LogWatch = request.app.state.log_watch
     return sse_stream(_view_messages(services, watch, who.organization_id, views), name="projections", watch=watch)
 

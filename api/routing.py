@@ -5,10 +5,22 @@ struct, its auth (which credential kind and scopes) and a summary on the Route.
 The OpenAPI document is generated from these records and the same structs that
 validate requests, and the tenant-isolation test walks the same table, so a new
 endpoint cannot be left out of either.
+
+A route declared without a body still receives whatever the client sends, and
+the size limit (:mod:`umbra.api.middleware`) is enforced on a body only as it
+is read. So the handler of such a route runs only once the body has been read
+to its end (nothing at all, for a client that sends none): one past the limit
+is refused with 413 before the route authenticates or changes anything, as a
+declared ``Content-Length`` past it already is.
+
+Handlers authenticate, and check the scope, before they look at path ids,
+query parameters or the body: a caller without a credential learns 401, and
+one without the scope 403, whatever else its request holds.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -55,7 +67,7 @@ def endpoint(
     response: Any = None,
     produces: str = "application/json",
 ) -> Route:
-    route = Route(path, handler, methods=[method])
+    route = Route(path, handler if body is not None else _bodiless(handler), methods=[method])
     route.endpoint_info = EndpointInfo(  # type: ignore[attr-defined]
         method=method,
         path=path,
@@ -69,3 +81,15 @@ def endpoint(
         produces=produces,
     )
     return route
+
+
+def _bodiless(handler: Handler) -> Handler:
+    """``handler``, run once the body it does not expect has arrived whole and within the limit."""
+
+    @functools.wraps(handler)
+    async def within_the_limit(request: Request) -> Response:
+        # Read and kept (nothing, as a rule), not discarded: the handler may still read it.
+        await request.body()
+        return await handler(request)
+
+    return within_the_limit

@@ -202,9 +202,11 @@ async def test_a_claim_that_races_a_disconnect_is_released_at_once(db_url, conn,
     job_id, *more = [await submit_job(conn, org_id) for _ in range(most)]
     app = create_app(load_settings({"UMBRA_DATABASE_URL": db_url}), db_url)
     sent: list[dict] = []
+    # The request arrives whole (no body), and then the client is gone.
+    arrived = iter([{"type": "http.request", "body": b"", "more_body": False}])
 
     async def receive():
-        return {"type": "http.disconnect"}
+        return next(arrived, {"type": "http.disconnect"})
 
     async def send(message):
         sent.append(message)
@@ -222,6 +224,36 @@ async def test_a_claim_that_races_a_disconnect_is_released_at_once(db_url, conn,
         types = [r.type for r in await store.read_stream(conn, store.job_stream(each))]
         assert types[-2:] == ["job.claimed", "job.released"]
         assert await job_status(conn, each) == "queued"
+
+
+async def test_a_claim_whose_client_left_before_it_was_read_claims_nothing(db_url, conn, org):
+    """The route reads its (empty) body before it runs: a client already gone then is answered 499 at once."""
+    from umbra.api.app import create_app
+    from umbra.settings import load_settings
+
+    org_id, _ = org
+    _, credential = await online_node(conn, org_id, "box")
+    job_id = await submit_job(conn, org_id)
+    app = create_app(load_settings({"UMBRA_DATABASE_URL": db_url}), db_url)
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/agent/claim", "raw_path": b"/v1/agent/claim",
+        "query_string": b"wait=30", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80),
+        "headers": [(b"authorization", f"Bearer {credential}".encode()), (b"host", b"test")],
+    }  # fmt: skip
+    async with app.router.lifespan_context(app):
+        with anyio.fail_after(10):
+            await app(scope, receive, send)
+    assert sent[0]["status"] == 499
+    assert await claimed_events(conn, job_id) == [] and await job_status(conn, job_id) == "queued"
 
 
 async def test_a_completion_whose_agent_hung_up_releases_the_job_it_claimed_next(db_url, conn, org):

@@ -354,3 +354,84 @@ async def test_a_slowly_sent_body_holds_no_database_connection(db_url, org):
         finally:
             for stream in stalled:
                 await stream.aclose()
+
+
+@pytest.mark.parametrize("hidden", ["escaped_nul", "raw_nul", "too_deep"])
+async def test_an_item_refused_for_a_nul_or_its_depth_is_named_by_index(client, org, db_url, hidden):
+    """A NUL is refused before the body is decoded, and nesting past the decoder's recursion is refused
+    by the decoder without a path: the refusal still names the item, and one bad item refuses them all."""
+    _, key = org
+    _, credential = await pair(client, key)
+    job = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))).json()
+    claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
+    assert claimed.json()["job"]["id"] == job["id"]
+    bad = {"escaped_nul": b'"x\\u0000y"', "raw_nul": b'"x\x00y"', "too_deep": b"[" * 5000 + b"]" * 5000}[hidden]
+    other = b'"00000000-0000-4000-8000-000000000000"'
+    refusals = [
+        ("/v1/jobs/batch", key, "jobs", b'{"jobs":[{"kind":"a"},{"kind":"b","payload":{"t":' + bad + b"}}]}"),
+        (f"/v1/agent/jobs/{job['id']}/children", credential, "children",
+         b'{"attempt":1,"children":[{"kind":"a"},{"kind":"b","payload":{"t":' + bad + b"}},{\"kind\":\"c\"}]}"),
+        ("/v1/agent/complete", credential, "results",
+         b'{"results":[{"job_id":' + other + b',"attempt":1},{"job_id":"' + job["id"].encode() + b'","attempt":1,'
+         b'"result":{"t":' + bad + b"}}]}"),
+    ]  # fmt: skip
+    before = await job_count(db_url)
+    for path, token, items, body in refusals:
+        answer = await client.post(path, content=body, headers={**bearer(token), "content-type": "application/json"})
+        refusal = answer.json()
+        assert (answer.status_code, refusal["error"], refusal.get("index"), refusal.get("field")) == (
+            422, "invalid_request", 1, f"{items}[1]"), (path, answer.text[:300])  # fmt: skip
+    assert await job_count(db_url) == before
+    held = (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()
+    assert (held["status"], held["result"]) == ("running", None)
+
+
+async def test_an_oversized_chunked_body_to_cancel_is_refused_and_cancels_nothing(client, org, db_url):
+    """The route takes no body, so it never read one: the limit held only for bodies a route read."""
+    _, key = org
+    await pair(client, key)  # a node that could run it: the job is queued, not blocked
+    job = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))).json()
+    assert job["status"] == "queued"
+    before = await job_count(db_url)
+
+    async def chunks():  # 2.5 MiB with no Content-Length
+        for _ in range(40):
+            yield b"x" * (64 * 1024)
+
+    refused = await client.post(f"/v1/jobs/{job['id']}/cancel", content=chunks(), headers=bearer(key))
+    assert (refused.status_code, refused.json()["error"]) == (413, "payload_too_large"), refused.text[:300]
+    assert await job_count(db_url) == before
+    still = await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))
+    assert still.json()["status"] == "queued"
+    cancelled = await client.post(f"/v1/jobs/{job['id']}/cancel", content=b"", headers=bearer(key))
+    assert (cancelled.status_code, cancelled.json()["status"]) == (200, "cancelled")
+
+
+async def test_a_node_reads_a_job_it_held_after_it_was_requeued(client, org, conn):
+    """The job's lease_owner names only its current holder; a node that held it once may still read it."""
+    _, key = org
+    node_id, credential = await pair(client, key, "box")
+    _, bystander = await pair(client, key, "other-box")
+    _, other_key = await create_organization(conn, "other")
+    job = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))).json()
+    claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
+    assert claimed.json()["job"]["id"] == job["id"]
+    failed = await client.post(f"/v1/agent/jobs/{job['id']}/fail", json={"attempt": 1, "error": "oom", "retry": True},
+                               headers=bearer(credential))  # fmt: skip
+    assert (failed.json()["status"], failed.json()["lease_owner"]) == ("queued", None)
+    mine = await client.get(f"/v1/jobs/{job['id']}", headers=bearer(credential))
+    assert mine.status_code == 200, mine.text
+    assert (mine.json()["status"], mine.json()["error"]) == ("queued", "oom")
+    history = (await client.get(f"/v1/jobs/{job['id']}/events", headers=bearer(key))).json()["events"]
+    claimed_at = next(e["position"] for e in history if e["type"] == "job.claimed")
+    for position in (claimed_at, claimed_at - 1):  # while it held it, and before: the same job's history
+        as_of = await client.get(f"/v1/jobs/{job['id']}", params={"as_of": position}, headers=bearer(credential))
+        assert as_of.status_code == 200, (position, as_of.text)
+    # A node that never held it, a job it never held, another organization's job: as if missing.
+    never = (await client.post("/v1/jobs", json={"kind": "e", "priority": 999}, headers=bearer(key))).json()
+    theirs = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(other_key))).json()
+    for token, job_id in ((bystander, job["id"]), (credential, never["id"]), (credential, theirs["id"])):
+        for params in ({}, {"as_of": claimed_at}):
+            answer = await client.get(f"/v1/jobs/{job_id}", params=params, headers=bearer(token))
+            assert (answer.status_code, answer.json()["error"]) == (404, "job_not_found"), (job_id, params, answer.text)
+    assert node_id == claimed.json()["job"]["lease_owner"]
