@@ -247,8 +247,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # one line, no traceback
-        print(f"umbra: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"umbra: error: {type(exc).__name__}: {exc}{_server_of(exc)}", file=sys.stderr)
         return 1
+
+
+def _server_of(exc: Exception) -> str:
+    """`` (talking to URL)`` for an HTTP client's error: a refused connection should say where it tried."""
+    try:
+        url = exc.request.url  # type: ignore[attr-defined]  # httpx.RequestError
+    except (AttributeError, RuntimeError):
+        return ""
+    return f" (talking to {url.scheme}://{url.netloc.decode()})"
 
 
 if __name__ == "__main__":

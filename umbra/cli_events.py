@@ -26,8 +26,10 @@ import anyio
 import httpx
 
 from umbra.errors import InvalidRequest
+from umbra.settings import server_url
 
-DEFAULT_SERVER = "http://127.0.0.1:8080"
+SERVER_HELP = "service URL (default UMBRA_SERVER, else http://127.0.0.1:UMBRA_PORT, port 8080 if unset)"
+
 PAGE_SIZE = 1000
 
 
@@ -38,7 +40,7 @@ def _client(args, scope: str = "events:read") -> httpx.AsyncClient:
     key = args.api_key or os.environ.get("UMBRA_API_KEY")
     if not key:
         raise InvalidRequest(f"An API key with {scope} is required: pass --api-key or set UMBRA_API_KEY.")
-    server = args.server or os.environ.get("UMBRA_SERVER") or DEFAULT_SERVER
+    server = args.server or server_url()
     return httpx.AsyncClient(
         base_url=server.rstrip("/"),
         headers={"Authorization": f"Bearer {key}", "User-Agent": "umbra-cli"},
@@ -263,7 +265,7 @@ async def _verify(conn, args) -> int:
 
 
 def _add_http_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", default=None, help=f"service URL (default UMBRA_SERVER or {DEFAULT_SERVER})")
+    p.add_argument("--server", default=None, help=SERVER_HELP)
     p.add_argument("--api-key", default=None, help="API key with events:read (default UMBRA_API_KEY)")
     p.add_argument("--json", action="store_true", help="print JSON (one object per line for tail)")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from .cli_events import DEFAULT_SERVER, _client, _get_json
+from .cli_events import SERVER_HELP, _client, _get_json
 
 
 def _where(entry: dict[str, Any]) -> str:
@@ -91,7 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "device with the first rule it fails (GET /v1/jobs/{id}/explain).",
     )
     p.add_argument("job_id", type=_uuid)
-    p.add_argument("--server", default=None, help=f"service URL (default UMBRA_SERVER or {DEFAULT_SERVER})")
+    p.add_argument("--server", default=None, help=SERVER_HELP)
     p.add_argument("--api-key", default=None, help="API key with jobs:read (default UMBRA_API_KEY)")
     p.add_argument("--json", action="store_true", help="print the explain answer as JSON")
     p.set_defaults(func=cmd_explain)

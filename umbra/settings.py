@@ -122,6 +122,24 @@ def _networks(env: Mapping[str, str], name: str):
     return tuple(out)
 
 
+def server_url(env: Mapping[str, str] | None = None) -> str:
+    """Where the command-line clients find the service: ``UMBRA_SERVER``, else the server this machine's settings start.
+
+    So ``umbra events tail`` next to ``UMBRA_PORT=9000 umbra serve`` finds it
+    without being told twice. A wildcard listen address is reached on the
+    loopback.
+    """
+    env = os.environ if env is None else env
+    if env.get("UMBRA_SERVER"):
+        return env["UMBRA_SERVER"].rstrip("/")
+    host = env.get("UMBRA_HOST", "").strip() or "127.0.0.1"
+    if host in {"0.0.0.0", "::", "[::]"}:
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{_int(env, 'UMBRA_PORT', 8080, minimum=0, maximum=65535)}"
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Build the settings from ``env`` (default: the process environment)."""
     env = os.environ if env is None else env

@@ -44,3 +44,15 @@ def test_the_default_data_dir_has_no_spaces_on_any_system(monkeypatch, tmp_path:
     monkeypatch.delenv("XDG_DATA_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert load_settings({}).data_dir == tmp_path / ".local" / "share" / "umbra"
+
+
+def test_the_clients_find_the_server_this_machines_settings_start():
+    from umbra.settings import server_url
+
+    assert server_url({}) == "http://127.0.0.1:8080"
+    assert server_url({"UMBRA_PORT": "9000"}) == "http://127.0.0.1:9000"
+    assert server_url({"UMBRA_HOST": "0.0.0.0", "UMBRA_PORT": "9000"}) == "http://127.0.0.1:9000"
+    assert server_url({"UMBRA_HOST": "::1"}) == "http://[::1]:8080"
+    assert server_url({"UMBRA_SERVER": "https://umbra.example/", "UMBRA_PORT": "9000"}) == "https://umbra.example"
+    with pytest.raises(SettingsError, match="UMBRA_PORT"):
+        server_url({"UMBRA_PORT": "eighty"})

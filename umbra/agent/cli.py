@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import anyio
 
 from umbra.errors import InvalidRequest
+from umbra.settings import server_url
 
 from .client import AgentClient, ServiceError
 from .credentials import CredentialFile, StoredCredential
@@ -27,7 +27,6 @@ from .runner import Agent, AgentConfig
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SERVER = "http://127.0.0.1:8080"
 
 
 def agent_version() -> str:
@@ -61,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run the reference agent on this machine",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
     )
-    p.add_argument("--server", default=None, help=f"controller URL (default: the saved one, else UMBRA_SERVER or {DEFAULT_SERVER})")
+    p.add_argument("--server", default=None, help="controller URL (default: the saved one, else UMBRA_SERVER, else http://127.0.0.1:UMBRA_PORT, port 8080 if unset)")
     p.add_argument("--code", help="six-digit pairing code (first run only)")
     p.add_argument("--name", help="node name the pairing code was issued for")
     p.add_argument("--credential-file", type=Path, help="where the node credential is kept (default: <data dir>/agent/credential.json)")
@@ -104,7 +103,7 @@ async def _pair(args, store: CredentialFile, devices) -> StoredCredential:
     if not args.name:
         raise InvalidRequest("--name is required with --code: the name the pairing code was issued for.")
     store.check_writable()  # before the code is spent: the credential is shown only once
-    server = args.server or os.environ.get("UMBRA_SERVER") or DEFAULT_SERVER
+    server = args.server or server_url()
     async with AgentClient(server) as client:
         answer = await client.redeem(code=args.code, name=args.name, agent_version=agent_version(), devices=devices())
     stored = StoredCredential(
