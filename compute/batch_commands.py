@@ -122,6 +122,8 @@ _HELD = PreparedStatement("umbra_batch_held", _LOCK_HELD)
 _GUARDS = PreparedStatement("umbra_batch_claim_guards", SHARE_CLAIM_GUARDS)
 _NODES = PreparedStatement("umbra_batch_nodes", _NODES_QUERY)
 _SHAPES = PreparedStatement("umbra_batch_shapes", QUEUED_SHAPES)
+#: Every prepared statement a batch may run, prepared together on each connection (see ``db.begin_with``).
+_FAMILY = (_HELD, _GUARDS, _NODES, _SHAPES, store.APPEND_AT, queue.TRANSITIONS)
 _devices = msgspec.json.Decoder(tuple[Device, ...])
 _requirements = msgspec.json.Decoder(Requirements)
 
@@ -150,7 +152,7 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
         reads.append((_GUARDS, {"ids": uuid_array([*node_ids, *orgs])}))
         reads.append((_NODES, {"ids": uuid_array(node_ids), "credentials": credential_ids}))
         reads += [(_SHAPES, {"org": org, "limit": MAX_SHAPES + 1}) for org in orgs]
-    results = await begin_with(conn, reads, generic_plans=True)
+    results = await begin_with(conn, reads, generic_plans=True, family=_FAMILY)
     held_records = results.pop(0) if held else []
     guarded = set(results.pop(0)[0][0]) if claimers else set()
     node_records = results.pop(0) if claimers else []

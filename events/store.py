@@ -274,7 +274,7 @@ async def _append_insert(conn: psycopg.AsyncConnection, batch: Sequence[PendingA
     ]
 
 
-_APPEND_AT = PreparedStatement("umbra_append_at", _APPEND_GUARDED)
+APPEND_AT = PreparedStatement("umbra_append_at", _APPEND_GUARDED)
 
 
 #: The append of :func:`append_statement`, with its arguments, ready for ``db.commit_with``.
@@ -299,7 +299,7 @@ def append_statement(batch: Sequence[PendingAppend], *, recorded_at: datetime) -
     rows, encoded = _encoded_rows(batch)
     recorded = [RecordedEvent(0, item.stream, version, item.organization_id, event, item.metadata or {}, recorded_at)
                 for item, event, version in rows]  # fmt: skip
-    return (_APPEND_AT, {"lock": LOG_LOCK_KEY, "rows": encoded.decode(), "at": recorded_at}), recorded
+    return (APPEND_AT, {"lock": LOG_LOCK_KEY, "rows": encoded.decode(), "at": recorded_at}), recorded
 
 
 def appended(recorded: Sequence[Any], returned: Sequence[Sequence[Any]]) -> list[int]:

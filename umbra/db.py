@@ -91,7 +91,7 @@ _prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection, set[str]] = weakre
 
 
 async def begin_with(conn: psycopg.AsyncConnection, reads: Sequence[tuple[PreparedStatement, Mapping[str, Any]]], *,
-                     generic_plans: bool = False) -> list[list[Any]]:  # fmt: skip
+                     generic_plans: bool = False, family: Sequence[PreparedStatement] = ()) -> list[list[Any]]:  # fmt: skip
     """``BEGIN`` and ``reads`` (independent of each other) in one round trip on an autocommit connection.
 
     Returns each read's rows, in order. ``generic_plans`` makes the
@@ -103,11 +103,28 @@ async def begin_with(conn: psycopg.AsyncConnection, reads: Sequence[tuple[Prepar
     a scan and a hash join cheaper than a hundred probes of a primary key
     (the group commit's lock and write, 1.4 and 0.7 ms a batch at 6,000
     jobs). The caller ends the transaction (``COMMIT``, or ``conn.rollback()``).
+
+    ``family`` holds every statement the transaction may run after these
+    (its writes): they are prepared together with the reads, so that on a
+    connection either all of them exist or, after something deallocated
+    them (psycopg sends ``DEALLOCATE ALL`` at a rollback once it has
+    prepared statements of its own), none does. The reads then find out:
+    the transaction is rolled back, the whole family prepared again, and
+    the reads sent once more, instead of a write failing later on.
     """
-    done = await _prepare(conn, [read for read, _values in reads])
+    statements = list(dict.fromkeys([*(read for read, _values in reads), *family]))
     query, params = _joined(reads)
+    query = "\n".join(["BEGIN;", *([_GENERIC_INDEX_PLANS] if generic_plans else []), query])
     cursor = psycopg.AsyncClientCursor(conn)
-    await _run(cursor, done, "\n".join(["BEGIN;", *([_GENERIC_INDEX_PLANS] if generic_plans else []), query]), params)
+    for last in (False, True):
+        done = await _prepare(conn, statements)
+        try:
+            await _run(cursor, done, query, params)
+            break
+        except (psycopg.errors.InvalidSqlStatementName, psycopg.errors.FeatureNotSupported):
+            if last:
+                raise
+            await conn.rollback()
     cursor.nextset()  # past BEGIN
     if generic_plans:
         cursor.nextset()

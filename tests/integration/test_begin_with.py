@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-from umbra.db import PreparedStatement, begin_with
+from umbra.db import PreparedStatement, begin_with, run_together
 
 pytestmark = pytest.mark.anyio
 
@@ -59,33 +59,28 @@ async def test_arguments_are_data_not_sql(conn):
     assert await (await conn.execute("SELECT count(*) FROM t")).fetchone() == (0,)
 
 
-async def test_a_deallocated_statement_fails_once_then_is_prepared_again(conn):
+async def test_a_deallocated_family_is_prepared_again_and_the_reads_sent_once_more(conn):
     await conn.execute("CREATE TABLE t (v text)")
-    await begin_with(conn, [(INSERT, {"v": "a"})])
+    later = PreparedStatement("test_later", "SELECT count(*) FROM t")
+    await begin_with(conn, [(INSERT, {"v": "a"})], family=[later])
     await conn.execute("COMMIT")
+    assert await _prepared(conn) == ["test_insert", "test_later"]  # the whole family, with the reads
     await conn.execute("DEALLOCATE ALL")
-    with pytest.raises(psycopg.errors.InvalidSqlStatementName):
-        await begin_with(conn, [(INSERT, {"v": "lost"})])
-    assert conn.info.transaction_status == TransactionStatus.INERROR
-    await conn.rollback()
-    await begin_with(conn, [(INSERT, {"v": "b"})])
-    await conn.execute("COMMIT")
+    assert await begin_with(conn, [(INSERT, {"v": "b"})], family=[later]) == [[("b",)]]
+    assert await run_together(conn, [(later, {})], then="COMMIT") == [[(2,)]]  # prepared again with the reads
     assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",)]
 
 
-async def test_a_statement_whose_table_changed_fails_once_then_is_prepared_afresh(conn):
+async def test_a_statement_whose_table_changed_is_prepared_afresh(conn):
     """A migration that changes the columns a prepared statement returns makes every EXECUTE fail
-    until it is deallocated; the next call after the failure prepares it again."""
+    until it is deallocated: the reads are sent again once it is prepared afresh."""
     await conn.execute("CREATE TABLE t (v text)")
     await conn.execute("INSERT INTO t VALUES ('a')")
     every = PreparedStatement("test_every", "SELECT * FROM t WHERE v = %(v)s")
     assert await begin_with(conn, [(every, {"v": "a"})]) == [[("a",)]]
     await conn.execute("COMMIT")
     await conn.execute("ALTER TABLE t ADD COLUMN w int DEFAULT 7")
-    with pytest.raises(psycopg.errors.FeatureNotSupported):
-        await begin_with(conn, [(every, {"v": "a"})])
-    await conn.rollback()
-    assert await begin_with(conn, [(every, {"v": "a"})]) == [[("a", 7)]]
+    assert await begin_with(conn, [(every, {"v": "a"})]) == [[("a", 7)]]  # failed once, prepared afresh, sent again
     await conn.execute("COMMIT")
 
 
@@ -127,3 +122,19 @@ async def test_commit_with_runs_the_last_statements_in_order_and_commits(conn):
         await commit_with(conn, [(INSERT, {"v": "e"}), (INSERT, {"v": "a"}), (INSERT, {"v": "f"})])  # the second fails
     await conn.rollback()
     assert await (await conn.execute("SELECT v FROM t ORDER BY v")).fetchall() == [("a",), ("b",), ("c",)]
+
+
+async def test_a_rollback_that_deallocates_everything_costs_the_next_transaction_a_retry_not_an_error(conn):
+    """psycopg sends DEALLOCATE ALL at a rollback once it has prepared statements of its own."""
+    await conn.execute("CREATE TABLE t (v text)")
+    await begin_with(conn, [(INSERT, {"v": "a"})])
+    await conn.execute("COMMIT")
+    for _ in range(10):  # often enough for psycopg to prepare it
+        await conn.execute("SELECT count(*) FROM t WHERE v = %s", ("a",))
+    with pytest.raises(psycopg.errors.UndefinedTable):
+        async with conn.transaction():
+            await conn.execute("SELECT * FROM no_such_table")
+    assert await _prepared(conn) == []  # ours went too
+    assert await begin_with(conn, [(INSERT, {"v": "b"})]) == [[("b",)]]
+    await conn.execute("COMMIT")
+    assert "test_insert" in await _prepared(conn)

@@ -526,3 +526,25 @@ async def test_a_fallback_claim_that_fails_part_way_answers_the_jobs_it_claimed(
     running = await (await conn.execute(
         "SELECT id FROM jobs WHERE status = 'running' AND lease_owner = %s AND id = ANY(%s)", (a, queued))).fetchall()
     assert [r[0] for r in running] == queued[:1]  # every job leased to the node was answered
+
+
+async def test_a_rollback_on_the_batchs_connection_costs_the_next_batch_no_fallback(db_url, conn, org):
+    """psycopg deallocates every prepared statement of a session at a rollback, the batch's with its own."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    first, second = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=1, kwargs={"autocommit": True}, open=False) as pool:
+        group = GroupCommit(pool, HintNotifier(pool))
+        async with anyio.create_task_group() as tg:
+            await tg.start(group.run)
+            claim = lambda: group.claim(node_id=node, organization_id=org_id, lease_seconds=60, stale_seconds=45)  # noqa: E731
+            assert (await claim()).job_id == first
+            async with pool.connection() as shared:  # the same session, used by another command meanwhile
+                for _ in range(10):
+                    await shared.execute("SELECT count(*) FROM jobs WHERE organization_id = %s", (org_id,))
+                with pytest.raises(Conflict):
+                    async with shared.transaction():
+                        raise Conflict("job_terminal", "refused after a read: rolled back")
+            assert (await claim()).job_id == second
+            tg.cancel_scope.cancel()
+    assert group.fallbacks == 0
