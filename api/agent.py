@@ -30,7 +30,7 @@ from umbra.compute import claims
 from umbra.compute.claims import SCAN_PAGE
 from umbra.errors import Forbidden, UmbraError
 
-from .http import batch_principal, json_response
+from .http import batch_principal, json_response, request_id
 from .longpoll import NOTHING_QUEUED, WaiterHub
 from .params import query_int
 from .routing import endpoint
@@ -87,6 +87,7 @@ async def claim(request: Request) -> Response:
             stale_seconds=settings.heartbeat_stale_seconds,
             empty=NOTHING_QUEUED,
             credential_id=who.credential_id,
+            request_id=request_id(request),
         )
 
     started = time.monotonic()
@@ -106,7 +107,7 @@ async def claim(request: Request) -> Response:
     if gone.is_set():
         metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(elapsed)
         if result:
-            await release_unheard(services, result, node_id)
+            await release_unheard(services, result, node_id, request_id(request))
         return Response(status_code=204)
     if result is None:
         metrics.CLAIM_WAIT.labels(outcome="timeout").observe(elapsed)
@@ -118,7 +119,7 @@ async def claim(request: Request) -> Response:
     return json_response({**result[0].to_json(), "claims": [claimed.to_json() for claimed in result]})
 
 
-async def release_unheard(services, results: Sequence[claims.ClaimResult], node_id: UUID) -> None:
+async def release_unheard(services, results: Sequence[claims.ClaimResult], node_id: UUID, request_id: str | None) -> None:
     """Give back claims their agent left before hearing of (``job.released``), instead of leaving them leased.
 
     One connection for all of them; each release is its own transaction.
@@ -126,7 +127,7 @@ async def release_unheard(services, results: Sequence[claims.ClaimResult], node_
     with anyio.CancelScope(shield=True):
         async with services.pool.connection() as conn:
             for result in results:
-                released = await claims.release(conn, result.job_id, node_id, result.attempt)
+                released = await claims.release(conn, result.job_id, node_id, result.attempt, request_id=request_id)
                 log.info("claim released: client left", extra={"action": "claim_released_client_gone",
                          "job_id": str(result.job_id), "node_id": str(node_id), "released": released})  # fmt: skip
 

@@ -26,7 +26,7 @@ from umbra.errors import InvalidRequest, Unauthenticated, UmbraError
 from umbra.projections import jobs as queue
 
 from .agent import MAX_JOBS_PER_REQUEST, release_unheard
-from .http import authorized, batch_principal, json_response, path_uuid, read_json
+from .http import authorized, batch_principal, json_response, path_uuid, read_json, request_id
 from .params import query_bool, query_int
 from .routing import endpoint
 
@@ -79,7 +79,7 @@ async def renew(request: Request) -> Response:
     body = await read_json(request, RenewRequest)
     row = await request.app.state.group_commit.renew(
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
-        lease_seconds=services.settings.lease_seconds, credential_id=who.credential_id,
+        lease_seconds=services.settings.lease_seconds, credential_id=who.credential_id, request_id=request_id(request),
     )  # fmt: skip
     return json_response({"lease_expires_at": queue.timestamp(row.lease_expires_at), "attempt": row.attempt})
 
@@ -103,18 +103,18 @@ async def complete(request: Request) -> Response:
     if not claim_next:
         row = await group.complete(
             organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
-            result=body.result, credential_id=who.credential_id,
+            result=body.result, credential_id=who.credential_id, request_id=request_id(request),
         )  # fmt: skip
         return json_response(queue.job_out(row))
     settings = request.app.state.services.settings
     row, claimed = await group.complete_and_claim(
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
         result=body.result, lease_seconds=settings.lease_seconds, stale_seconds=settings.heartbeat_stale_seconds,
-        credential_id=who.credential_id,
+        credential_id=who.credential_id, request_id=request_id(request),
     )  # fmt: skip
     if claimed is not None:
         if await request.is_disconnected():  # the agent left while its batch ran: nobody would run the job
-            await release_unheard(request.app.state.services, [claimed], who.node_id)
+            await release_unheard(request.app.state.services, [claimed], who.node_id, request_id(request))
             claimed = None
         else:
             metrics.CLAIMS.labels(trigger="completion").inc()
@@ -147,12 +147,12 @@ async def complete_many(request: Request) -> Response:
         organization_id=who.organization_id, node_id=who.node_id,
         results=[(item.job_id, item.attempt, item.result) for item in body.results], claim_next=claim_next,
         lease_seconds=settings.lease_seconds, stale_seconds=settings.heartbeat_stale_seconds,
-        credential_id=who.credential_id,
+        credential_id=who.credential_id, request_id=request_id(request),
     )  # fmt: skip
     failure = next((a for a in answers if isinstance(a, Unauthenticated) or _unexpected(a)), None)
     if claimed and (failure is not None or await request.is_disconnected()):
         # The agent will not hear of these claims (it left, or gets an error): give them back now.
-        await release_unheard(request.app.state.services, claimed, who.node_id)
+        await release_unheard(request.app.state.services, claimed, who.node_id, request_id(request))
         claimed = []
     if failure is not None:
         raise failure
@@ -178,7 +178,8 @@ async def fail(request: Request) -> Response:
     body = await read_json(request, FailRequest)  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
         row = await claims.fail(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
-                                attempt=body.attempt, error=body.error, retry=body.retry)  # fmt: skip
+                                attempt=body.attempt, error=body.error, retry=body.retry,
+                                request_id=request_id(request))  # fmt: skip
     return json_response(queue.job_out(row))
 
 
@@ -188,7 +189,8 @@ async def children(request: Request) -> Response:
     body = await read_json(request, ChildrenRequest, items="children")  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
         rows = await claims.add_children(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
-                                         attempt=body.attempt, children=body.children)  # fmt: skip
+                                         attempt=body.attempt, children=body.children,
+                                         request_id=request_id(request))  # fmt: skip
     return json_response({"children": [queue.job_out(row) for row in rows]}, status=201)
 
 

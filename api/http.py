@@ -37,6 +37,11 @@ def json_response(content: Any, status: int = 200, headers: dict[str, str] | Non
     return Response(_encoder.encode(content), status_code=status, media_type="application/json", headers=headers)
 
 
+def request_id(request: Request) -> str | None:
+    """The request's id (``X-Request-ID``, see :mod:`umbra.api.middleware`), recorded with the events it causes."""
+    return getattr(request.state, "request_id", None)
+
+
 async def read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:

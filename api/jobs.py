@@ -13,7 +13,7 @@ from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.projections import jobs as queue
 
-from .http import authorized, json_response, path_uuid, principal, read_json
+from .http import authorized, json_response, path_uuid, principal, read_json, request_id
 from .params import query_int
 from .routing import endpoint
 
@@ -26,7 +26,8 @@ async def submit_job(request: Request) -> Response:
     who = await authorized(request, "jobs:write")
     spec = await read_json(request, JobRequest)  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
-        rows, created = await jobs.submit(conn, who.organization_id, [spec], actor=who.actor, batch=False)
+        rows, created = await jobs.submit(conn, who.organization_id, [spec], actor=who.actor, batch=False,
+                                          request_id=request_id(request))  # fmt: skip
     return json_response(queue.job_out(rows[0]), status=201 if created else 200)
 
 
@@ -34,7 +35,8 @@ async def submit_batch(request: Request) -> Response:
     who = await authorized(request, "jobs:write")
     batch = await read_json(request, BatchRequest, items="jobs")  # read with no connection held
     async with request.app.state.services.pool.connection() as conn:
-        rows, _ = await jobs.submit(conn, who.organization_id, batch.jobs, actor=who.actor, batch=True)
+        rows, _ = await jobs.submit(conn, who.organization_id, batch.jobs, actor=who.actor, batch=True,
+                                    request_id=request_id(request))  # fmt: skip
     # 201 even when every key was known: only the single submission answers a repeat with 200 (API.md).
     return json_response({"jobs": [queue.job_out(row) for row in rows]}, status=201)
 
@@ -86,7 +88,7 @@ async def cancel_job(request: Request) -> Response:
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:write")
         job_id = path_uuid(request, code="job_not_found")
-        row = await jobs.cancel(conn, who.organization_id, job_id, actor=who.actor)
+        row = await jobs.cancel(conn, who.organization_id, job_id, actor=who.actor, request_id=request_id(request))
     return json_response(queue.job_out(row))
 
 

@@ -12,7 +12,8 @@ from umbra.compute import models
 from umbra.domain.models import RegisteredModel
 
 from .http import authorized, json_response, principal, read_json
-from .nodes import Megabytes, Word, request_id, rfc3339
+from .http import request_id
+from .nodes import Megabytes, Word, rfc3339
 from .routing import endpoint
 
 

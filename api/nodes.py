@@ -21,7 +21,7 @@ from umbra.domain.nodes import is_busy
 from umbra.errors import InvalidRequest
 from umbra.events.types import Device, ResidentModel
 
-from .http import authorized, json_response, path_uuid, principal, read_json
+from .http import authorized, json_response, path_uuid, principal, read_json, request_id
 from .routing import endpoint
 
 Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -194,8 +194,6 @@ def _admin_action(command):
     return handle
 
 
-def request_id(request: Request) -> str | None:
-    return getattr(request.state, "request_id", None)
 
 
 async def _drain(request, conn, who, node_id):

@@ -19,7 +19,8 @@ from umbra.compute.auth import NODE_SCOPES
 from umbra.errors import InvalidRequest
 
 from .http import authorized, client_address, json_response, read_json
-from .nodes import Devices, Label, Word, request_id, rfc3339, to_devices
+from .http import request_id
+from .nodes import Devices, Label, Word, rfc3339, to_devices
 from .routing import endpoint
 
 

@@ -136,3 +136,59 @@ async def test_a_newer_writers_event_type_and_value_are_read_as_stored_and_skipp
     assert verified.status_code == 200
     assert {(d["id"], d["field"]) for d in verified.json()["differences"]} <= {
         (str(job.id), field) for field in ("version", "position", "updated_at")}
+
+
+async def test_every_event_a_request_causes_records_its_request_id(conn, org, client):
+    """Submission, claim, renewal, completion with a next claim, failure, decomposition, cancel: each names its request."""
+    from tests.helpers import bearer
+
+    from .queue_support import CPU64, add_node
+
+    org_id, key = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    credential = await _node_credential(conn, node)
+    said = {}
+
+    async def call(name: str, method: str, path: str, token: str, **kwargs):
+        said[name] = f"req-{name}"
+        response = await client.request(method, path, headers={**bearer(token), "X-Request-ID": said[name]}, **kwargs)
+        assert response.status_code < 300, response.text
+        return response.json()
+
+    first = await call("submit", "POST", "/v1/jobs", key, json={"kind": "a"})
+    await call("batch", "POST", "/v1/jobs/batch", key, json={"jobs": [{"kind": "b"}, {"kind": "c"}]})
+    claimed = await call("claim", "POST", "/v1/agent/claim?wait=0", credential)
+    await call("renew", "POST", f"/v1/agent/jobs/{first['id']}/renew", credential, json={"attempt": 1})
+    after = await call("complete", "POST", f"/v1/agent/jobs/{first['id']}/complete?claim_next=true", credential,
+                       json={"attempt": 1, "result": {}})  # fmt: skip
+    second = after["next_claim"]["job"]
+    await call("fail", "POST", f"/v1/agent/jobs/{second['id']}/fail", credential,
+               json={"attempt": 1, "error": "oom", "retry": False})  # fmt: skip
+    third = (await call("claim_c", "POST", "/v1/agent/claim?wait=0", credential))["job"]
+    await call("children", "POST", f"/v1/agent/jobs/{third['id']}/children", credential,
+               json={"attempt": 1, "children": [{"kind": "part"}]})  # fmt: skip
+    await call("cancel", "POST", f"/v1/jobs/{third['id']}/cancel", key)
+    assert claimed["job"]["id"] == first["id"]
+    recorded = {(e.stream, e.type): e.metadata.get("request_id") for e in await store.read_log(conn, limit=1000)}
+    def job(job_id: str) -> str:
+        return store.job_stream(uuid.UUID(job_id))
+
+    assert recorded[job(first["id"]), "job.submitted"] == said["submit"]
+    assert recorded[job(second["id"]), "job.submitted"] == said["batch"]
+    assert recorded[job(first["id"]), "job.claimed"] == said["claim"]
+    assert recorded[job(first["id"]), "job.lease_renewed"] == said["renew"]
+    assert recorded[job(first["id"]), "job.completed"] == said["complete"]
+    assert recorded[job(second["id"]), "job.claimed"] == said["complete"]  # the claim made with the completion
+    assert recorded[job(second["id"]), "job.failed"] == said["fail"]
+    assert recorded[job(third["id"]), "job.decomposed"] == said["children"]
+    assert recorded[job(third["id"]), "job.cancelled"] == said["cancel"]
+
+
+async def _node_credential(conn, node_id) -> str:
+    """A fresh credential for ``node_id`` (the pairing's own was shown once and not kept)."""
+    from umbra.compute.credentials import mint_node_credential, store_node_credential
+
+    credential = await mint_node_credential()
+    await store_node_credential(conn, credential, node_id=node_id, organization_id=(await (await conn.execute(
+        "SELECT organization_id FROM nodes WHERE id = %s", (node_id,))).fetchone())[0])
+    return credential.token
