@@ -173,13 +173,14 @@ def placed_summary(
         if children is not None and isinstance(result, dict) and result.get("detail"):
             return f"Complete: {result['detail']}."
         return f"Complete on {where} after attempt {attempt}." if where else f"Complete after attempt {attempt}."
+    said = _sentence(error)
     if status == "partial":
-        return f"Partial: {error}."
+        return f"Partial: {said}"
     if status == "failed":
         if attempt == 0:
-            return f"Failed without running: {error}."
+            return f"Failed without running: {said}"
         on = f" on {where}" if where else ""
-        return f"Failed after attempt {attempt} of {max_attempts}{on}: {error}."
+        return f"Failed after attempt {attempt} of {max_attempts}{on}: {said}"
     if status == "cancelled":
         if where:
             return f"Cancelled while running on {where}."
@@ -187,3 +188,9 @@ def placed_summary(
             return f"Cancelled while waiting, after {_count(attempt, 'attempt')}."
         return "Cancelled before it ran."
     raise ValueError(f"not a placed or finished status: {status}")
+
+
+def _sentence(text: str | None) -> str:
+    """``text`` ending in one full stop: an agent's error message may bring its own."""
+    text = (text or "").rstrip()
+    return text if text.endswith((".", "!", "?")) else text + "."

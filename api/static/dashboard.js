@@ -239,7 +239,8 @@
 
   function placementCell(placement) {
     if (!placement) return h("span", { class: "reason" }, "—");
-    const slow = placement.via === "ram" || String(placement.reason || "").includes("slow_path");
+    // A CPU always runs from RAM: only a device with VRAM of its own running from RAM is the slow path.
+    const slow = String(placement.reason || "").includes("slow_path");
     return h("span", {},
       slow ? h("span", { class: "badge slow", title: "Runs from system RAM: slower than VRAM" }, "slow path") : null,
       slow ? " " : null,

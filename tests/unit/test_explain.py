@@ -192,6 +192,8 @@ def test_placed_and_finished_sentences_name_the_recorded_placement():
     assert placed_summary(status="complete", attempt=1, lease_seconds_left=None, **settled) == (
         "Complete: all 5 children completed."
     )
+    handlerless = {**common, "error": "No handler for job kind 'x' on this agent (it handles: echo)."}
+    assert placed_summary(status="failed", attempt=1, lease_seconds_left=None, **handlerless).endswith("(it handles: echo).")
     unplaced = {**common, "placement": None, "error": "no_eligible_device: nope"}
     assert placed_summary(status="failed", attempt=0, lease_seconds_left=None, **unplaced) == (
         "Failed without running: no_eligible_device: nope."
