@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from uuid import UUID
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -10,7 +9,6 @@ from starlette.responses import Response
 from umbra.compute import jobs
 from umbra.compute.jobs import BatchRequest, JobRequest
 from umbra.errors import InvalidRequest, NotFound
-from umbra.events import store
 from umbra.projections import jobs as queue
 
 from .http import authorized, json_response, path_uuid, principal, read_json, request_id
@@ -60,28 +58,10 @@ async def get_job(request: Request) -> Response:
             raise InvalidRequest("as_of must be a log position (an integer >= 0).", field="as_of")
         position = None if as_of is None else query_int(request, "as_of", default=0, minimum=0, maximum=2**63 - 1)
         row = await jobs.get_job(conn, who.organization_id, job_id, as_of=position)
-        if who.kind == "node" and row.lease_owner != who.node_id and not await _ever_held(conn, job_id, who.node_id):
+        if who.kind == "node" and row.lease_owner != who.node_id and not await jobs.ever_held(conn, job_id, who.node_id):
             # A node credential sees only the jobs it holds or held; any other is as if missing.
             raise NotFound("job_not_found", f"No job {job_id}" + (f" at position {position}." if as_of is not None else "."))
     return json_response(queue.job_out(row))
-
-
-_CLAIMED_BY = "SELECT EXISTS (SELECT 1 FROM events WHERE stream = %s AND type = 'job.claimed' AND data->>'node_id' = %s)"
-
-
-async def _ever_held(conn, job_id: UUID, node_id: UUID | None) -> bool:
-    """Whether ``node_id`` ever claimed the job: its ``job.claimed`` events say so for good.
-
-    The row's ``lease_owner`` is only the current holder: the fold clears it
-    when the job is requeued, released or its lease expires, and a node may
-    still read a job it held, e.g. to learn what became of a failure it
-    reported. The look-up stays within the job's own stream (indexed by
-    stream and version), and is made only when the node is not the holder.
-    """
-    if node_id is None:
-        return False
-    found = await (await conn.execute(_CLAIMED_BY, (store.job_stream(job_id), str(node_id)))).fetchone()
-    return bool(found[0])
 
 
 async def cancel_job(request: Request) -> Response:

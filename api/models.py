@@ -11,8 +11,7 @@ from starlette.requests import Request
 from umbra.compute import models
 from umbra.domain.models import RegisteredModel
 
-from .http import authorized, json_response, principal, read_json
-from .http import request_id
+from .http import authorized, json_response, principal, read_json, request_id
 from .nodes import Megabytes, Word, rfc3339
 from .routing import endpoint
 

@@ -194,8 +194,6 @@ def _admin_action(command):
     return handle
 
 
-
-
 async def _drain(request, conn, who, node_id):
     await nodes.drain_node(conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request))
 

@@ -53,7 +53,7 @@ from .claims import (
     models_for_shapes, node_metadata,
 )  # fmt: skip
 from .jobs import settle_parents
-from .nodes import SHARE_CLAIM_GUARDS
+from .nodes import SHARE_CLAIM_GUARDS, guard_key
 
 
 @dataclass(eq=False)
@@ -149,7 +149,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     if claimers:
         # The guards first: the nodes' and registries' reads then start after any change holding
         # one has committed (see nodes.guard_against_claims).
-        reads.append((_GUARDS, {"ids": uuid_array([*node_ids, *orgs])}))
+        keys = {key for c in claimers for key in (guard_key(c.organization_id, c.node_id), guard_key(c.organization_id))}
+        reads.append((_GUARDS, {"keys": "{" + ",".join(map(str, sorted(keys))) + "}"}))
         reads.append((_NODES, {"ids": uuid_array(node_ids), "credentials": credential_ids}))
         reads += [(_SHAPES, {"org": org, "limit": MAX_SHAPES + 1}) for org in orgs]
     results = await begin_with(conn, reads, generic_plans=True, family=_FAMILY)
@@ -167,7 +168,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
         claimers = [c for c in claimers if id(c) not in unstaged]
     if claimers:
         # A node (or organization) whose guard a change holds is left out: its claimers take nothing this time.
-        waiting = _waiting_claimers([r[:-1] for r in node_records if r[0] in guarded and r[1] in guarded], claimers)
+        waiting = _waiting_claimers([r[:-1] for r in node_records
+                                     if guard_key(r[1], r[0]) in guarded and guard_key(r[1]) in guarded], claimers)
         for org, shape_records in zip(orgs, results):
             shapes = [shape for (shape,) in shape_records]
             if not shapes or waiting.get(org):

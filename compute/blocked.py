@@ -98,11 +98,15 @@ async def hold_capacity(conn: psycopg.AsyncConnection, organization_id: UUID, *,
     (:meth:`BlockingJudge.load` takes it) and every change takes it alone
     before it writes anything: a judgement then sees each change that has
     answered, and a change's re-examination sees each job judged before it.
-    A change takes it first thing, before the log's ordering lock, which a
-    submission holding it waits for.
+    A change takes it before its append (the log's ordering lock, which a
+    submission holding this one waits for) and before any job's row; a
+    decomposition, before its parent's row.
     """
-    mode = "" if exclusive else "_shared"
-    await conn.execute(f"SELECT pg_advisory_xact_lock{mode}(%s, hashtext(%s::text))", (CAPACITY_LOCK_CLASS, organization_id))
+    await conn.execute(_HOLD_CAPACITY if exclusive else _SHARE_CAPACITY, (CAPACITY_LOCK_CLASS, organization_id))
+
+
+_HOLD_CAPACITY = "SELECT pg_advisory_xact_lock(%s, hashtext(%s::text))"
+_SHARE_CAPACITY = "SELECT pg_advisory_xact_lock_shared(%s, hashtext(%s::text))"
 
 
 class BlockingJudge:

@@ -53,7 +53,7 @@ from umbra.events.types import JobClaimed, JobCompleted, JobDecomposed, JobLease
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
-from .blocked import QUEUED_SHAPES, BlockingJudge, read_models, read_nodes
+from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, read_nodes
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, check_json_depth, jobs_by_idempotency_key,
     lock_idempotency_keys,
@@ -545,6 +545,9 @@ async def _add_children(
     keys = [c.idempotency_key for c in children if c.idempotency_key]
     async with conn.transaction():
         await lock_idempotency_keys(conn, organization_id, keys)  # before any row lock, as a submission takes them
+        # Before the parent's row too: waiting for a change of the fleet with the row locked would hold up
+        # every batch that renews or completes the job.
+        await hold_capacity(conn, organization_id, exclusive=False)
         parent, _ = await _held(conn, organization_id, job_id, node_id, attempt)
         taken = await jobs_by_idempotency_key(conn, organization_id, keys)
         for index, child in enumerate(children):

@@ -84,7 +84,7 @@ async def revoke_node(
     live: revoking twice records nothing the second time).
     """
     async with conn.transaction():
-        await guard_against_claims(conn, node_id)
+        await guard_against_claims(conn, organization_id, node_id)
         state = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         if state is None:
             raise node_not_found(node_id)

@@ -25,6 +25,15 @@ from .nodes import append_node_events, capacity_cause, guard_against_claims, nod
 log = logging.getLogger(__name__)
 
 
+class _MoreLocks(Exception):
+    def __init__(self, guard: bool, capacity: bool) -> None:
+        self.guard, self.capacity = guard, capacity
+
+
+def _changes_devices(decision) -> bool:
+    return "devices" in decision.reasons
+
+
 @dataclass(frozen=True, slots=True)
 class HeartbeatResult:
     node_id: UUID
@@ -71,34 +80,50 @@ async def heartbeat(
     back_from_silence = before is None or (now - before).total_seconds() > stale_seconds
     if decision.event is None and not back_from_silence:
         return HeartbeatResult(node_id, effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds), False, False)
+    # Locks by what the beat changes, decided from the read above and checked again under the row's lock:
+    # the claim guard when placements change (see nodes.guard_against_claims), the organization's capacity
+    # lock when the device set does (the only change a job's "could anything ever run it" depends on).
+    guard, capacity = decision.changes_capacity, _changes_devices(decision)
+    while True:
+        try:
+            state, decision, now = await _record(conn, organization_id, node_id, report, guard=guard, capacity=capacity,
+                                                 event_interval_seconds=event_interval_seconds, request_id=request_id)
+            break
+        except _MoreLocks as more:  # the locked row says the beat changes more than the first read did
+            guard, capacity = guard or more.guard, capacity or more.capacity
+    if decision.event is not None:
+        log.debug("heartbeat recorded", extra={"action": "heartbeat_recorded", "node_id": str(node_id), "reasons": ",".join(decision.reasons)})
+    status = effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds)
+    return HeartbeatResult(node_id, status, decision.event is not None, decision.changes_capacity)
+
+
+async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, report: HeartbeatReport, *,
+                  guard: bool, capacity: bool, event_interval_seconds: int, request_id: str | None):  # fmt: skip
+    """Decide again under the node's row lock and record the beat; returns (state, decision, now).
+
+    Raises :class:`_MoreLocks` (nothing written) when the locked row calls for
+    a lock not taken: they are taken before the row's, so the caller starts over.
+    """
     async with conn.transaction():
-        if decision.changes_capacity:  # a claim must not place work on devices this beat says are gone
-            await guard_against_claims(conn, node_id)
-        if decision.changes_capacity or back_from_silence:
+        if guard:  # a claim must not place work on devices this beat says are gone
+            await guard_against_claims(conn, organization_id, node_id)
+        if capacity:
             await hold_capacity(conn, organization_id, exclusive=True)
         locked = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         assert locked is not None
         now = (await (await conn.execute("SELECT umbra_now()")).fetchone())[0]
         decision = decide_heartbeat(locked, report, now, event_interval_seconds=event_interval_seconds)
-        if decision.event is not None:
-            state, recorded = await append_node_events(
-                conn,
-                locked,
-                [decision.event],
-                node_id=node_id,
-                organization_id=organization_id,
-                actor=f"node:{node_id}",
-                request_id=request_id,
-            )
-            hints = [(organization_id, recorded[-1].position, 0)]
-            if decision.changes_capacity:
-                reexamined = await reexamine_waiting_jobs(conn, organization_id, publish=False,
-                                                          metadata=capacity_cause(node_id, request_id))  # fmt: skip
-                hints.extend(reexamined.hints)
-            await store.publish(conn, hints)
-        else:
-            state = locked
-    if decision.event is not None:
-        log.debug("heartbeat recorded", extra={"action": "heartbeat_recorded", "node_id": str(node_id), "reasons": ",".join(decision.reasons)})
-    status = effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds)
-    return HeartbeatResult(node_id, status, decision.event is not None, decision.changes_capacity)
+        if (decision.changes_capacity and not guard) or (_changes_devices(decision) and not capacity):
+            raise _MoreLocks(decision.changes_capacity, _changes_devices(decision))
+        if decision.event is None:
+            return locked, decision, now
+        state, recorded = await append_node_events(conn, locked, [decision.event], node_id=node_id,
+                                                   organization_id=organization_id, actor=f"node:{node_id}",
+                                                   request_id=request_id)  # fmt: skip
+        hints = [(organization_id, recorded[-1].position, 0)]
+        if _changes_devices(decision):
+            reexamined = await reexamine_waiting_jobs(conn, organization_id, publish=False,
+                                                      metadata=capacity_cause(node_id, request_id))  # fmt: skip
+            hints.extend(reexamined.hints)
+        await store.publish(conn, hints)
+        return state, decision, now

@@ -196,7 +196,9 @@ async def lock_idempotency_keys(conn: psycopg.AsyncConnection, organization_id: 
     same way for as long as batches sharing keys keep arriving. With them, the
     second waits for the first to commit and then finds its job. Keys share
     :data:`IDEMPOTENCY_LOCKS` locks per organization, taken in one order
-    (sorted), so no two transactions wait for each other.
+    (sorted), so waits never form a cycle; a batch naming many keys holds
+    most of them, and other keyed submissions of its organization wait for
+    it to commit.
     """
     if not keys:
         return
@@ -393,6 +395,23 @@ async def _cancel_locked(conn: psycopg.AsyncConnection, organization_id: UUID, r
 
 
 # -- reads ------------------------------------------------------------------------------
+
+_CLAIMED_BY = "SELECT EXISTS (SELECT 1 FROM events WHERE stream = %s AND type = 'job.claimed' AND data->>'node_id' = %s)"
+
+
+async def ever_held(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID | None) -> bool:
+    """Whether ``node_id`` ever claimed the job: its ``job.claimed`` events say so for good.
+
+    The row's ``lease_owner`` is only the current holder: the fold clears it
+    when the job is requeued, released or its lease expires, and a node may
+    still read a job it held, e.g. to learn what became of a failure it
+    reported. The look-up stays within the job's own stream (indexed by
+    stream and version).
+    """
+    if node_id is None:
+        return False
+    found = await (await conn.execute(_CLAIMED_BY, (store.job_stream(job_id), str(node_id)))).fetchone()
+    return bool(found and found[0])
 
 _LIST = f"""
 SELECT {queue.SELECT_LIST} FROM jobs

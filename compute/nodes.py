@@ -8,6 +8,7 @@ projection row, decide with a pure rule, append, fold, write, publish once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -144,17 +145,27 @@ async def append_node_events(
 
 #: Advisory lock class of the claim guards (the two-key form: apart from every one-key lock).
 CLAIM_GUARD_CLASS = 0x756D6E67
+#: Node guards per organization: nodes share them by id, so a batch of many claimers holds at most
+#: this many (and its organizations' own) however many nodes it serves: PostgreSQL's lock table is
+#: shared and sized for about 64 locks a connection.
+NODE_GUARDS = 64
 
-#: Of ``ids`` (the claiming nodes and their organizations), those whose guard this transaction now
-#: shares, never waiting.
+#: Of the guard keys ``keys`` (the claiming nodes' and their organizations'), those this transaction
+#: now shares, never waiting.
 SHARE_CLAIM_GUARDS = f"""
-SELECT coalesce(array_agg(id), '{{}}') FROM unnest(%(ids)s::uuid[]) AS id
-WHERE pg_try_advisory_xact_lock_shared({CLAIM_GUARD_CLASS}, hashtext(id::text))
+SELECT coalesce(array_agg(k), '{{}}') FROM unnest(%(keys)s::int[]) AS k
+WHERE pg_try_advisory_xact_lock_shared({CLAIM_GUARD_CLASS}, k)
 """
 
 
-async def guard_against_claims(conn: psycopg.AsyncConnection, guarded: UUID) -> None:
-    """Hold a claim guard to commit: a node's (by its id), or every claim of an organization's (by its id).
+def guard_key(organization_id: UUID, node_id: UUID | None = None) -> int:
+    """The key of a node's claim guard (one of its organization's :data:`NODE_GUARDS`), or of the organization's."""
+    tag = b"organization" if node_id is None else bytes([node_id.int % NODE_GUARDS])
+    return int.from_bytes(hashlib.blake2b(organization_id.bytes + tag, digest_size=4).digest(), "big", signed=True)
+
+
+async def guard_against_claims(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID | None = None) -> None:
+    """Hold a claim guard to commit: the node's, or (with no node) every claim of the organization's.
 
     Once this returns, no claim it guards commits until this transaction has.
 
@@ -176,13 +187,14 @@ async def guard_against_claims(conn: psycopg.AsyncConnection, guarded: UUID) -> 
     advisory lock, kept in memory: locking the node's row ``FOR SHARE``
     instead would write that row at every claim.
     """
-    await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s::text))", (CLAIM_GUARD_CLASS, guarded))
+    await conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (CLAIM_GUARD_CLASS, guard_key(organization_id, node_id)))
 
 
 async def share_claim_guards(conn: psycopg.AsyncConnection, node_id: UUID, organization_id: UUID) -> bool:
     """Share the node's and its organization's claim guards to commit; False if a change holds either."""
-    [(shared,)] = await (await conn.execute(SHARE_CLAIM_GUARDS, {"ids": [node_id, organization_id]})).fetchall()
-    return len(shared) == 2
+    keys = [guard_key(organization_id, node_id), guard_key(organization_id)]
+    [(shared,)] = await (await conn.execute(SHARE_CLAIM_GUARDS, {"keys": sorted(set(keys))})).fetchall()
+    return set(keys) <= set(shared)
 
 
 def capacity_cause(node_id: UUID | None, request_id: str | None) -> dict[str, str]:
@@ -197,7 +209,7 @@ async def _transition(
     conn, organization_id: UUID, node_id: UUID, event: Event, check, actor: str | None, request_id: str | None
 ) -> NodeState:
     async with conn.transaction():
-        await guard_against_claims(conn, node_id)
+        await guard_against_claims(conn, organization_id, node_id)
         await hold_capacity(conn, organization_id, exclusive=True)
         state = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         if state is None:

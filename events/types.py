@@ -298,10 +298,10 @@ def decode_event(data: bytes | str) -> Event | UnknownEvent:
         raw = msgspec.json.decode(data)
         if not isinstance(raw, dict):
             raise
-        stored = raw
+        stored, upcast = raw, False
         while isinstance(raw.get("type"), str) and raw["type"] in UPCASTS:
-            raw = UPCASTS[raw["type"]](raw)
-        if raw is not stored:
+            raw, upcast = UPCASTS[raw["type"]](dict(raw)), True
+        if upcast:
             try:
                 return _decoder.decode(_encoder.encode(raw))
             except msgspec.ValidationError:

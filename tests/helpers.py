@@ -26,3 +26,22 @@ async def eventually(check: Callable[[], Awaitable[T]], *, timeout: float = 10.0
 def bearer(token: str) -> dict[str, str]:
     """The Authorization header for ``token``."""
     return {"Authorization": f"Bearer {token}"}
+
+
+_WAITING = """
+SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+WHERE NOT l.granted AND a.datname = current_database() AND (%(type)s::text IS NULL OR l.locktype = %(type)s)
+"""
+
+
+async def waiting_on_a_lock(conn, locktype: str | None = None) -> bool:
+    """Whether a session of ``conn``'s database (this test's own) waits for a lock, of ``locktype`` if given."""
+    row = await (await conn.execute(_WAITING, {"type": locktype})).fetchone()
+    return row[0] > 0
+
+
+async def until_done_or_waiting(conn, done: Callable[[], bool], *, timeout: float = 10.0) -> None:
+    """Wait until ``done()`` or until a session of this database waits for a lock: how far a concurrent step got."""
+    with anyio.move_on_after(timeout):
+        while not done() and not await waiting_on_a_lock(conn):
+            await anyio.sleep(0.01)

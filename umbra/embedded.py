@@ -84,6 +84,12 @@ def _read_json(path: Path, default):
     return value if isinstance(value, type(default)) else default
 
 
+def _read_starts(path: Path) -> dict[str, float]:
+    """The recorded create times; entries that are not ``"<pid>": seconds`` (a damaged file) are left out."""
+    return {key: float(started) for key, started in _read_json(path, {}).items()
+            if key.isdigit() and isinstance(started, (int, float))}  # fmt: skip
+
+
 def _alive_since(pid: int, when: float) -> bool:
     """Whether ``pid`` is a live process created no later than ``when``.
 
@@ -114,7 +120,7 @@ def _prune_dead_handles(pgdata: Path) -> None:
         if not handles.exists():
             return
         pids = _read_json(handles, [])
-        recorded = _read_json(starts, {})
+        recorded = _read_starts(starts)
         listed_at = handles.stat().st_mtime
         alive = [pid for pid in pids if pid != os.getpid() and _alive_since(pid, recorded.get(str(pid), listed_at))]
         if alive != pids:
@@ -131,7 +137,7 @@ def _record_handle(pgdata: Path, pid: int) -> None:
     handles, starts = pgdata / ".handle_pids.json", pgdata / _HANDLE_STARTS
     with pgserver.PostgresServer._lock:
         listed = _read_json(handles, [])
-        recorded = {key: started for key, started in _read_json(starts, {}).items() if int(key) in listed}
+        recorded = {key: started for key, started in _read_starts(starts).items() if int(key) in listed}
         recorded[str(pid)] = psutil.Process(pid).create_time()
         starts.write_text(json.dumps(recorded))
 

@@ -137,7 +137,7 @@ def server_url(env: Mapping[str, str] | None = None) -> str:
         host = "127.0.0.1"
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"http://{host}:{_int(env, 'UMBRA_PORT', 8080, minimum=0, maximum=65535)}"
+    return f"http://{host}:{_int(env, 'UMBRA_PORT', 8080, minimum=1, maximum=65535)}"
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:

@@ -189,3 +189,12 @@ def test_an_unrecorded_handle_is_kept_only_if_its_process_predates_the_list(tmp_
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_damaged_record_of_holders_is_ignored_not_fatal(tmp_path):
+    from umbra.embedded import _prune_dead_handles
+
+    (tmp_path / ".handle_pids.json").write_text("[]")
+    (tmp_path / ".umbra_handle_starts.json").write_text('{"abc": 1.0, "12": "soon", "13": 5}')
+    _prune_dead_handles(tmp_path)
+    assert json.loads((tmp_path / ".umbra_handle_starts.json").read_text()) == {}

@@ -19,6 +19,8 @@ from umbra.compute.models import upsert_model
 from umbra.domain.models import RegisteredModel
 from umbra.projections import jobs as queue
 
+from tests.helpers import until_done_or_waiting
+
 from .queue_support import CPU64, GPU24, add_node, beat, register_model, submit
 
 pytestmark = pytest.mark.anyio
@@ -43,14 +45,20 @@ class HeldJudge:
         monkeypatch.setattr(blocked.BlockingJudge, "load", classmethod(load))
 
 
-async def _both(first, second, held: HeldJudge) -> None:
-    """Run ``first`` until its judgement is read, then ``second`` for a while, then let both finish."""
+async def _both(conn, first, second, held: HeldJudge) -> None:
+    """Run ``first`` until its judgement is read, then ``second`` to its end or to a lock the first holds, then both."""
+    finished = []
+
+    async def run_second() -> None:
+        await second()
+        finished.append(True)
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(first)
         with anyio.fail_after(10):
             await held.read.wait()
-        tg.start_soon(second)
-        await anyio.sleep(0.5)  # the second one runs as far as it can: to its end, or to a lock the first one holds
+        tg.start_soon(run_second)
+        await until_done_or_waiting(conn, lambda: bool(finished))
         held.release.set()
 
 
@@ -67,7 +75,7 @@ async def test_a_submission_racing_a_pairing_is_not_left_blocked(db_url, conn, o
         async def pair() -> None:
             await add_node(admin, org_id, "a", [CPU64])
 
-        await _both(submit_job, pair, held)
+        await _both(conn, submit_job, pair, held)
     row = await queue.load(conn, made["job"].id, org_id)
     assert (row.status, row.blocked_reason) == ("queued", None)
 
@@ -86,7 +94,7 @@ async def test_a_submission_racing_the_registration_of_its_model_is_not_left_blo
         async def register() -> None:
             await register_model(admin, org_id, "m", vram_min_mb=8000)
 
-        await _both(submit_job, register, held)
+        await _both(conn, submit_job, register, held)
     row = await queue.load(conn, made["job"].id, org_id)
     assert (row.status, row.blocked_reason) == ("queued", None)
 
@@ -106,6 +114,31 @@ async def test_a_registry_update_racing_a_heartbeat_that_adds_a_gpu_leaves_the_j
         async def register() -> None:  # m needs cuda: only the new GPU can run it
             await upsert_model(admin, org_id, RegisteredModel(slug="m", vram_min_mb=8000, requires_accelerators=("cuda",)))
 
-        await _both(gpu_arrives, register, held)
+        await _both(conn, gpu_arrives, register, held)
     row = await queue.load(conn, job, org_id)
     assert (row.status, row.blocked_reason) == ("queued", None)
+
+
+async def test_a_decomposition_waiting_for_a_change_of_the_fleet_holds_no_row_a_batch_needs(db_url, conn, org):
+    """It waits for the capacity lock before it locks its parent: the holder's renewal goes through meanwhile."""
+    from umbra.compute import batch_commands, claims
+    from umbra.compute.batch_commands import Command
+    from umbra.compute.claims import ChildRequest
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    parent = (await submit(conn, org_id)).id
+    held = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as agent, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as batch:  # fmt: skip
+        async with anyio.create_task_group() as tg:
+            async with admin.transaction():
+                await blocked.hold_capacity(admin, org_id, exclusive=True)  # a change of the fleet in flight
+                tg.start_soon(lambda: claims.add_children(agent, organization_id=org_id, node_id=node, job_id=parent,
+                                                          attempt=held.attempt, children=[ChildRequest(kind="c")]))  # fmt: skip
+                await until_done_or_waiting(conn, lambda: False)
+                await batch.execute("SET lock_timeout = '2s'")
+                staged, _ = await batch_commands.stage(batch, [Command("renew", org_id, node, parent, held.attempt)])
+                await batch_commands.write(batch, staged)
+                assert [type(s.event).__name__ for s in staged] == ["JobLeaseRenewed"]

@@ -19,6 +19,8 @@ from umbra.compute.nodes import drain_node, guard_against_claims, retire_node
 from umbra.domain.models import RegisteredModel
 from umbra.events import store
 
+from tests.helpers import until_done_or_waiting
+
 from .queue_support import CPU64, GPU24, add_node, beat, register_model, submit
 
 pytestmark = pytest.mark.anyio
@@ -29,13 +31,6 @@ CHANGES = {
     "retire": lambda conn, org_id, node: retire_node(conn, org_id, node, actor="admin"),
     "revoke": lambda conn, org_id, node: revoke_node(conn, org_id, node, actor="admin"),
 }
-
-
-async def _waiting_on_an_advisory_lock(conn) -> bool:
-    row = await (await conn.execute(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())")).fetchone()
-    return row[0] > 0
 
 
 @pytest.mark.parametrize("change", sorted(CHANGES))
@@ -56,9 +51,7 @@ async def test_a_change_answers_only_after_the_claim_that_read_its_node_online_c
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_change)
-            with anyio.move_on_after(10):
-                while not changed.is_set() and not await _waiting_on_an_advisory_lock(conn):
-                    await anyio.sleep(0.01)
+            await until_done_or_waiting(conn, changed.is_set)
             assert not changed.is_set(), f"the {change} answered while a claim that saw the node online was in flight"
             await batch_commands.write(claimer, staged)
         claimed = [e for e in await store.read_stream(conn, store.job_stream(job)) if e.type == "job.claimed"]
@@ -74,7 +67,7 @@ async def test_a_claim_for_a_node_being_changed_takes_nothing_and_waits_for_noth
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin, \
             await psycopg.AsyncConnection.connect(db_url, autocommit=True) as claimer:  # fmt: skip
         async with admin.transaction():
-            await guard_against_claims(admin, a)  # a drain of `a` that has not committed yet
+            await guard_against_claims(admin, org_id, a)  # a drain of `a` that has not committed yet
             with anyio.fail_after(5):
                 staged, _ = await batch_commands.stage(claimer, [Command("claim", org_id, a), Command("claim", org_id, b)])
                 assert [(s.command.node_id, s.state.id) for s in staged] == [(b, first)]
@@ -101,9 +94,7 @@ async def test_a_registry_update_answers_only_after_the_claim_that_read_the_old_
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(raise_floor)
-            with anyio.move_on_after(10):
-                while not changed.is_set() and not await _waiting_on_an_advisory_lock(conn):
-                    await anyio.sleep(0.01)
+            await until_done_or_waiting(conn, changed.is_set)
             assert not changed.is_set(), "the registry update answered while a claim placed by the old floor was in flight"
             await batch_commands.write(claimer, staged)
         with anyio.fail_after(10):
@@ -127,3 +118,17 @@ async def test_a_claim_while_the_registry_is_being_changed_takes_nothing(db_url,
                 assert await claims.claim(claimer, node_id=node, organization_id=org_id, lease_seconds=60) is None
         got = await claims.claim(claimer, node_id=node, organization_id=org_id, lease_seconds=60)
         assert got is not None and got.job_id == job
+
+
+def test_nodes_share_a_bounded_number_of_guards_per_organization():
+    """However many nodes a batch serves, it holds at most NODE_GUARDS guards per organization, and its own."""
+    from uuid import uuid4
+
+    from umbra.compute.nodes import NODE_GUARDS, guard_key
+
+    org, other = uuid4(), uuid4()
+    keys = {guard_key(org, uuid4()) for _ in range(5000)}
+    assert len(keys) == NODE_GUARDS and guard_key(org) not in keys
+    assert not keys & {guard_key(other, uuid4()) for _ in range(5000)}  # another organization's are its own
+    node = uuid4()
+    assert guard_key(org, node) == guard_key(org, node)

@@ -15,6 +15,8 @@ from umbra.domain.heartbeat import HeartbeatReport
 from umbra.events import store
 from umbra.events.types import Device, ResidentModel
 
+from tests.helpers import until_done_or_waiting
+
 pytestmark = pytest.mark.anyio
 
 GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=24000, accelerators=("cuda",))
@@ -173,9 +175,7 @@ async def test_a_beat_that_waited_for_the_sweep_marking_its_node_offline_brings_
             async with sweeper.transaction():
                 assert await mark_stale_nodes_offline(sweeper) == [node_id]
                 tg.start_soon(beat_now)
-                with anyio.move_on_after(10):
-                    while not answers and not await _waiting_on_a_lock(conn):
-                        await anyio.sleep(0.01)
+                await until_done_or_waiting(conn, lambda: bool(answers))
     assert answers[0].status == "online"
     assert (await node_view(conn, node_id)).stored_status == "online"
     assert (await types(conn, node_id))[-2:] == ["node.went_offline", "node.heartbeat"]
@@ -194,11 +194,6 @@ async def test_a_sweep_running_while_a_beat_commits_leaves_the_node_online(db_ur
     view = await node_view(conn, node_id)
     assert (view.stored_status, view.status) == ("online", "online")
 
-
-async def _waiting_on_a_lock(conn) -> bool:
-    row = await (await conn.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'")).fetchone()
-    return row[0] > 0
 
 
 async def test_a_beat_that_commits_between_the_sweeps_read_and_its_lock_leaves_the_node_online(db_url, conn, org, monkeypatch):
@@ -224,3 +219,19 @@ async def test_a_beat_that_commits_between_the_sweeps_read_and_its_lock_leaves_t
             assert (await beat(agent, org_id, node_id)).status == "online"
     assert marked == []
     assert (await node_view(conn, node_id)).stored_status == "online"
+
+
+async def test_a_beat_that_changes_only_free_memory_does_not_wait_for_submissions(db_url, conn, org):
+    """Only a changed device set changes what could ever run: free memory and residency are placement's business."""
+    from umbra.compute.blocked import hold_capacity
+
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    busy = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=12000, accelerators=("cuda",))
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as submitter:
+        async with submitter.transaction():
+            await hold_capacity(submitter, org_id, exclusive=False)  # a submission judging the fleet, not committed
+            with anyio.fail_after(5):
+                result = await beat(conn, org_id, node_id, devices=(busy, CPU))
+    assert result.recorded and result.changed_capacity

@@ -29,6 +29,8 @@ from umbra.errors import Conflict
 from umbra.events import store
 from umbra.settings import load_settings
 
+from tests.helpers import until_done_or_waiting
+
 from .queue_support import CPU64, add_node, set_clock, spec
 
 pytestmark = pytest.mark.anyio
@@ -165,15 +167,8 @@ async def test_a_cancel_that_waited_for_a_decomposition_ends_the_children_it_mad
                 children = await claims.add_children(agent, organization_id=org_id, node_id=node, job_id=parent,
                                                      attempt=held.attempt, children=[ChildRequest(kind="c")] * 2)  # fmt: skip
                 tg.start_soon(run_cancel)
-                with anyio.fail_after(10):
-                    while not await _waiting_on_a_lock(conn):
-                        await anyio.sleep(0.01)
+                await until_done_or_waiting(conn, lambda: bool(cancelled))
     assert cancelled[0].status == "cancelled" and cancelled[0].children_total == 2
     assert {(await jobs.get_job(conn, org_id, c.id)).status for c in children} == {"cancelled"}
     assert await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60) is None
 
-
-async def _waiting_on_a_lock(conn) -> bool:
-    row = await (await conn.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'")).fetchone()
-    return row[0] > 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import anyio
 
 from umbra.errors import InvalidRequest
+from umbra.cli_events import SERVER_HELP
 from umbra.settings import server_url
 
 from .client import AgentClient, ServiceError
@@ -60,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run the reference agent on this machine",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
     )
-    p.add_argument("--server", default=None, help="controller URL (default: the saved one, else UMBRA_SERVER, else http://127.0.0.1:UMBRA_PORT, port 8080 if unset)")
+    p.add_argument("--server", default=None, help="controller URL (default: the one saved at pairing, else " + SERVER_HELP.removeprefix("service URL (default "))
     p.add_argument("--code", help="six-digit pairing code (first run only)")
     p.add_argument("--name", help="node name the pairing code was issued for")
     p.add_argument("--credential-file", type=Path, help="where the node credential is kept (default: <data dir>/agent/credential.json)")
