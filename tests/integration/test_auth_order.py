@@ -33,6 +33,8 @@ from umbra.compute.accounts import create_api_key
 from umbra.compute.auth import API_KEY_SCOPES
 from tests.helpers import bearer
 
+from .route_credentials import holding_the_scopes, lacking_the_scopes
+
 pytestmark = pytest.mark.anyio
 
 _PATH_PARAM = re.compile(r"{([^}:]+)(?::[^}]+)?}")
@@ -156,26 +158,6 @@ async def callers(client, conn, org) -> Callers:
     return Callers(key, redeemed.json()["credential"], redeemed.json()["node_id"], scoped)
 
 
-def admitted(info: Any, callers: Callers) -> list[tuple[str, str]]:
-    """Credentials of the route's kind holding its scopes."""
-    out = []
-    if "api_key" in info.auth:
-        out.append(("key", callers.key))
-    if "node" in info.auth:
-        out.append(("node", callers.node))
-    return out
-
-
-def lacking_the_scope(info: Any, callers: Callers) -> list[tuple[str, str]]:
-    """Credentials holding none of the scopes the route accepts."""
-    out = [(f"key[{scope}]", token) for scope, token in callers.scoped.items() if scope not in info.scopes]
-    if not any(scope.startswith("compute:") for scope in info.scopes):
-        out.append(("node", callers.node))
-    if not any(scope in API_KEY_SCOPES for scope in info.scopes):
-        out.append(("key", callers.key))
-    return out
-
-
 def test_every_authenticated_route_and_parameter_is_probed():
     made = probes()
     assert {(p.method, p.info.path) for p in made} == {(info.method, path) for path, info in authenticated_routes()}
@@ -211,7 +193,7 @@ async def test_a_credential_without_the_scope_gets_403_before_path_query_or_body
     before = await fingerprint(conn)
     failures = []
     for probe in made:
-        for name, token in lacking_the_scope(probe.info, callers):
+        for name, token in lacking_the_scopes(probe.info, callers.key, callers.node, callers.scoped):
             answer = await _send(client, probe, token)
             if outcome(answer) != (403, "forbidden"):
                 failures.append(f"{probe} as {name}: {answer.status_code} {answer.text[:200]}")
@@ -225,7 +207,7 @@ async def test_with_the_scope_each_probe_is_refused_for_what_it_makes_invalid(cl
     before = await fingerprint(conn)
     failures = []
     for probe in made:
-        for name, token in admitted(probe.info, callers):
+        for name, token in holding_the_scopes(probe.info, callers.key, callers.node):
             answer = await _send(client, probe, token)
             error = outcome(answer)[1] or ""
             if probe.invalid == "path":

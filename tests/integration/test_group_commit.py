@@ -215,27 +215,17 @@ async def test_a_claim_says_when_the_organization_has_nothing_queued(db_url, con
         assert (await claim()).job_id == cpu_job
 
 
-async def test_a_claimer_beaten_to_the_only_job_is_told_nothing_is_left(db_url, conn, org):
-    org_id, _ = org
-    first, second = await add_node(conn, org_id, "a", [CPU64]), await add_node(conn, org_id, "b", [CPU64])
-    job = (await submit(conn, org_id)).id
-    empty = object()
-    async with group_commit(db_url) as (group, _, tg):
-        results = await in_one_batch(group, tg, [
-            lambda n=n: group.claim(node_id=n, organization_id=org_id, lease_seconds=60, stale_seconds=45, empty=empty)
-            for n in (first, second)
-        ])  # fmt: skip
-    assert results[0].job_id == job
-    assert results[1] is empty  # the job it could have had is taken: no one else need be woken for it
-
-
-async def test_a_claimer_beaten_to_its_job_lets_the_wake_go_on_while_work_for_other_nodes_is_queued(db_url, conn, org):
-    """A GPU job is still queued: the CPU claimer that lost the CPU job must not end the wake meant for a GPU agent."""
+@pytest.mark.parametrize("gpu_job_queued", [False, True])
+async def test_a_claimer_beaten_to_its_job_ends_the_wake_only_when_nothing_queued_is_for_another_node(
+        db_url, conn, org, gpu_job_queued):  # fmt: skip
+    """Beaten to the only job, the loser says nothing is left: no one else need be woken for it. With a GPU job
+    still queued it must not: the long-poll hub passes its wake token on to a waiter that can run that job."""
     org_id, _ = org
     first, second = await add_node(conn, org_id, "a", [CPU64]), await add_node(conn, org_id, "b", [CPU64])
     await add_node(conn, org_id, "gpu", [GPU24])
     job = (await submit(conn, org_id)).id
-    await submit(conn, org_id, requires={"accelerators": ["cuda"]})
+    if gpu_job_queued:
+        await submit(conn, org_id, requires={"accelerators": ["cuda"]})
     empty = object()
     async with group_commit(db_url) as (group, _, tg):
         results = await in_one_batch(group, tg, [
@@ -243,7 +233,7 @@ async def test_a_claimer_beaten_to_its_job_lets_the_wake_go_on_while_work_for_ot
             for n in (first, second)
         ])  # fmt: skip
     assert results[0].job_id == job
-    assert results[1] is None  # not `empty`: the long-poll hub passes its token on to the next waiter
+    assert results[1] is (None if gpu_job_queued else empty)
 
 
 async def _credential_of(conn, node_id):

@@ -154,16 +154,18 @@ async def test_a_node_of_another_organization_cannot_be_beaten_for(conn, org):
     assert (await node_view(conn, node_id)).last_seen_at is None
 
 
-async def _silent_for_a_minute(conn, node_id) -> None:
+async def _silent_node(conn, org_id):
+    """A node that beat once, a minute ago: the sweep may mark it offline."""
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
     await conn.execute("UPDATE node_liveness SET last_seen_at = now() - interval '60 seconds' WHERE node_id = %s", (node_id,))
+    return node_id
 
 
 async def test_a_beat_that_waited_for_the_sweep_marking_its_node_offline_brings_it_back(db_url, conn, org):
     """The beat's own read said ``online``; the sweep, holding the row, was about to commit ``offline``."""
     org_id, _ = org
-    node_id = await pair(conn, org_id)
-    await beat(conn, org_id, node_id)
-    await _silent_for_a_minute(conn, node_id)
+    node_id = await _silent_node(conn, org_id)
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as agent, \
             await psycopg.AsyncConnection.connect(db_url, autocommit=True) as sweeper:  # fmt: skip
         answers = []
@@ -183,9 +185,7 @@ async def test_a_beat_that_waited_for_the_sweep_marking_its_node_offline_brings_
 
 async def test_a_sweep_running_while_a_beat_commits_leaves_the_node_online(db_url, conn, org):
     org_id, _ = org
-    node_id = await pair(conn, org_id)
-    await beat(conn, org_id, node_id)
-    await _silent_for_a_minute(conn, node_id)
+    node_id = await _silent_node(conn, org_id)
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as agent, \
             await psycopg.AsyncConnection.connect(db_url, autocommit=True) as sweeper:  # fmt: skip
         async with agent.transaction():  # the beat has run; its commit is on its way
@@ -201,9 +201,7 @@ async def test_a_beat_that_commits_between_the_sweeps_read_and_its_lock_leaves_t
     from umbra.compute import nodes
 
     org_id, _ = org
-    node_id = await pair(conn, org_id)
-    await beat(conn, org_id, node_id)
-    await _silent_for_a_minute(conn, node_id)
+    node_id = await _silent_node(conn, org_id)
     monkeypatch.setattr(nodes, "_STALE", nodes._STALE.replace("WHERE n.status = 'online'",
                                                               "WHERE n.status = 'online' AND pg_sleep(0.5) IS NOT NULL"))
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as agent, \

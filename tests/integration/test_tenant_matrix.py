@@ -37,6 +37,8 @@ from umbra.compute.accounts import create_api_key, create_organization, create_p
 from umbra.compute.auth import API_KEY_SCOPES
 from tests.helpers import bearer
 
+from .route_credentials import holding_the_scopes, lacking_the_scopes
+
 pytestmark = pytest.mark.anyio
 
 #: Routes with no tenant-scoped object, and why.
@@ -219,26 +221,6 @@ async def _call(client, method: str, path: str, token: str, body: dict | None) -
     return await client.request(method, path, headers=bearer(token), json=body)
 
 
-def credentials_for(info: Any, world: World) -> list[tuple[str, str]]:
-    """B's credentials that hold the route's scopes, by kind."""
-    out = []
-    if "api_key" in info.auth:
-        out.append(("b_key", world.b_key))
-    if "node" in info.auth:
-        out.append(("b_node", world.b_node_token))
-    return out
-
-
-def unscoped_for(info: Any, world: World) -> list[tuple[str, str]]:
-    """B's credentials that lack every scope the route accepts."""
-    out = [(f"b_key[{s}]", token) for s, token in world.b_scoped.items() if s not in info.scopes]
-    if not any(s.startswith("compute:") for s in info.scopes):
-        out.append(("b_node", world.b_node_token))
-    if not any(s in API_KEY_SCOPES for s in info.scopes):
-        out.append(("b_key", world.b_key))
-    return out
-
-
 async def test_object_routes_answer_another_organization_as_if_the_object_did_not_exist(conn, live_server, world):
     cases = [(key, info) for key, info in route_table() if classify(key, info) == "object"]
     failures: list[str] = []
@@ -246,7 +228,7 @@ async def test_object_routes_answer_another_organization_as_if_the_object_did_no
         for (method, path), info in cases:
             body = BODIES.get(info.body) if info.body else None
             kind = object_kind(path)
-            for name, token in credentials_for(info, world):
+            for name, token in holding_the_scopes(info, world.b_key, world.b_node_token, prefix="b_"):
                 before = await fingerprint(conn)
                 theirs = await _call(client, method, object_path(path, world), token, body)
                 after = await fingerprint(conn)
@@ -264,7 +246,7 @@ async def test_object_routes_answer_another_organization_as_if_the_object_did_no
                     failures.append(f"{label}: body shows {shown}")
                 if before != after:
                     failures.append(f"{label}: a refused request wrote something")
-            for name, token in unscoped_for(info, world):
+            for name, token in lacking_the_scopes(info, world.b_key, world.b_node_token, world.b_scoped, prefix="b_"):
                 before = await fingerprint(conn)
                 answer = await _call(client, method, object_path(path, world), token, body)
                 if answer.status_code != 403 or answer.json()["error"] != "forbidden" or leaked(world, answer.text, asked=world.ids[kind]):
@@ -304,14 +286,14 @@ async def test_listings_with_another_organizations_credentials_never_show_its_ob
     async with httpx.AsyncClient(base_url=live_server.url, timeout=15) as client:
         for (_, path), info in cases:
             stream = info.produces == "text/event-stream"
-            for name, token in credentials_for(info, world):
+            for name, token in holding_the_scopes(info, world.b_key, world.b_node_token, prefix="b_"):
                 text = await _read(client, path, token, stream)
                 if leaked(world, text):
                     failures.append(f"GET {path} as {name}: shows {leaked(world, text)}")
             mine = world.a_node_token if info.auth == "node" else world.a_key
             if not leaked(world, await _read(client, path, mine, stream)):
                 failures.append(f"GET {path} as A: none of A's objects listed (the probe proves nothing)")
-            for name, token in unscoped_for(info, world):
+            for name, token in lacking_the_scopes(info, world.b_key, world.b_node_token, world.b_scoped, prefix="b_"):
                 answer = await client.get(path, headers=bearer(token))
                 if answer.status_code != 403 or leaked(world, answer.text):
                     failures.append(f"GET {path} as {name}: {answer.status_code}")
