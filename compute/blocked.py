@@ -35,6 +35,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
+from umbra.db import organization_lock_key
 from umbra.domain.eligibility import NodeView, blocking_reason
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
@@ -81,7 +82,7 @@ async def read_models(conn: psycopg.AsyncConnection, organization_id: UUID) -> d
     return await load_models(conn, organization_id)
 
 
-#: Advisory lock class of an organization's capacity lock (the two-key form: apart from every one-key lock).
+#: Advisory lock class of an organization's capacity lock (see ``db.organization_lock_key``).
 CAPACITY_LOCK_CLASS = 0x756D6361
 
 
@@ -102,11 +103,12 @@ async def hold_capacity(conn: psycopg.AsyncConnection, organization_id: UUID, *,
     submission holding this one waits for) and before any job's row; a
     decomposition, before its parent's row.
     """
-    await conn.execute(_HOLD_CAPACITY if exclusive else _SHARE_CAPACITY, (CAPACITY_LOCK_CLASS, organization_id))
+    key = organization_lock_key(organization_id, b"capacity")
+    await conn.execute(_HOLD_CAPACITY if exclusive else _SHARE_CAPACITY, (CAPACITY_LOCK_CLASS, key))
 
 
-_HOLD_CAPACITY = "SELECT pg_advisory_xact_lock(%s, hashtext(%s::text))"
-_SHARE_CAPACITY = "SELECT pg_advisory_xact_lock_shared(%s, hashtext(%s::text))"
+_HOLD_CAPACITY = "SELECT pg_advisory_xact_lock(%s, %s)"
+_SHARE_CAPACITY = "SELECT pg_advisory_xact_lock_shared(%s, %s)"
 
 
 class BlockingJudge:

@@ -9,8 +9,8 @@ Submission is all-or-nothing for a batch: every item is validated (the request
 struct, then each named project) before the one ``append_many`` statement and
 the one multi-row write. Idempotency keys are scoped to the organization: a key
 already used returns the job it created (and appends nothing); two submissions
-racing on a new key both insert, the unique constraint refuses the loser's row,
-and the loser's transaction is retried and finds the winner's job.
+racing on a new key serialise on the key's lock (:func:`lock_idempotency_keys`),
+and the second finds the first one's job.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import psycopg
 from msgspec import Meta
 
 from umbra.compute.accounts import project_exists
+from umbra.db import organization_lock_key
 from umbra.domain.jobs import decide_cancel
 from umbra.domain.settlement import settle
 from umbra.errors import InvalidRequest, NotFound
@@ -180,7 +181,7 @@ def submitted_event_count(requires: Requirements, judge: BlockingJudge) -> int:
 
 _BY_KEYS = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE organization_id = %s AND idempotency_key = ANY(%s)"
 
-#: Advisory lock class of the idempotency-key locks (the two-key form: apart from every one-key lock).
+#: Advisory lock class of the idempotency-key locks (see ``db.organization_lock_key``).
 IDEMPOTENCY_LOCK_CLASS = 0x756D696B
 #: Locks per organization the keys are spread over: a transaction takes at most this many, however
 #: many keys it names (PostgreSQL's lock table is shared and sized for about 64 locks a connection).
@@ -208,7 +209,7 @@ async def lock_idempotency_keys(conn: psycopg.AsyncConnection, organization_id: 
 
 def _lock_of(organization_id: UUID, key: str) -> int:
     bucket = hashlib.blake2b(key.encode(), digest_size=8).digest()[0] % IDEMPOTENCY_LOCKS
-    return int.from_bytes(hashlib.blake2b(organization_id.bytes + bytes([bucket]), digest_size=4).digest(), "big", signed=True)
+    return organization_lock_key(organization_id, bytes([bucket]))
 
 
 async def jobs_by_idempotency_key(conn: psycopg.AsyncConnection, organization_id: UUID, keys: Sequence[str]) -> dict[str, JobRow]:

@@ -8,7 +8,6 @@ projection row, decide with a pure rule, append, fold, write, publish once.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -17,6 +16,7 @@ from uuid import UUID
 
 import psycopg
 
+from umbra.db import organization_lock_key
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.domain.nodes import check_drain, check_retire, is_schedulable
 from umbra.errors import NotFound
@@ -143,7 +143,7 @@ async def append_node_events(
 
 # -- the claim guard -----------------------------------------------------------------------
 
-#: Advisory lock class of the claim guards (the two-key form: apart from every one-key lock).
+#: Advisory lock class of the claim guards (see ``db.organization_lock_key``).
 CLAIM_GUARD_CLASS = 0x756D6E67
 #: Node guards per organization: nodes share them by id, so a batch of many claimers holds at most
 #: this many (and its organizations' own) however many nodes it serves: PostgreSQL's lock table is
@@ -160,8 +160,7 @@ WHERE pg_try_advisory_xact_lock_shared({CLAIM_GUARD_CLASS}, k)
 
 def guard_key(organization_id: UUID, node_id: UUID | None = None) -> int:
     """The key of a node's claim guard (one of its organization's :data:`NODE_GUARDS`), or of the organization's."""
-    tag = b"organization" if node_id is None else bytes([node_id.int % NODE_GUARDS])
-    return int.from_bytes(hashlib.blake2b(organization_id.bytes + tag, digest_size=4).digest(), "big", signed=True)
+    return organization_lock_key(organization_id, b"organization" if node_id is None else bytes([node_id.int % NODE_GUARDS]))
 
 
 async def guard_against_claims(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID | None = None) -> None:

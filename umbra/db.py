@@ -6,6 +6,7 @@ set, else the embedded server under the data dir (started or adopted).
 
 from __future__ import annotations
 
+import hashlib
 import re
 import weakref
 from contextlib import asynccontextmanager
@@ -73,6 +74,18 @@ class PreparedStatement:
         body = _PLACEHOLDER.sub(lambda m: f"${params.index(m.group(1)) + 1}", query).replace("%%", "%")
         self.prepare = f"PREPARE {name} AS {body}"
         self.execute = f"EXECUTE {name}({', '.join(f'%({p})s' for p in params)})" if params else f"EXECUTE {name}"
+
+
+def organization_lock_key(organization_id: UUID, tag: bytes) -> int:
+    """The second key of a two-key advisory lock that belongs to one organization: its id and ``tag``, hashed.
+
+    Each kind of lock (claim guards, the capacity lock, idempotency keys) has a
+    class of its own as the first key, and the two-key form never meets a
+    one-key lock (the log's ordering lock, the sweeper's, a pairing code's).
+    ``tag`` tells the locks of one class and organization apart; two that hash
+    alike only wait for each other, they never let anything through.
+    """
+    return int.from_bytes(hashlib.blake2b(organization_id.bytes + tag, digest_size=4).digest(), "big", signed=True)
 
 
 def uuid_array(ids: Iterable[UUID]) -> str:
