@@ -31,7 +31,7 @@ from umbra.compute.claims import SCAN_PAGE
 from umbra.errors import Forbidden, UmbraError
 
 from .http import batch_principal, json_response, request_id
-from .longpoll import NOTHING_QUEUED, WaiterHub
+from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
 from .params import query_int
 from .routing import endpoint
 
@@ -86,6 +86,7 @@ async def claim(request: Request) -> Response:
             lease_seconds=settings.lease_seconds,
             stale_seconds=settings.heartbeat_stale_seconds,
             empty=NOTHING_QUEUED,
+            busy=LOOK_AGAIN_SOON,
             credential_id=who.credential_id,
             request_id=request_id(request),
         )

@@ -72,6 +72,23 @@ class _NothingQueued:
 NOTHING_QUEUED = _NothingQueued()
 
 
+class _LookAgainSoon:
+    """What an attempt returns when a change that was committing kept it from looking (the claim guard)."""
+
+    def __repr__(self) -> str:
+        return "LOOK_AGAIN_SOON"
+
+
+#: An attempt's answer meaning "could not look yet": the waiter passes its token on and tries
+#: again after :data:`LOOK_AGAIN_SECONDS` of its own accord, for the change that stopped it (a
+#: heartbeat, a drain, a registry update) sends no notification that would wake it.
+LOOK_AGAIN_SOON = _LookAgainSoon()
+
+#: How long a waiter stopped by a committing change waits before it looks again: such changes are
+#: single short transactions.
+LOOK_AGAIN_SECONDS = 0.02
+
+
 class WakeToken:
     """One unit of "there may be work": carried from waiter to waiter until used."""
 
@@ -196,8 +213,10 @@ class WaiterHub:
         """Run ``attempt`` now and after every wake until it returns a value or time runs out.
 
         ``attempt`` returns a value, ``None`` (nothing this waiter can take: the
-        wake is passed on) or :data:`NOTHING_QUEUED` (nothing for anyone: the
-        wake ends here); either way the waiter goes back to waiting.
+        wake is passed on), :data:`NOTHING_QUEUED` (nothing for anyone: the
+        wake ends here) or :data:`LOOK_AGAIN_SOON` (the wake is passed on, and
+        this waiter tries again shortly even if nothing wakes it); in each case
+        the waiter goes back to waiting.
 
         ``attempt`` opens (and returns) its own pooled connection; nothing is held
         between attempts. Each attempt is shielded from cancellation, so a
@@ -222,15 +241,16 @@ class WaiterHub:
                 if result is NOTHING_QUEUED:
                     if token is not None:
                         metrics.ATTEMPTS_PER_WAKE.observe(token.attempts)
-                elif result is not None:
+                elif result is not None and result is not LOOK_AGAIN_SOON:
                     self._used(waiter, token)
                     return result  # type: ignore[return-value]
                 elif token is not None:
                     self._pass_on(token, waiter)
+                again = result is LOOK_AGAIN_SOON
                 remaining = deadline - time.monotonic()
                 if remaining > 0 and not self.stopped:
-                    await waiter.wait(remaining)
-                if self.stopped or not waiter.pending:
+                    await waiter.wait(min(remaining, LOOK_AGAIN_SECONDS) if again else remaining)
+                if self.stopped or not (waiter.pending or again and time.monotonic() < deadline):
                     return None
         finally:
             self._unregister(waiter)

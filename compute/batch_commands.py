@@ -78,6 +78,10 @@ class Command:
     #: Set on a claim that got nothing although nothing stood in its way but other claimers: its
     #: organization had no queued, due job, or every one it could run was just taken by others.
     nothing_left: bool = False
+    #: Set on a claim left out because a change of its node or organization held the claim guard
+    #: (:func:`umbra.compute.nodes.guard_against_claims`): the change is committing, so the claimer
+    #: should look again in a moment rather than wait for the next wake.
+    guard_held: bool = False
     #: A claim for the same node to run in the same transaction once this command succeeds (a completion
     #: that asks for the node's next job): staged after it, never when it is refused or deferred.
     then: Command | None = None
@@ -156,6 +160,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     results = await begin_with(conn, reads, generic_plans=True, family=_FAMILY)
     held_records = results.pop(0) if held else []
     guarded = set(results.pop(0)[0][0]) if claimers else set()
+    for claimer in claimers:
+        claimer.guard_held = not {guard_key(claimer.organization_id, claimer.node_id), guard_key(claimer.organization_id)} <= guarded
     node_records = results.pop(0) if claimers else []
     if credentials:
         live = await _live_credentials(conn, credentials, held_records or node_records)

@@ -147,31 +147,38 @@ class GroupCommit:
     # -- the commands (the same arguments and answers as umbra.compute.claims) ------------
 
     async def claim(self, *, node_id: UUID, organization_id: UUID, lease_seconds: int, stale_seconds: int,
-                    empty: Any = None, credential_id: UUID | None = None, request_id: str | None = None) -> Any:  # fmt: skip
+                    empty: Any = None, busy: Any = None, credential_id: UUID | None = None,
+                    request_id: str | None = None) -> Any:  # fmt: skip
         """A :class:`~umbra.compute.claims.ClaimResult`, or ``None`` when none this node may take.
 
         ``empty`` is answered instead of ``None`` when nothing but other
         claimers stood in the way: the organization had no claimable job, or
         every one this node could run was just taken. A long-poll then wakes
         nobody else for it; ``None`` means there is work this node cannot run.
+        ``busy`` is answered when the claim took nothing because a change of
+        its node or of the organization's registry was committing: looking
+        again in a moment may find work, and no notification will say so.
         """
         claimed = await self.claim_many(node_id=node_id, organization_id=organization_id, count=1,
                                         lease_seconds=lease_seconds, stale_seconds=stale_seconds, empty=empty,
-                                        credential_id=credential_id, request_id=request_id)  # fmt: skip
+                                        busy=busy, credential_id=credential_id, request_id=request_id)  # fmt: skip
         return claimed[0] if isinstance(claimed, list) else claimed
 
     async def claim_many(self, *, node_id: UUID, organization_id: UUID, count: int, lease_seconds: int,
-                         stale_seconds: int, empty: Any = None, credential_id: UUID | None = None,
-                         request_id: str | None = None) -> Any:  # fmt: skip
+                         stale_seconds: int, empty: Any = None, busy: Any = None,
+                         credential_id: UUID | None = None, request_id: str | None = None) -> Any:  # fmt: skip
         """Up to ``count`` jobs for one node in one claim: a non-empty list of
         :class:`~umbra.compute.claims.ClaimResult` in claim order, or ``None``
-        (``empty`` when nothing but other claimers stood in the way), as :meth:`claim`."""
+        (``empty`` when nothing but other claimers stood in the way, ``busy``
+        when a change held the claim guard), as :meth:`claim`."""
         command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
                           credential_id=credential_id, count=count, request_id=request_id)  # fmt: skip
         await self._call(command)
         if command.claims:
             return list(command.claims)
-        return empty if command.nothing_left else None
+        if command.nothing_left:
+            return empty
+        return busy if command.guard_held else None
 
     async def complete_many(self, *, organization_id: UUID, node_id: UUID, results: list[tuple[UUID, int, Any]],
                             claim_next: int = 0, lease_seconds: int = 60, stale_seconds: int = 45,
@@ -282,7 +289,7 @@ class GroupCommit:
             for command in commands:
                 for each in (command, command.then):
                     if each is not None:
-                        each.outcome, each.error, each.nothing_left = None, None, False
+                        each.outcome, each.error, each.nothing_left, each.guard_held = None, None, False, False
                         each.claims.clear()
                 await self._alone(command)
                 if command.then is not None and command.error is None:

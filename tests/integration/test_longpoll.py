@@ -9,6 +9,7 @@ import uuid
 
 import anyio
 import httpx
+import psycopg
 import pytest
 
 from tests.conftest import LiveServer
@@ -297,6 +298,37 @@ async def test_a_completion_whose_agent_hung_up_releases_the_job_it_claimed_next
     types = [r.type for r in await store.read_stream(conn, store.job_stream(following))]
     assert types == ["job.submitted", "job.claimed", "job.released"]
     assert await job_status(conn, following) == "queued"
+
+
+async def test_a_long_poll_kept_out_by_a_committing_change_of_its_node_claims_once_it_commits(db_url, conn, org, server):
+    """The change holding the node's claim guard sends no notification when it commits (a heartbeat
+    that changes nothing a job could see, say): the long-poll looks again by itself, long before the
+    safety poll (30 s here)."""
+    from umbra.compute.nodes import guard_against_claims
+
+    org_id, _ = org
+    node_id, credential = await online_node(conn, org_id, "box")
+    job_id = await submit_job(conn, org_id)
+    hub = server.app.state.waiters
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin, \
+            httpx.AsyncClient(base_url=server.url, timeout=60) as client:  # fmt: skip
+        responses: list[httpx.Response] = []
+        async with anyio.create_task_group() as tg:
+            async with admin.transaction():
+                await guard_against_claims(admin, org_id, node_id)  # a change of the node, not committed yet
+
+                async def poll():
+                    responses.append(await client.post("/v1/agent/claim", params={"wait": 20}, headers=_auth(credential)))
+
+                tg.start_soon(poll)
+                await eventually(lambda: _true(hub.waiting(org_id) == 1))
+                await anyio.sleep(0.3)
+                assert not responses and await job_status(conn, job_id) == "queued"
+            released = time.monotonic()
+            await eventually(lambda: _true(responses), timeout=15)
+            assert time.monotonic() - released < 5
+    [response] = responses
+    assert response.status_code == 200 and response.json()["job"]["id"] == str(job_id)
 
 
 async def test_waiters_are_still_woken_after_the_listener_reconnects(conn, org, server):

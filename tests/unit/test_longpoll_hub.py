@@ -246,3 +246,54 @@ async def test_a_waiter_whose_attempt_raises_passes_the_wake_on():
         with anyio.fail_after(2):  # well inside the 60 s safety poll: the wake itself reached "able"
             await eventually(lambda: _async(results.get("able") == "job-1"))
     assert raised == ["credential revoked"]
+
+
+async def test_a_waiter_kept_from_looking_looks_again_of_its_own_accord():
+    """A claim stopped by a committing change (the claim guard) gets no notification when that
+    change commits: the waiter tries again shortly by itself, and passes its wake on meanwhile."""
+    from umbra.api.longpoll import LOOK_AGAIN_SECONDS, LOOK_AGAIN_SOON
+
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    guarded = {"held": True}
+    base = queue.attempt_for("a", {"cpu"})
+
+    async def attempt():
+        if guarded["held"]:
+            queue.attempts["a"] = queue.attempts.get("a", 0) + 1
+            return LOOK_AGAIN_SOON
+        return await base()
+
+    results: dict[str, object] = {}
+    async with anyio.create_task_group() as tg:
+
+        async def run(name, attempt):
+            results[name] = await hub.wait_for(ORG, attempt, timeout=5)
+
+        tg.start_soon(run, "a", attempt)
+        await eventually(lambda: _async(queue.attempts.get("a", 0) >= 3))  # looking again, with no wake at all
+        tg.start_soon(run, "b", queue.attempt_for("b", {"gpu"}))
+        await eventually(lambda: _async(queue.attempts.get("b") == 1))
+        queue.jobs.append(("job-1", "cpu"))
+        hub.on_hint(ORG, 1, 1)  # the wake goes to a (oldest), which cannot look yet: b gets it
+        await eventually(lambda: _async(queue.attempts.get("b") == 2))
+        guarded["held"] = False  # the change committed; nothing announces it
+        with anyio.fail_after(LOOK_AGAIN_SECONDS * 50):
+            await eventually(lambda: _async(results.get("a") == "job-1"))
+        tg.cancel_scope.cancel()
+
+
+async def test_a_waiter_kept_from_looking_still_answers_at_its_deadline():
+    from umbra.api.longpoll import LOOK_AGAIN_SOON
+
+    hub = WaiterHub(poll_seconds=60)
+    calls = 0
+
+    async def attempt():
+        nonlocal calls
+        calls += 1
+        return LOOK_AGAIN_SOON
+
+    with anyio.fail_after(3):
+        assert await hub.wait_for(ORG, attempt, timeout=0.3) is None
+    assert calls > 2 and hub.waiting(ORG) == 0
