@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 
+import psycopg
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from umbra.db import DATABASE_AWAY
 from umbra.errors import RateLimited, UmbraError
 
-from .http import json_response
+from .http import json_response, request_id
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +50,41 @@ async def data_error(request: Request, exc: Exception) -> Response:
     It comes from the request's data, so it is the caller's 422, not a 500; the
     command's transaction has rolled back, so nothing was written.
     """
-    log.warning("value refused by the database", extra={"action": "data_error", "path": request.url.path, "error": type(exc).__name__})
+    log.warning("value refused by the database", extra={"action": "data_error", "path": request.url.path,
+                                                         "error": type(exc).__name__, "request_id": request_id(request)})  # fmt: skip
     return json_response(
         {"error": "invalid_request", "message": "A value in the request cannot be stored (for example a NUL character)."},
         status=422,
     )
 
 
+async def database_unavailable(request: Request, exc: Exception) -> Response:
+    """The database could not be reached or ended the connection (a restart, a failover, a pool
+    with no free connection in time): the command did not commit, so the caller should try again.
+
+    A serialization failure or a deadlock chosen as victim lands here too (PostgreSQL's operational
+    errors): likewise nothing was written and a retry is the answer. A 503 with ``Retry-After``
+    tells clients so; a 500 would say the request itself is at fault, and an EventSource gives up
+    on it for good.
+    """
+    log.warning("database unavailable", extra={"action": "database_unavailable", "path": request.url.path,
+                                                "error": type(exc).__name__, "request_id": request_id(request)})  # fmt: skip
+    return json_response(
+        {"error": "database_unavailable", "message": "The database is unavailable; try again shortly."},
+        status=503, headers={"Retry-After": "1"},
+    )  # fmt: skip
+
+
 async def unexpected_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error", extra={"action": "unhandled_error", "path": request.url.path})
+    log.exception("unhandled error", extra={"action": "unhandled_error", "path": request.url.path, "request_id": request_id(request)})
     return json_response({"error": "internal", "message": "Internal error; see the server log."}, status=500)
 
 
-HANDLERS = {UmbraError: umbra_error, HTTPException: http_error, ClientDisconnect: client_gone, Exception: unexpected_error}
+HANDLERS = {
+    UmbraError: umbra_error,
+    HTTPException: http_error,
+    ClientDisconnect: client_gone,
+    psycopg.DataError: data_error,
+    **{away: database_unavailable for away in DATABASE_AWAY},
+    Exception: unexpected_error,
+}

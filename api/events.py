@@ -9,7 +9,7 @@ resume without a gap or a duplicate.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, AsyncIterator
+from typing import Any
 from uuid import UUID
 
 import msgspec
@@ -21,7 +21,7 @@ from umbra.events import store
 from .http import json_response, path_uuid, principal
 from .params import bounded_int, query_int
 from .routing import endpoint
-from .sse import LogWatch, message, sse_stream, stream_principal, wait_budget
+from .sse import LogWatch, StreamRead, message, sse_stream, stream_principal, watched_reads
 
 #: Largest page a client may ask for; the stream reads in batches of this size.
 MAX_PAGE = 1000
@@ -84,28 +84,21 @@ async def stream_events(request: Request):
         who = await stream_principal(request, conn, "events:read")
     after = resume_position(request)
     watch: LogWatch = request.app.state.log_watch
-    return sse_stream(
-        _log_messages(services, watch, who.organization_id, after), name="events", watch=watch
-    )
+    return sse_stream(watched_reads(services, watch, who, _log_reader(who.organization_id, after)), name="events", watch=watch)
 
 
-async def _log_messages(services, watch: LogWatch, organization_id: UUID, after: int) -> AsyncIterator[bytes]:
-    """Every event of the organization after ``after``, then each new one as it commits.
-
-    Holds a pooled connection only while reading a batch.
-    """
+def _log_reader(organization_id: UUID, after: int) -> StreamRead:
+    """Reads of the organization's events after ``after``, a page each, each read going on from the last."""
     last = after
-    while not watch.stopped:
-        signal = watch.signal(organization_id)
-        async with services.pool.connection() as conn:
-            batch = await store.read_log(conn, after=last, limit=MAX_PAGE, organization_id=organization_id)
-        for recorded in batch:
-            last = recorded.position
-            yield message(recorded.to_json(), event=recorded.type, id=recorded.position)
-        if len(batch) == MAX_PAGE:
-            continue
-        await watch.wait(signal, wait_budget(services.settings.poll_fallback_seconds))
-        yield b""
+
+    async def read(conn) -> tuple[list[bytes], bool]:
+        nonlocal last
+        batch = await store.read_log(conn, after=last, limit=MAX_PAGE, organization_id=organization_id)
+        if batch:
+            last = batch[-1].position
+        return [message(r.to_json(), event=r.type, id=r.position) for r in batch], len(batch) == MAX_PAGE
+
+    return read
 
 
 _AFTER = (int, False, "Return events with a position greater than this (default 0).")

@@ -9,6 +9,7 @@ is visible database-wide even for events other processes wrote.
 
 from __future__ import annotations
 
+import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -16,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from umbra import metrics
+from umbra.db import DATABASE_AWAY
 from umbra.events.types import JOB_STATUSES
 
 from .routing import endpoint
@@ -30,6 +32,7 @@ class DatabaseViews(Collector):
     def __init__(self) -> None:
         self.depth: dict[str, int] = {status: 0 for status in JOB_STATUSES}
         self.log_head = 0
+        self.database_up = True
 
     async def refresh(self, conn) -> None:
         rows = await (await conn.execute(_QUEUE_DEPTH)).fetchall()
@@ -46,6 +49,10 @@ class DatabaseViews(Collector):
         yield GaugeMetricFamily(
             "umbra_log_head_position", "Highest committed position in the event log.", value=self.log_head
         )
+        yield GaugeMetricFamily(
+            "umbra_database_up", "1 if the last scrape read the database, 0 if it did not answer in time "
+            "(the views above are then as last read).", value=1 if self.database_up else 0,
+        )  # fmt: skip
 
 
 def build_registry() -> tuple[CollectorRegistry, DatabaseViews]:
@@ -53,10 +60,26 @@ def build_registry() -> tuple[CollectorRegistry, DatabaseViews]:
     return metrics.registry_with(views), views
 
 
+#: How long a scrape waits for the database before it answers with the process's own instruments
+#: alone (Prometheus gives a scrape 10 s by default).
+SCRAPE_DATABASE_SECONDS = 1.0
+
+
 async def scrape(request: Request) -> Response:
+    """The instruments, and the database's views when it answers in time.
+
+    While the database is away the scrape still answers, with ``umbra_database_up 0``
+    and the views as last read: the process's own figures matter most then.
+    """
     state = request.app.state
-    async with state.services.pool.connection() as conn:
-        await state.metrics_views.refresh(conn)
+    views: DatabaseViews = state.metrics_views
+    try:
+        with anyio.fail_after(SCRAPE_DATABASE_SECONDS):
+            async with state.services.pool.connection(timeout=SCRAPE_DATABASE_SECONDS) as conn:
+                await views.refresh(conn)
+        views.database_up = True
+    except (TimeoutError, *DATABASE_AWAY):
+        views.database_up = False
     return Response(generate_latest(state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 

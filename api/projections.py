@@ -13,7 +13,7 @@ merge partial updates; ``changed`` lists the job ids that moved.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any
 from uuid import UUID
 
 import msgspec
@@ -29,7 +29,7 @@ from .http import json_response, principal
 from .nodes import node_out
 from .params import query_int, query_list
 from .routing import endpoint
-from .sse import LogWatch, message, sse_stream, stream_principal, wait_budget
+from .sse import LogWatch, StreamRead, message, sse_stream, stream_principal, watched_reads
 
 #: Non-terminal jobs listed in a queue view (running first, then by priority and age).
 MAX_LISTED_JOBS = 1000
@@ -119,7 +119,8 @@ async def stream_projections(request: Request):
         who = await stream_principal(request, conn, *READ_SCOPES)
     views = query_list(request, "views", allowed=VIEWS, default=VIEWS)
     watch: LogWatch = request.app.state.log_watch
-    return sse_stream(_view_messages(services, watch, who.organization_id, views), name="projections", watch=watch)
+    reader = _view_reader(who.organization_id, views, services.settings.heartbeat_stale_seconds)
+    return sse_stream(watched_reads(services, watch, who, reader), name="projections", watch=watch)
 
 
 def _node_key(node: dict[str, Any]) -> tuple:
@@ -127,35 +128,37 @@ def _node_key(node: dict[str, Any]) -> tuple:
     return (node["updated_at"], node["status"], node["schedulable"], node["last_heartbeat_at"] is None)
 
 
-async def _view_messages(services, watch: LogWatch, organization_id: UUID, views: tuple[str, ...]) -> AsyncIterator[bytes]:
-    stale = services.settings.heartbeat_stale_seconds
+def _view_reader(organization_id: UUID, views: tuple[str, ...], stale: float) -> StreamRead:
+    """Reads of the views, each sending only what changed since the last one that was read."""
     last_position: int | None = None
     sent_nodes: dict[str, tuple] | None = None
-    while not watch.stopped:
-        signal = watch.signal(organization_id)
-        out: list[bytes] = []  # built with a connection, sent without one
-        async with services.pool.connection() as conn:
-            async with conn.transaction():
-                await _snapshot_transaction(conn)
-                head = await store.head_position(conn, organization_id)
-                if "queue" in views and (last_position is None or head > last_position):
-                    queue = await read_queue(conn, organization_id, DEFAULT_LISTED_JOBS)
-                    if last_position is not None:
-                        moved = await (await conn.execute(_MOVED_JOBS, (organization_id, last_position))).fetchall()
-                        queue["changed"] = [str(job_id) for (job_id,) in moved]
-                    out.append(message(queue, event="queue"))
-                if "nodes" in views:
-                    nodes = await read_nodes(conn, organization_id, stale)
-                    keys = {n["id"]: _node_key(n) for n in nodes["nodes"]}
-                    if keys != sent_nodes:
-                        changed = [i for i, k in keys.items() if sent_nodes is None or sent_nodes.get(i) != k]
-                        out.append(message({**nodes, "changed": changed}, event="nodes"))
-                        sent_nodes = keys
-        last_position = head
-        for chunk in out:
-            yield chunk
-        await watch.wait(signal, wait_budget(services.settings.poll_fallback_seconds))
-        yield b""
+
+    async def read(conn) -> tuple[list[bytes], bool]:
+        nonlocal last_position, sent_nodes
+        out: list[bytes] = []
+        node_keys = None
+        async with conn.transaction():
+            await _snapshot_transaction(conn)
+            head = await store.head_position(conn, organization_id)
+            if "queue" in views and (last_position is None or head > last_position):
+                queue = await read_queue(conn, organization_id, DEFAULT_LISTED_JOBS)
+                if last_position is not None:
+                    moved = await (await conn.execute(_MOVED_JOBS, (organization_id, last_position))).fetchall()
+                    queue["changed"] = [str(job_id) for (job_id,) in moved]
+                out.append(message(queue, event="queue"))
+            if "nodes" in views:
+                nodes = await read_nodes(conn, organization_id, stale)
+                keys = {n["id"]: _node_key(n) for n in nodes["nodes"]}
+                if keys != sent_nodes:
+                    changed = [i for i, k in keys.items() if sent_nodes is None or sent_nodes.get(i) != k]
+                    out.append(message({**nodes, "changed": changed}, event="nodes"))
+                    node_keys = keys
+        last_position = head  # only once the whole read has succeeded
+        if node_keys is not None:
+            sent_nodes = node_keys
+        return out, False
+
+    return read
 
 
 routes = [

@@ -15,18 +15,21 @@ graceful shutdown is not held open by dashboards), and the open-streams gauge.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 from uuid import UUID
 
 import anyio
 import msgspec
+import psycopg
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from umbra import metrics
-from umbra.compute.auth import Principal, authenticate
+from umbra.compute.auth import Principal, authenticate, credential_is_live, revoked
+from umbra.db import DATABASE_AWAY
 
 from .http import bearer_token
 
@@ -36,6 +39,12 @@ PING_SECONDS = 15.0
 RETRY_MS = 2000
 
 _encoder = msgspec.json.Encoder()
+
+log = logging.getLogger(__name__)
+
+#: One read of a stream: the messages to send (sent once the connection is given back) and
+#: whether there is more to read at once.
+StreamRead = Callable[[psycopg.AsyncConnection], Awaitable[tuple[list[bytes], bool]]]
 
 
 class LogWatch:
@@ -100,6 +109,46 @@ async def stream_principal(request: Request, conn, *any_of_scopes: str) -> Princ
         who.require(*any_of_scopes)
     request.state.principal = who
     return who
+
+
+async def watched_reads(services: Any, watch: LogWatch, who: Principal, read: StreamRead) -> AsyncIterator[bytes]:
+    """A stream body: ``read`` now, then again after every hint for the organization or the safety poll.
+
+    A pooled connection is held only for a read. Each read first checks the
+    stream's credential again: a stream authenticates once and then outlives
+    any request, and a revoked credential fails at once (SPEC), so the stream
+    sends a last ``error`` message (the 401's body) and ends; an EventSource
+    reconnecting then meets the 401 itself.
+
+    A read that fails because the database is away (a restart, a failover)
+    sends nothing and is tried again at the next wake: the stream stays open,
+    its heartbeats go on, and ``read`` keeps its position, so nothing is
+    skipped once the database is back (the listener's reconnect wakes every
+    stream).
+    """
+    away = False
+    while not watch.stopped:
+        signal = watch.signal(who.organization_id)
+        out: list[bytes] = []
+        more = False
+        try:
+            async with services.pool.connection() as conn:
+                if not await credential_is_live(conn, who):
+                    yield message(revoked().to_json(), event="error")
+                    return
+                out, more = await read(conn)
+            away = False
+        except DATABASE_AWAY as exc:
+            if not away:
+                log.warning("stream read failed; reading again at the next wake",
+                            extra={"action": "stream_read_failed", "error": type(exc).__name__})  # fmt: skip
+            away = True
+        for chunk in out:
+            yield chunk
+        if more:
+            continue
+        await watch.wait(signal, wait_budget(services.settings.poll_fallback_seconds))
+        yield b""
 
 
 def jittered(seconds: float) -> float:

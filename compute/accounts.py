@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import Any
 from uuid import UUID, uuid4
 
 import psycopg
@@ -53,6 +55,38 @@ async def create_api_key(conn: psycopg.AsyncConnection, organization_id: UUID, s
     async with conn.transaction():
         await require_organization(conn, organization_id)
         return await _insert_api_key(conn, organization_id, sorted(set(scopes)))
+
+
+async def list_api_keys(conn: psycopg.AsyncConnection, organization_id: UUID) -> list[dict[str, Any]]:
+    """The organization's API keys, oldest first: id, prefix (the token's second part), scopes, dates.
+
+    Never a secret or its hash: the token was shown once, at creation.
+    """
+    await require_organization(conn, organization_id)
+    rows = await (await conn.execute(_KEYS, (organization_id,))).fetchall()
+    return [{"id": str(key_id), "prefix": prefix, "scopes": list(scopes), "created_at": created.isoformat(),
+             "revoked_at": revoked.isoformat() if revoked else None}
+            for key_id, prefix, scopes, created, revoked in rows]  # fmt: skip
+
+
+_KEYS = "SELECT id, prefix, scopes, created_at, revoked_at FROM api_keys WHERE organization_id = %s ORDER BY created_at, id"
+_REVOKE_KEY = """
+UPDATE api_keys SET revoked_at = coalesce(revoked_at, now())
+WHERE id = %s AND organization_id = %s
+RETURNING revoked_at
+"""
+
+
+async def revoke_api_key(conn: psycopg.AsyncConnection, organization_id: UUID, key_id: UUID) -> datetime:
+    """Revoke one of the organization's API keys; returns when it was revoked (the first time: idempotent).
+
+    Every request re-checks ``revoked_at`` (:mod:`umbra.compute.auth`), an open
+    stream before each read: the key fails at once in every server process.
+    """
+    row = await (await conn.execute(_REVOKE_KEY, (key_id, organization_id))).fetchone()
+    if row is None:
+        raise NotFound("api_key_not_found", f"No API key {key_id} in this organization.")
+    return row[0]
 
 
 async def require_organization(conn: psycopg.AsyncConnection, organization_id: UUID) -> None:

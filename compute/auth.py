@@ -142,6 +142,13 @@ async def _still_valid(conn: psycopg.AsyncConnection, kind: str, cached: Princip
     raise revoked()
 
 
+async def credential_is_live(conn: psycopg.AsyncConnection, who: Principal) -> bool:
+    """Whether ``who``'s credential is still unrevoked: for a stream, which authenticated once and
+    goes on answering, to end when the credential is revoked."""
+    kind = NODE_CREDENTIAL_KIND if who.kind == "node" else API_KEY_KIND
+    return await (await conn.execute(_STILL_VALID[kind], (who.credential_id,))).fetchone() is not None
+
+
 async def _candidates(conn: psycopg.AsyncConnection, kind: str, token: str) -> list[Any]:
     return await (await conn.execute(_LOOKUP[kind], (token_prefix(token, kind),))).fetchall()
 

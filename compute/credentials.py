@@ -19,14 +19,12 @@ from uuid import UUID, uuid4
 import anyio
 import psycopg
 
-from umbra.events import store
-from umbra.events.types import NodeCredentialRevoked
+from umbra.events.types import Event, NodeCredentialRevoked
 from umbra.projections.nodes import NodeState
-from umbra.projections import nodes as projection
 from umbra.security import hash_secret, new_token
 
 from .auth import NODE_CREDENTIAL_KIND, NODE_SCOPES
-from .nodes import append_node_events, guard_against_claims, node_not_found
+from .nodes import change_node
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +79,19 @@ async def revoke_node(
     """Revoke every live credential of the node, recording one ``node.revoked`` each.
 
     Returns the node and the revoked credential ids (empty when nothing was
-    live: revoking twice records nothing the second time).
+    live: revoking twice records nothing the second time). Nothing can give
+    the node a credential again, so it never takes work again and reads
+    ``retired`` (:func:`umbra.domain.nodes.after_revoked`): like a retirement,
+    the revocation re-examines the jobs waiting for capacity
+    (:func:`umbra.compute.nodes.change_node`), and work only this node could
+    run is blocked at once instead of left queued looking alive.
     """
-    async with conn.transaction():
-        await guard_against_claims(conn, organization_id, node_id)
-        state = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
-        if state is None:
-            raise node_not_found(node_id)
+
+    async def decide(conn: psycopg.AsyncConnection, state: NodeState) -> list[Event]:
         rows = await (await conn.execute(_REVOKE, (node_id, organization_id))).fetchall()
-        revoked = sorted(row[0] for row in rows)
-        if not revoked:
-            return state, []
-        events = [NodeCredentialRevoked(credential_id=cid, by=actor) for cid in revoked]
-        state, recorded = await append_node_events(
-            conn, state, events, node_id=node_id, organization_id=organization_id, actor=actor, request_id=request_id
-        )
-        await store.publish(conn, [(organization_id, recorded[-1].position, 0)])
+        return [NodeCredentialRevoked(credential_id=cid, by=actor) for cid in sorted(row[0] for row in rows)]
+
+    state, events = await change_node(conn, organization_id, node_id, decide, actor, request_id)
+    revoked = [e.credential_id for e in events if isinstance(e, NodeCredentialRevoked)]
     log.info("node credentials revoked", extra={"action": "node_revoked", "node_id": str(node_id), "count": len(revoked)})
     return state, revoked

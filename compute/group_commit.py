@@ -33,6 +33,7 @@ from typing import Any, Iterable
 from uuid import UUID
 
 import anyio
+import psycopg
 from anyio.abc import TaskStatus
 from psycopg_pool import AsyncConnectionPool
 
@@ -270,18 +271,24 @@ class GroupCommit:
     async def _execute(self, batch: list[tuple[Command, anyio.Event]]) -> list[tuple[Command, anyio.Event]]:
         commands = [command for command, _ in batch]
         started = time.perf_counter()
+        connection: psycopg.AsyncConnection | None = None
         try:
             # Not in pipeline mode: it saved a few round trips per batch but cost more
             # client CPU than it saved, and on the agent path the server's CPU is the limit
             # (docs/PERFORMANCE.md).
             async with self._pool.connection() as conn:
+                connection = conn
                 try:
                     staged, deferred = await batch_commands.stage(conn, commands)  # sends BEGIN
                     hints = await batch_commands.write(conn, staged)  # sends COMMIT
                 except BaseException:
-                    await conn.rollback()
+                    if not conn.broken:
+                        await conn.rollback()
                     raise
         except Exception as exc:
+            if connection is None or connection.broken:
+                self._database_away(commands, exc)
+                return []
             log.warning("batch rolled back; its commands run one by one",
                         extra={"action": "group_commit_fallback", "commands": len(commands), "error": str(exc)[:200]})  # fmt: skip
             self.fallbacks += 1
@@ -302,6 +309,23 @@ class GroupCommit:
         metrics.GROUP_COMMIT_BATCH_COMMANDS.observe(len(commands) - len(deferred))
         self._notifier.hint(hints)
         return [item for item in batch if item[0] in deferred]
+
+    def _database_away(self, commands: list[Command], exc: Exception) -> None:
+        """No connection came in time, or the batch's died under it: every command fails with that error
+        (answered 503, try again).
+
+        Running them one by one, as for a batch that rolled back, would wait as long again per
+        command while the database is away (and hold a stopping server that long). And a batch whose
+        connection died during its ``COMMIT`` may have committed: run again, its claims could take
+        a second job each, leased to agents that never hear of them.
+        """
+        log.warning("database unavailable; the batch's commands fail", extra={"action": "group_commit_database_away",
+                    "commands": len(commands), "error": type(exc).__name__})  # fmt: skip
+        for command in commands:
+            for each in (command, command.then):
+                if each is not None:
+                    each.outcome, each.error = None, exc
+                    each.claims.clear()
 
     async def _alone(self, command: Command) -> None:
         """Run one command in its own transaction through the single-command path."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 from uuid import UUID
 
 import psycopg
@@ -204,26 +204,47 @@ def capacity_cause(node_id: UUID | None, request_id: str | None) -> dict[str, st
     return cause
 
 
-async def _transition(
-    conn, organization_id: UUID, node_id: UUID, event: Event, check, actor: str | None, request_id: str | None
-) -> NodeState:
+async def change_node(
+    conn: psycopg.AsyncConnection,
+    organization_id: UUID,
+    node_id: UUID,
+    decide: Callable[[psycopg.AsyncConnection, NodeState], Awaitable[list[Event]]],
+    actor: str | None,
+    request_id: str | None,
+) -> tuple[NodeState, list[Event]]:
+    """An administrator's change of a node that can stop it taking work (drain, retire, revoke).
+
+    Takes the node's claim guard and the organization's capacity lock before
+    anything is read, so no claim commits for the node after this answers and
+    no judgement of "could anything ever run this job" misses it. ``decide``
+    returns the events to append (none: nothing changes, nothing is recorded).
+    Waiting jobs are re-examined: a node that stops taking work changes what
+    blocked jobs could ever run on, and so their reasons.
+    """
     async with conn.transaction():
         await guard_against_claims(conn, organization_id, node_id)
         await hold_capacity(conn, organization_id, exclusive=True)
         state = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         if state is None:
             raise node_not_found(node_id)
-        if not check(state.status):
-            return state
+        events = await decide(conn, state)
+        if not events:
+            return state, []
         state, recorded = await append_node_events(
-            conn, state, [event], node_id=node_id, organization_id=organization_id, actor=actor, request_id=request_id
+            conn, state, events, node_id=node_id, organization_id=organization_id, actor=actor, request_id=request_id
         )
-        # A node that stops taking work changes what blocked jobs could ever run on, and so their reasons.
         reexamined = await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id),
                                                   publish=False)  # fmt: skip
         await store.publish(conn, [(organization_id, recorded[-1].position, 0), *reexamined.hints])
-    log.info("node transition", extra={"action": recorded[-1].type, "node_id": str(node_id)})
-    return state
+    log.info("node changed", extra={"action": recorded[-1].type, "node_id": str(node_id)})
+    return state, events
+
+
+def _one_event(event: Event, check: Callable[[str], bool]):
+    async def decide(conn: psycopg.AsyncConnection, state: NodeState) -> list[Event]:
+        return [event] if check(state.status) else []
+
+    return decide
 
 
 async def drain_node(
@@ -235,7 +256,8 @@ async def drain_node(
     request_id: str | None = None,
 ) -> NodeState:
     """Finish current work, take no new. Idempotent; a retired node answers ``node_retired``."""
-    return await _transition(conn, organization_id, node_id, NodeDraining(by=actor), check_drain, actor, request_id)
+    state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeDraining(by=actor), check_drain), actor, request_id)
+    return state
 
 
 async def retire_node(
@@ -247,7 +269,8 @@ async def retire_node(
     request_id: str | None = None,
 ) -> NodeState:
     """Take the node out of service for good. Idempotent."""
-    return await _transition(conn, organization_id, node_id, NodeRetired(by=actor), check_retire, actor, request_id)
+    state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeRetired(by=actor), check_retire), actor, request_id)
+    return state
 
 
 _STALE = f"""

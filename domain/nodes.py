@@ -43,8 +43,15 @@ def after_went_offline(stored: str) -> str:
 
 
 def after_revoked(stored: str) -> str:
-    """A node whose credential is revoked can no longer speak, so it is not online."""
-    return after_went_offline(stored)
+    """A node whose credentials are revoked is out of service for good: ``retired``.
+
+    Nothing gives a node a credential again (pairing makes a new node), so it
+    can never speak or take work again. Read as ``offline`` it would look like
+    a node that may come back: work only it could run would stay ``queued``,
+    looking alive, instead of ``blocked`` with a reason, and an operator could
+    not tell it from a node that is merely silent.
+    """
+    return "retired"
 
 
 def after_draining(stored: str) -> str:

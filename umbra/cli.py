@@ -95,6 +95,27 @@ async def _create_key(conn, args) -> int:
     return 0
 
 
+async def _list_keys(conn, args) -> int:
+    from .compute.accounts import list_api_keys
+
+    keys = await list_api_keys(conn, args.org)
+    if args.json:
+        _emit({"api_keys": keys}, True)
+    else:
+        for key in keys:
+            state = f"revoked {key['revoked_at']}" if key["revoked_at"] else "live"
+            print(f"{key['id']}  uk_{key['prefix']}_…  {','.join(key['scopes'])}  created {key['created_at']}  {state}")
+    return 0
+
+
+async def _revoke_key(conn, args) -> int:
+    from .compute.accounts import revoke_api_key
+
+    revoked_at = await revoke_api_key(conn, args.org, args.key_id)
+    _emit({"api_key_id": str(args.key_id), "revoked_at": revoked_at.isoformat()}, args.json)
+    return 0
+
+
 async def _create_project(conn, args) -> int:
     from .compute.accounts import create_project
 
@@ -164,6 +185,15 @@ def _register_bootstrap(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scopes", required=True, help="comma-separated, e.g. jobs:read,events:read")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_with_database(_create_key))
+    p = admin_sub.add_parser("list-keys", help="list the organization's API keys (ids, prefixes, scopes; never secrets)")
+    p.add_argument("--org", type=_uuid, required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_with_database(_list_keys))
+    p = admin_sub.add_parser("revoke-key", help="revoke an API key: it fails at once, open streams included")
+    p.add_argument("--org", type=_uuid, required=True)
+    p.add_argument("key_id", type=_uuid, help="the key's id (see list-keys)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_with_database(_revoke_key))
     p = admin_sub.add_parser("create-project", help="create a project in the organization's tenant schema")
     p.add_argument("--org", type=_uuid, required=True)
     p.add_argument("name")

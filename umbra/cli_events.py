@@ -112,7 +112,7 @@ async def _page_through(client: httpx.AsyncClient, after: int, as_json: bool) ->
 
 
 async def _follow(client: httpx.AsyncClient, after: int, as_json: bool) -> None:
-    from umbra.agent.client import raise_for_error
+    from umbra.agent.client import ServiceError, raise_for_error
     from umbra.agent.runner import backoff_delay
 
     failures = 0
@@ -129,13 +129,21 @@ async def _follow(client: httpx.AsyncClient, after: int, as_json: bool) -> None:
                     message = parser.feed(line.rstrip("\r\n"))
                     if message is None:
                         continue
+                    if message[0] == "error":  # the stream's last word (its credential was revoked)
+                        body = json.loads(message[1])
+                        raise ServiceError(401, str(body.get("error")), str(body.get("message")))
                     event = json.loads(message[1])
                     after = max(after, int(event["position"]))
                     print(format_event(event, as_json), flush=True)
-        except httpx.TransportError as exc:
+        except (httpx.TransportError, ServiceError) as exc:
+            # The server or its database is restarting (a dropped connection, a 5xx, a 429): try again
+            # from the last event printed. A refusal of the request itself (401, 403, 422) is final.
+            if isinstance(exc, ServiceError) and exc.status < 500 and exc.status != 429:
+                raise
             failures += 1
-            delay = backoff_delay(failures, 0.5, 15.0)
-            print(f"umbra: stream interrupted ({type(exc).__name__}); resuming after {after} in {delay:.1f}s", file=sys.stderr)
+            delay = max(backoff_delay(failures, 0.5, 15.0), getattr(exc, "retry_after", None) or 0.0)
+            reason = type(exc).__name__ if isinstance(exc, httpx.TransportError) else f"HTTP {exc.status} {exc.code}"
+            print(f"umbra: stream interrupted ({reason}); resuming after {after} in {delay:.1f}s", file=sys.stderr)
             await anyio.sleep(delay)
             continue
         # The server ended the stream (it is shutting down): reconnect shortly.

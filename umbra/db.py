@@ -242,6 +242,18 @@ async def _configure(conn: psycopg.AsyncConnection) -> None:
     await assume_service_role(conn)
 
 
+#: What a read or a command meets while the database is away (restarting, failing over, a pooled
+#: connection it ended, no connection in time: the pool's timeout is an OperationalError too).
+DATABASE_AWAY = (psycopg.OperationalError, psycopg.InterfaceError)
+
+#: How long a request waits for a pooled connection, and a new connection for the server, before it
+#: fails (503 ``database_unavailable``, try again). psycopg's 30 s default held every request that
+#: long while the database was unreachable (and a group-commit batch falling back to its commands one
+#: by one, that long per command), and kept a stopping server from exiting.
+POOL_WAIT_SECONDS = 5.0
+CONNECT_TIMEOUT_SECONDS = 5
+
+
 @asynccontextmanager
 async def open_pool(url: str, *, size: int = 10) -> AsyncIterator[AsyncConnectionPool]:
     pool = AsyncConnectionPool(
@@ -249,7 +261,8 @@ async def open_pool(url: str, *, size: int = 10) -> AsyncIterator[AsyncConnectio
         min_size=min(2, size),
         max_size=size,
         open=False,
-        kwargs={"autocommit": True},
+        timeout=POOL_WAIT_SECONDS,
+        kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_SECONDS},
         configure=_configure,
     )
     await pool.open(wait=True, timeout=30)

@@ -112,3 +112,39 @@ async def test_every_command_has_help(cli):
         with pytest.raises(SystemExit) as exit_info:
             main([*argv, "--help"])
         assert exit_info.value.code == 0
+
+
+async def test_an_api_key_revoked_from_the_shell_fails_at_once_and_list_keys_shows_no_secret(cli, org, conn, live_server):
+    org_id, key = org
+    status, out, err = await cli("admin", "create-key", "--org", str(org_id), "--scopes", "jobs:read", "--json")
+    assert status == 0, err
+    reader = json.loads(out)["api_key"]
+    status, out, err = await cli("admin", "list-keys", "--org", str(org_id), "--json")
+    assert status == 0, err
+    keys = json.loads(out)["api_keys"]
+    assert [sorted(k["scopes"]) for k in keys] == [["events:read", "jobs:read", "jobs:write", "nodes:admin"], ["jobs:read"]]
+    assert [k["prefix"] for k in keys] == [key.split("_")[1], reader.split("_")[1]] and not any(k["revoked_at"] for k in keys)
+    assert key.split("_")[2] not in out and reader.split("_")[2] not in out and "argon2" not in out
+    async with httpx.AsyncClient(base_url=live_server.url) as client:
+        assert (await client.get("/v1/jobs", headers={"Authorization": f"Bearer {reader}"})).status_code == 200
+        status, out, err = await cli("admin", "revoke-key", "--org", str(org_id), keys[1]["id"], "--json")
+        assert status == 0, err
+        revoked_at = json.loads(out)["revoked_at"]
+        refused = await client.get("/v1/jobs", headers={"Authorization": f"Bearer {reader}"})
+        assert refused.status_code == 401 and refused.json()["error"] == "unauthenticated"
+        assert (await client.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"})).status_code == 200
+    status, out, _ = await cli("admin", "revoke-key", "--org", str(org_id), keys[1]["id"], "--json")
+    assert status == 0 and json.loads(out)["revoked_at"] == revoked_at  # idempotent: the first revocation stands
+    status, out, _ = await cli("admin", "list-keys", "--org", str(org_id))
+    assert status == 0 and f"uk_{keys[1]['prefix']}_…" in out and "revoked" in out.splitlines()[1]
+
+
+async def test_revoke_key_refuses_another_organizations_key(cli, org, conn):
+    from umbra.compute.accounts import create_organization
+
+    other, _ = await create_organization(conn, "other")
+    [(key_id,)] = await (await conn.execute("SELECT id FROM api_keys WHERE organization_id = %s", (org[0],))).fetchall()
+    status, _, err = await cli("admin", "revoke-key", "--org", str(other), str(key_id))
+    assert status == 1 and err.startswith("umbra: api_key_not_found:")
+    revoked = (await (await conn.execute("SELECT revoked_at FROM api_keys WHERE id = %s", (key_id,))).fetchone())[0]
+    assert revoked is None

@@ -60,3 +60,26 @@ async def test_database_clock_can_be_offset_per_session(conn):
     await conn.execute("SET umbra.clock_offset = '90 seconds'")
     moved = (await (await conn.execute("SELECT umbra_now() - now()")).fetchone())[0]
     assert base.total_seconds() == 0 and moved.total_seconds() == 90
+
+
+async def test_nodes_revoked_before_revocation_meant_retired_are_retired_by_0028(conn, org):
+    """Until 0028 a revoked node was folded to ``offline``; the migration brings stored views in line
+    with today's fold, so verify finds them equal to a rebuild, and touches no other node."""
+    from umbra.compute.credentials import revoke_node
+    from umbra.projections.verify import verify
+
+    from .queue_support import CPU64, add_node
+
+    org_id, _ = org
+    revoked, silent = await add_node(conn, org_id, "revoked", [CPU64]), await add_node(conn, org_id, "silent", [CPU64])
+    await revoke_node(conn, org_id, revoked, actor="admin")
+    # The views as the fold of old left them.
+    await conn.execute("UPDATE nodes SET status = 'offline' WHERE id = %s", (revoked,))
+    await conn.execute("UPDATE nodes SET status = 'offline' WHERE id = %s", (silent,))
+    assert {d.get("id") for d in await verify(conn, org_id)} >= {str(revoked)}
+    [migration] = [m for m in available_migrations() if m.version == 28]
+    await conn.execute(migration.sql)
+    rows = dict(await (await conn.execute("SELECT id, status FROM nodes WHERE organization_id = %s", (org_id,))).fetchall())
+    assert rows == {revoked: "retired", silent: "offline"}
+    differences = await verify(conn, org_id)
+    assert all(d.get("id") != str(revoked) for d in differences), differences

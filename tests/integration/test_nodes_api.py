@@ -73,7 +73,7 @@ async def test_a_revoked_credential_fails_at_once(client, org):
     for _ in range(2):  # the second beat is served from the verified-token cache
         assert (await client.post("/v1/agent/heartbeat", json={}, headers=bearer(credential))).status_code == 200
     revoked = await client.post(f"/v1/nodes/{node_id}/revoke", headers=bearer(key))
-    assert revoked.status_code == 200 and revoked.json()["status"] == "offline"
+    assert revoked.status_code == 200 and revoked.json()["status"] == "retired"
     refused = await client.post("/v1/agent/heartbeat", json={}, headers=bearer(credential))
     assert refused.status_code == 401 and refused.json()["error"] == "unauthenticated"
     assert (await client.get("/v1/models", headers=bearer(credential))).status_code == 401

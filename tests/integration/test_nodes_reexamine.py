@@ -96,6 +96,26 @@ async def test_retiring_the_only_capable_node_blocks_the_work_only_it_could_run(
     assert await status(conn, needs_big) == "queued"
 
 
+async def test_revoking_the_only_capable_node_blocks_the_work_only_it_could_run_at_once(conn, org):
+    """Nothing gives a revoked node a credential again: it reads retired, and the revocation re-examines
+    waiting work as a retirement does. Read as offline, work only it could run stayed queued, looking
+    alive, and the blocked timeout never failed it (so a parent waiting on it never settled)."""
+    from umbra.compute.credentials import revoke_node
+
+    org_id, _ = org
+    big = await add_node(conn, org_id, "big", [GPU48])
+    await add_node(conn, org_id, "small", [GPU])
+    needs_big = await job(conn, org_id, vram_min_mb=40000, accelerators=["cuda"])
+    fits_small = await job(conn, org_id, vram_min_mb=8000, accelerators=["cuda"])
+    state, revoked = await revoke_node(conn, org_id, big, actor="admin")
+    assert state.status == "retired" and len(revoked) == 1
+    assert (await status(conn, needs_big), await status(conn, fits_small)) == ("blocked", "queued")
+    blocked = (await store.read_stream(conn, store.job_stream(needs_big)))[-1]
+    assert blocked.type == "job.blocked" and blocked.metadata["causation"] == f"node:{big}"
+    assert [e.type for e in await store.read_stream(conn, store.node_stream(big))][-1] == "node.revoked"
+    assert await revoke_node(conn, org_id, big, actor="admin") == (state, [])  # twice: nothing more recorded
+
+
 async def test_raising_a_models_floor_past_every_device_blocks_its_queued_jobs(conn, org):
     org_id, _ = org
     await pair(conn, org_id, [CPU, GPU])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -213,3 +214,85 @@ def test_server_shutdown_ends_open_streams(db_url):
     thread.join(timeout=5)
     assert not thread.is_alive(), "server still waiting for the stream"
     assert ended.wait(5)
+
+
+# -- a stream outlives its request: revocation and database outages ---------------------------
+
+
+async def _revoke_keys(conn, org_id: uuid.UUID) -> None:
+    from umbra.compute.accounts import revoke_api_key
+
+    for (key_id,) in await (await conn.execute("SELECT id FROM api_keys WHERE organization_id = %s", (org_id,))).fetchall():
+        await revoke_api_key(conn, org_id, key_id)
+
+
+async def _last_word(reader: SseReader) -> dict:
+    """Messages until the stream's ``error`` message (returned), failing on any event sent before it."""
+    with anyio.fail_after(10):
+        while True:
+            (msg,) = await reader.take(1)
+            if msg.get("event") == "error":
+                return msg
+            raise AssertionError(f"a message was streamed to a revoked key: {msg}")
+
+
+async def test_an_open_event_stream_ends_when_its_key_is_revoked(conn, org, live_server):
+    """SPEC: a revoked credential fails at once. A stream authenticated once, when it opened: it checks
+    again before every read, and its last message is the 401's body."""
+    org_id, key = org
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
+        async with client.stream("GET", "/v1/events/stream", headers=_auth(key)) as response:
+            reader = SseReader(response)
+            first = await _append(conn, org_id, 1)
+            assert [int(m["id"]) for m in await reader.take(1)] == first
+            await _revoke_keys(conn, org_id)
+            await _append(conn, org_id, 2)
+            last = await _last_word(reader)
+            assert json.loads(last["data"])["error"] == "unauthenticated"
+            with pytest.raises(EOFError):
+                await reader.take(1)
+        reconnect = await client.get("/v1/events/stream", headers={**_auth(key), "Last-Event-ID": str(first[0])})
+        assert reconnect.status_code == 401
+
+
+async def test_an_open_projection_stream_ends_when_its_key_is_revoked(conn, org, live_server):
+    from .queue_support import submit
+
+    org_id, key = org
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
+        async with client.stream("GET", "/v1/projections/stream", params={"views": "queue"}, headers=_auth(key)) as response:
+            reader = SseReader(response)
+            await reader.take(1)
+            await _revoke_keys(conn, org_id)
+            job = await submit(conn, org_id, payload={"secret": "after revocation"})
+            await store.publish(conn, [(org_id, job.position, 0)])
+            assert json.loads((await _last_word(reader))["data"])["error"] == "unauthenticated"
+
+
+async def test_an_open_stream_waits_out_a_database_outage_and_resumes_without_a_gap(conn, org, db_url):
+    """The database refuses connections for longer than the stream's poll: the stream's reads fail meanwhile.
+    It stays open and, once the database is back, sends what was appended, nothing skipped."""
+    org_id, key = org
+    dbname = psycopg.conninfo.conninfo_to_dict(db_url)["dbname"]
+    with LiveServer(db_url, UMBRA_POLL_FALLBACK_SECONDS="0.2") as server:
+        listener = server.app.state.services.listener
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            async with client.stream("GET", "/v1/events/stream", headers=_auth(key)) as response:
+                reader = SseReader(response)
+                before = await _append(conn, org_id, 1)
+                assert [int(m["id"]) for m in await reader.take(1)] == before
+                maintenance = psycopg.conninfo.make_conninfo(db_url, dbname="postgres")
+                async with await psycopg.AsyncConnection.connect(maintenance, autocommit=True) as admin:
+                    await admin.execute(f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS false')
+                    try:
+                        await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (dbname,))
+                        await anyio.sleep(1.5)  # the stream polls every ~0.2 s meanwhile, and each read fails
+                        during = await client.get("/v1/events", headers=_auth(key))
+                    finally:
+                        await admin.execute(f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true')
+                assert during.status_code == 503 and during.json()["error"] == "database_unavailable"
+                assert during.headers["Retry-After"] == "1"
+                await eventually(lambda: _true(listener.reconnects >= 1 and listener.connected.is_set()))
+                async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as again:
+                    after = await _append(again, org_id, 2)
+                assert [int(m["id"]) for m in await reader.take(2)] == after

@@ -80,9 +80,11 @@ def test_went_offline_only_applies_to_online():
     assert fold_all(NodeCreated(name="n"), NodeDraining(), NodeWentOffline()).status == "draining"
 
 
-def test_revoking_takes_an_online_node_offline():
-    assert fold_all(NodeCreated(name="n"), NodeHeartbeat(), NodeCredentialRevoked()).status == "offline"
-    assert fold_all(NodeCreated(name="n"), NodeCredentialRevoked()).status == "provisioning"
+def test_revoking_retires_the_node_whatever_it_was():
+    """Nothing gives a revoked node a credential again: it is out of service for good."""
+    assert fold_all(NodeCreated(name="n"), NodeHeartbeat(), NodeCredentialRevoked()).status == "retired"
+    assert fold_all(NodeCreated(name="n"), NodeCredentialRevoked()).status == "retired"
+    assert fold_all(NodeCreated(name="n"), NodeDraining(), NodeCredentialRevoked(), NodeDraining()).status == "retired"
 
 
 def test_draining_a_retired_node_leaves_it_retired():

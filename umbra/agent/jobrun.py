@@ -95,9 +95,16 @@ class JobRun:
         self._scope: anyio.CancelScope | None = None
         self._stop_deadline: float | None = None
         self._lost: ServiceError | None = None
+        self._abandoned = anyio.Event()
 
     def stop(self, grace_seconds: float) -> None:
-        """The agent is stopping: the handler may run ``grace_seconds`` more."""
+        """The agent is stopping: the handler may run ``grace_seconds`` more.
+
+        With no grace at all (a second signal) a report that is failing gives up at its next
+        retry rather than keep trying for the rest of the lease: the lease's expiry requeues the job.
+        """
+        if grace_seconds <= 0:
+            self._abandoned.set()
         deadline = anyio.current_time() + grace_seconds
         self._stop_deadline = deadline if self._stop_deadline is None else min(self._stop_deadline, deadline)
         if self._scope is not None:
@@ -189,10 +196,11 @@ class JobRun:
                 error = exc
             failures += 1
             delay = backoff_delay(failures, *self._backoff)
-            if anyio.current_time() + delay > deadline:
+            if anyio.current_time() + delay > deadline or self._abandoned.is_set():
                 log.error("outcome not delivered", extra={"action": "report_failed", "job_id": claim.job_id, "error": describe(error)})
                 return Outcome(claim.job_id, claim.kind, "unreported", describe(error))
-            await anyio.sleep(delay)
+            with anyio.move_on_after(delay):
+                await self._abandoned.wait()  # a second signal ends the wait: the next failure gives up
 
     async def _renew_loop(self) -> None:
         claim = self.claim
