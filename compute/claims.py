@@ -417,8 +417,10 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
     """Give a just-claimed job back to the queue (``job.released``); False if this node no longer holds it.
 
     For a long-poll whose client went away before it received its claim. The
-    attempt stays counted: it is the fencing token and never goes back, and a
-    job that keeps losing its claimer's connection still has a bound.
+    attempt stays counted: it is the fencing token and never goes back. So a
+    released job may later run as an attempt past ``max_attempts`` (attempt 2
+    of 1, say); any failure of it is then final, as for the last attempt. The
+    release itself never fails the job: it never ran.
     """
     async with conn.transaction():
         record = await (await conn.execute(_LOCK_FOR_RELEASE, (job_id,))).fetchone()
