@@ -19,7 +19,11 @@ async def healthz(request: Request):
 
 
 async def readyz(request: Request):
-    """200 only when the database answers and no migration is pending."""
+    """200 only when the database answers, no migration is pending and no background task has failed
+    (the process is then stopping: a load balancer should stop sending it requests at once)."""
+    failure = getattr(request.app.state, "failure", None)
+    if failure:
+        return json_response({"status": "failed", "error": "background_task_failed", "message": failure}, status=503)
     services = request.app.state.services
     try:
         async with services.pool.connection(timeout=2) as conn:

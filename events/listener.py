@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 #: test) can find it in ``pg_stat_activity``.
 APPLICATION_NAME = "umbra-listener"
 
+#: The listener's connection, against a network that drops packets silently (no reset): a connect
+#: that gets no answer gives up, TCP keepalives end a connection whose peer is gone, and the idle
+#: probe must answer in time. Otherwise the listener would wait for the operating system's TCP
+#: timeout (minutes) while every waiter and stream fell back to its safety poll.
+CONNECTION_OPTIONS = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+                      "keepalives_count": 3}  # fmt: skip
+PROBE_SECONDS = 5.0
+
 HintCallback = Callable[[UUID, int, int], None]
 ReconnectCallback = Callable[[], None]
 
@@ -35,9 +43,11 @@ ReconnectCallback = Callable[[], None]
 class LogListener:
     """Listens on :data:`LOG_CHANNEL` and calls subscribers synchronously."""
 
-    def __init__(self, url: str, *, idle_check_seconds: float = 5.0, ignore_backend_pids: Callable[[], set[int]] | None = None) -> None:
+    def __init__(self, url: str, *, idle_check_seconds: float = 5.0, probe_seconds: float = PROBE_SECONDS,
+                 ignore_backend_pids: Callable[[], set[int]] | None = None) -> None:  # fmt: skip
         self._url = url
         self._idle_check = idle_check_seconds
+        self._probe = probe_seconds
         self._hint_subscribers: list[HintCallback] = []
         self._reconnect_subscribers: list[ReconnectCallback] = []
         self._ignore = ignore_backend_pids or (lambda: set())
@@ -69,7 +79,7 @@ class LogListener:
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(
-                    self._url, autocommit=True, application_name=APPLICATION_NAME
+                    self._url, autocommit=True, application_name=APPLICATION_NAME, **CONNECTION_OPTIONS
                 ) as conn:
                     await conn.execute(f"LISTEN {LOG_CHANNEL}")
                     self.backend_pid = conn.info.backend_pid
@@ -91,8 +101,9 @@ class LogListener:
                             got_any = True
                             self._dispatch(note.payload, note.pid)
                         if not got_any:
-                            await conn.execute("SELECT 1")  # prove the connection on idle
-            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                            with anyio.fail_after(self._probe):
+                                await conn.execute("SELECT 1")  # prove the connection on idle
+            except (psycopg.OperationalError, psycopg.InterfaceError, TimeoutError) as exc:
                 self.connected = anyio.Event()
                 log.warning("listener connection lost", extra={"action": "listener_lost", "error": str(exc)[:200]})
                 await anyio.sleep(delay + random.uniform(0, delay))

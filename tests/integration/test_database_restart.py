@@ -94,5 +94,7 @@ async def test_health_says_failed_once_a_background_task_failed(db_url):
         assert (await client.get("/healthz")).status_code == 200
         app.state.failure = "the sweeper stopped: RuntimeError: boom"
         failed = await client.get("/healthz")
+        not_ready = await client.get("/readyz")  # a load balancer stops sending it requests at once
+    assert not_ready.status_code == 503 and not_ready.json()["error"] == "background_task_failed"
     assert failed.status_code == 503 and failed.json() == {
         "status": "failed", "error": "background_task_failed", "message": "the sweeper stopped: RuntimeError: boom"}

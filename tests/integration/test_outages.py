@@ -59,6 +59,7 @@ class PgProxy:
         self.closed = False
         self._lock = threading.Lock()
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._frozen: set[int] = set()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
@@ -87,6 +88,11 @@ class PgProxy:
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         try:
             while True:
+                if id(a) in self._frozen:  # a network that drops packets silently: nothing passes, nothing closes
+                    if self.closed:
+                        break
+                    time.sleep(0.05)
+                    continue
                 readable, _, _ = select.select([a, b], [], [], 0.5)
                 if self.closed:
                     break
@@ -113,6 +119,11 @@ class PgProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 with contextlib.suppress(OSError):
                     s.close()
+
+    def freeze(self) -> None:
+        """Stop forwarding on every open connection, without closing any (new ones pass as usual)."""
+        with self._lock:
+            self._frozen.update(id(a) for a, _ in self._pairs)
 
     def restore(self) -> None:
         self.down = False
@@ -762,3 +773,20 @@ async def test_no_secret_reaches_the_log_on_error_paths(serve, org, db_url):
         assert secret not in text, "a token reached the log"
     for digits in (code, node["code"]):
         assert not re.search(rf"(?<![0-9]){digits}(?![0-9])", text), "a pairing code reached the log"
+
+
+async def test_the_listener_replaces_a_connection_the_network_silently_dropped(db_url, pg_proxy):
+    """No reset, no answer: the idle probe times out and the listener reconnects (its subscribers then
+    re-read), instead of waiting for the operating system's TCP timeout."""
+    from umbra.events.listener import LogListener
+
+    listener = LogListener(pg_proxy.url(db_url), idle_check_seconds=0.2, probe_seconds=0.5)
+    reconnected = anyio.Event()
+    listener.on_reconnect(reconnected.set)
+    async with anyio.create_task_group() as tg:
+        await tg.start(listener.run)
+        pg_proxy.freeze()
+        with anyio.fail_after(10):
+            await reconnected.wait()
+        assert listener.reconnects == 1 and listener.connected.is_set()
+        tg.cancel_scope.cancel()
