@@ -12,13 +12,15 @@ from starlette.responses import Response
 from umbra.db import DATABASE_AWAY
 from umbra.errors import RateLimited, UmbraError
 
-from .http import json_response, request_id
+from .http import json_response, refusal_after_deferred_revocation, request_id
 
 log = logging.getLogger(__name__)
 
 
 async def umbra_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, UmbraError)
+    if getattr(request.state, "revocation_deferred", False):
+        exc = await refusal_after_deferred_revocation(request, exc)
     headers = {}
     if isinstance(exc, RateLimited):
         headers["Retry-After"] = str(exc.retry_after)

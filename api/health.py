@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 from starlette.requests import Request
 from starlette.routing import Route
 
 from umbra.migrate import pending_migrations
 
 from .http import json_response
+
+log = logging.getLogger(__name__)
 
 
 async def healthz(request: Request):
@@ -29,7 +33,10 @@ async def readyz(request: Request):
         async with services.pool.connection(timeout=2) as conn:
             pending = await pending_migrations(conn)
     except Exception as exc:  # any failure to reach the database means "not ready"
-        return json_response({"status": "unavailable", "error": "database_unavailable", "message": str(exc)[:200]}, status=503)
+        # The driver's text stays in the log: it may carry hosts, roles or SQL, and this route needs no credential.
+        log.warning("not ready: database unavailable", extra={"action": "not_ready", "error": type(exc).__name__, "detail": str(exc)[:200]})
+        return json_response({"status": "unavailable", "error": "database_unavailable",
+                              "message": "The database does not answer."}, status=503)  # fmt: skip
     if pending:
         return json_response(
             {"status": "unavailable", "error": "migrations_pending", "message": f"Pending migrations: {', '.join(pending)}"},

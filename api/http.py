@@ -11,7 +11,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from umbra.compute.auth import Principal, authenticate, authenticate_pooled
+from umbra.compute.auth import Principal, authenticate, authenticate_pooled, credential_is_live, revoked
+from umbra.db import DATABASE_AWAY
 from umbra.compute.jobs import MAX_JSON_DEPTH, TOO_DEEP
 from umbra.errors import InvalidRequest, NotFound, UmbraError
 
@@ -174,7 +175,27 @@ async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
     """
     services = request.app.state.services
     who = await authenticate_pooled(services.pool, bearer_token(request), services.token_cache, revocation_deferred=True)
+    request.state.revocation_deferred = True  # see refusal_after_deferred_revocation
     return _admitted(request, who, any_of_scopes)
+
+
+async def refusal_after_deferred_revocation(request: Request, refusal: UmbraError) -> UmbraError:
+    """The refusal to answer a request admitted by :func:`batch_principal`: 401 if its credential has been
+    revoked meanwhile, else ``refusal``.
+
+    Such a request's revocation is checked by its batch, but a refusal of its path, query or body
+    comes before any batch: without this, a revoked credential would learn which of its ids and
+    values the route would take, when the credential must come first. Only refusals pay the query.
+    """
+    who = getattr(request.state, "principal", None)
+    if who is None or refusal.status == 401:
+        return refusal
+    try:
+        async with request.app.state.services.pool.connection() as conn:
+            live = await credential_is_live(conn, who)
+    except DATABASE_AWAY:
+        return refusal
+    return refusal if live else revoked()
 
 
 def _admitted(request: Request, who: Principal, any_of_scopes: tuple[str, ...]) -> Principal:

@@ -9,6 +9,8 @@ is visible database-wide even for events other processes wrote.
 
 from __future__ import annotations
 
+import hmac
+
 import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -18,8 +20,10 @@ from starlette.responses import Response
 
 from umbra import metrics
 from umbra.db import DATABASE_AWAY
+from umbra.errors import Unauthenticated
 from umbra.events.types import JOB_STATUSES
 
+from .http import bearer_token
 from .routing import endpoint
 
 _QUEUE_DEPTH = "SELECT status, count(*) FROM jobs GROUP BY status"
@@ -72,6 +76,9 @@ async def scrape(request: Request) -> Response:
     and the views as last read: the process's own figures matter most then.
     """
     state = request.app.state
+    expected = state.services.settings.metrics_token
+    if expected is not None and not hmac.compare_digest((bearer_token(request) or "").encode(), expected.encode()):
+        raise Unauthenticated("GET /metrics needs the bearer token UMBRA_METRICS_TOKEN names.")
     views: DatabaseViews = state.metrics_views
     try:
         with anyio.fail_after(SCRAPE_DATABASE_SECONDS):
@@ -88,7 +95,7 @@ routes = [
         "GET",
         "/metrics",
         scrape,
-        summary="Prometheus metrics: queue depth, claims, wake latency, long-polls, events, sweeper.",
+        summary="Prometheus metrics: queue depth, claims, wake latency, long-polls, events, sweeper (a bearer token if UMBRA_METRICS_TOKEN is set).",
         auth="none",
         produces="text/plain",
     )

@@ -555,7 +555,8 @@ async def _add_children(
         for index, child in enumerate(children):
             key = child.idempotency_key
             if key is not None and key in taken:
-                raise InvalidRequest(f"children[{index}].idempotency_key is already used by job {taken[key].id}.",
+                # Not naming the job: a node reads only jobs it has held, and the id would be one it may not.
+                raise InvalidRequest(f"children[{index}].idempotency_key is already used in this organization.",
                                      field=f"children[{index}].idempotency_key", index=index)  # fmt: skip
         if len(set(keys)) != len(keys):
             raise InvalidRequest("children repeat an idempotency_key.", field="children")

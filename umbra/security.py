@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 
 from argon2 import PasswordHasher, Type, low_level
@@ -22,6 +23,7 @@ from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatc
 PASSWORD_HASHER = PasswordHasher(time_cost=3, memory_cost=19 * 1024, parallelism=1, hash_len=32, salt_len=16, type=Type.ID)
 
 PREFIX_LENGTH = 10
+_HEX = re.compile("[0-9a-f]+")
 
 
 def hash_secret(secret: str) -> str:
@@ -62,8 +64,8 @@ def new_token(kind: str) -> tuple[str, str]:
 def token_prefix(token: str, kind: str) -> str | None:
     """The stored-prefix part of ``token``, or None when it is not of ``kind``."""
     parts = token.split("_", 2)
-    if len(parts) != 3 or parts[0] != kind or len(parts[1]) != PREFIX_LENGTH:
-        return None
+    if len(parts) != 3 or parts[0] != kind or len(parts[1]) != PREFIX_LENGTH or not _HEX.fullmatch(parts[1]):
+        return None  # what new_token never makes (a NUL, say) is refused here, before any query
     return parts[1]
 
 

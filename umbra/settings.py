@@ -71,6 +71,11 @@ class Settings:
     #: ``UMBRA_TRUSTED_PROXIES``. Comma-separated addresses/networks whose
     #: ``X-Forwarded-For`` is believed. Empty: the TCP peer is the client.
     trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    #: ``UMBRA_METRICS_TOKEN``. If set, ``GET /metrics`` answers only ``Authorization:
+    #: Bearer <it>``. The scrape includes database-wide aggregates (queue depth by
+    #: status, the log's head) over every organization: unset, keep the endpoint on
+    #: a network only the monitoring system reaches.
+    metrics_token: str | None = field(default=None, repr=False)
     #: ``UMBRA_LOG_LEVEL``. Python logging level name for the service's loggers.
     log_level: str = "INFO"
 
@@ -164,6 +169,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         blocked_timeout_seconds=_int(env, "UMBRA_BLOCKED_TIMEOUT_SECONDS", 86_400, minimum=1),
         poll_fallback_seconds=_float(env, "UMBRA_POLL_FALLBACK_SECONDS", 1.0),
         trusted_proxies=_networks(env, "UMBRA_TRUSTED_PROXIES"),
+        metrics_token=env.get("UMBRA_METRICS_TOKEN") or None,
         log_level=level,
         **kwargs,
     )

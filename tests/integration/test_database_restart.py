@@ -76,7 +76,7 @@ def test_a_background_task_that_fails_fails_health_and_stops_the_server(db_url, 
         release.set()
         thread.join(timeout=15)
         assert not thread.is_alive(), "the server stopped by itself"
-        assert app.state.failure == "the sweeper stopped: RuntimeError: the sweeper broke"
+        assert app.state.failure == "the sweeper stopped: RuntimeError"  # the type only: the text may name internals
     finally:
         release.set()
         server.should_exit = True
@@ -92,9 +92,9 @@ async def test_health_says_failed_once_a_background_task_failed(db_url):
     app = create_app(load_settings({"UMBRA_DATABASE_URL": db_url}), db_url)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         assert (await client.get("/healthz")).status_code == 200
-        app.state.failure = "the sweeper stopped: RuntimeError: boom"
+        app.state.failure = "the sweeper stopped: RuntimeError"
         failed = await client.get("/healthz")
         not_ready = await client.get("/readyz")  # a load balancer stops sending it requests at once
     assert not_ready.status_code == 503 and not_ready.json()["error"] == "background_task_failed"
     assert failed.status_code == 503 and failed.json() == {
-        "status": "failed", "error": "background_task_failed", "message": "the sweeper stopped: RuntimeError: boom"}
+        "status": "failed", "error": "background_task_failed", "message": "the sweeper stopped: RuntimeError"}
