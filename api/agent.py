@@ -28,7 +28,7 @@ from starlette.responses import Response
 from umbra import metrics
 from umbra.compute import claims
 from umbra.compute.claims import SCAN_PAGE
-from umbra.errors import Forbidden, UmbraError
+from umbra.errors import Forbidden
 
 from .http import batch_principal, json_response, request_id
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
@@ -94,13 +94,13 @@ async def claim(request: Request) -> Response:
     started = time.monotonic()
     gone = anyio.Event()
     result: list[claims.ClaimResult] | None = None
-    refusal: UmbraError | None = None
+    refusal: Exception | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(_watch_disconnect, request, gone, tg.cancel_scope)
         try:
             result = await hub.wait_for(who.organization_id, attempt, timeout=wait)
-        except UmbraError as exc:  # e.g. the credential was revoked while this poll waited
-            refusal = exc
+        except Exception as exc:  # e.g. the credential was revoked, or the database went away, while this poll waited
+            refusal = exc  # raised outside the task group, so its handler sees it and not an exception group
         tg.cancel_scope.cancel()
     if refusal is not None:
         raise refusal

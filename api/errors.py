@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from umbra.db import DATABASE_AWAY
+from umbra.db import DATABASE_AWAY, database_away
 from umbra.errors import RateLimited, UmbraError
 
 from .http import json_response, refusal_after_deferred_revocation, request_id
@@ -62,13 +62,16 @@ async def data_error(request: Request, exc: Exception) -> Response:
 
 async def database_unavailable(request: Request, exc: Exception) -> Response:
     """The database could not be reached or ended the connection (a restart, a failover, a pool
-    with no free connection in time): the command did not commit, so the caller should try again.
+    with no free connection in time): the caller should try again. Any other operational error (a
+    deadlock, a statement PostgreSQL refused) is a server error, answered 500 with its traceback.
 
-    A serialization failure or a deadlock chosen as victim lands here too (PostgreSQL's operational
-    errors): likewise nothing was written and a retry is the answer. A 503 with ``Retry-After``
-    tells clients so; a 500 would say the request itself is at fault, and an EventSource gives up
-    on it for good.
+    A 503 with ``Retry-After`` tells clients to try again; a 500 would say the request itself is at
+    fault, and an EventSource gives up on it for good. Whether the command committed is unknown
+    when the connection broke during its ``COMMIT``: what an agent sends again is answered as a
+    repeat (a completion already recorded answers 200), and a claim that did commit is released.
     """
+    if not database_away(exc):
+        return await unexpected_error(request, exc)
     log.warning("database unavailable", extra={"action": "database_unavailable", "path": request.url.path,
                                                 "error": type(exc).__name__, "request_id": request_id(request)})  # fmt: skip
     return json_response(

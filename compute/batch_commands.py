@@ -38,7 +38,7 @@ import psycopg
 
 from umbra.db import PreparedStatement, begin_with, commit_with, run_together, uuid_array
 from umbra.domain.eligibility import NodeView, is_busy
-from umbra.domain.jobs import check_holder
+from umbra.domain.jobs import check_holder, repeats_completion
 from umbra.domain.node_status import effective_status
 from umbra.domain.placement import best_placement
 from umbra.errors import NotFound, UmbraError
@@ -281,6 +281,11 @@ def _stage_held(records: Sequence[Any], held: Sequence[Command], deferred: list[
             continue
         seen.add(command.job_id)
         row = rows.get(command.job_id)
+        if command.kind == "complete" and row is not None and row.organization_id == command.organization_id and \
+                repeats_completion(status=row.status, lease_owner=row.lease_owner, attempt=row.attempt,
+                                   node_id=command.node_id, claimed_attempt=command.attempt):  # fmt: skip
+            command.outcome = row
+            continue
         try:
             event = decide_held(command, row, now)  # type: ignore[arg-type]
         except UmbraError as refusal:

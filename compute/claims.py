@@ -43,7 +43,7 @@ import psycopg
 
 from umbra.db import uuid_array
 from umbra.domain.eligibility import is_busy
-from umbra.domain.jobs import check_holder, decide_failure
+from umbra.domain.jobs import check_holder, decide_failure, repeats_completion
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
 from umbra.domain.placement import best_placement
@@ -474,6 +474,12 @@ async def complete(
 async def _complete(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
                     request_id: str | None) -> JobRow:  # fmt: skip
     async with conn.transaction():
+        record = await (await conn.execute(_LOCK_BY_ID, (job_id, organization_id))).fetchone()
+        if record is not None:
+            done = queue.from_db(record)
+            if repeats_completion(status=done.status, lease_owner=done.lease_owner, attempt=done.attempt,
+                                  node_id=node_id, claimed_attempt=attempt):  # fmt: skip
+                return done
         row, _ = await _held(conn, organization_id, job_id, node_id, attempt)
         changes = [Change(row.id, organization_id, row, [JobCompleted(attempt=attempt, result=result)])]
         [done], position = await record_and_settle(conn, changes, metadata=node_metadata(node_id, request_id))

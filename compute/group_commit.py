@@ -272,6 +272,7 @@ class GroupCommit:
         commands = [command for command, _ in batch]
         started = time.perf_counter()
         connection: psycopg.AsyncConnection | None = None
+        staged: list = []
         try:
             # Not in pipeline mode: it saved a few round trips per batch but cost more
             # client CPU than it saved, and on the agent path the server's CPU is the limit
@@ -288,6 +289,7 @@ class GroupCommit:
         except Exception as exc:
             if connection is None or connection.broken:
                 self._database_away(commands, exc)
+                await self._release_claims_if_committed(staged)
                 return []
             log.warning("batch rolled back; its commands run one by one",
                         extra={"action": "group_commit_fallback", "commands": len(commands), "error": str(exc)[:200]})  # fmt: skip
@@ -326,6 +328,25 @@ class GroupCommit:
                 if each is not None:
                     each.outcome, each.error = None, exc
                     each.claims.clear()
+
+    async def _release_claims_if_committed(self, staged: list) -> None:
+        """The batch's connection broke while it wrote: its ``COMMIT`` may have landed. Its claimers are
+        answered an error, so a claim that did commit would hold its job, leased to an agent that never
+        heard of it, until the lease ran out: each is released (``job.released``, as for a long-poll
+        whose client left). A claim that did not commit is not found running under that attempt, and
+        nothing is written for it. Repeated completions are answered as such
+        (:func:`umbra.domain.jobs.repeats_completion`), so those commands can simply be sent again.
+        """
+        taken = [(s.command, s.state.id, s.event.attempt) for s in staged if s.command.kind == "claim"]
+        if not taken:
+            return
+        try:
+            async with self._pool.connection() as conn:
+                for command, job_id, attempt in taken:
+                    await claims.release(conn, job_id, command.node_id, attempt, request_id=command.request_id)
+        except Exception as exc:  # the database is still away: those leases expire as any unheard claim's
+            log.warning("claims of a broken batch not released", extra={"action": "group_commit_release_failed",
+                        "claims": len(taken), "error": type(exc).__name__})  # fmt: skip
 
     async def _alone(self, command: Command) -> None:
         """Run one command in its own transaction through the single-command path."""

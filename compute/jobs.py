@@ -47,6 +47,12 @@ IdempotencyKey = Annotated[str, Meta(min_length=1, max_length=200)]
 MAX_BATCH = 10_000
 
 
+#: Bytes (UTF-8) of the names a job's requirements may hold in all. The requirements are a key of the queue's
+#: index of shapes (``jobs_by_shape``), and PostgreSQL refuses an index entry over about 2.7 kB:
+#: a job naming more could never be stored, nor unblocked once it was.
+MAX_REQUIRES_NAMED = 1_500
+
+
 class RequiresRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     vram_min_mb: Megabytes = 0
     ram_min_mb: Megabytes = 0
@@ -55,6 +61,12 @@ class RequiresRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     accelerators: list[Name] = []
     max_runtime_s: Annotated[int, Meta(ge=1)] | None = None
     prefer_node: UUID | None = None
+
+    def __post_init__(self) -> None:
+        named = sum(len(name.encode()) for name in (*self.models, *self.trust_domains, *self.accelerators))
+        if named > MAX_REQUIRES_NAMED:
+            raise ValueError(f"the names in requires (models, trust_domains, accelerators) take {named} bytes "
+                             f"in all; at most {MAX_REQUIRES_NAMED}")  # fmt: skip
 
     def to_requirements(self) -> Requirements:
         if self == _NO_REQUIREMENTS_REQUEST:

@@ -58,6 +58,20 @@ def check_holder(*, status: str, lease_owner: UUID | None, attempt: int, node_id
         raise NotHolder()
 
 
+def repeats_completion(*, status: str, lease_owner: UUID | None, attempt: int, node_id: UUID, claimed_attempt: int) -> bool:
+    """Whether a completion is one the job has already recorded, sent again by its holder.
+
+    The holder did not hear the first answer (a dropped connection, a 503 for a
+    batch whose commit landed as its connection broke) and sends the same
+    completion again. It is answered with the job as it stands and records
+    nothing: the first result stands. Without this it was refused 409, and the
+    agent took its finished job for lost. Only the completing node, for the
+    completed attempt: the attempt is the fencing token, so no other claim can
+    match.
+    """
+    return status == "complete" and lease_owner == node_id and attempt == claimed_attempt
+
+
 def decide_failure(
     *, attempt: int, max_attempts: int, error: str, retry: bool, now: datetime
 ) -> JobRequeued | JobFailed:

@@ -242,9 +242,30 @@ async def _configure(conn: psycopg.AsyncConnection) -> None:
     await assume_service_role(conn)
 
 
-#: What a read or a command meets while the database is away (restarting, failing over, a pooled
-#: connection it ended, no connection in time: the pool's timeout is an OperationalError too).
+#: What a read meets while the database is away (restarting, failing over, a pooled connection it
+#: ended, no connection in time: the pool's timeout is an OperationalError too). A read caught by
+#: it is simply made again later; to tell an outage from a refused statement, :func:`database_away`.
 DATABASE_AWAY = (psycopg.OperationalError, psycopg.InterfaceError)
+
+#: SQLSTATEs of a server that is going away or cannot take the connection: admin, crash and
+#: startup shutdown, too many connections (class 08, connection exceptions, is taken whole).
+_AWAY_STATES = {"57P01", "57P02", "57P03", "53300"}
+
+
+def database_away(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database could not be reached or ended the connection, rather than
+    refused the statement: only then is "try again" the right answer.
+
+    A deadlock, a serialization failure, a cancelled query or a row too large
+    are operational errors too, but sending the request again would not help
+    (or would hide a bug): they stay server errors.
+    """
+    if isinstance(exc, psycopg.InterfaceError):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        state = exc.sqlstate  # None: failed on the client's side (no connection, the pool's timeout)
+        return state is None or state.startswith("08") or state in _AWAY_STATES
+    return False
 
 #: How long a request waits for a pooled connection, and a new connection for the server, before it
 #: fails (503 ``database_unavailable``, try again). psycopg's 30 s default held every request that

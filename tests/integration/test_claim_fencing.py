@@ -80,8 +80,11 @@ async def test_a_stale_holder_is_refused_and_changes_nothing(conn, two_nodes):
     assert await store.head_position(conn) == head and await queue.load(conn, job.id, org_id) == row
     done = await claims.complete(conn, organization_id=org_id, node_id=b, job_id=job.id, attempt=2, result={"ok": 1})
     assert (done.status, done.result) == ("complete", {"ok": 1})
-    await refused("job_not_claimed_by_this_node", claims.complete(conn, organization_id=org_id, node_id=b,
-                                                                  job_id=job.id, attempt=2, result=None))  # fmt: skip
+    head = await store.head_position(conn)
+    again = await claims.complete(conn, organization_id=org_id, node_id=b, job_id=job.id, attempt=2, result=None)
+    assert again == done and await store.head_position(conn) == head  # a repeat: the first result stands
+    for call in holder_calls(org_id, a, job.id, 2, conn):  # the finished job is still nobody else's
+        await refused("job_not_claimed_by_this_node", call)
 
 
 async def test_another_organizations_job_is_not_found(conn, two_nodes):
@@ -297,6 +300,7 @@ async def test_a_childs_idempotency_key_taken_by_a_submission_committing_meanwhi
                 tg.start_soon(decompose)
                 await anyio.sleep(0.3)  # the decomposition is under way while the submission is uncommitted
     [refused] = outcome
-    assert isinstance(refused, InvalidRequest) and str(racer.id) in refused.message
+    assert isinstance(refused, InvalidRequest) and "already used in this organization" in refused.message
+    assert str(racer.id) not in refused.message  # a node may not read the job that holds the key
     assert (await queue.load(conn, parent.id, org_id)).status == "running"
     assert [e.type for e in await store.read_stream(conn, store.job_stream(parent.id))] == ["job.submitted", "job.claimed"]

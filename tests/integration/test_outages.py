@@ -29,17 +29,13 @@ import pytest
 from psycopg import conninfo
 
 from tests.conftest import free_port
-from tests.helpers import eventually
+from tests.helpers import bearer, eventually
 
 pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICES = [{"kind": "cpu", "label": "cpu0", "ram_total_mb": 8192, "ram_free_mb": 8000}]
 DEVICE_JSON = json.dumps(DEVICES[0])
-
-
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 # -- a TCP proxy in front of PostgreSQL ------------------------------------------------------------
@@ -219,13 +215,13 @@ def serve(db_url, tmp_path):
 
 
 async def pair_node(client: httpx.AsyncClient, base: str, admin_key: str, name: str = "box") -> dict:
-    code = (await client.post(f"{base}/v1/pairings", json={"name": name}, headers=auth(admin_key))).json()["code"]
+    code = (await client.post(f"{base}/v1/pairings", json={"name": name}, headers=bearer(admin_key))).json()["code"]
     redeemed = await client.post(f"{base}/v1/pairings/redeem",
                                  json={"code": code, "name": name, "agent_version": "t", "devices": DEVICES})  # fmt: skip
     assert redeemed.status_code == 201, redeemed.text
     body = redeemed.json()
     beat = await client.post(f"{base}/v1/agent/heartbeat", json={"devices": DEVICES, "agent_version": "t"},
-                             headers=auth(body["credential"]))  # fmt: skip
+                             headers=bearer(body["credential"]))  # fmt: skip
     assert beat.status_code == 200, beat.text
     body["code"] = code
     return body
@@ -277,13 +273,13 @@ async def test_requests_right_after_the_servers_sessions_are_terminated_do_not_a
             for _ in range(8):
                 tg.start_soon(client.get, "/v1/jobs", )
         for _ in range(4):
-            assert (await client.get("/v1/jobs", headers=auth(key))).status_code == 200
+            assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
         await terminate_server_sessions(db_url)
         statuses = []
         bodies = []
 
         async def one():
-            response = await client.get("/v1/jobs", headers=auth(key))
+            response = await client.get("/v1/jobs", headers=bearer(key))
             statuses.append(response.status_code)
             bodies.append(response.text)
 
@@ -303,14 +299,14 @@ async def test_requests_during_an_unreachable_database_answer_promptly(serve, or
     server = serve(pg_proxy.url(db_url))
     await server.ready()
     async with httpx.AsyncClient(base_url=server.url, timeout=15) as client:
-        assert (await client.get("/v1/jobs", headers=auth(key))).status_code == 200
+        assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
         pg_proxy.cut()
         await anyio.sleep(0.3)
         outcomes = []
         for _ in range(3):
             started = time.monotonic()
             try:
-                response = await client.get("/v1/jobs", headers=auth(key), timeout=8)
+                response = await client.get("/v1/jobs", headers=bearer(key), timeout=8)
                 outcomes.append((response.status_code, round(time.monotonic() - started, 1), response.json().get("error")))
             except httpx.TimeoutException:
                 outcomes.append(("timeout", round(time.monotonic() - started, 1), None))
@@ -350,11 +346,11 @@ async def test_an_error_log_record_carries_the_request_id(serve, org, db_url):
     await server.ready()
     async with httpx.AsyncClient(base_url=server.url, timeout=15) as client:
         for _ in range(3):
-            assert (await client.get("/v1/jobs", headers=auth(key))).status_code == 200
+            assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
         await terminate_server_sessions(db_url)
         failed = None
         for n in range(6):
-            response = await client.get("/v1/jobs", headers={**auth(key), "X-Request-ID": f"outage-{n}"})
+            response = await client.get("/v1/jobs", headers={**bearer(key), "X-Request-ID": f"outage-{n}"})
             if response.status_code >= 500:
                 failed = response
                 break
@@ -389,13 +385,13 @@ async def test_after_an_outage_the_listener_reconnects_and_long_polls_wake_on_no
         got = {}
 
         async def poll():
-            got["r"] = await client.post("/v1/agent/claim", params={"wait": 15}, headers=auth(node["credential"]))
+            got["r"] = await client.post("/v1/agent/claim", params={"wait": 15}, headers=bearer(node["credential"]))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(poll)
             await anyio.sleep(1.0)
             started = time.monotonic()
-            submitted = await client.post("/v1/jobs", json={"kind": "echo"}, headers=auth(key))
+            submitted = await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))
             assert submitted.status_code == 201, submitted.text
             with anyio.fail_after(10):
                 while "r" not in got:
@@ -415,7 +411,7 @@ async def test_a_signal_stops_an_idle_server_promptly_cleanly_and_with_status_0(
     server = serve()
     await server.ready()
     async with httpx.AsyncClient(base_url=server.url, timeout=15) as client:
-        assert (await client.get("/v1/jobs", headers=auth(key))).status_code == 200
+        assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
     took, code = await anyio.to_thread.run_sync(server.signal_and_wait, signum)
     assert code == 0 and took < 5, (code, took, server.log[-2000:])
     assert "Traceback" not in server.log, server.log[-3000:]
@@ -439,12 +435,12 @@ async def test_sigterm_under_agent_load_keeps_every_acknowledged_claim_and_compl
     async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=httpx.Limits(max_connections=200)) as client:
         nodes = [await pair_node(client, server.url, key, f"n{i}") for i in range(6)]
         submitted = await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "echo"} for _ in range(3000)]},
-                                      headers=auth(key))  # fmt: skip
+                                      headers=bearer(key))  # fmt: skip
         assert submitted.status_code == 201, submitted.text
         stop = anyio.Event()
 
         async def agent(node):
-            headers = auth(node["credential"])
+            headers = bearer(node["credential"])
             while True:
                 try:
                     claimed = await client.post("/v1/agent/claim", params={"wait": 2}, headers=headers)
@@ -494,14 +490,14 @@ async def test_sigterm_while_the_database_is_unreachable_stops_promptly(serve, o
     server = serve(pg_proxy.url(db_url))
     await server.ready()
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-        assert (await client.get("/v1/jobs", headers=auth(key))).status_code == 200
+        assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
         pg_proxy.cut()
         await anyio.sleep(0.3)
         answers = []
 
         async def request():
             with contextlib.suppress(httpx.HTTPError):
-                answers.append((await client.get("/v1/jobs", headers=auth(key))).status_code)
+                answers.append((await client.get("/v1/jobs", headers=bearer(key))).status_code)
 
         async with anyio.create_task_group() as tg:
             for _ in range(4):
@@ -522,9 +518,9 @@ async def test_claim_and_event_counters_match_the_log(serve, org, conn, db_url):
         before = samples((await client.get("/metrics")).text)
         head_before = (await (await conn.execute("SELECT coalesce(max(position), 0) FROM events")).fetchone())[0]
         node = await pair_node(client, server.url, key)
-        headers = auth(node["credential"])
+        headers = bearer(node["credential"])
         for _ in range(6):
-            assert (await client.post("/v1/jobs", json={"kind": "echo"}, headers=auth(key))).status_code == 201
+            assert (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).status_code == 201
         first = (await client.post("/v1/agent/claim", params={"wait": 0}, headers=headers)).json()
         nxt = (await client.post(f"/v1/agent/jobs/{first['job']['id']}/complete", params={"claim_next": "true"},
                                  json={"attempt": first["job"]["attempt"], "result": {}}, headers=headers)).json()["next_claim"]  # fmt: skip
@@ -583,15 +579,15 @@ async def test_agent_keeps_its_job_across_a_server_restart_mid_job(serve, org, c
     first = serve(**env)
     await first.ready()
     async with httpx.AsyncClient(base_url=first.url, timeout=15) as client:
-        code = (await client.post("/v1/pairings", json={"name": "restart"}, headers=auth(key))).json()["code"]
+        code = (await client.post("/v1/pairings", json={"name": "restart"}, headers=bearer(key))).json()["code"]
         async with agent_process(tmp_path, "--server", first.url, "--code", code, "--name", "restart") as agent:
             async def online():
-                nodes = (await client.get("/v1/nodes", headers=auth(key))).json()["nodes"]
+                nodes = (await client.get("/v1/nodes", headers=bearer(key))).json()["nodes"]
                 return any(n["status"] == "online" for n in nodes)
 
             await eventually(online, timeout=20)
             job_id = (await client.post("/v1/jobs", json={"kind": "sleep", "payload": {"seconds": 5}},
-                                        headers=auth(key))).json()["id"]  # fmt: skip
+                                        headers=bearer(key))).json()["id"]  # fmt: skip
             await eventually(lambda: _running_and_logged(conn, agent, job_id), timeout=10)
             await anyio.sleep(0.5)
             took, code_ = await anyio.to_thread.run_sync(first.signal_and_wait)
@@ -640,15 +636,15 @@ async def test_a_second_sigterm_stops_the_agent_at_once_even_when_the_server_is_
     server = serve(**env)
     await server.ready()
     async with httpx.AsyncClient(base_url=server.url, timeout=15) as client:
-        code = (await client.post("/v1/pairings", json={"name": "twice"}, headers=auth(key))).json()["code"]
+        code = (await client.post("/v1/pairings", json={"name": "twice"}, headers=bearer(key))).json()["code"]
         async with agent_process(tmp_path, "--server", server.url, "--code", code, "--name", "twice", "--grace", "30") as agent:
             async def online():
-                nodes = (await client.get("/v1/nodes", headers=auth(key))).json()["nodes"]
+                nodes = (await client.get("/v1/nodes", headers=bearer(key))).json()["nodes"]
                 return any(n["status"] == "online" for n in nodes)
 
             await eventually(online, timeout=20)
             job_id = (await client.post("/v1/jobs", json={"kind": "sleep", "payload": {"seconds": 60}},
-                                        headers=auth(key))).json()["id"]  # fmt: skip
+                                        headers=bearer(key))).json()["id"]  # fmt: skip
             await eventually(lambda: _running_and_logged(conn, agent, job_id), timeout=10)
             server.proc.kill()  # the controller is gone
             server.proc.wait()
@@ -666,8 +662,8 @@ async def test_a_second_sigterm_stops_the_agent_at_once_even_when_the_server_is_
 
 async def test_agent_commands_work_again_soon_after_a_database_outage_ends(serve, org, db_url, pg_proxy):
     """Claims that joined a group-commit batch during an outage must not keep the agents' path blocked
-    after the database is back (a failed batch re-runs each command alone, each waiting the pool's 30 s,
-    inside a cancel-shielded scope)."""
+    after the database is back: a batch that got no connection fails its commands at once, rather than
+    run each alone, each waiting for a connection again, inside a cancel-shielded scope."""
     _, key = org
     server = serve(pg_proxy.url(db_url))
     await server.ready()
@@ -676,11 +672,11 @@ async def test_agent_commands_work_again_soon_after_a_database_outage_ends(serve
         pg_proxy.cut()
         for _ in range(3):  # the dead pooled connections are handed out and discarded
             with contextlib.suppress(httpx.HTTPError):
-                await client.get("/v1/jobs", headers=auth(key), timeout=1)
+                await client.get("/v1/jobs", headers=bearer(key), timeout=1)
 
         async def claim(node):
             with contextlib.suppress(httpx.HTTPError):
-                await client.post("/v1/agent/claim", params={"wait": 0}, headers=auth(node["credential"]))
+                await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(node["credential"]))
 
         async with anyio.create_task_group() as tg:
             for node in nodes:
@@ -692,10 +688,10 @@ async def test_agent_commands_work_again_soon_after_a_database_outage_ends(serve
                 return (await client.get("/readyz", timeout=5)).status_code == 200
 
             await eventually(ready, timeout=10, interval=0.2)
-            assert (await client.get("/v1/jobs", headers=auth(key))).status_code == 200, "ordinary requests work again"
+            assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200, "ordinary requests work again"
             started = time.monotonic()
             try:
-                answer = await client.post("/v1/agent/claim", params={"wait": 0}, headers=auth(nodes[0]["credential"]),
+                answer = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(nodes[0]["credential"]),
                                            timeout=8)  # fmt: skip
                 outcome = (answer.status_code, round(time.monotonic() - started, 1))
             except httpx.TimeoutException:
@@ -715,11 +711,11 @@ async def test_sigterm_during_an_outage_with_agents_claiming_stops_the_server(se
         pg_proxy.cut()
         for _ in range(3):
             with contextlib.suppress(httpx.HTTPError):
-                await client.get("/v1/jobs", headers=auth(key), timeout=1)
+                await client.get("/v1/jobs", headers=bearer(key), timeout=1)
 
         async def claim(node):
             with contextlib.suppress(httpx.HTTPError):
-                await client.post("/v1/agent/claim", params={"wait": 0}, headers=auth(node["credential"]))
+                await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(node["credential"]))
 
         async with anyio.create_task_group() as tg:
             for node in nodes:
@@ -741,7 +737,7 @@ async def test_no_secret_reaches_the_log_on_error_paths(serve, org, db_url):
     await server.ready()
     async with httpx.AsyncClient(base_url=server.url, timeout=15) as client:
         node = await pair_node(client, server.url, key, "secretive")
-        code = (await client.post("/v1/pairings", json={"name": "later"}, headers=auth(key))).json()["code"]
+        code = (await client.post("/v1/pairings", json={"name": "later"}, headers=bearer(key))).json()["code"]
         streamed = anyio.Event()
 
         async def stream():
@@ -756,9 +752,9 @@ async def test_no_secret_reaches_the_log_on_error_paths(serve, org, db_url):
             for _ in range(3):
                 await terminate_server_sessions(db_url)
                 for call in (
-                    client.get("/v1/jobs", headers=auth(key)),
-                    client.post("/v1/agent/heartbeat", json={"devices": DEVICES}, headers=auth(node["credential"])),
-                    client.post("/v1/agent/claim", params={"wait": 0}, headers=auth(node["credential"])),
+                    client.get("/v1/jobs", headers=bearer(key)),
+                    client.post("/v1/agent/heartbeat", json={"devices": DEVICES}, headers=bearer(node["credential"])),
+                    client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(node["credential"])),
                     client.post("/v1/pairings/redeem", json={"code": code, "name": "later", "devices": DEVICES}),
                     client.get(f"/v1/events/stream?access_token={key}&after=notanumber"),
                 ):
@@ -790,3 +786,25 @@ async def test_the_listener_replaces_a_connection_the_network_silently_dropped(d
             await reconnected.wait()
         assert listener.reconnects == 1 and listener.connected.is_set()
         tg.cancel_scope.cancel()
+
+
+async def test_a_claim_during_a_database_outage_answers_503_not_500(db_url, conn, org):
+    """The database unreachable -> 503 database_unavailable, for the claim long-poll too (its attempt runs
+    in a task group: the error must reach the handlers as itself, not wrapped in an exception group)."""
+    from tests.conftest import LiveServer
+    from tests.integration.test_broken_commit import paired
+
+    org_id, _ = org
+    _, credential = await paired(conn, org_id)
+    parts = conninfo.conninfo_to_dict(db_url)
+    proxy = PgProxy(parts.get("host") or "127.0.0.1", int(parts.get("port") or 5432))
+    try:
+        with LiveServer(proxy.url(db_url)) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+                warm = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+                assert warm.status_code == 204  # the credential is now cached: the claim needs no query to authenticate
+                proxy.cut()
+                response = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+        assert response.status_code == 503 and response.json()["error"] == "database_unavailable", response.text
+    finally:
+        proxy.close()

@@ -56,3 +56,21 @@ def test_the_clients_find_the_server_this_machines_settings_start():
     assert server_url({"UMBRA_SERVER": "https://umbra.example/", "UMBRA_PORT": "9000"}) == "https://umbra.example"
     with pytest.raises(SettingsError, match="UMBRA_PORT"):
         server_url({"UMBRA_PORT": "eighty"})
+
+
+def test_only_an_unreachable_database_is_an_outage_to_retry():
+    """503 database_unavailable says "send it again": right for a connection that failed or was ended,
+    wrong for a statement PostgreSQL refused (a deadlock, a cancelled query, a row too large)."""
+    import psycopg
+    from psycopg import errors
+    from psycopg_pool import PoolTimeout
+
+    from umbra.db import database_away
+
+    for away in (psycopg.OperationalError("connection failed"), PoolTimeout("no connection in 5 s"),
+                 errors.AdminShutdown(), errors.CannotConnectNow(), errors.TooManyConnections(),
+                 errors.ConnectionFailure(), psycopg.InterfaceError("the connection is closed")):  # fmt: skip
+        assert database_away(away), away
+    for refused in (errors.DeadlockDetected(), errors.SerializationFailure(), errors.QueryCanceled(),
+                    errors.ProgramLimitExceeded(), ValueError("not a database error")):  # fmt: skip
+        assert not database_away(refused), refused

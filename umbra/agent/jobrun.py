@@ -39,7 +39,7 @@ import httpx
 import msgspec
 
 from .client import AgentClient, Claim, ServiceError
-from .handlers import Decompose, HandlerRegistry, is_retryable
+from .handlers import Decompose, HandlerRegistry, PermanentError, is_retryable
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,51 @@ class Outcome:
     detail: Any = None
     #: The node's next job, claimed with this one's completion.
     next_claim: Claim | None = None
+
+
+@dataclass(frozen=True)
+class _Children:
+    """A handler's :class:`Decompose`, as the JSON the server is sent."""
+
+    json: list[Any]
+
+
+def deliverable(result: Any) -> Any:
+    """What a handler returned, checked before anything is sent: the result, or its children as JSON.
+
+    Raises :class:`PermanentError` (the job fails for good, saying why) for what the server could
+    not store as returned: a value JSON cannot carry, a NaN or an infinity (msgspec would send
+    ``null``, and the stored result would differ from the handler's without a word), children
+    that are not :class:`~umbra.agent.handlers.Child`.
+    """
+    if isinstance(result, Decompose):
+        try:
+            children = [child.to_json() for child in result.children]
+        except AttributeError:
+            raise PermanentError("The handler decomposed the job into something other than Child objects.") from None
+        _check_storable(children, "children")
+        return _Children(children)
+    _check_storable(result, "result")
+    return result
+
+
+def _check_storable(value: Any, what: str) -> None:
+    try:
+        msgspec.json.encode(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise PermanentError(f"The handler's {what} cannot be sent as JSON: {exc}") from None
+    if not _finite(value):
+        raise PermanentError(f"The handler's {what} holds a NaN or an infinity, which JSON cannot carry.")
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return value == value and value not in (float("inf"), float("-inf"))
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    return True
 
 
 class JobRun:
@@ -125,10 +170,8 @@ class JobRun:
                     scope.deadline = min(scope.deadline, self._stop_deadline)
                 tg.start_soon(self._renew_loop)
                 try:
-                    result = await self.registry.run(claim)
-                    if not isinstance(result, Decompose):
-                        msgspec.json.encode(result)  # refuse a result the server could not store
-                except Exception as exc:  # the handler's failure is the job's failure
+                    result = deliverable(await self.registry.run(claim))
+                except (Exception, SystemExit) as exc:  # the handler's failure (even sys.exit) is the job's, not the agent's
                     failure = exc
             self._scope = None
             tg.cancel_scope.cancel()
@@ -141,10 +184,9 @@ class JobRun:
             return await self._fail(STOPPED_MESSAGE, retry=True)
         if failure is not None:
             return await self._fail(str(failure) or type(failure).__name__, retry=is_retryable(failure))
-        if isinstance(result, Decompose):
-            children = [child.to_json() for child in result.children]
+        if isinstance(result, _Children):
             return await self._undeliverable_fails(
-                await self._report("decomposed", self.client.add_children, claim.job_id, claim.attempt, children), "children")
+                await self._report("decomposed", self.client.add_children, claim.job_id, claim.attempt, result.json), "children")
         if not self._claim_next():
             return await self._undeliverable_fails(
                 await self._report("complete", self.client.complete, claim.job_id, claim.attempt, result), "result")
