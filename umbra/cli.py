@@ -255,8 +255,15 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
 REGISTRARS.append(_register_bench)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a refused argument is one line like every other refusal (exit 2, as argparse's)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"umbra: invalid_request: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="umbra", description="Umbra Compute: event-sourced compute jobs on PostgreSQL.")
+    parser = _Parser(prog="umbra", description="Umbra Compute: event-sourced compute jobs on PostgreSQL.")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in REGISTRARS:
         register(sub)
@@ -277,8 +284,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # one line, no traceback
-        print(f"umbra: error: {type(exc).__name__}: {exc}{_server_of(exc)}", file=sys.stderr)
+        from .db import database_away
+
+        exc = _leaf(exc)
+        if database_away(exc):
+            print(f"umbra: database_unavailable: {_first_line(exc)}", file=sys.stderr)
+        else:
+            print(f"umbra: error: {type(exc).__name__}: {_first_line(exc)}{_server_of(exc)}", file=sys.stderr)
         return 1
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The one error inside exception groups of one (what a task group raises), for its one line."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """libpq's messages go on with hints on further lines ("Is the server running on that host..."). """
+    return (str(exc).strip().splitlines() or [""])[0]
 
 
 def _server_of(exc: Exception) -> str:

@@ -248,8 +248,11 @@ async def _progress(started: float) -> None:
 
 
 async def _verify(conn, args) -> int:
+    from umbra.compute.accounts import require_organization
     from umbra.projections.verify import verify
 
+    if args.org is not None:  # a mistyped id would otherwise read as a clean audit of nothing
+        await require_organization(conn, args.org)
     events, streams = await (await conn.execute(_LOG_SIZE, (args.org, args.org))).fetchone()
     scope = f"organization {args.org}" if args.org else "all organizations"
     print(f"umbra verify: rebuilding from {events} events in {streams} streams ({scope})", file=sys.stderr, flush=True)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import sys
+import threading
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -95,7 +98,20 @@ def run_agent(args) -> int:
     def devices():
         return overrides or discover()
 
-    return anyio.run(_main, args, store, registry, devices)
+    status = anyio.run(_main, args, store, registry, devices)
+    _exit_past_abandoned_handlers(status)
+    return status
+
+
+def _exit_past_abandoned_handlers(status: int) -> None:
+    """Exit now if a plain handler's thread is still running: its job was handed back (or its grace
+    ran out) and a thread cannot be stopped, but the interpreter would wait for it at exit, and the
+    agent would never end. Logs are flushed first; nothing else is left to do."""
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 async def _pair(args, store: CredentialFile, devices) -> StoredCredential:

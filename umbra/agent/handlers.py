@@ -23,6 +23,8 @@ import importlib
 import inspect
 import logging
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Awaitable, Callable, Union
@@ -112,6 +114,9 @@ def load_object(spec: str) -> Handler:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"handler {spec!r} must look like package.module:function")
+    # As `python -m` would: a module beside the operator is found, whatever script started the agent.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     target: Any = importlib.import_module(module_name)
     for part in attribute.split("."):
         target = getattr(target, part)
