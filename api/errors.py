@@ -10,7 +10,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from umbra.db import DATABASE_AWAY, database_away
-from umbra.errors import RateLimited, UmbraError
+from umbra.errors import DatabaseUnavailable, RateLimited, UmbraError
 
 from .http import json_response, refusal_after_deferred_revocation, request_id
 
@@ -22,7 +22,7 @@ async def umbra_error(request: Request, exc: Exception) -> Response:
     if getattr(request.state, "revocation_deferred", False):
         exc = await refusal_after_deferred_revocation(request, exc)
     headers = {}
-    if isinstance(exc, RateLimited):
+    if isinstance(exc, (RateLimited, DatabaseUnavailable)):
         headers["Retry-After"] = str(exc.retry_after)
     return json_response(exc.to_json(), status=exc.status, headers=headers)
 
@@ -74,10 +74,7 @@ async def database_unavailable(request: Request, exc: Exception) -> Response:
         return await unexpected_error(request, exc)
     log.warning("database unavailable", extra={"action": "database_unavailable", "path": request.url.path,
                                                 "error": type(exc).__name__, "request_id": request_id(request)})  # fmt: skip
-    return json_response(
-        {"error": "database_unavailable", "message": "The database is unavailable; try again shortly."},
-        status=503, headers={"Retry-After": "1"},
-    )  # fmt: skip
+    return await umbra_error(request, DatabaseUnavailable())
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:

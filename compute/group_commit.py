@@ -38,6 +38,7 @@ from anyio.abc import TaskStatus
 from psycopg_pool import AsyncConnectionPool
 
 from umbra import metrics
+from umbra.errors import DatabaseUnavailable
 from umbra.events import store
 from umbra.projections.jobs import JobRow
 
@@ -313,8 +314,8 @@ class GroupCommit:
         return [item for item in batch if item[0] in deferred]
 
     def _database_away(self, commands: list[Command], exc: Exception) -> None:
-        """No connection came in time, or the batch's died under it: every command fails with that error
-        (answered 503, try again).
+        """No connection came in time, or the batch's died under it: every command fails with
+        ``database_unavailable`` (answered 503, try again).
 
         Running them one by one, as for a batch that rolled back, would wait as long again per
         command while the database is away (and hold a stopping server that long). And a batch whose
@@ -326,7 +327,8 @@ class GroupCommit:
         for command in commands:
             for each in (command, command.then):
                 if each is not None:
-                    each.outcome, each.error = None, exc
+                    # One error each: one exception raised in every request's task would grow its traceback.
+                    each.outcome, each.error = None, DatabaseUnavailable()
                     each.claims.clear()
 
     async def _release_claims_if_committed(self, staged: list) -> None:

@@ -62,6 +62,16 @@ class RateLimited(UmbraError):
         self.retry_after = retry_after
 
 
+class DatabaseUnavailable(UmbraError):
+    """The database could not be reached or ended the connection: send the request again shortly."""
+
+    status = 503
+    retry_after = 1
+
+    def __init__(self) -> None:
+        super().__init__("database_unavailable", "The database is unavailable; try again shortly.")
+
+
 class ConcurrencyConflict(Conflict):
     """An append found the stream at a different version than expected."""
 

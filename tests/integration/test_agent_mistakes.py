@@ -7,6 +7,8 @@ started here is killed in a ``finally``.
 from __future__ import annotations
 
 import contextlib
+import socket
+import uuid
 import json
 import os
 import signal
@@ -274,3 +276,23 @@ async def test_a_non_finite_float_in_a_result_is_not_silently_stored_as_null(ser
         job_id = await _submit(api, "nan")
         job = await eventually(lambda: _job(api, job_id, "complete", "failed"), timeout=10)
     assert job["result"] != {"ratio": None, "big": None}, "NaN/Infinity were rewritten to null and stored"
+
+
+async def test_a_saved_credential_is_never_sent_to_another_server_than_its_own(tmp_path):
+    """The credential file names the server that issued it; ``--server`` naming another is refused
+    before any request, rather than hand the node's secret to whatever answers there."""
+    from umbra.agent.credentials import CredentialFile, StoredCredential
+
+    path = tmp_path / "cred.json"
+    CredentialFile(path).save(StoredCredential(server="http://127.0.0.1:8080/", node_id=str(uuid.uuid4()), name="box",
+                                               credential="un_0123456789_secret", scopes=()))  # fmt: skip
+    with socket.socket() as trap:  # a server that would see the credential, if it were sent
+        trap.bind(("127.0.0.1", 0))
+        trap.listen(1)
+        other = f"http://127.0.0.1:{trap.getsockname()[1]}"
+        status, _, err = await run_cli("agent", "--credential-file", str(path), "--server", other)
+        trap.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody called
+    assert status == 1 and err.startswith("umbra: invalid_request:") and "http://127.0.0.1:8080/" in err, err
+    assert "un_0123456789_secret" not in err

@@ -136,6 +136,10 @@ async def _main(args, store: CredentialFile, registry: HandlerRegistry, devices)
     stored = await _pair(args, store, devices) if args.code else store.load()
     if args.name and args.name != stored.name:
         raise InvalidRequest(f"{store.path} belongs to node {stored.name!r}, not {args.name!r}; use --credential-file.")
+    if args.server and args.server.rstrip("/") != stored.server.rstrip("/"):
+        # The credential is a secret of the server that issued it: never sent anywhere else on a flag's word.
+        raise InvalidRequest(f"{store.path} holds a credential issued by {stored.server}, not {args.server}; "
+                             "it is sent only there (if that service moved, edit the file's \"server\").")  # fmt: skip
     config = AgentConfig(
         agent_version=agent_version(),
         heartbeat_seconds=args.heartbeat,
@@ -143,7 +147,7 @@ async def _main(args, store: CredentialFile, registry: HandlerRegistry, devices)
         grace_seconds=args.grace,
         concurrency=args.concurrency,
     )
-    async with AgentClient(args.server or stored.server, stored.credential) as client:
+    async with AgentClient(stored.server, stored.credential) as client:
         agent = Agent(client, registry, devices, config)
         fatal: ServiceError | None = None
         async with anyio.create_task_group() as tg:
