@@ -80,12 +80,14 @@ class _LookAgainSoon:
 
 
 #: An attempt's answer meaning "could not look yet": the waiter passes its token on and tries
-#: again after :data:`LOOK_AGAIN_SECONDS` of its own accord, for the change that stopped it (a
+#: again after :data:`LOOK_AGAIN_SECONDS` (longer if stopped again) of its own accord, for the change that stopped it (a
 #: heartbeat, a drain, a registry update) sends no notification that would wake it.
 LOOK_AGAIN_SOON = _LookAgainSoon()
 
-#: How long a waiter stopped by a committing change waits before it looks again: such changes are
-#: single short transactions.
+#: How long a waiter stopped by a committing change first waits before it looks again: such changes
+#: are single short transactions. Each further stop doubles it (jittered), up to the safety poll's
+#: interval: a long change (a registry update re-examining many blocked jobs) holds the organization's
+#: guard, and every waiter of the organization looking every 20 ms would flood the batches.
 LOOK_AGAIN_SECONDS = 0.02
 
 
@@ -224,6 +226,7 @@ class WaiterHub:
         claim: the caller sees the result and can release it.
         """
         deadline = time.monotonic() + timeout
+        stops = 0  # attempts in a row stopped by a committing change
         waiter = self._register(organization_id)
         try:
             while True:
@@ -247,9 +250,11 @@ class WaiterHub:
                 elif token is not None:
                     self._pass_on(token, waiter)
                 again = result is LOOK_AGAIN_SOON
+                stops = stops + 1 if again else 0
                 remaining = deadline - time.monotonic()
                 if remaining > 0 and not self.stopped:
-                    await waiter.wait(min(remaining, LOOK_AGAIN_SECONDS) if again else remaining)
+                    pause = min(LOOK_AGAIN_SECONDS * 2 ** (stops - 1), self.poll_seconds) * random.uniform(0.75, 1.25)
+                    await waiter.wait(min(remaining, pause) if again else remaining)
                 if self.stopped or not (waiter.pending or again and time.monotonic() < deadline):
                     return None
         finally:

@@ -297,3 +297,21 @@ async def test_a_waiter_kept_from_looking_still_answers_at_its_deadline():
     with anyio.fail_after(3):
         assert await hub.wait_for(ORG, attempt, timeout=0.3) is None
     assert calls > 2 and hub.waiting(ORG) == 0
+
+
+async def test_a_waiter_stopped_again_and_again_looks_less_and_less_often():
+    """A long change holds the organization's guard: its waiters back off (doubling, up to the safety
+    poll's interval) instead of each looking every 20 ms."""
+    from umbra.api.longpoll import LOOK_AGAIN_SOON
+
+    hub = WaiterHub(poll_seconds=0.4)
+    calls: list[float] = []
+
+    async def attempt():
+        calls.append(anyio.current_time())
+        return LOOK_AGAIN_SOON
+
+    assert await hub.wait_for(ORG, attempt, timeout=2.0) is None
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert 6 <= len(calls) <= 14, len(calls)  # 20, 40, 80, 160, 320 ms, then 400 ms: not 100 looks
+    assert gaps[-1] > 4 * gaps[0] and max(gaps) <= 0.4 * 1.25 + 0.1
