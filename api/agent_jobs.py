@@ -162,8 +162,9 @@ async def complete_many(request: Request) -> Response:
 
 
 def _unexpected(answer: Any) -> bool:
-    """An error that is not a refusal of this one result (it answers the whole request with 5xx)."""
-    return isinstance(answer, BaseException) and not isinstance(answer, UmbraError)
+    """An error that is not a refusal of this one result (it answers the whole request with 5xx:
+    the database away included, so the agent sends the whole report again)."""
+    return isinstance(answer, BaseException) and (not isinstance(answer, UmbraError) or answer.status >= 500)
 
 
 def _reported(job_id: UUID, answer: Any) -> dict[str, Any]:

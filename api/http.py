@@ -188,7 +188,7 @@ async def refusal_after_deferred_revocation(request: Request, refusal: UmbraErro
     values the route would take, when the credential must come first. Only refusals pay the query.
     """
     who = getattr(request.state, "principal", None)
-    if who is None or refusal.status == 401:
+    if who is None or refusal.status == 401 or refusal.status >= 500:
         return refusal
     try:
         async with request.app.state.services.pool.connection() as conn:
@@ -200,9 +200,9 @@ async def refusal_after_deferred_revocation(request: Request, refusal: UmbraErro
 
 def _admitted(request: Request, who: Principal, any_of_scopes: tuple[str, ...]) -> Principal:
     """``who``, once one of the scopes is checked (403 otherwise) and recorded for the access log."""
+    request.state.principal = who  # first: a refusal, 403 included, may still be answered 401 if it was revoked
     if any_of_scopes:
         who.require(*any_of_scopes)
-    request.state.principal = who
     return who
 
 

@@ -413,7 +413,7 @@ _LOCK_FOR_RELEASE = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE id = %s FOR UPD
 
 
 async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, attempt: int, *,
-                  request_id: str | None = None) -> bool:  # fmt: skip
+                  request_id: str | None = None, claimed_at: datetime | None = None) -> bool:  # fmt: skip
     """Give a just-claimed job back to the queue (``job.released``); False if this node no longer holds it.
 
     For a long-poll whose client went away before it received its claim. The
@@ -429,6 +429,8 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
         row = queue.from_db(record)
         if row.status != "running" or row.lease_owner != node_id or row.attempt != attempt:
             return False
+        if claimed_at is not None and row.updated_at != claimed_at:
+            return False  # not that claim: the same node took the job again at that attempt, elsewhere
         [released] = await queue.record(
             conn, [Change(row.id, row.organization_id, row, [JobReleased(attempt=attempt, reason="client_gone")])],
             metadata=node_metadata(node_id, request_id),

@@ -113,6 +113,11 @@ class HintNotifier:
             await anyio.sleep(self._min_interval)
 
 
+#: How long the release of a broken batch's claims waits for a connection: the batch's worker waits
+#: with it, and while the database is away those leases simply expire.
+RELEASE_WAIT_SECONDS = 1.0
+
+
 class GroupCommit:
     """The per-process batcher. Start :meth:`run` in the server's task group, then call the commands."""
 
@@ -339,13 +344,16 @@ class GroupCommit:
         nothing is written for it. Repeated completions are answered as such
         (:func:`umbra.domain.jobs.repeats_completion`), so those commands can simply be sent again.
         """
-        taken = [(s.command, s.state.id, s.event.attempt) for s in staged if s.command.kind == "claim"]
+        taken = [(s.command, s.state.id, s.event.attempt, s.at) for s in staged if s.command.kind == "claim"]
         if not taken:
             return
         try:
-            async with self._pool.connection() as conn:
-                for command, job_id, attempt in taken:
-                    await claims.release(conn, job_id, command.node_id, attempt, request_id=command.request_id)
+            # A claim of this batch is known by its time (the transaction's clock, every event's and row's
+            # `updated_at`): if the batch did not commit, the same node may have taken the job at the same
+            # attempt elsewhere (another process, another slot), and that claim was answered.
+            async with self._pool.connection(timeout=RELEASE_WAIT_SECONDS) as conn:
+                for command, job_id, attempt, at in taken:
+                    await claims.release(conn, job_id, command.node_id, attempt, request_id=command.request_id, claimed_at=at)
         except Exception as exc:  # the database is still away: those leases expire as any unheard claim's
             log.warning("claims of a broken batch not released", extra={"action": "group_commit_release_failed",
                         "claims": len(taken), "error": type(exc).__name__})  # fmt: skip

@@ -247,9 +247,10 @@ async def _configure(conn: psycopg.AsyncConnection) -> None:
 #: it is simply made again later; to tell an outage from a refused statement, :func:`database_away`.
 DATABASE_AWAY = (psycopg.OperationalError, psycopg.InterfaceError)
 
-#: SQLSTATEs of a server that is going away or cannot take the connection: admin, crash and
-#: startup shutdown, too many connections (class 08, connection exceptions, is taken whole).
-_AWAY_STATES = {"57P01", "57P02", "57P03", "53300"}
+#: SQLSTATEs of a connection that failed or a server that is going away or cannot take it:
+#: connection exceptions (class 08, but 08P01, a protocol violation: a client's bug), admin,
+#: crash and startup shutdown, too many connections.
+_AWAY_STATES = {"08000", "08001", "08003", "08004", "08006", "08007", "57P01", "57P02", "57P03", "53300"}
 
 
 def database_away(exc: BaseException) -> bool:
@@ -264,7 +265,7 @@ def database_away(exc: BaseException) -> bool:
         return True
     if isinstance(exc, psycopg.OperationalError):
         state = exc.sqlstate  # None: failed on the client's side (no connection, the pool's timeout)
-        return state is None or state.startswith("08") or state in _AWAY_STATES
+        return state is None or state in _AWAY_STATES
     return False
 
 #: How long a request waits for a pooled connection, and a new connection for the server, before it

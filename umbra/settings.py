@@ -169,7 +169,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         blocked_timeout_seconds=_int(env, "UMBRA_BLOCKED_TIMEOUT_SECONDS", 86_400, minimum=1),
         poll_fallback_seconds=_float(env, "UMBRA_POLL_FALLBACK_SECONDS", 1.0),
         trusted_proxies=_networks(env, "UMBRA_TRUSTED_PROXIES"),
-        metrics_token=env.get("UMBRA_METRICS_TOKEN") or None,
+        metrics_token=env.get("UMBRA_METRICS_TOKEN", "").strip() or None,
         log_level=level,
         **kwargs,
     )

@@ -296,3 +296,25 @@ async def test_a_saved_credential_is_never_sent_to_another_server_than_its_own(t
             trap.accept()  # nobody called
     assert status == 1 and err.startswith("umbra: invalid_request:") and "http://127.0.0.1:8080/" in err, err
     assert "un_0123456789_secret" not in err
+
+
+async def test_an_agent_whose_credential_is_revoked_exits_past_a_stuck_plain_handler(server, api, tmp_path, handler_dir):
+    """README: a revoked agent exits 1 with ``unauthenticated``, even with a plain handler stuck in its
+    thread."""
+    credential_file = tmp_path / "cred.json"
+    code = await _code(api, "hang-r")
+    async with agent_process("--server", server.url, "--code", code, "--name", "hang-r",
+                             "--credential-file", str(credential_file), "--grace", "1",
+                             "--handler", "hang=site_handlers:hang", pythonpath=handler_dir) as agent:
+        node = await eventually(lambda: _online_node(api, "hang-r"), timeout=20)
+        job = await _submit(api, "hang")
+        await eventually(lambda: _claimed_by(agent, api, job), timeout=10)
+        revoked = await api.post(f"/v1/nodes/{node['id']}/revoke")
+        assert revoked.status_code == 200, revoked.text
+        try:
+            status = await agent.wait(timeout=20)
+        except TimeoutError:
+            status = None
+        rejected = "agent_unauthenticated" in agent.stderr.decode() or "credential rejected" in agent.stderr.decode()
+        assert status == 1, f"agent still running 20 s after its credential was revoked (logged rejection: {rejected})"
+        assert "umbra: unauthenticated:" in agent.stderr.decode()

@@ -7,7 +7,7 @@ import psycopg
 import pytest
 
 from tests.helpers import bearer
-from umbra.compute import batch_commands
+from umbra.compute import batch_commands, claims
 from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
 from umbra.events import store
 
@@ -108,3 +108,64 @@ async def test_a_completion_sent_twice_is_answered_twice_and_recorded_once(clien
         assert refused.status_code == 409 and refused.json()["error"] == "job_not_claimed_by_this_node"
     assert [e.type for e in await store.read_stream(conn, store.job_stream(job.id))][-1] == "job.completed"
     assert len(await store.read_stream(conn, store.job_stream(job.id))) == 3
+
+
+async def test_the_release_after_a_broken_batch_leaves_a_claim_made_elsewhere_at_the_same_attempt(client, conn, org, monkeypatch, db_url):
+    """A batch whose connection broke before its COMMIT landed: meanwhile the same node took the job at
+    the same attempt elsewhere (another process, another slot) and was answered. The broken batch's clean-up
+    knows its own claims by their time, and leaves that one alone."""
+    org_id, _ = org
+    node_id, credential = await paired(conn, org_id)
+    job = await submit(conn, org_id)
+
+    original_write = batch_commands.write
+    broke: list[bool] = []
+
+    async def write(c, staged):
+        if not broke and any(s.command.kind == "claim" for s in staged):
+            broke.append(True)  # the connection dies before the COMMIT: nothing of this batch lands
+            with psycopg.connect(db_url, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (c.pgconn.backend_pid,))
+        return await original_write(c, staged)
+
+    monkeypatch.setattr(batch_commands, "write", write)
+
+    original_release = claims.release
+    heard: list = []
+
+    async def release(c, job_id, node, attempt, **kwargs):
+        if not heard:  # meanwhile, the same node's other claim (another process) takes the job, and is answered
+            async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as other:
+                heard.append(await original_claim(other, node_id=node_id, organization_id=org_id, lease_seconds=60))
+        return await original_release(c, job_id, node, attempt, **kwargs)
+
+    original_claim = claims.claim
+    monkeypatch.setattr(claims, "release", release)
+
+    response = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+    assert broke and response.status_code == 503, response.text
+    assert heard and heard[0] is not None and heard[0].job_id == job.id
+    answered_attempt = heard[0].attempt
+    status, owner, attempt, _ = await job_row(conn, job.id)
+    assert (status, owner, attempt) == ("running", node_id, answered_attempt), (
+        f"the claim answered to the node (attempt {answered_attempt}) was released: "
+        f"the job is {status} (owner {owner}, attempt {attempt})"
+    )
+
+
+async def test_a_batch_report_whose_connection_broke_answers_503_as_a_whole(client, conn, org, monkeypatch, db_url):
+    """``POST /v1/agent/complete`` answers each result 200, 404, 409 or 422; the database away is the
+    whole request's 503 (with Retry-After), so the agent sends the whole report again."""
+    org_id, _ = org
+    _, credential = await paired(conn, org_id)
+    job = await submit(conn, org_id)
+    claimed = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+    assert claimed.status_code == 200
+    attempt = claimed.json()["job"]["attempt"]
+    fired = break_after_commit(monkeypatch, db_url, kinds=("complete",))
+    response = await client.post("/v1/agent/complete", headers=bearer(credential),
+                                 json={"results": [{"job_id": str(job.id), "attempt": attempt, "result": {"x": 1}}]})
+    assert fired
+    assert response.status_code == 503 and response.headers.get("retry-after") == "1", (
+        f"{response.status_code} {response.text[:300]}"
+    )

@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import LiveServer
 from tests.helpers import bearer
+from umbra.compute.accounts import revoke_api_key
 
 from .test_outages import terminate_server_sessions
 
@@ -136,3 +137,21 @@ async def test_a_revoked_cached_node_credential_gets_401_before_any_validation(c
     }
     answers = {name: (r.status_code, r.json().get("error")) for name, r in probes.items()}
     assert all(status == 401 for status, _ in answers.values()), f"a revoked credential was answered on its request: {answers}"
+
+
+async def test_a_revoked_api_key_on_an_agent_route_is_401_before_its_missing_scope(client, conn, org):
+    """The credential comes first: a revoked key is 401 before the missing scope's 403, on the agent
+    routes too, whose cached credentials are checked by their batch (or, for a refusal, before it)."""
+    org_id, api_key = org
+    headers = bearer(api_key)
+    first = await client.post("/v1/agent/claim?wait=0", headers=headers)
+    assert first.status_code == 403  # an API key has no compute scope; its verification is now cached
+    key_id = (await (await conn.execute("SELECT id FROM api_keys WHERE organization_id = %s", (org_id,))).fetchone())[0]
+    await revoke_api_key(conn, org_id, key_id)  # as `umbra admin revoke-key` (another process) does
+    answers = {}
+    for path in ("/v1/agent/claim?wait=0", "/v1/agent/complete"):
+        again = await client.post(path, headers=headers, json={"results": []})
+        answers[path] = (again.status_code, again.json().get("error"))
+    # (asked only now: a route that authenticates with a query drops the cached verification)
+    assert (await client.get("/v1/jobs", headers=headers)).status_code == 401  # revoked, as other routes say
+    assert all(status == 401 for status, _ in answers.values()), f"a revoked API key was answered {answers}"

@@ -808,3 +808,17 @@ async def test_a_claim_during_a_database_outage_answers_503_not_500(db_url, conn
         assert response.status_code == 503 and response.json()["error"] == "database_unavailable", response.text
     finally:
         proxy.close()
+
+
+async def test_a_protocol_violation_is_a_bug_not_an_outage(conn):
+    """SQLSTATE 08P01 is what PostgreSQL answers to a client's bug (a bind with the wrong number of
+    parameters): answered 503 "try again", it would hide the bug behind an outage for ever."""
+    from psycopg import errors, pq
+
+    from umbra.db import database_away
+
+    result = conn.pgconn.exec_params(b"SELECT $1::int + $2::int", [b"1"])
+    assert result.status == pq.ExecStatus.FATAL_ERROR
+    exc = errors.error_from_result(result, encoding="utf-8")
+    assert exc.sqlstate == "08P01"
+    assert not database_away(exc), f"{type(exc).__name__} ({exc.sqlstate}: {exc}) would be answered 503"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import anyio
 
-from umbra.errors import InvalidRequest
+from umbra.errors import InvalidRequest, UmbraError
 from umbra.cli_events import SERVER_HELP
 from umbra.settings import server_url
 
@@ -98,7 +98,11 @@ def run_agent(args) -> int:
     def devices():
         return overrides or discover()
 
-    status = anyio.run(_main, args, store, registry, devices)
+    try:
+        status = anyio.run(_main, args, store, registry, devices)
+    except UmbraError as refusal:  # a rejected credential, say: said on one line, as the CLI says refusals
+        print(f"umbra: {refusal.code}: {refusal.message}", file=sys.stderr)
+        status = 1
     _exit_past_abandoned_handlers(status)
     return status
 

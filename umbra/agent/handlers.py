@@ -114,9 +114,10 @@ def load_object(spec: str) -> Handler:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"handler {spec!r} must look like package.module:function")
-    # As `python -m` would: a module beside the operator is found, whatever script started the agent.
+    # A module beside the operator is found, whatever script started the agent; last, so a file there
+    # never shadows a library the handler imports.
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        sys.path.append(os.getcwd())
     target: Any = importlib.import_module(module_name)
     for part in attribute.split("."):
         target = getattr(target, part)

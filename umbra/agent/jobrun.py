@@ -106,7 +106,7 @@ def _check_storable(value: Any, what: str) -> None:
         msgspec.json.encode(value)
     except (TypeError, ValueError, OverflowError) as exc:
         raise PermanentError(f"The handler's {what} cannot be sent as JSON: {exc}") from None
-    if not _finite(value):
+    if not _finite(msgspec.to_builtins(value)):  # structs and dataclasses as the JSON they become
         raise PermanentError(f"The handler's {what} holds a NaN or an infinity, which JSON cannot carry.")
 
 
