@@ -11,8 +11,12 @@ long-polls answer 204, and the graceful wait then completes at once.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import signal
+import threading
+from typing import Iterator
 
 import uvicorn
 
@@ -23,6 +27,24 @@ GRACEFUL_SHUTDOWN_SECONDS = 10
 
 
 class Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's graceful shutdown for SIGHUP too (a closed terminal, a dropped SSH session).
+
+        uvicorn captures SIGINT and SIGTERM only; a SIGHUP met the process's exit handler in the
+        middle of the event loop, and every open request and stream died with a traceback.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(signal.SIGHUP, lambda _sig, frame: self.handle_exit(signal.SIGTERM, frame))
+        try:
+            with super().capture_signals():  # re-raises the captured SIGTERM once stopped: the usual exit
+                yield
+        finally:
+            signal.signal(signal.SIGHUP, previous)
+
     async def startup(self, sockets=None) -> None:
         state = getattr(self.config.app, "state", None)
         if state is not None:  # a failed background task stops the process (api.app._essential)

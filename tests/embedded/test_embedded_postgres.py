@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -76,16 +77,26 @@ def test_serve_on_embedded_database_leaves_no_postgres_behind(tmp_path, stop_sig
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("UMBRA_")}
     env.update({"UMBRA_DATA_DIR": str(tmp_path / "data"), "UMBRA_PORT": str(port), "LANG": "xx_YY.UTF-8"})
-    proc = subprocess.Popen([sys.executable, "-m", "umbra.cli", "serve"], env=env, stderr=subprocess.DEVNULL)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "umbra.cli", "serve"], env=env, stderr=log_file)
     try:
         _wait_ready(f"http://127.0.0.1:{port}", proc)
         assert _postmasters_for(tmp_path / "data" / "pg")
-        proc.send_signal(stop_signal)
-        assert proc.wait(timeout=30) == 0
+        made = subprocess.run([sys.executable, "-m", "umbra.cli", "admin", "create-org", "acme", "--json"], env=env,
+                              capture_output=True, check=True, timeout=60)  # fmt: skip
+        key = json.loads(made.stdout)["api_key"]
+        with socket.create_connection(("127.0.0.1", port)) as stream:  # a dashboard's stream, open at the signal
+            stream.sendall(f"GET /v1/events/stream?access_token={key} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+            assert stream.recv(100).startswith(b"HTTP/1.1 200")
+            proc.send_signal(stop_signal)
+            assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    logged = log_path.read_text(errors="replace")
+    assert "Traceback" not in logged, logged[-3000:]  # every signal is a graceful stop, SIGHUP included
     deadline = time.monotonic() + 10
     while _postmasters_for(tmp_path / "data" / "pg") and time.monotonic() < deadline:
         time.sleep(0.05)
