@@ -77,6 +77,27 @@ RETURNING revoked_at
 """
 
 
+async def api_key_named(conn: psycopg.AsyncConnection, organization_id: UUID, name: str) -> UUID:
+    """The id of the organization's key ``name`` names: its id, its prefix (``uk_<prefix>``, what
+    create-key printed, or the bare prefix) or the whole token. Refused when nothing, or more than one
+    key, matches."""
+    try:
+        return UUID(name)
+    except ValueError:
+        pass
+    parts = name.strip().split("_")
+    prefix = parts[1] if len(parts) >= 2 and parts[0] == API_KEY_KIND else parts[0]
+    rows = await (await conn.execute(_KEYS_BY_PREFIX, (organization_id, prefix))).fetchall()
+    if not rows:
+        raise NotFound("api_key_not_found", f"No API key with the prefix {prefix} in this organization.")
+    if len(rows) > 1:
+        raise InvalidRequest(f"{len(rows)} keys share the prefix {prefix}; name one by its id (see list-keys).")
+    return rows[0][0]
+
+
+_KEYS_BY_PREFIX = "SELECT id FROM api_keys WHERE organization_id = %s AND prefix = %s"
+
+
 async def revoke_api_key(conn: psycopg.AsyncConnection, organization_id: UUID, key_id: UUID) -> datetime:
     """Revoke one of the organization's API keys; returns when it was revoked (the first time: idempotent).
 

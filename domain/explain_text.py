@@ -180,6 +180,8 @@ def placed_summary(
         if attempt == 0:
             return f"Failed without running: {said}"
         on = f" on {where}" if where else ""
+        if attempt < max_attempts:  # not "attempt 1 of 3": no attempt is left, the failure was final
+            return f"Failed for good at attempt {attempt} (of up to {max_attempts}){on}: {said}"
         return f"Failed after attempt {attempt} of {max_attempts}{on}: {said}"
     if status == "cancelled":
         if where:

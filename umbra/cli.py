@@ -82,8 +82,13 @@ async def _create_org(conn, args) -> int:
     from .compute.accounts import create_organization
 
     org_id, key = await create_organization(conn, args.name)
-    _emit({"organization_id": str(org_id), "api_key": key}, args.json)
+    _emit({"organization_id": str(org_id), "api_key": key, "prefix": _prefix(key)}, args.json)
     return 0
+
+
+def _prefix(key: str) -> str:
+    """What names the key in list-keys and revoke-key without the secret: ``uk_<prefix>``."""
+    return "_".join(key.split("_")[:2])
 
 
 async def _create_key(conn, args) -> int:
@@ -91,7 +96,7 @@ async def _create_key(conn, args) -> int:
 
     scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
     key = await create_api_key(conn, args.org, scopes)
-    _emit({"api_key": key, "scopes": sorted(set(scopes))}, args.json)
+    _emit({"api_key": key, "prefix": _prefix(key), "scopes": sorted(set(scopes))}, args.json)
     return 0
 
 
@@ -109,10 +114,11 @@ async def _list_keys(conn, args) -> int:
 
 
 async def _revoke_key(conn, args) -> int:
-    from .compute.accounts import revoke_api_key
+    from .compute.accounts import api_key_named, revoke_api_key
 
-    revoked_at = await revoke_api_key(conn, args.org, args.key_id)
-    _emit({"api_key_id": str(args.key_id), "revoked_at": revoked_at.isoformat()}, args.json)
+    key_id = await api_key_named(conn, args.org, args.key)
+    revoked_at = await revoke_api_key(conn, args.org, key_id)
+    _emit({"api_key_id": str(key_id), "revoked_at": revoked_at.isoformat()}, args.json)
     return 0
 
 
@@ -191,7 +197,7 @@ def _register_bootstrap(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_with_database(_list_keys))
     p = admin_sub.add_parser("revoke-key", help="revoke an API key: it fails at once, open streams included")
     p.add_argument("--org", type=_uuid, required=True)
-    p.add_argument("key_id", type=_uuid, help="the key's id (see list-keys)")
+    p.add_argument("key", help="the key's id (see list-keys), its prefix as create-key printed it (uk_…), or the key itself")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_with_database(_revoke_key))
     p = admin_sub.add_parser("create-project", help="create a project in the organization's tenant schema")

@@ -318,3 +318,15 @@ async def test_an_agent_whose_credential_is_revoked_exits_past_a_stuck_plain_han
         rejected = "agent_unauthenticated" in agent.stderr.decode() or "credential rejected" in agent.stderr.decode()
         assert status == 1, f"agent still running 20 s after its credential was revoked (logged rejection: {rejected})"
         assert "umbra: unauthenticated:" in agent.stderr.decode()
+
+
+async def test_an_agent_started_on_a_refused_credential_says_how_to_pair_again(server, tmp_path):
+    from umbra.agent.credentials import CredentialFile, StoredCredential
+
+    path = tmp_path / "cred.json"
+    CredentialFile(path).save(StoredCredential(server=server.url, node_id=str(uuid.uuid4()), name="gone",
+                                               credential="un_0123456789_no-longer-valid", scopes=()))  # fmt: skip
+    status, _, err = await run_cli("agent", "--credential-file", str(path), "--device", DEVICE)
+    assert status == 1 and "umbra: unauthenticated:" in err, err
+    assert f"the credential in {path} was revoked" in err and "pair again with --code" in err
+    assert "no-longer-valid" not in err

@@ -148,3 +148,23 @@ async def test_revoke_key_refuses_another_organizations_key(cli, org, conn):
     assert status == 1 and err.startswith("umbra: api_key_not_found:")
     revoked = (await (await conn.execute("SELECT revoked_at FROM api_keys WHERE id = %s", (key_id,))).fetchone())[0]
     assert revoked is None
+
+
+async def test_revoke_key_takes_the_prefix_create_key_printed_or_the_key_itself(cli, org, conn):
+    org_id, _ = org
+    made = []
+    for _ in range(2):
+        status, out, err = await cli("admin", "create-key", "--org", str(org_id), "--scopes", "jobs:read", "--json")
+        assert status == 0, err
+        made.append(json.loads(out))
+    assert all(m["prefix"] == "_".join(m["api_key"].split("_")[:2]) for m in made)
+    status, out, err = await cli("admin", "revoke-key", "--org", str(org_id), made[0]["prefix"], "--json")
+    assert status == 0, err
+    status, out, err = await cli("admin", "revoke-key", "--org", str(org_id), made[1]["api_key"])
+    assert status == 0 and made[1]["api_key"].split("_")[2] not in out + err
+    revoked = {prefix for (prefix,) in await (await conn.execute(
+        "SELECT prefix FROM api_keys WHERE organization_id = %s AND revoked_at IS NOT NULL", (org_id,))).fetchall()}  # fmt: skip
+    assert revoked == {m["prefix"].split("_")[1] for m in made}
+    status, _, err = await cli("admin", "revoke-key", "--org", str(org_id), "uk_0000000000")
+    assert status == 1 and err.startswith("umbra: api_key_not_found:")
+

@@ -101,7 +101,11 @@ def run_agent(args) -> int:
     try:
         status = anyio.run(_main, args, store, registry, devices)
     except UmbraError as refusal:  # a rejected credential, say: said on one line, as the CLI says refusals
-        print(f"umbra: {refusal.code}: {refusal.message}", file=sys.stderr)
+        hint = ""
+        if refusal.code == "unauthenticated" and not args.code:
+            hint = (f" (the credential in {store.path} was revoked or its node removed: remove the file, or pass"
+                    " another --credential-file, and pair again with --code)")  # fmt: skip
+        print(f"umbra: {refusal.code}: {refusal.message}{hint}", file=sys.stderr)
         status = 1
     _exit_past_abandoned_handlers(status)
     return status
