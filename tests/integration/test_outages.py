@@ -59,6 +59,15 @@ class PgProxy:
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
+    def _connect_upstream(self) -> socket.socket:
+        host, port = self.upstream
+        if host.startswith("/"):  # a Unix-socket directory (the embedded server's)
+            server = socket.socket(socket.AF_UNIX)
+            server.settimeout(5)
+            server.connect(f"{host}/.s.PGSQL.{port}")
+            return server
+        return socket.create_connection(self.upstream, timeout=5)
+
     def url(self, db_url: str) -> str:
         return conninfo.make_conninfo(db_url, host="127.0.0.1", port=str(self.port))
 
@@ -72,7 +81,7 @@ class PgProxy:
                 client.close()
                 continue
             try:
-                server = socket.create_connection(self.upstream, timeout=5)
+                server = self._connect_upstream()
                 server.settimeout(None)
             except OSError:
                 client.close()
