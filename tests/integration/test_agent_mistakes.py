@@ -6,29 +6,24 @@ started here is killed in a ``finally``.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import uuid
-import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
-from tests.conftest import LiveServer
 from tests.helpers import eventually
+
+from .test_agent_process import DEVICE, ROOT, AgentProcess, _code, _job, agent_process, api, server  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.anyio
 
-ROOT = Path(__file__).resolve().parents[2]
 UMBRA_SCRIPT = ROOT / ".venv" / "bin" / "umbra"
-DEVICE = json.dumps({"kind": "cpu", "label": "cpu0", "ram_total_mb": 8192, "ram_free_mb": 8000})
 
 HANDLERS = textwrap.dedent(
     '''
@@ -72,62 +67,11 @@ HANDLERS = textwrap.dedent(
 
 
 @pytest.fixture
-def server(db_url):
-    env = {"UMBRA_LEASE_SECONDS": "3", "UMBRA_HEARTBEAT_INTERVAL_SECONDS": "1", "UMBRA_SWEEP_INTERVAL_SECONDS": "0.2"}
-    with LiveServer(db_url, **env) as live:
-        yield live
-
-
-@pytest.fixture
-async def api(server, org):
-    async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {org[1]}"}) as client:
-        yield client
-
-
-@pytest.fixture
 def handler_dir(tmp_path):
     directory = tmp_path / "handlers"
     directory.mkdir()
     (directory / "site_handlers.py").write_text(HANDLERS)
     return directory
-
-
-class Proc:
-    def __init__(self, process) -> None:
-        self.process = process
-        self.stdout = b""
-        self.stderr = b""
-
-    async def _drain(self, stream, name: str) -> None:
-        async for chunk in stream:
-            setattr(self, name, getattr(self, name) + chunk)
-
-    async def wait(self, timeout: float) -> int:
-        with anyio.fail_after(timeout):
-            return await self.process.wait()
-
-
-@contextlib.asynccontextmanager
-async def agent_process(*args: str, pythonpath: Path | None = None):
-    env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "umbra.cli", "agent", "--claim-wait", "2", "--device", DEVICE, *args]
-    process = await anyio.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
-    wrapper = Proc(process)
-    async with process, anyio.create_task_group() as tg:
-        tg.start_soon(wrapper._drain, process.stdout, "stdout")
-        tg.start_soon(wrapper._drain, process.stderr, "stderr")
-        try:
-            yield wrapper
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-
-
-async def _code(api, name: str) -> str:
-    return (await api.post("/v1/pairings", json={"name": name})).json()["code"]
 
 
 async def _submit(api, kind: str, payload: dict | None = None, **fields) -> str:
@@ -136,17 +80,12 @@ async def _submit(api, kind: str, payload: dict | None = None, **fields) -> str:
     return response.json()["id"]
 
 
-async def _job(api, job_id: str, *statuses: str):
-    job = (await api.get(f"/v1/jobs/{job_id}")).json()
-    return job if job["status"] in statuses else None
-
-
 async def _online_node(api, name: str):
     nodes = (await api.get("/v1/nodes")).json()["nodes"]
     return next((n for n in nodes if n["name"] == name and n["status"] == "online"), None)
 
 
-async def _claimed_by(agent: Proc, api, job_id: str):
+async def _claimed_by(agent: AgentProcess, api, job_id: str):
     return await _job(api, job_id, "running") if job_id in agent.stderr.decode() else None
 
 

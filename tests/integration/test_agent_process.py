@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import stat
 import subprocess
@@ -56,9 +57,13 @@ class AgentProcess:
 
 
 @contextlib.asynccontextmanager
-async def agent_process(*args: str):
+async def agent_process(*args: str, pythonpath: Path | None = None):
+    """The agent, killed at the end if still running; ``pythonpath``: where its handler modules are."""
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "umbra.cli", "agent", "--claim-wait", "2", "--device", DEVICE, *args]
-    process = await anyio.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    process = await anyio.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
     wrapper = AgentProcess(process)
     async with process, anyio.create_task_group() as tg:
         tg.start_soon(wrapper._drain, process.stdout, "stdout")

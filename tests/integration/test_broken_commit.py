@@ -43,6 +43,15 @@ def break_after_commit(monkeypatch, db_url, kinds=("claim",)):
     return fired
 
 
+async def claimed_job(client, conn, org):
+    """A node's credential, and a job it has claimed over HTTP at that attempt."""
+    _, credential = await paired(conn, org[0])
+    job = await submit(conn, org[0])
+    claimed = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+    assert claimed.status_code == 200
+    return credential, job, claimed.json()["job"]["attempt"]
+
+
 async def job_row(conn, job_id):
     return await (await conn.execute("SELECT status, lease_owner, attempt, error FROM jobs WHERE id = %s", (job_id,))).fetchone()
 
@@ -68,12 +77,7 @@ async def test_a_completion_whose_commit_landed_as_its_connection_broke_can_be_s
     """The batch committed the completion, then its connection broke: the agent hears 503 and sends it
     again, and is answered 200 with the job as the first completion left it (not 409, which the agent
     takes for a lost job); nothing more is recorded."""
-    org_id, _ = org
-    _, credential = await paired(conn, org_id)
-    job = await submit(conn, org_id)
-    claimed = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
-    assert claimed.status_code == 200
-    attempt = claimed.json()["job"]["attempt"]
+    credential, job, attempt = await claimed_job(client, conn, org)
     fired = break_after_commit(monkeypatch, db_url, kinds=("complete",))
     body = {"attempt": attempt, "result": {"answer": 42}}
     first = await client.post(f"/v1/agent/jobs/{job.id}/complete", headers=bearer(credential), json=body)
@@ -156,12 +160,7 @@ async def test_the_release_after_a_broken_batch_leaves_a_claim_made_elsewhere_at
 async def test_a_batch_report_whose_connection_broke_answers_503_as_a_whole(client, conn, org, monkeypatch, db_url):
     """``POST /v1/agent/complete`` answers each result 200, 404, 409 or 422; the database away is the
     whole request's 503 (with Retry-After), so the agent sends the whole report again."""
-    org_id, _ = org
-    _, credential = await paired(conn, org_id)
-    job = await submit(conn, org_id)
-    claimed = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
-    assert claimed.status_code == 200
-    attempt = claimed.json()["job"]["attempt"]
+    credential, job, attempt = await claimed_job(client, conn, org)
     fired = break_after_commit(monkeypatch, db_url, kinds=("complete",))
     response = await client.post("/v1/agent/complete", headers=bearer(credential),
                                  json={"results": [{"job_id": str(job.id), "attempt": attempt, "result": {"x": 1}}]})

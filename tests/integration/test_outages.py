@@ -267,7 +267,7 @@ def metric_sum(values: dict, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in values.items() if n == name and all((k, val) in ls for k, val in labels.items()))
 
 
-# -- (2) database outages ---------------------------------------------------------------------------
+# -- database outages ---------------------------------------------------------------------------
 
 
 async def test_requests_right_after_the_servers_sessions_are_terminated_do_not_answer_500(serve, org, db_url):
@@ -411,7 +411,7 @@ async def test_after_an_outage_the_listener_reconnects_and_long_polls_wake_on_no
     assert woke < 3, woke
 
 
-# -- (1) graceful shutdown ----------------------------------------------------------------------------
+# -- graceful shutdown ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -516,7 +516,7 @@ async def test_sigterm_while_the_database_is_unreachable_stops_promptly(serve, o
     assert code == 0 and took < 5, (code, round(took, 1), answers)
 
 
-# -- (3) metrics ----------------------------------------------------------------------------------------
+# -- metrics ----------------------------------------------------------------------------------------
 
 
 async def test_claim_and_event_counters_match_the_log(serve, org, conn, db_url):
@@ -551,7 +551,7 @@ async def test_claim_and_event_counters_match_the_log(serve, org, conn, db_url):
     assert after[("umbra_queue_depth", (("status", "complete"),))] == 5
 
 
-# -- (5) the reference agent ----------------------------------------------------------------------------
+# -- the reference agent ----------------------------------------------------------------------------
 
 
 @contextlib.asynccontextmanager
@@ -669,15 +669,14 @@ async def test_a_second_sigterm_stops_the_agent_at_once_even_when_the_server_is_
     assert code_ == 0 and took < 5, (code_, round(took, 1), _log_of(agent)[-1500:])
 
 
-async def test_agent_commands_work_again_soon_after_a_database_outage_ends(serve, org, db_url, pg_proxy):
-    """Claims that joined a group-commit batch during an outage must not keep the agents' path blocked
-    after the database is back: a batch that got no connection fails its commands at once, rather than
-    run each alone, each waiting for a connection again, inside a cancel-shielded scope."""
-    _, key = org
+@contextlib.asynccontextmanager
+async def agents_claiming_through_an_outage(serve, key: str, db_url: str, pg_proxy, prefix: str):
+    """A server whose database was just cut, and four agents' claims waiting on it; yields
+    ``(server, client, nodes)``. The claims are abandoned at the end."""
     server = serve(pg_proxy.url(db_url))
     await server.ready()
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        nodes = [await pair_node(client, server.url, key, f"o{i}") for i in range(4)]
+        nodes = [await pair_node(client, server.url, key, f"{prefix}{i}") for i in range(4)]
         pg_proxy.cut()
         for _ in range(3):  # the dead pooled connections are handed out and discarded
             with contextlib.suppress(httpx.HTTPError):
@@ -690,22 +689,31 @@ async def test_agent_commands_work_again_soon_after_a_database_outage_ends(serve
         async with anyio.create_task_group() as tg:
             for node in nodes:
                 tg.start_soon(claim, node)
-            await anyio.sleep(2.0)
-            pg_proxy.restore()
-
-            async def ready():
-                return (await client.get("/readyz", timeout=5)).status_code == 200
-
-            await eventually(ready, timeout=10, interval=0.2)
-            assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200, "ordinary requests work again"
-            started = time.monotonic()
-            try:
-                answer = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(nodes[0]["credential"]),
-                                           timeout=8)  # fmt: skip
-                outcome = (answer.status_code, round(time.monotonic() - started, 1))
-            except httpx.TimeoutException:
-                outcome = ("timeout", round(time.monotonic() - started, 1))
+            yield server, client, nodes
             tg.cancel_scope.cancel()
+
+
+async def test_agent_commands_work_again_soon_after_a_database_outage_ends(serve, org, db_url, pg_proxy):
+    """Claims that joined a group-commit batch during an outage must not keep the agents' path blocked
+    after the database is back: a batch that got no connection fails its commands at once, rather than
+    run each alone, each waiting for a connection again, inside a cancel-shielded scope."""
+    _, key = org
+    async with agents_claiming_through_an_outage(serve, key, db_url, pg_proxy, "o") as (server, client, nodes):
+        await anyio.sleep(2.0)
+        pg_proxy.restore()
+
+        async def ready():
+            return (await client.get("/readyz", timeout=5)).status_code == 200
+
+        await eventually(ready, timeout=10, interval=0.2)
+        assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200, "ordinary requests work again"
+        started = time.monotonic()
+        try:
+            answer = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(nodes[0]["credential"]),
+                                       timeout=8)  # fmt: skip
+            outcome = (answer.status_code, round(time.monotonic() - started, 1))
+        except httpx.TimeoutException:
+            outcome = ("timeout", round(time.monotonic() - started, 1))
     assert outcome[0] == 204 and outcome[1] < 3, f"a claim after the outage ended: {outcome}"
 
 
@@ -713,29 +721,13 @@ async def test_sigterm_during_an_outage_with_agents_claiming_stops_the_server(se
     """Agents' claims are parked in a group-commit batch waiting for a connection when SIGTERM arrives;
     the process must still exit within a supervisor's stop timeout."""
     _, key = org
-    server = serve(pg_proxy.url(db_url))
-    await server.ready()
-    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        nodes = [await pair_node(client, server.url, key, f"s{i}") for i in range(4)]
-        pg_proxy.cut()
-        for _ in range(3):
-            with contextlib.suppress(httpx.HTTPError):
-                await client.get("/v1/jobs", headers=bearer(key), timeout=1)
-
-        async def claim(node):
-            with contextlib.suppress(httpx.HTTPError):
-                await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(node["credential"]))
-
-        async with anyio.create_task_group() as tg:
-            for node in nodes:
-                tg.start_soon(claim, node)
-            await anyio.sleep(1.0)
-            took, code = await anyio.to_thread.run_sync(server.signal_and_wait, signal.SIGTERM, 16)
-            tg.cancel_scope.cancel()
+    async with agents_claiming_through_an_outage(serve, key, db_url, pg_proxy, "s") as (server, _, _):
+        await anyio.sleep(1.0)
+        took, code = await anyio.to_thread.run_sync(server.signal_and_wait, signal.SIGTERM, 16)
     assert code is not None and took < 12, f"exit status {code} after {took:.1f}s (None: still running)"
 
 
-# -- (4) logs ----------------------------------------------------------------------------------------------
+# -- logs ----------------------------------------------------------------------------------------------
 
 
 async def test_no_secret_reaches_the_log_on_error_paths(serve, org, db_url):
