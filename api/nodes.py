@@ -157,6 +157,7 @@ async def agent_heartbeat(request: Request):
             event_interval_seconds=services.settings.heartbeat_event_seconds,
             stale_seconds=services.settings.heartbeat_stale_seconds,
             request_id=request_id(request),
+            credential_id=who.credential_id,
         )
     interval = services.settings.heartbeat_interval_seconds
     return json_response(HeartbeatOut(node_id=result.node_id, status=result.status, heartbeat_interval_seconds=interval))

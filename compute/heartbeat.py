@@ -19,6 +19,7 @@ from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.events import store
 from umbra.projections import nodes as projection
 
+from .auth import live_node_credentials, revoked
 from .blocked import hold_capacity, reexamine_waiting_jobs
 from .nodes import append_node_events, capacity_cause, guard_against_claims, node_not_found
 
@@ -68,12 +69,20 @@ async def heartbeat(
     event_interval_seconds: int,
     stale_seconds: int = DEFAULT_STALE_SECONDS,
     request_id: str | None = None,
+    credential_id: UUID | None = None,
 ) -> HeartbeatResult:
-    """Record one beat from the node's own credential (``organization_id`` is the node's)."""
+    """Record one beat from the node's own credential (``organization_id`` is the node's).
+
+    ``credential_id``: the credential the beat authenticated with, before its body was read. A
+    revocation that committed since has made the node ``retired``: a beat that finds it so checks
+    its credential again and is refused 401, rather than be recorded after the revocation and
+    answered ``retired`` (its agent would take that for a retirement and exit 0).
+    """
     row = await (await conn.execute(_BEAT, {"node": node_id, "org": organization_id})).fetchone()
     if row is None:
         raise node_not_found(node_id)
     state, last_seen_at, now, before = projection.from_row(row), row[15], row[16], row[17]
+    await _refuse_if_revoked(conn, state, credential_id)
     decision = decide_heartbeat(state, report, now, event_interval_seconds=event_interval_seconds)
     # After a silence, the sweeper may be marking this node offline right now, from a read made before
     # this beat: the stored status read here may already be out of date. Look again under the row's lock.
@@ -87,7 +96,8 @@ async def heartbeat(
     while True:
         try:
             state, decision, now = await _record(conn, organization_id, node_id, report, guard=guard, capacity=capacity,
-                                                 event_interval_seconds=event_interval_seconds, request_id=request_id)
+                                                 event_interval_seconds=event_interval_seconds, request_id=request_id,
+                                                 credential_id=credential_id)  # fmt: skip
             break
         except _MoreLocks as more:  # the locked row says the beat changes more than the first read did
             guard, capacity = guard or more.guard, capacity or more.capacity
@@ -97,8 +107,14 @@ async def heartbeat(
     return HeartbeatResult(node_id, status, decision.event is not None, decision.changes_capacity)
 
 
+async def _refuse_if_revoked(conn: psycopg.AsyncConnection, state, credential_id: UUID | None) -> None:
+    if credential_id is not None and state.status == "retired" and not await live_node_credentials(conn, [credential_id]):
+        raise revoked()
+
+
 async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, report: HeartbeatReport, *,
-                  guard: bool, capacity: bool, event_interval_seconds: int, request_id: str | None):  # fmt: skip
+                  guard: bool, capacity: bool, event_interval_seconds: int, request_id: str | None,
+                  credential_id: UUID | None):  # fmt: skip
     """Decide again under the node's row lock and record the beat; returns (state, decision, now).
 
     Raises :class:`_MoreLocks` (nothing written) when the locked row calls for
@@ -111,6 +127,7 @@ async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id:
             await hold_capacity(conn, organization_id, exclusive=True)
         locked = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         assert locked is not None
+        await _refuse_if_revoked(conn, locked, credential_id)  # the revocation may have committed since the first read
         now = (await (await conn.execute("SELECT umbra_now()")).fetchone())[0]
         decision = decide_heartbeat(locked, report, now, event_interval_seconds=event_interval_seconds)
         if (decision.changes_capacity and not guard) or (_changes_devices(decision) and not capacity):

@@ -17,6 +17,8 @@ from umbra.events.types import Device, ResidentModel
 
 from tests.helpers import until_done_or_waiting
 
+from .queue_support import CPU64, GPU24, add_node
+
 pytestmark = pytest.mark.anyio
 
 GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=24000, accelerators=("cuda",))
@@ -233,3 +235,22 @@ async def test_a_beat_that_changes_only_free_memory_does_not_wait_for_submission
             with anyio.fail_after(5):
                 result = await beat(conn, org_id, node_id, devices=(busy, CPU))
     assert result.recorded and result.changed_capacity
+
+
+async def test_a_beat_authenticated_before_its_node_was_revoked_is_refused_and_not_recorded(conn, org):
+    """The beat's credential was checked before its body arrived; the revocation committed meanwhile.
+    The beat finds the node retired, checks its credential again and is refused 401: no beat after the
+    revocation, and no ``retired`` answer that its agent would take for a retirement (exit 0)."""
+    from umbra.compute.credentials import revoke_node
+    from umbra.errors import Unauthenticated
+
+    org_id, _ = org
+    node_id = await add_node(conn, org_id, "box", [CPU64])
+    [(credential_id,)] = await (await conn.execute("SELECT id FROM node_credentials WHERE node_id = %s", (node_id,))).fetchall()
+    await revoke_node(conn, org_id, node_id, actor="admin")
+    before = await store.read_stream(conn, store.node_stream(node_id))
+    for devices in ([CPU64], [CPU64, GPU24]):  # an unchanged beat (no lock taken) and one that changes devices
+        with pytest.raises(Unauthenticated):
+            await heartbeat(conn, org_id, node_id, HeartbeatReport(devices=tuple(devices)), event_interval_seconds=0,
+                            credential_id=credential_id)  # fmt: skip
+    assert await store.read_stream(conn, store.node_stream(node_id)) == before
