@@ -34,8 +34,8 @@ class Server(uvicorn.Server):
         uvicorn captures SIGINT and SIGTERM only; a SIGHUP met the process's exit handler in the
         middle of the event loop, and every open request and stream died with a traceback.
         """
-        if threading.current_thread() is not threading.main_thread():
-            with super().capture_signals():
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+            with super().capture_signals():  # (a SIGHUP ignored, as under nohup, stays ignored)
                 yield
             return
         previous = signal.signal(signal.SIGHUP, lambda _sig, frame: self.handle_exit(signal.SIGTERM, frame))

@@ -6,11 +6,12 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID, uuid4
 
+import anyio
 import psycopg
 from psycopg import sql
 
 from umbra.errors import InvalidRequest, NotFound
-from umbra.security import hash_secret, new_token
+from umbra.security import hash_secret, new_token, verify_secret
 
 from .auth import API_KEY_KIND, API_KEY_SCOPES
 
@@ -85,17 +86,20 @@ async def api_key_named(conn: psycopg.AsyncConnection, organization_id: UUID, na
         return UUID(name)
     except ValueError:
         pass
-    parts = name.strip().split("_")
+    name = name.strip()
+    parts = name.split("_", 2)
     prefix = parts[1] if len(parts) >= 2 and parts[0] == API_KEY_KIND else parts[0]
     rows = await (await conn.execute(_KEYS_BY_PREFIX, (organization_id, prefix))).fetchall()
+    if len(parts) == 3:  # the whole key: it names only the key it verifies against, not any sharing its prefix
+        rows = [row for row in rows if await anyio.to_thread.run_sync(verify_secret, row[1], name)]
     if not rows:
-        raise NotFound("api_key_not_found", f"No API key with the prefix {prefix} in this organization.")
+        raise NotFound("api_key_not_found", f"No such API key (prefix {prefix}) in this organization.")
     if len(rows) > 1:
         raise InvalidRequest(f"{len(rows)} keys share the prefix {prefix}; name one by its id (see list-keys).")
     return rows[0][0]
 
 
-_KEYS_BY_PREFIX = "SELECT id FROM api_keys WHERE organization_id = %s AND prefix = %s"
+_KEYS_BY_PREFIX = "SELECT id, secret_hash FROM api_keys WHERE organization_id = %s AND prefix = %s"
 
 
 async def revoke_api_key(conn: psycopg.AsyncConnection, organization_id: UUID, key_id: UUID) -> datetime:

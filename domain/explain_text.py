@@ -181,7 +181,7 @@ def placed_summary(
             return f"Failed without running: {said}"
         on = f" on {where}" if where else ""
         if attempt < max_attempts:  # not "attempt 1 of 3": no attempt is left, the failure was final
-            return f"Failed for good at attempt {attempt} (of up to {max_attempts}){on}: {said}"
+            return f"Failed for good after attempt {attempt} (of up to {max_attempts}){on}: {said}"
         return f"Failed after attempt {attempt} of {max_attempts}{on}: {said}"
     if status == "cancelled":
         if where:

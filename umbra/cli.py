@@ -245,6 +245,10 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run the benchmarks (from a source checkout); writes bench/results/latest.md")
 
     def run(args) -> int:
+        import os
+
+        if os.getcwd() not in sys.path:  # the console script's path holds .venv/bin, not the checkout it runs in
+            sys.path.append(os.getcwd())
         try:
             from bench import run_all
         except ImportError:

@@ -206,4 +206,5 @@ def install_exit_on_sigterm() -> None:
     server running.
     """
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # started under nohup: the user asked it to outlive the terminal
+        signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))

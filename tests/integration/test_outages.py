@@ -823,3 +823,36 @@ async def test_a_protocol_violation_is_a_bug_not_an_outage(conn):
     exc = errors.error_from_result(result, encoding="utf-8")
     assert exc.sqlstate == "08P01"
     assert not database_away(exc), f"{type(exc).__name__} ({exc.sqlstate}: {exc}) would be answered 503"
+
+
+def test_serve_started_under_nohup_survives_sighup(db_url):
+    """A server started with SIGHUP ignored (``nohup ./dev serve &``, then the SSH session ends)
+    keeps ignoring it."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UMBRA_")}
+    env.update({"UMBRA_DATABASE_URL": db_url, "UMBRA_PORT": str(port)})
+    proc = subprocess.Popen([sys.executable, "-m", "umbra.cli", "serve"], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, "serve exited before it was ready"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve never became ready"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(3)
+        assert proc.poll() is None, f"serve started with SIGHUP ignored exited on SIGHUP (status {proc.returncode})"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

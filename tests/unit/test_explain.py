@@ -185,7 +185,7 @@ def test_placed_and_finished_sentences_name_the_recorded_placement():
         "Failed after attempt 3 of 3 on gpu-box/gpu0: out of memory."
     )
     assert placed_summary(status="failed", attempt=1, lease_seconds_left=None, **failed) == (
-        "Failed for good at attempt 1 (of up to 3) on gpu-box/gpu0: out of memory."
+        "Failed for good after attempt 1 (of up to 3) on gpu-box/gpu0: out of memory."
     )
     container = {**common, "children": (5, 2)}
     assert placed_summary(status="running", attempt=1, lease_seconds_left=None, **container) == (
