@@ -29,7 +29,7 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
-from umbra.errors import Forbidden, Unauthenticated
+from umbra.errors import Forbidden, RateLimited, Unauthenticated
 from umbra.security import token_fingerprint, token_prefix, verify_secret
 
 API_KEY_KIND = "uk"
@@ -60,11 +60,56 @@ class Principal:
             raise Forbidden(f"This credential lacks the scope {' or '.join(any_of)}.")
 
 
+#: Wrong secrets for one prefix, within :data:`FAILURE_WINDOW_SECONDS`, after which this process
+#: verifies no more tokens of that prefix until the window has passed.
+MAX_FAILED_VERIFICATIONS = 20
+FAILURE_WINDOW_SECONDS = 60.0
+
+
 class VerifiedTokenCache:
-    def __init__(self, ttl_seconds: float = 60.0, max_entries: int = 100_000) -> None:
+    """Tokens that verified (see the module's docstring), and wrong secrets by prefix.
+
+    Each wrong secret for a prefix that exists costs an argon2 verification: tens of ms of CPU, and
+    on some routes a pooled connection meanwhile. Past :data:`MAX_FAILED_VERIFICATIONS` for one
+    prefix within the window, further tokens of that prefix that are not already verified are
+    refused 429 with ``Retry-After`` before any work. A key whose token is cached goes on as before;
+    its uncached holders wait out the window, as a client of a rate-limited API does.
+    """
+
+    def __init__(self, ttl_seconds: float = 60.0, max_entries: int = 100_000, *,
+                 max_failures: int = MAX_FAILED_VERIFICATIONS, failure_window_seconds: float = FAILURE_WINDOW_SECONDS) -> None:  # fmt: skip
         self._ttl = ttl_seconds
         self._max = max_entries
         self._entries: dict[bytes, tuple[float, Principal]] = {}
+        self._max_failures = max_failures
+        self._failure_window = failure_window_seconds
+        self._failures: dict[str, list[float]] = {}  # prefix -> when its wrong secrets were refused
+
+    def refuse_if_guessed(self, prefix: str) -> None:
+        """Raise 429 when ``prefix`` has had too many wrong secrets lately."""
+        recent = self._recent_failures(prefix)
+        if len(recent) >= self._max_failures:
+            retry_after = max(1, int(recent[0] + self._failure_window - time.monotonic()) + 1)
+            raise RateLimited(f"Too many wrong secrets for this key lately; try again in {retry_after} s.", retry_after)
+
+    def note_failure(self, prefix: str) -> None:
+        if len(self._failures) >= self._max:
+            self._failures.clear()
+        self._failures[prefix] = [*self._recent_failures(prefix), time.monotonic()]
+
+    def _recent_failures(self, prefix: str) -> list[float]:
+        """The prefix's failures within the window (the older ones are dropped; nothing is kept for a
+        prefix without any, so tokens of random prefixes cost no memory)."""
+        failures = self._failures.get(prefix)
+        if not failures:
+            return []
+        since = time.monotonic() - self._failure_window
+        recent = [at for at in failures if at > since]
+        if recent:
+            self._failures[prefix] = recent
+        else:
+            del self._failures[prefix]
+        return recent
 
     def get(self, token: str) -> Principal | None:
         key = token_fingerprint(token)
@@ -130,6 +175,7 @@ async def authenticate(conn: psycopg.AsyncConnection, token: str | None, cache: 
     cached = cache.get(token)
     if cached is not None:
         return await _still_valid(conn, kind, cached, cache)
+    cache.refuse_if_guessed(token_prefix(token, kind))  # type: ignore[arg-type]
     return await _verify(kind, token, await _candidates(conn, kind, token), cache)
 
 
@@ -166,6 +212,8 @@ async def _verify(kind: str, token: str, rows: list[Any], cache: VerifiedTokenCa
             )
             cache.put(token, principal)
             return principal
+    if rows:  # a prefix that exists, and a wrong secret: an argon2 verification spent for nothing
+        cache.note_failure(token_prefix(token, kind))  # type: ignore[arg-type]
     raise Unauthenticated("The bearer token is malformed or unknown.")
 
 
@@ -190,6 +238,7 @@ async def authenticate_pooled(pool: AsyncConnectionPool, token: str | None, cach
             return cached
         async with pool.connection() as conn:
             return await _still_valid(conn, kind, cached, cache)
+    cache.refuse_if_guessed(token_prefix(token, kind))  # type: ignore[arg-type]
     async with pool.connection() as conn:
         rows = await _candidates(conn, kind, token)
     return await _verify(kind, token, rows, cache)

@@ -155,3 +155,24 @@ async def test_a_revoked_api_key_on_an_agent_route_is_401_before_its_missing_sco
     # (asked only now: a route that authenticates with a query drops the cached verification)
     assert (await client.get("/v1/jobs", headers=headers)).status_code == 401  # revoked, as other routes say
     assert all(status == 401 for status, _ in answers.values()), f"a revoked API key was answered {answers}"
+
+
+async def test_wrong_secrets_for_one_key_are_refused_429_before_any_verification_past_the_limit(org, live_server, client):
+    """Each wrong secret for a prefix that exists costs an argon2 verification (and on some routes a pooled
+    connection meanwhile): past the limit, tokens of that prefix not already verified are refused at once,
+    while the key's verified holders go on."""
+    from umbra.compute.auth import MAX_FAILED_VERIFICATIONS
+
+    _, key = org
+    assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200  # verified: now cached
+    prefix = "_".join(key.split("_")[:2])
+    for i in range(MAX_FAILED_VERIFICATIONS):
+        wrong = await client.get("/v1/jobs", headers=bearer(f"{prefix}_wrong-secret-{i}"))
+        assert wrong.status_code == 401 and wrong.json()["error"] == "unauthenticated"
+    refused = await client.get("/v1/jobs", headers=bearer(f"{prefix}_one-more-guess"))
+    assert refused.status_code == 429 and refused.json()["error"] == "rate_limited"
+    assert 1 <= int(refused.headers["Retry-After"]) <= 61
+    assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200  # its verified holder goes on
+    other_org_key_prefix = "uk_0123456789"  # a prefix with no key behind it costs nothing and is not counted
+    for _ in range(3):
+        assert (await client.get("/v1/jobs", headers=bearer(f"{other_org_key_prefix}_x"))).status_code == 401
