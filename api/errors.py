@@ -10,7 +10,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from umbra.db import DATABASE_AWAY, database_away
-from umbra.errors import DatabaseUnavailable, RateLimited, UmbraError
+from umbra.errors import DatabaseUnavailable, UmbraError
 
 from .http import json_response, refusal_after_deferred_revocation, request_id
 
@@ -22,7 +22,7 @@ async def umbra_error(request: Request, exc: Exception) -> Response:
     if getattr(request.state, "revocation_deferred", False):
         exc = await refusal_after_deferred_revocation(request, exc)
     headers = {}
-    if isinstance(exc, (RateLimited, DatabaseUnavailable)):
+    if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
     return json_response(exc.to_json(), status=exc.status, headers=headers)
 

@@ -174,23 +174,22 @@ async def authenticate(conn: psycopg.AsyncConnection, token: str | None, cache: 
     assert token is not None
     cached = cache.get(token)
     if cached is not None:
-        return await _still_valid(conn, kind, cached, cache)
+        return await _still_valid(conn, cached, cache)
     cache.refuse_if_guessed(token_prefix(token, kind))  # type: ignore[arg-type]
     return await _verify(kind, token, await _candidates(conn, kind, token), cache)
 
 
-async def _still_valid(conn: psycopg.AsyncConnection, kind: str, cached: Principal, cache: VerifiedTokenCache) -> Principal:
+async def _still_valid(conn: psycopg.AsyncConnection, cached: Principal, cache: VerifiedTokenCache) -> Principal:
     """A cached principal, once its credential's row says it is not revoked (401 and forgotten otherwise)."""
-    row = await (await conn.execute(_STILL_VALID[kind], (cached.credential_id,))).fetchone()
-    if row is not None:
+    if await credential_is_live(conn, cached):
         return cached
     cache.forget_credential(cached.credential_id)
     raise revoked()
 
 
 async def credential_is_live(conn: psycopg.AsyncConnection, who: Principal) -> bool:
-    """Whether ``who``'s credential is still unrevoked: for a stream, which authenticated once and
-    goes on answering, to end when the credential is revoked."""
+    """Whether ``who``'s credential is still unrevoked, by its row: for a cached token at each request,
+    and for a stream, which authenticated once and goes on answering, before each read."""
     kind = NODE_CREDENTIAL_KIND if who.kind == "node" else API_KEY_KIND
     return await (await conn.execute(_STILL_VALID[kind], (who.credential_id,))).fetchone() is not None
 
@@ -237,7 +236,7 @@ async def authenticate_pooled(pool: AsyncConnectionPool, token: str | None, cach
         if revocation_deferred:
             return cached
         async with pool.connection() as conn:
-            return await _still_valid(conn, kind, cached, cache)
+            return await _still_valid(conn, cached, cache)
     cache.refuse_if_guessed(token_prefix(token, kind))  # type: ignore[arg-type]
     async with pool.connection() as conn:
         rows = await _candidates(conn, kind, token)

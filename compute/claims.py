@@ -440,13 +440,19 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
 
 
 async def _held(
-    conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, node_id: UUID, attempt: int
+    conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, node_id: UUID, attempt: int, *,
+    repeated_completion_ok: bool = False,
 ) -> tuple[JobRow, datetime]:
+    """The job's row, locked, once this node holds it at ``attempt`` (refused otherwise); with
+    ``repeated_completion_ok``, also the row of a job this holder already completed at that attempt."""
     record = await (await conn.execute(_LOCK_BY_ID, (job_id, organization_id))).fetchone()
     if record is None:
         raise NotFound("job_not_found", f"No job {job_id}.")
     row = queue.from_db(record)
-    check_holder(status=row.status, lease_owner=row.lease_owner, attempt=row.attempt, node_id=node_id, claimed_attempt=attempt)
+    holder = {"status": row.status, "lease_owner": row.lease_owner, "attempt": row.attempt, "node_id": node_id,
+              "claimed_attempt": attempt}  # fmt: skip
+    if not (repeated_completion_ok and repeats_completion(**holder)):
+        check_holder(**holder)
     return row, record[-1]
 
 
@@ -476,13 +482,9 @@ async def complete(
 async def _complete(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
                     request_id: str | None) -> JobRow:  # fmt: skip
     async with conn.transaction():
-        record = await (await conn.execute(_LOCK_BY_ID, (job_id, organization_id))).fetchone()
-        if record is not None:
-            done = queue.from_db(record)
-            if repeats_completion(status=done.status, lease_owner=done.lease_owner, attempt=done.attempt,
-                                  node_id=node_id, claimed_attempt=attempt):  # fmt: skip
-                return done
-        row, _ = await _held(conn, organization_id, job_id, node_id, attempt)
+        row, _ = await _held(conn, organization_id, job_id, node_id, attempt, repeated_completion_ok=True)
+        if row.status == "complete":  # a repeat (see domain.jobs.repeats_completion): the first result stands
+            return row
         changes = [Change(row.id, organization_id, row, [JobCompleted(attempt=attempt, result=result)])]
         [done], position = await record_and_settle(conn, changes, metadata=node_metadata(node_id, request_id))
         await store.publish(conn, [(organization_id, position, 0)])

@@ -51,6 +51,8 @@ WITH before AS (SELECT last_seen_at FROM node_liveness WHERE node_id = %(node)s)
 seen AS (
     INSERT INTO node_liveness (node_id, last_seen_at)
     SELECT id, umbra_now() FROM nodes WHERE id = %(node)s AND organization_id = %(org)s
+      AND (%(credential)s::uuid IS NULL
+           OR EXISTS (SELECT 1 FROM node_credentials WHERE id = %(credential)s::uuid AND revoked_at IS NULL))
     ON CONFLICT (node_id) DO UPDATE SET last_seen_at = EXCLUDED.last_seen_at
     RETURNING last_seen_at
 )
@@ -74,15 +76,17 @@ async def heartbeat(
     """Record one beat from the node's own credential (``organization_id`` is the node's).
 
     ``credential_id``: the credential the beat authenticated with, before its body was read. A
-    revocation that committed since has made the node ``retired``: a beat that finds it so checks
-    its credential again and is refused 401, rather than be recorded after the revocation and
-    answered ``retired`` (its agent would take that for a retirement and exit 0).
+    revocation that committed since refuses the beat 401 with nothing written (the liveness write
+    is conditional on the credential, in the same statement), rather than record it after the
+    revocation and answer ``retired`` (its agent would take that for a retirement and exit 0). One
+    that commits after that first statement is seen under the row's lock, before any event.
     """
-    row = await (await conn.execute(_BEAT, {"node": node_id, "org": organization_id})).fetchone()
-    if row is None:
+    row = await (await conn.execute(_BEAT, {"node": node_id, "org": organization_id, "credential": credential_id})).fetchone()
+    if row is None:  # nothing written: no such node, or (asked only then) a credential revoked since it authenticated
+        if credential_id is not None and not await live_node_credentials(conn, [credential_id]):
+            raise revoked()
         raise node_not_found(node_id)
     state, last_seen_at, now, before = projection.from_row(row), row[15], row[16], row[17]
-    await _refuse_if_revoked(conn, state, credential_id)
     decision = decide_heartbeat(state, report, now, event_interval_seconds=event_interval_seconds)
     # After a silence, the sweeper may be marking this node offline right now, from a read made before
     # this beat: the stored status read here may already be out of date. Look again under the row's lock.
@@ -108,6 +112,7 @@ async def heartbeat(
 
 
 async def _refuse_if_revoked(conn: psycopg.AsyncConnection, state, credential_id: UUID | None) -> None:
+    """Under the row's lock: a revocation makes the node retired, and then only the beat's own credential tells."""
     if credential_id is not None and state.status == "retired" and not await live_node_credentials(conn, [credential_id]):
         raise revoked()
 

@@ -88,7 +88,10 @@ async def _create_org(conn, args) -> int:
 
 def _prefix(key: str) -> str:
     """What names the key in list-keys and revoke-key without the secret: ``uk_<prefix>``."""
-    return "_".join(key.split("_")[:2])
+    from .compute.auth import API_KEY_KIND
+    from .security import token_prefix
+
+    return f"{API_KEY_KIND}_{token_prefix(key, API_KEY_KIND)}"
 
 
 async def _create_key(conn, args) -> int:

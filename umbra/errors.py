@@ -14,6 +14,8 @@ class UmbraError(Exception):
     """Base: a refused operation with a stable machine-readable code."""
 
     status = 400
+    #: Seconds a client should wait before sending the request again (``Retry-After``), if it should.
+    retry_after: int | None = None
 
     def __init__(self, code: str, message: str, **extra: Any) -> None:
         super().__init__(message)

@@ -249,8 +249,11 @@ async def test_a_beat_authenticated_before_its_node_was_revoked_is_refused_and_n
     [(credential_id,)] = await (await conn.execute("SELECT id FROM node_credentials WHERE node_id = %s", (node_id,))).fetchall()
     await revoke_node(conn, org_id, node_id, actor="admin")
     before = await store.read_stream(conn, store.node_stream(node_id))
+    seen = "SELECT last_seen_at FROM node_liveness WHERE node_id = %s"
+    seen_before = await (await conn.execute(seen, (node_id,))).fetchone()
     for devices in ([CPU64], [CPU64, GPU24]):  # an unchanged beat (no lock taken) and one that changes devices
         with pytest.raises(Unauthenticated):
             await heartbeat(conn, org_id, node_id, HeartbeatReport(devices=tuple(devices)), event_interval_seconds=0,
                             credential_id=credential_id)  # fmt: skip
     assert await store.read_stream(conn, store.node_stream(node_id)) == before
+    assert await (await conn.execute(seen, (node_id,))).fetchone() == seen_before  # refused: nothing written
