@@ -32,7 +32,7 @@ from umbra.errors import Forbidden
 
 from .http import batch_principal, json_response, request_id
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
-from .params import query_int
+from .params import query_int, query_names
 from .routing import endpoint
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ async def claim(request: Request) -> Response:
         raise Forbidden("Only a node credential can claim jobs.")
     wait = query_int(request, "wait", default=DEFAULT_WAIT_SECONDS, minimum=0, maximum=MAX_WAIT_SECONDS)
     most = query_int(request, "max", default=1, minimum=1, maximum=MAX_JOBS_PER_REQUEST)
+    kinds = query_names(request, "kind")
     node_id: UUID = who.node_id
     settings = services.settings
 
@@ -89,6 +90,7 @@ async def claim(request: Request) -> Response:
             busy=LOOK_AGAIN_SOON,
             credential_id=who.credential_id,
             request_id=request_id(request),
+            kinds=kinds,
         )
 
     started = time.monotonic()

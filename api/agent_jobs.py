@@ -27,7 +27,7 @@ from umbra.projections import jobs as queue
 
 from .agent import MAX_JOBS_PER_REQUEST, release_unheard
 from .http import authorized, batch_principal, json_response, path_uuid, read_json, request_id
-from .params import query_bool, query_int
+from .params import query_bool, query_int, query_names
 from .routing import endpoint
 
 Attempt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
@@ -98,6 +98,7 @@ async def complete(request: Request) -> Response:
     claim_next = query_bool(request, "claim_next", default=False)
     if claim_next:
         who.require("compute:claim")
+    kinds = query_names(request, "kind")
     body = await read_json(request, CompleteRequest)
     group = request.app.state.group_commit
     if not claim_next:
@@ -110,7 +111,7 @@ async def complete(request: Request) -> Response:
     row, claimed = await group.complete_and_claim(
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
         result=body.result, lease_seconds=settings.lease_seconds, stale_seconds=settings.heartbeat_stale_seconds,
-        credential_id=who.credential_id, request_id=request_id(request),
+        credential_id=who.credential_id, request_id=request_id(request), kinds=kinds,
     )  # fmt: skip
     if claimed is not None:
         if await request.is_disconnected():  # the agent left while its batch ran: nobody would run the job
@@ -136,6 +137,7 @@ async def complete_many(request: Request) -> Response:
     claim_next = query_int(request, "claim_next", default=0, minimum=0, maximum=MAX_JOBS_PER_REQUEST)
     if claim_next:
         who.require("compute:claim")
+    kinds = query_names(request, "kind")
     body = await read_json(request, CompleteManyRequest, items="results")
     seen: set[UUID] = set()
     for index, item in enumerate(body.results):
@@ -147,7 +149,7 @@ async def complete_many(request: Request) -> Response:
         organization_id=who.organization_id, node_id=who.node_id,
         results=[(item.job_id, item.attempt, item.result) for item in body.results], claim_next=claim_next,
         lease_seconds=settings.lease_seconds, stale_seconds=settings.heartbeat_stale_seconds,
-        credential_id=who.credential_id, request_id=request_id(request),
+        credential_id=who.credential_id, request_id=request_id(request), kinds=kinds,
     )  # fmt: skip
     failure = next((a for a in answers if isinstance(a, Unauthenticated) or _unexpected(a)), None)
     if claimed and (failure is not None or await request.is_disconnected()):

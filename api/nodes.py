@@ -163,6 +163,16 @@ async def agent_heartbeat(request: Request):
     return json_response(HeartbeatOut(node_id=result.node_id, status=result.status, heartbeat_interval_seconds=interval))
 
 
+async def agent_offline(request: Request):
+    """``POST /v1/agent/offline``: the agent is stopping on purpose (see ``compute.nodes.sign_off``)."""
+    services = request.app.state.services
+    who = await authorized(request, "compute:heartbeat")
+    async with services.pool.connection() as conn:
+        await nodes.sign_off(conn, who.organization_id, who.node_id, request_id=request_id(request))
+        view = await nodes.node_view(conn, who.node_id, organization_id=who.organization_id, stale_seconds=_stale(request))
+    return json_response(node_out(view))
+
+
 async def list_nodes(request: Request):
     async with request.app.state.services.pool.connection() as conn:
         who = await principal(request, conn, "jobs:read", "nodes:admin")
@@ -233,6 +243,15 @@ routes = [
         scopes=("compute:heartbeat",),
         body=HeartbeatRequest,
         response=HeartbeatOut,
+    ),
+    endpoint(
+        "POST",
+        "/v1/agent/offline",
+        agent_offline,
+        summary="The agent is stopping on purpose: an online node reads offline at once, until its next heartbeat.",
+        auth="node",
+        scopes=("compute:heartbeat",),
+        response=NodeOut,
     ),
     endpoint(
         "GET",

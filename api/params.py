@@ -48,3 +48,25 @@ def query_list(request: Request, name: str, *, allowed: tuple[str, ...], default
     if unknown or not words:
         raise InvalidRequest(f"{name} accepts {', '.join(allowed)}; unknown: {', '.join(unknown) or 'none'}.", field=name)
     return words
+
+
+#: Values a repeatable parameter may carry at most, and characters each.
+MAX_REPEATED, MAX_NAME = 100, 200
+
+
+def query_names(request: Request, name: str) -> frozenset[str] | None:
+    """Every value of a repeatable parameter (``?kind=a&kind=b``), or ``None`` when it is absent.
+
+    Repeated rather than comma-separated, so any name (a job kind is any text
+    of 1 to 200 characters) can be given. An empty or over-long value, or more
+    than :data:`MAX_REPEATED` of them, is refused naming the parameter.
+    """
+    values = request.query_params.getlist(name)
+    if not values:
+        return None
+    if len(values) > MAX_REPEATED:
+        raise InvalidRequest(f"{name} may be given at most {MAX_REPEATED} times, got {len(values)}.", field=name)
+    bad = next((v for v in values if not 1 <= len(v) <= MAX_NAME), None)
+    if bad is not None:
+        raise InvalidRequest(f"each {name} must be 1 to {MAX_NAME} characters, got {len(bad)}.", field=name)
+    return frozenset(values)

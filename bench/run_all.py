@@ -46,7 +46,7 @@ def _workloads(size: dict[str, int]) -> dict[str, Callable[[], Any]]:
         "idle": lambda: idle_longpolls.run(size["idle_polls"], size["idle_nodes"], size["idle_jobs"]),
         "rebuild": lambda: rebuild.run(size["rebuild_events"]),
         "claim_latency": lambda: claim_latency.run([size["claim_shallow"], size["claim_deep"]], size["claim_samples"],
-                                                   ["uniform", "mixed"]),
+                                                   ["uniform", "mixed", "kinds"]),
     }  # fmt: skip
 
 

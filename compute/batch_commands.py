@@ -43,13 +43,14 @@ from umbra.domain.node_status import effective_status
 from umbra.domain.placement import best_placement
 from umbra.errors import NotFound, UmbraError
 from umbra.events import store
-from umbra.events.types import Device, Event, JobClaimed, JobCompleted, JobLeaseRenewed, Placement, Requirements
+from umbra.events.types import Device, Event, JobClaimed, JobCompleted, JobLeaseRenewed, Placement
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .auth import live_node_credentials, revoked
 from .claims import (
-    MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, lock_first_of_shape, lock_queued,
+    MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
+    takes_kind,
     models_for_shapes, node_metadata,
 )  # fmt: skip
 from .jobs import settle_parents
@@ -91,6 +92,8 @@ class Command:
     claims: list[ClaimResult] = field(default_factory=list)
     #: The HTTP request the command came in (``X-Request-ID``), recorded with its events.
     request_id: str | None = None
+    #: The job kinds a claim takes (the agent's handlers); ``None``: every kind.
+    kinds: frozenset[str] | None = None
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -129,7 +132,6 @@ _SHAPES = PreparedStatement("umbra_batch_shapes", QUEUED_SHAPES)
 #: Every prepared statement a batch may run, prepared together on each connection (see ``db.begin_with``).
 _FAMILY = (_HELD, _GUARDS, _NODES, _SHAPES, store.APPEND_AT, queue.TRANSITIONS)
 _devices = msgspec.json.Decoder(tuple[Device, ...])
-_requirements = msgspec.json.Decoder(Requirements)
 
 
 async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> tuple[list[_Staged], list[Command]]:
@@ -318,14 +320,14 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> di
 
 async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]],
                          shapes: Sequence[str], models: Mapping[str, Any], claimers: Sequence[Command]) -> list[_Staged]:  # fmt: skip
-    judged: dict[tuple[UUID, str], Placement | None] = {}
+    judged: dict[tuple[int, str], Placement | None] = {}  # by (id of the command, shape)
 
-    def runnable(requires: str) -> bool:
-        """Judged for every waiting node; a shape none of them can run is never read."""
-        decoded = _requirements.decode(requires)
-        for _command, node in waiting:
-            judged[node.id, requires] = best_placement(node, decoded, models)
-        return any(judged[node.id, requires] is not None for _, node in waiting)
+    def runnable(shape: str) -> bool:
+        """Judged for every waiting claimer; a shape none of them may take is never read."""
+        kind, requires = decode_shape(shape)
+        for command, node in waiting:
+            judged[id(command), shape] = best_placement(node, requires, models) if takes_kind(command.kinds, kind) else None
+        return any(judged[id(command), shape] is not None for command, _ in waiting)
 
     staged: list[_Staged] = []
     saw_eligible: set[int] = set()  # claimers that saw a row they could run
@@ -335,13 +337,13 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE))
     locked_here: set[UUID] = set()  # rows this transaction has locked for a claimer: it could lock them again
     only = scan.only_shape()
-    if only is not None and all(judged[node.id, only] is not None for _, node in waiting):
+    if only is not None and all(judged[id(command), only] is not None for command, _ in waiting):
         # Every waiting claimer can run the one shape any of them can: the claim order is that shape's own,
         # and its first rows are found and locked in one statement, then handed out in arrival order.
         locked = iter(await lock_first_of_shape(conn, org, only, count=min(want, SCAN_PAGE)))
         for command, node in list(waiting):
             for record in locked:
-                staged.append(_claimed(command, node, queue.from_db(record), record[-1], judged[node.id, only]))  # type: ignore[arg-type]
+                staged.append(_claimed(command, node, queue.from_db(record), record[-1], judged[id(command), only]))  # type: ignore[arg-type]
                 locked_here.add(record[0])
                 left[id(command)] -= 1
                 if not left[id(command)]:
@@ -352,14 +354,14 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         # Rows ran out among the shape's first ones (held by other claimers, or none left): read on page by page.
     async for page in scan.pages():
         shape_of: dict[UUID, str] = {}
-        by_shape: dict[str, list[UUID]] = {}  # each requirement shape's rows, in queue order
-        for job_id, _priority, _seq, requires in page:
-            shape_of[job_id] = requires
-            by_shape.setdefault(requires, []).append(job_id)
+        by_shape: dict[str, list[UUID]] = {}  # each shape's rows, in queue order
+        for job_id, _priority, _seq, shape in page:
+            shape_of[job_id] = shape
+            by_shape.setdefault(shape, []).append(job_id)
         wanted: list[UUID] = []
         order = {job_id: index for index, job_id in enumerate(shape_of)}
         for command, node in waiting:
-            eligible = [ids[:want] for shape, ids in by_shape.items() if judged[node.id, shape] is not None]
+            eligible = [ids[:want] for shape, ids in by_shape.items() if judged[id(command), shape] is not None]
             if eligible:
                 saw_eligible.add(id(command))
             wanted += eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
@@ -370,7 +372,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             for command, node in list(waiting):
                 taken = []
                 for index, (row, now) in enumerate(free):
-                    placement = judged[node.id, shape_of[row.id]]
+                    placement = judged[id(command), shape_of[row.id]]
                     if placement is not None:
                         staged.append(_claimed(command, node, row, now, placement))
                         taken.append(index)
@@ -392,7 +394,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             # Beaten to the rows it could run, it may say nothing is left only when nothing queued is
             # for anyone else: every queued shape is one it can run. Otherwise its wake token must go on
             # to a waiter that can run the rest.
-            runs_all = every_shape_judged and all(judged.get((node.id, shape)) is not None for shape in shapes)
+            runs_all = every_shape_judged and all(judged.get((id(command), shape)) is not None for shape in shapes)
             command.nothing_left = scan.nothing_due or (id(command) in saw_eligible and runs_all)
     return staged
 

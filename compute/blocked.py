@@ -135,11 +135,13 @@ class BlockingJudge:
         return self._memo[requires]
 
 
-#: The organization's distinct queued requirement shapes, at most ``limit``: a skip scan
-#: of ``jobs_by_shape`` (each step is one descent to the first entry past the previous
-#: shape), so the cost follows the number of shapes, not of jobs. The SQL is a function
-#: (migrations/0025) because it must be planned with sorting disabled.
+#: The organization's distinct queued shapes (each the JSON text of ``[kind, requirements]``),
+#: at most ``limit``: a skip scan of ``jobs_by_shape`` (each step is one descent to the first
+#: entry past the previous shape), so the cost follows the number of shapes, not of jobs. The
+#: SQL is a function (migrations/0025, 0029) because it must be planned with sorting disabled.
 QUEUED_SHAPES = "SELECT umbra_queued_shapes(%(org)s, %(limit)s)"
+#: The distinct requirements among those shapes (jsonb text): blocking judges requirements only.
+_QUEUED_REQUIREMENTS = "SELECT DISTINCT (shape::jsonb->1)::text FROM umbra_queued_shapes(%(org)s, %(limit)s) AS shape"
 #: Queued shapes one re-examination judges at most. An organization with more
 #: has its other shapes' jobs judged by the next change or sweep that reaches them.
 REEXAMINED_SHAPES = 1000
@@ -182,7 +184,7 @@ async def reexamine_waiting_jobs(
     async with conn.transaction():
         blocked_shapes = await (await conn.execute(_BLOCKED_SHAPES, (organization_id,))).fetchall()
         queued_shapes = [text for (text,) in await (await conn.execute(
-            QUEUED_SHAPES, {"org": organization_id, "limit": REEXAMINED_SHAPES})).fetchall()]  # fmt: skip
+            _QUEUED_REQUIREMENTS, {"org": organization_id, "limit": REEXAMINED_SHAPES})).fetchall()]  # fmt: skip
         if not blocked_shapes and not queued_shapes:
             return Reexamined()
         judge = await BlockingJudge.load(conn, organization_id)

@@ -3,15 +3,15 @@
 **Claim.** One transaction. It reads the claiming node (effective status by
 the database clock, devices, resident models) and the organization's model
 registry, then reads the organization's claimable jobs in (priority, seq) order
-*without* locking (:class:`ClaimableScan`), judging each distinct requirement
-shape once with the pure eligibility rules and reading only rows of shapes the
-node can run. Among those candidates it locks exactly one with ``FOR UPDATE
+*without* locking (:class:`ClaimableScan`), judging each distinct shape (a job
+kind and its requirements) once with the pure eligibility rules, and the kinds
+the claim names if it names any, reading only rows of shapes the node may take. Among those candidates it locks exactly one with ``FOR UPDATE
 SKIP LOCKED``, re-checking in the same statement that the row is still queued
 and due, so two claimers never hold the same job and a node never takes a job
 of another organization or one it cannot run: eligibility is decided before the
 lock, not after the claim.
 
-The scan first lists the organization's distinct queued requirement shapes by
+The scan first lists the organization's distinct queued shapes by
 index (a skip scan of ``jobs_by_shape``: one descent per shape), judges them,
 and merges the heads of the shapes the node can run, so the cost of a claim
 follows the number of shapes, not the depth of the queue or the work in front
@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 SCAN_PAGE = 100
 #: Pages scanned per claim before giving up (the next claim scans afresh).
 MAX_SCAN_PAGES = 20
-#: Distinct queued requirement shapes an organization may have for a claim to judge them
+#: Distinct queued shapes (kind and requirements) an organization may have for a claim to judge them
 #: all and read only the heads of the eligible ones; with more, it walks the queue in order.
 MAX_SHAPES = 64
 #: Rows per page of the shape scan, shared out among the eligible shapes (at least
@@ -79,10 +79,11 @@ MIN_SHAPE_ROWS = 2
 #: The first ``limit`` claimable rows after (priority, seq) of each of the given shapes,
 #: by ``jobs_by_shape``; the caller merges them (:class:`ClaimableScan`).
 SHAPES_SCAN = """
-SELECT j.id, j.priority, j.seq, s.requires FROM unnest(%(shapes)s::text[]) AS s(requires)
+SELECT j.id, j.priority, j.seq, s.shape FROM unnest(%(shapes)s::text[]) AS s(shape)
 CROSS JOIN LATERAL (
     SELECT id, priority, seq FROM jobs
-    WHERE organization_id = %(org)s AND status = 'queued' AND requires = s.requires::jsonb
+    WHERE organization_id = %(org)s AND status = 'queued'
+      AND kind = s.shape::jsonb->>0 AND requires = s.shape::jsonb->1
       AND (not_before IS NULL OR not_before <= umbra_now())
       AND (priority, seq) > (%(priority)s, %(seq)s)
     ORDER BY priority, seq
@@ -91,13 +92,13 @@ CROSS JOIN LATERAL (
 ORDER BY j.priority, j.seq
 """
 #: One page of the organization's claimable jobs in claim order by ``jobs_claimable``,
-#: skipping requirement shapes already judged ineligible (the fallback for many shapes).
+#: skipping shapes already judged ineligible (the fallback for many shapes).
 CLAIMABLE_SCAN = """
-SELECT id, priority, seq, requires::text FROM jobs
+SELECT id, priority, seq, jsonb_build_array(kind, requires)::text FROM jobs
 WHERE organization_id = %(org)s AND status = 'queued'
   AND (not_before IS NULL OR not_before <= umbra_now())
   AND (priority, seq) > (%(priority)s, %(seq)s)
-  AND NOT (requires = ANY(%(skip)s::text[]::jsonb[]))
+  AND NOT (jsonb_build_array(kind, requires) = ANY(%(skip)s::text[]::jsonb[]))
 ORDER BY priority, seq
 LIMIT %(limit)s
 """
@@ -137,7 +138,7 @@ async def lock_queued(conn: psycopg.AsyncConnection, organization_id: UUID, ids:
     return await cursor.fetchall()
 
 
-#: The first claimable rows of one requirement shape that nobody else holds, locked, in claim order:
+#: The first claimable rows of one shape that nobody else holds, locked, in claim order:
 #: the shape's rows are walked by ``jobs_by_shape`` and locked as they come (``FOR UPDATE SKIP
 #: LOCKED``, the lock re-checking queued and due), until ``count`` are held or the shape has no more.
 #: Rows are locked only as the outer ``LIMIT`` pulls them. Both the shape and the inner limit are
@@ -145,10 +146,11 @@ async def lock_queued(conn: psycopg.AsyncConnection, organization_id: UUID, ids:
 #: the generic plan walked ``jobs_claimable`` through all the work in front that other shapes hold
 #: (250 ms a claim at 1,000,000 queued, half of it GPU work ahead of the CPU shape).
 _LOCK_FIRST_OF_SHAPE = f"""
-SELECT j.* FROM unnest(%(shapes)s::text[]) AS s(requires)
+SELECT j.* FROM unnest(%(shapes)s::text[]) AS s(shape)
 CROSS JOIN LATERAL (
     SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
-    WHERE organization_id = %(org)s AND status = 'queued' AND requires = s.requires::jsonb
+    WHERE organization_id = %(org)s AND status = 'queued'
+      AND kind = s.shape::jsonb->>0 AND requires = s.shape::jsonb->1
       AND (not_before IS NULL OR not_before <= umbra_now())
     ORDER BY priority, seq
     LIMIT {SCAN_PAGE}
@@ -158,11 +160,29 @@ LIMIT %(count)s
 """
 _LOCK_BY_ID = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = %s AND organization_id = %s FOR UPDATE"
 
-_requirements = msgspec.json.Decoder(Requirements)
 _FIRST = (-(2**31), 0)
 
-#: A claimable row as the scans return it: id, priority, seq, requirement shape (jsonb text).
+#: A claimable row as the scans return it: id, priority, seq, shape (:func:`decode_shape`).
 ScanRow = tuple[UUID, int, int, str]
+
+_shape = msgspec.json.Decoder(tuple[str, Requirements])
+
+
+def decode_shape(shape: str) -> tuple[str, Requirements]:
+    """A queue shape's job kind and requirements.
+
+    The scans name a shape by the JSON text of ``[kind, requirements]``
+    (migrations/0029): one string, so it is a dictionary key and an element of
+    a ``text[]`` parameter, and SQL splits it again. Claimers judge the
+    requirements (eligibility and placement) and the kind (the kinds a claim
+    names, when it names any) of each shape once.
+    """
+    return _shape.decode(shape)
+
+
+def takes_kind(kinds: frozenset[str] | None, kind: str) -> bool:
+    """Whether a claim that named ``kinds`` (``None``: it named none, so every kind) may take a job of ``kind``."""
+    return kinds is None or kind in kinds
 
 
 async def queued_shapes(conn: psycopg.AsyncConnection, organization_id: UUID) -> psycopg.AsyncCursor[Any]:
@@ -179,7 +199,7 @@ async def models_for_shapes(conn: psycopg.AsyncConnection, organization_id: UUID
     transaction. More than :data:`MAX_SHAPES` shapes are not all listed, so
     then the registry is read.
     """
-    if len(shapes) <= MAX_SHAPES and not any(_requirements.decode(shape).models for shape in shapes):
+    if len(shapes) <= MAX_SHAPES and not any(decode_shape(shape)[1].models for shape in shapes):
         return {}
     return await read_models(conn, organization_id)
 
@@ -187,9 +207,10 @@ async def models_for_shapes(conn: psycopg.AsyncConnection, organization_id: UUID
 class ClaimableScan:
     """An organization's claimable (queued, due) jobs in claim order, only of shapes ``runnable`` accepts.
 
-    ``runnable`` is asked once per requirement shape (jsonb text). The single
-    claim asks whether its node can run the shape, the group commit whether any
-    of its waiting claimers can; each caches its placements. Pages come in
+    ``runnable`` is asked once per shape (a job kind and its requirements:
+    :func:`decode_shape`). The single claim asks whether its node can run the
+    shape and its claim takes the kind, the group commit whether any of its
+    waiting claimers can; each caches its placements. Pages come in
     (priority, seq) order and hold only accepted shapes' rows; a caller goes
     to the next page only when every row it wanted was locked by others.
 
@@ -358,8 +379,12 @@ async def claim(
     lease_seconds: int,
     stale_seconds: int = DEFAULT_STALE_SECONDS,
     request_id: str | None = None,
+    kinds: frozenset[str] | None = None,
 ) -> ClaimResult | None:
-    """Claim the first queued job of the organization this node is eligible for, or ``None``."""
+    """Claim the first queued job of the organization this node is eligible for, or ``None``.
+
+    With ``kinds``, only a job of one of those kinds: an agent names the kinds
+    it has handlers for, and the others wait for an agent that has them."""
     async with conn.transaction():
         if not await share_claim_guards(conn, node_id, organization_id):
             return None  # the node or the registry is being changed: read them once that has committed
@@ -369,9 +394,10 @@ async def claim(
         node = nodes[0]
         judged: dict[str, Placement | None] = {}
 
-        def runnable(requires: str) -> bool:
-            judged[requires] = best_placement(node, _requirements.decode(requires), models)
-            return judged[requires] is not None
+        def runnable(shape: str) -> bool:
+            kind, requires = decode_shape(shape)
+            judged[shape] = best_placement(node, requires, models) if takes_kind(kinds, kind) else None
+            return judged[shape] is not None
 
         shapes = [shape for (shape,) in await (await queued_shapes(conn, organization_id)).fetchall()]
         models = await models_for_shapes(conn, organization_id, shapes)
@@ -417,10 +443,9 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
     """Give a just-claimed job back to the queue (``job.released``); False if this node no longer holds it.
 
     For a long-poll whose client went away before it received its claim. The
-    attempt stays counted: it is the fencing token and never goes back. So a
-    released job may later run as an attempt past ``max_attempts`` (attempt 2
-    of 1, say); any failure of it is then final, as for the last attempt. The
-    release itself never fails the job: it never ran.
+    attempt stays counted: it is the fencing token and never goes back. The
+    claim is not charged against ``max_attempts`` (:func:`releases`): it never
+    ran. The release itself never fails the job.
     """
     async with conn.transaction():
         record = await (await conn.execute(_LOCK_FOR_RELEASE, (job_id,))).fetchone()
@@ -437,6 +462,21 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
         )
         await store.publish(conn, [(row.organization_id, released.position, 1)])
     return True
+
+
+_RELEASES = "SELECT stream, count(*) FROM events WHERE stream = ANY(%s) AND type = 'job.released' GROUP BY stream"
+
+
+async def releases(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID]) -> dict[UUID, int]:
+    """How many claims of each job were released (given back unheard), for the attempts it is charged.
+
+    Read from the log, by each job's stream, only where a failure or an
+    expired lease has to judge whether attempts remain: rare next to claims,
+    so the queue's rows carry no counter for it.
+    """
+    streams = [store.job_stream(job_id) for job_id in job_ids]
+    counted = await (await conn.execute(_RELEASES, (streams,))).fetchall()
+    return {queue.job_id_of(stream): count for stream, count in counted}
 
 
 async def _held(
@@ -506,7 +546,9 @@ async def fail(
     with refusing_nul():
         async with conn.transaction():
             row, now = await _held(conn, organization_id, job_id, node_id, attempt)
-            event = decide_failure(attempt=attempt, max_attempts=row.max_attempts, error=error, retry=retry, now=now)
+            released = (await releases(conn, [job_id])).get(job_id, 0) if retry else 0
+            event = decide_failure(attempt=attempt, max_attempts=row.max_attempts, error=error, retry=retry, now=now,
+                                   released=released)  # fmt: skip
             [failed], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
                                                          metadata=node_metadata(node_id, request_id))  # fmt: skip
             await store.publish(conn, [(organization_id, position, 0)])

@@ -155,7 +155,7 @@ class GroupCommit:
 
     async def claim(self, *, node_id: UUID, organization_id: UUID, lease_seconds: int, stale_seconds: int,
                     empty: Any = None, busy: Any = None, credential_id: UUID | None = None,
-                    request_id: str | None = None) -> Any:  # fmt: skip
+                    request_id: str | None = None, kinds: frozenset[str] | None = None) -> Any:  # fmt: skip
         """A :class:`~umbra.compute.claims.ClaimResult`, or ``None`` when none this node may take.
 
         ``empty`` is answered instead of ``None`` when nothing but other
@@ -168,18 +168,20 @@ class GroupCommit:
         """
         claimed = await self.claim_many(node_id=node_id, organization_id=organization_id, count=1,
                                         lease_seconds=lease_seconds, stale_seconds=stale_seconds, empty=empty,
-                                        busy=busy, credential_id=credential_id, request_id=request_id)  # fmt: skip
+                                        busy=busy, credential_id=credential_id, request_id=request_id,
+                                        kinds=kinds)  # fmt: skip
         return claimed[0] if isinstance(claimed, list) else claimed
 
     async def claim_many(self, *, node_id: UUID, organization_id: UUID, count: int, lease_seconds: int,
                          stale_seconds: int, empty: Any = None, busy: Any = None,
-                         credential_id: UUID | None = None, request_id: str | None = None) -> Any:  # fmt: skip
+                         credential_id: UUID | None = None, request_id: str | None = None,
+                         kinds: frozenset[str] | None = None) -> Any:  # fmt: skip
         """Up to ``count`` jobs for one node in one claim: a non-empty list of
         :class:`~umbra.compute.claims.ClaimResult` in claim order, or ``None``
         (``empty`` when nothing but other claimers stood in the way, ``busy``
         when a change held the claim guard), as :meth:`claim`."""
         command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
-                          credential_id=credential_id, count=count, request_id=request_id)  # fmt: skip
+                          credential_id=credential_id, count=count, request_id=request_id, kinds=kinds)  # fmt: skip
         await self._call(command)
         if command.claims:
             return list(command.claims)
@@ -189,8 +191,8 @@ class GroupCommit:
 
     async def complete_many(self, *, organization_id: UUID, node_id: UUID, results: list[tuple[UUID, int, Any]],
                             claim_next: int = 0, lease_seconds: int = 60, stale_seconds: int = 45,
-                            credential_id: UUID | None = None,
-                            request_id: str | None = None) -> tuple[list[JobRow | BaseException], list[Any]]:  # fmt: skip
+                            credential_id: UUID | None = None, request_id: str | None = None,
+                            kinds: frozenset[str] | None = None) -> tuple[list[JobRow | BaseException], list[Any]]:  # fmt: skip
         """Several completions of one node, each its own command, and a claim of up to ``claim_next`` jobs.
 
         ``results`` holds (job id, attempt, result). Returns each completion's
@@ -203,7 +205,8 @@ class GroupCommit:
                                credential_id=credential_id, request_id=request_id)
                        for job_id, attempt, result in results]  # fmt: skip
         follow = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
-                         credential_id=credential_id, count=claim_next, request_id=request_id) if claim_next else None  # fmt: skip
+                         credential_id=credential_id, count=claim_next, request_id=request_id,
+                         kinds=kinds) if claim_next else None  # fmt: skip
         done = [self._enqueue(command) for command in (*completions, *([follow] if follow else []))]
         for event in done:
             if not event.is_set():  # a set anyio Event's wait() still yields to the loop: ten times per report
@@ -223,7 +226,8 @@ class GroupCommit:
 
     async def complete_and_claim(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int,
                                  result: Any, lease_seconds: int, stale_seconds: int,
-                                 credential_id: UUID | None = None, request_id: str | None = None) -> tuple[JobRow, Any]:  # fmt: skip
+                                 credential_id: UUID | None = None, request_id: str | None = None,
+                                 kinds: frozenset[str] | None = None) -> tuple[JobRow, Any]:  # fmt: skip
         """Complete a held job and claim the node's next one in the same transaction.
 
         Returns the completed row and a :class:`~umbra.compute.claims.ClaimResult`, or ``None``
@@ -233,7 +237,7 @@ class GroupCommit:
         costs one transaction, one commit flush and one request per job instead of two.
         """
         follow = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
-                         credential_id=credential_id, request_id=request_id)  # fmt: skip
+                         credential_id=credential_id, request_id=request_id, kinds=kinds)  # fmt: skip
         row = await self._call(Command("complete", organization_id, node_id, job_id, attempt, result=result,
                                        credential_id=credential_id, then=follow, request_id=request_id))  # fmt: skip
         return row, follow.outcome if follow.error is None else None
@@ -371,7 +375,7 @@ class GroupCommit:
                             claimed = await claims.claim(
                                 conn, node_id=command.node_id, organization_id=command.organization_id,
                                 lease_seconds=command.lease_seconds, stale_seconds=command.stale_seconds,
-                                request_id=command.request_id,
+                                request_id=command.request_id, kinds=command.kinds,
                             )  # fmt: skip
                         except Exception:
                             if not command.claims:

@@ -310,12 +310,16 @@ async def settle_parents(
     Called after the children's rows are written, so the child statuses read
     here include them. Parents are locked after their children and in id order
     (the same order every command uses), and a parent that settles may settle
-    its own parent in turn.
+    its own parent in turn. A settlement's metadata names its cause
+    (``causation``: the stream of the child whose end settled it), so an
+    auditor reading the parent's history can follow it to the child.
     """
-    pending = sorted(
-        {(r.parent_job_id, r.organization_id) for r in finished if r.parent_job_id and r.status in TERMINAL_JOB_STATUSES},
-        key=lambda p: str(p[0]),
-    )
+    causes: dict[UUID, UUID] = {}
+    for r in finished:
+        if r.parent_job_id and r.status in TERMINAL_JOB_STATUSES:
+            causes.setdefault(r.parent_job_id, r.id)
+    pending = sorted(((parent_id, r.organization_id) for r in finished
+                      if (parent_id := r.parent_job_id) and causes.get(parent_id) == r.id), key=lambda p: str(p[0]))  # fmt: skip
     settled: list[JobRow] = []
     while pending:
         parent_id, organization_id = pending.pop(0)
@@ -330,9 +334,11 @@ async def settle_parents(
             outcome=outcome.outcome, detail=outcome.detail,
             children_total=outcome.children_total, children_failed=outcome.children_failed,
         )  # fmt: skip
-        [row] = await queue.record(conn, [Change(parent.id, organization_id, parent, [event])], metadata=metadata)
+        caused = {**(metadata or {}), "causation": store.job_stream(causes[parent_id])}
+        [row] = await queue.record(conn, [Change(parent.id, organization_id, parent, [event])], metadata=caused)
         settled.append(row)
         if row.parent_job_id is not None:
+            causes.setdefault(row.parent_job_id, row.id)
             pending.append((row.parent_job_id, organization_id))
     return settled
 

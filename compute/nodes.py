@@ -18,7 +18,7 @@ import psycopg
 
 from umbra.db import organization_lock_key
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
-from umbra.domain.nodes import check_drain, check_retire, is_schedulable
+from umbra.domain.nodes import after_went_offline, check_drain, check_retire, is_schedulable
 from umbra.errors import NotFound
 from umbra.events import store
 from umbra.events.types import Device, Event, NodeDraining, NodeRetired, NodeWentOffline
@@ -270,6 +270,28 @@ async def retire_node(
 ) -> NodeState:
     """Take the node out of service for good. Idempotent."""
     state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeRetired(by=actor), check_retire), actor, request_id)
+    return state
+
+
+async def sign_off(
+    conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, *, request_id: str | None = None
+) -> NodeState:
+    """The node's agent is stopping on purpose: the node reads ``offline`` now.
+
+    Otherwise it read ``online`` until its silence passed the stale threshold
+    (45 s by default): dashboards showed a stopped machine as available, and
+    work only it could run looked as if it would start any moment. Recorded as
+    the sweeper records a silent node, ``node.went_offline``, here by the node
+    itself (its actor), through :func:`change_node`, so no claim for it commits
+    after this answers and the waiting jobs are re-examined. Only a stored
+    ``online`` changes (an administrator's ``draining`` or ``retired`` stays);
+    the node's next heartbeat brings it back online.
+    """
+    def goes_offline(status: str) -> bool:
+        return after_went_offline(status) != status
+
+    state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeWentOffline(), goes_offline),
+                                 f"node:{node_id}", request_id)  # fmt: skip
     return state
 
 

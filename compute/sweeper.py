@@ -49,6 +49,7 @@ from umbra.projections.jobs import Change
 from umbra.settings import Settings
 
 from . import pairing, statistics
+from .claims import releases
 from .blocked import reexamine_waiting_jobs
 from .jobs import record_and_settle
 
@@ -155,10 +156,12 @@ async def _expire_leases(conn: psycopg.AsyncConnection, settings: Settings, repo
         if not records:
             return 0
         changes = []
+        released = await releases(conn, [record[0] for record in records])
         for record in records:
             row, now = queue.from_db(record), record[-1]
             event = decide_lease_expiry(attempt=row.attempt, max_attempts=row.max_attempts, node_id=row.lease_owner,
-                                        now=now, delay_seconds=settings.lease_expired_delay_seconds)  # fmt: skip
+                                        now=now, delay_seconds=settings.lease_expired_delay_seconds,
+                                        released=released.get(row.id, 0))  # fmt: skip
             changes.append(Change(row.id, row.organization_id, row, [event]))
         rows, _ = await record_and_settle(conn, changes, metadata=_METADATA)
         requeued = [r for r in rows if r.status == "queued"]

@@ -73,23 +73,32 @@ def repeats_completion(*, status: str, lease_owner: UUID | None, attempt: int, n
 
 
 def decide_failure(
-    *, attempt: int, max_attempts: int, error: str, retry: bool, now: datetime
+    *, attempt: int, max_attempts: int, error: str, retry: bool, now: datetime, released: int = 0
 ) -> JobRequeued | JobFailed:
-    """A retryable failure requeues after the backoff while attempts remain; otherwise the job fails."""
-    if should_retry(retry_requested=retry, attempt=attempt, max_attempts=max_attempts):
-        return JobRequeued(attempt=attempt, error=error, not_before=now + timedelta(seconds=backoff_seconds(attempt)))
+    """A retryable failure requeues after the backoff while attempts remain; otherwise the job fails.
+
+    ``released`` counts the job's claims given back before their agent heard
+    of them (``job.released``): they never ran, so they are not charged
+    against ``max_attempts``, though ``attempt`` (the fencing token, which
+    never goes back) counts them. Without this a dropped long-poll cost the job
+    one of its retries.
+    """
+    runs = attempt - released
+    if should_retry(retry_requested=retry, attempt=runs, max_attempts=max_attempts):
+        return JobRequeued(attempt=attempt, error=error, not_before=now + timedelta(seconds=backoff_seconds(runs)))
     return JobFailed(attempt=attempt, error=error, reason="attempts_exhausted" if retry else "not_retryable")
 
 
 def decide_lease_expiry(
-    *, attempt: int, max_attempts: int, node_id: UUID | None, now: datetime, delay_seconds: int
+    *, attempt: int, max_attempts: int, node_id: UUID | None, now: datetime, delay_seconds: int, released: int = 0
 ) -> JobLeaseExpired:
     """An expired lease requeues (only the holder is known to be gone) unless attempts are spent.
 
     ``attempt`` was incremented at claim time, so a job that kills every node
-    that takes it still ends.
+    that takes it still ends. Released claims are not charged, as in
+    :func:`decide_failure`.
     """
-    if attempt < max_attempts:
+    if attempt - released < max_attempts:
         return JobLeaseExpired(
             attempt=attempt, node_id=node_id, requeued=True, not_before=now + timedelta(seconds=delay_seconds)
         )

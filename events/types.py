@@ -202,7 +202,8 @@ class NodeHeartbeat(_Event, tag="node.heartbeat"):
 
 
 class NodeWentOffline(_Event, tag="node.went_offline"):
-    """Appended by the sweeper when an online node has been silent too long."""
+    """An online node went offline: silent too long (appended by the sweeper), or its agent stopped
+    on purpose and said so (``POST /v1/agent/offline``; the event's actor is the node)."""
 
     last_seen_at: datetime | None = None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import anyio
 import psycopg
 import pytest
@@ -138,6 +140,31 @@ async def test_a_delayed_job_is_not_claimable_before_its_not_before(conn, org):
     assert await claim(conn, org_id, node) is None
     await set_clock(conn, 6)  # backoff after attempt 1 is 5 s
     assert (await claim(conn, org_id, node)).attempt == 2
+
+
+async def test_a_released_claim_is_not_charged_against_max_attempts(conn, org):
+    """A claim given back unheard never ran: a dropped long-poll does not cost the job a retry."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    job = await submit(conn, org_id, max_attempts=2)
+    for _ in range(2):  # two claims released: the attempt (fencing token) grows, the runs do not
+        assert await claims.release(conn, job.id, node, (await claim(conn, org_id, node)).attempt)
+
+    async def run_and_fail(expected_attempt: int):
+        got = await claim(conn, org_id, node)
+        assert got.attempt == expected_attempt
+        return await claims.fail(conn, organization_id=org_id, node_id=node, job_id=job.id, attempt=got.attempt,
+                                 error="flaky", retry=True)  # fmt: skip
+
+    requeued = await run_and_fail(3)  # the first run
+    assert requeued.status == "queued"
+    [*_, event] = await store.read_stream(conn, store.job_stream(job.id))
+    assert event.type == "job.requeued" and event.event.not_before == event.recorded_at + timedelta(seconds=5)
+    await set_clock(conn, 6)  # the backoff of a first run
+    failed = await run_and_fail(4)  # the second run: the last of two
+    assert failed.status == "failed"
+    [*_, event] = await store.read_stream(conn, store.job_stream(job.id))
+    assert (event.type, event.event.reason) == ("job.failed", "attempts_exhausted")
 
 
 async def test_release_returns_a_claim_to_the_queue_and_keeps_the_attempt_counted(conn, org):

@@ -193,6 +193,8 @@ async def test_the_parent_settles_complete_in_the_transaction_of_the_last_child(
     assert settled.type == "job.settled" and last_child.type == "job.completed"
     # recorded_at is the transaction's timestamp: the same value means the same transaction.
     assert settled.position == last_child.position + 1 and settled.recorded_at == last_child.recorded_at
+    # Its metadata names the cause: the child whose end settled it, with that child's actor.
+    assert settled.metadata["causation"] == last_child.stream and settled.metadata["actor"] == last_child.metadata["actor"]
 
 
 async def test_a_failed_child_makes_the_parent_partial_with_a_count(conn, two_nodes):

@@ -67,7 +67,7 @@ async def scanned(conn, org_id, node_id, per_shape: int) -> list:
     [node] = await blocked.read_nodes(conn, org_id, node_id=node_id)
     models = await blocked.read_models(conn, org_id)
     shapes = [shape for (shape,) in await (await claims.queued_shapes(conn, org_id)).fetchall()]
-    scan = claims.ClaimableScan(conn, org_id, shapes, lambda s: best_placement(node, _decode(s), models) is not None,
+    scan = claims.ClaimableScan(conn, org_id, shapes, lambda s: best_placement(node, claims.decode_shape(s)[1], models) is not None,
                                 per_shape=per_shape)  # fmt: skip
     return [row[0] async for page in scan.pages() for row in page]
 
@@ -166,8 +166,8 @@ async def test_a_claimer_of_one_shape_skips_rows_other_claimers_hold_and_keeps_c
     first, second, third = [await submit(conn, org_id, priority=p, requires={"ram_min_mb": 1000}) for p in (2, 1, 3)]
     shapes = [shape for (shape,) in await (await claims.queued_shapes(conn, org_id)).fetchall()]
     [node] = await blocked.read_nodes(conn, org_id, node_id=cpu)
-    only = claims.ClaimableScan(conn, org_id, shapes, lambda s: best_placement(node, _decode(s), {}) is not None).only_shape()
-    assert _decode(only) == _decode('{"ram_min_mb": 1000}')
+    only = claims.ClaimableScan(conn, org_id, shapes, lambda s: best_placement(node, claims.decode_shape(s)[1], {}) is not None).only_shape()
+    assert claims.decode_shape(only) == ("echo", _decode('{"ram_min_mb": 1000}'))
     async with await psycopg.AsyncConnection.connect(db_url) as holder:  # another claimer, mid-transaction
         await holder.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (second.id,))
         with anyio.fail_after(10):

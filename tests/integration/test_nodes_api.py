@@ -289,3 +289,44 @@ async def test_a_client_cannot_choose_its_rate_limit_bucket_with_x_forwarded_for
     assert sources == [(counted, ATTEMPTS + 1)]
     requests = [r for r in logged if getattr(r, "action", None) == "http_request"]
     assert len(requests) == ATTEMPTS + 1 and {r.client for r in requests} == {counted}
+
+
+async def _beat(client, credential):
+    answer = await client.post("/v1/agent/heartbeat", json={"devices": [GPU, CPU], "agent_version": "1.0"},
+                               headers=bearer(credential))  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+async def test_an_agent_signing_off_reads_offline_at_once_and_its_next_beat_brings_it_back(client, conn, org):
+    _, key = org
+    node_id, credential = await pair(client, key)
+    assert (await _beat(client, credential))["status"] == "online"
+    signed = await client.post("/v1/agent/offline", headers=bearer(credential))
+    assert signed.status_code == 200, signed.text
+    assert (signed.json()["id"], signed.json()["status"], signed.json()["schedulable"]) == (node_id, "offline", False)
+    read = (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()
+    assert (read["status"], read["stored_status"]) == ("offline", "offline")  # not online for another 45 s
+    [(actor, last_seen)] = await (await conn.execute(
+        "SELECT metadata->>'actor', data->>'last_seen_at' FROM events WHERE type = 'node.went_offline'")).fetchall()
+    assert (actor, last_seen) == (f"node:{node_id}", None)
+    again = await client.post("/v1/agent/offline", headers=bearer(credential))  # nothing more to record
+    assert again.status_code == 200 and again.json()["status"] == "offline"
+    assert (await (await conn.execute("SELECT count(*) FROM events WHERE type = 'node.went_offline'")).fetchone())[0] == 1
+    assert (await _beat(client, credential))["status"] == "online"
+    assert (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()["status"] == "online"
+
+
+async def test_signing_off_leaves_an_administrators_drain_and_needs_a_node_credential(client, conn, org):
+    _, key = org
+    node_id, credential = await pair(client, key)
+    await _beat(client, credential)
+    assert (await client.post(f"/v1/nodes/{node_id}/drain", headers=bearer(key))).status_code == 200
+    signed = await client.post("/v1/agent/offline", headers=bearer(credential))
+    assert signed.status_code == 200 and signed.json()["status"] == "draining"
+    before = await footprint(conn)
+    assert (await client.post("/v1/agent/offline", headers=bearer(key))).status_code == 403
+    assert (await client.post("/v1/agent/offline")).status_code == 401
+    assert (await client.post(f"/v1/nodes/{node_id}/revoke", headers=bearer(key))).status_code == 200
+    assert (await client.post("/v1/agent/offline", headers=bearer(credential))).status_code == 401
+    assert (await footprint(conn))[0] == before[0] + 1  # the revocation's event, nothing from the refusals

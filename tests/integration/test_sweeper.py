@@ -239,3 +239,20 @@ async def test_a_sweep_that_changes_several_organizations_sends_one_notification
     hints = {org_id: position for org_id, position, _ in store.parse_hints(notes[0].payload)}
     rows = {org_id: await queue.load(conn, job_id, org_id) for org_id, job_id in expected.items()}
     assert hints == {org_id: row.position for org_id, row in rows.items()}
+
+
+async def test_a_released_claim_is_not_charged_when_a_lease_expires(conn, org):
+    """A claim given back unheard never ran: the expiry of the next one still finds an attempt left."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    job = await submit(conn, org_id, max_attempts=2)
+    unheard = await claim(conn, org_id, node)
+    assert await claims.release(conn, job.id, node, unheard.attempt)
+    assert (await claim(conn, org_id, node)).attempt == 2  # the first run
+    await set_clock(conn, 31)
+    assert ((report := await sweep_once(conn, SETTINGS)).leases_requeued, report.leases_failed) == (1, 0)
+    await set_clock(conn, 31 + SETTINGS.lease_expired_delay_seconds)
+    assert (await claim(conn, org_id, node)).attempt == 3  # the second run, the last
+    await set_clock(conn, 31 + SETTINGS.lease_expired_delay_seconds + 31)
+    assert ((report := await sweep_once(conn, SETTINGS)).leases_requeued, report.leases_failed) == (0, 1)
+    assert (await queue.load(conn, job.id, org_id)).status == "failed"

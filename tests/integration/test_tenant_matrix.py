@@ -74,6 +74,7 @@ SPECIAL = {
     ("POST", "/v1/agent/claim"),
     ("POST", "/v1/agent/complete"),
     ("POST", "/v1/agent/heartbeat"),
+    ("POST", "/v1/agent/offline"),
     ("POST", "/v1/projections/verify"),
 }
 _PATH_OBJECT = re.compile(r"{[^}]+}")
@@ -338,6 +339,9 @@ async def test_body_named_objects_of_another_organization(conn, live_server, wor
         before_a = await _a_state(conn, world)
         beat = await client.post("/v1/agent/heartbeat", json={"devices": []}, headers=bearer(world.b_node_token))
         assert beat.status_code == 200 and not leaked(world, beat.text)
+        # B's node signing off takes only its own node offline.
+        signed = await client.post("/v1/agent/offline", headers=bearer(world.b_node_token))
+        assert signed.status_code == 200 and signed.json()["status"] == "offline" and not leaked(world, signed.text)
         verified = await client.post("/v1/projections/verify", headers=b)
         assert verified.status_code == 200 and not leaked(world, verified.text)
         assert await _a_state(conn, world) == before_a

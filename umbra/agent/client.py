@@ -118,6 +118,10 @@ def _devices_json(devices: Sequence[Device]) -> list[Any]:
     return msgspec.to_builtins(list(devices))
 
 
+#: How long a stopping agent waits to say so: it is leaving either way.
+SIGN_OFF_TIMEOUT_SECONDS = 3.0
+
+
 class AgentClient:
     """An async HTTP client for one server, optionally holding a node credential."""
 
@@ -165,10 +169,16 @@ class AgentClient:
         }
         return (await self._post("/v1/agent/heartbeat", body)).json()
 
-    async def claim(self, wait: float) -> Claim | None:
-        """Long-poll ``POST /v1/agent/claim?wait=S``: a :class:`Claim`, or None on 204."""
+    async def sign_off(self) -> dict[str, Any]:
+        """``POST /v1/agent/offline``: this agent is stopping; the node reads offline until its next heartbeat."""
+        return (await self._post("/v1/agent/offline", timeout=SIGN_OFF_TIMEOUT_SECONDS)).json()
+
+    async def claim(self, wait: float, *, kinds: Sequence[str] = ()) -> Claim | None:
+        """Long-poll ``POST /v1/agent/claim?wait=S``: a :class:`Claim`, or None on 204.
+
+        With ``kinds``, only a job of one of them (``&kind=a&kind=b``)."""
         response = await self._post(
-            "/v1/agent/claim", params={"wait": int(wait)}, timeout=wait + LONG_POLL_SLACK_SECONDS
+            "/v1/agent/claim", params={"wait": int(wait), "kind": list(kinds)}, timeout=wait + LONG_POLL_SLACK_SECONDS
         )
         if response.status_code == 204:
             return None
@@ -182,14 +192,16 @@ class AgentClient:
     async def complete(self, job_id: str, attempt: int, result: Any) -> dict[str, Any]:
         return (await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result})).json()
 
-    async def complete_and_claim(self, job_id: str, attempt: int, result: Any) -> tuple[dict[str, Any], Claim | None]:
+    async def complete_and_claim(self, job_id: str, attempt: int, result: Any, *,
+                                 kinds: Sequence[str] = ()) -> tuple[dict[str, Any], Claim | None]:  # fmt: skip
         """Report a result and claim this node's next job in the same request (``complete?claim_next=true``).
 
-        Returns the completed Job and the next :class:`Claim`, or None when
-        nothing this node may take is queued (the server does not wait for one).
+        Returns the completed Job and the next :class:`Claim` (of one of
+        ``kinds``, if given), or None when nothing this node may take is queued
+        (the server does not wait for one).
         """
         response = await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result},
-                                    params={"claim_next": "true"})  # fmt: skip
+                                    params={"claim_next": "true", "kind": list(kinds)})  # fmt: skip
         job = response.json()
         following = job.pop("next_claim", None)
         return job, (_claim(following, response) if following else None)

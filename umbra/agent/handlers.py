@@ -8,8 +8,12 @@ thread so it never stalls heartbeats or lease renewal.
 Failures: a handler that raises fails the job with the exception's message.
 Whether the server should retry is the handler's call: raise
 :class:`RetryableError` (or any exception with ``retryable = True``) for a
-transient failure; anything else is final. A job whose kind no handler claims
-fails non-retryably: another attempt on the same agent would fail the same way.
+transient failure; anything else is final.
+
+The agent claims only the kinds it has handlers for (``?kind=`` on every
+claim), so a job of another kind waits for an agent that has one. A job whose
+kind no handler takes (a server that ignored the filter) fails non-retryably:
+another attempt on the same agent would fail the same way.
 
 Handlers are found in the ``umbra.handlers`` entry-point group (entry point
 name = job kind), so a package adds kinds without touching this code; the

@@ -197,7 +197,7 @@ class JobRun:
             if asked:  # a retry: the lost first answer may have carried a claim already
                 return await self.client.complete(claim.job_id, claim.attempt, result), None
             asked = True
-            return await self.client.complete_and_claim(claim.job_id, claim.attempt, result)
+            return await self.client.complete_and_claim(claim.job_id, claim.attempt, result, kinds=self.registry.kinds)
 
         outcome = await self._undeliverable_fails(await self._report("complete", complete_and_claim), "result")
         if outcome.status != "complete":

@@ -112,6 +112,19 @@ class Agent:
             tg.cancel_scope.cancel()
         if self._fatal is not None:
             raise self._fatal
+        if self.node_status != "retired":
+            await self._sign_off()
+
+    async def _sign_off(self) -> None:
+        """Tell the server this agent is stopping, so the node reads offline now, not after 45 s of silence.
+
+        Best effort: a server that cannot be reached learns it from the silence.
+        """
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.client.sign_off()
+            except (ServiceError, httpx.HTTPError) as exc:
+                log.warning("could not sign off", extra={"action": "agent_sign_off_failed", "error": type(exc).__name__})
 
     def _reject(self, exc: ServiceError) -> None:
         log.error("credential rejected; stopping", extra={"action": "agent_unauthenticated", "code": exc.code})
@@ -175,7 +188,7 @@ class Agent:
             asked = anyio.current_time()
             with self._poll_scope():
                 try:
-                    claim = await self.client.claim(self.config.claim_wait_seconds)
+                    claim = await self.client.claim(self.config.claim_wait_seconds, kinds=self.registry.kinds)
                 except ServiceError as exc:
                     if exc.status == 401:
                         self._reject(exc)
