@@ -47,7 +47,9 @@ class EventPage(msgspec.Struct, kw_only=True):
     next: int
 
 
-class JobHistory(msgspec.Struct, kw_only=True):
+class StreamHistory(msgspec.Struct, kw_only=True):
+    """One stream's whole history (a job's or a node's), in stream order."""
+
     events: list[EventOut]
 
 
@@ -60,14 +62,23 @@ async def list_events(request: Request):
     return json_response({"events": [r.to_json() for r in batch], "next": batch[-1].position if batch else after})
 
 
-async def job_events(request: Request):
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "events:read")
-        job_id = path_uuid(request, "id", code="job_not_found")
-        history = await store.read_stream(conn, store.job_stream(job_id))
-    if not history or history[0].organization_id != who.organization_id:
-        raise NotFound("job_not_found", f"No job {job_id} in this organization.")
-    return json_response({"events": [r.to_json() for r in history]})
+def _history(stream_of, code: str, noun: str):
+    """A stream's whole history in stream order, for one object of the caller's organization."""
+
+    async def history(request: Request):
+        async with request.app.state.services.pool.connection() as conn:
+            who = await principal(request, conn, "events:read")
+            object_id = path_uuid(request, "id", code=code)
+            recorded = await store.read_stream(conn, stream_of(object_id))
+        if not recorded or recorded[0].organization_id != who.organization_id:
+            raise NotFound(code, f"No {noun} {object_id} in this organization.")
+        return json_response({"events": [r.to_json() for r in recorded]})
+
+    return history
+
+
+job_events = _history(store.job_stream, "job_not_found", "job")
+node_events = _history(store.node_stream, "node_not_found", "node")
 
 
 def resume_position(request: Request) -> int:
@@ -135,6 +146,15 @@ routes = [
         summary="A job's whole history in stream order.",
         auth="api_key",
         scopes=("events:read",),
-        response=JobHistory,
+        response=StreamHistory,
+    ),
+    endpoint(
+        "GET",
+        "/v1/nodes/{id}/events",
+        node_events,
+        summary="A node's whole history in stream order: pairing, heartbeats that changed it, drain, retirement...",
+        auth="api_key",
+        scopes=("events:read",),
+        response=StreamHistory,
     ),
 ]

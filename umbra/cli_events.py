@@ -5,7 +5,8 @@ organization may see (``events:read``), nothing more. ``tail`` pages through
 ``GET /v1/events``; with ``--follow`` it holds ``/v1/events/stream`` open and,
 after a dropped connection, resumes with ``Last-Event-ID`` so no event is missed
 or printed twice. ``replay`` folds a job's history with the queue projection's
-own fold, so what it prints is exactly what a rebuild would store.
+own fold (a node's with the node view's), so what it prints is exactly what a
+rebuild would store.
 
 ``verify`` is an operator command on the database itself: it rebuilds every
 projection from the log and diffs it against the live tables.
@@ -25,7 +26,7 @@ from uuid import UUID
 import anyio
 import httpx
 
-from umbra.errors import InvalidRequest
+from umbra.errors import InvalidRequest, NotFound
 from umbra.settings import server_url
 
 SERVER_HELP = "service URL (default UMBRA_SERVER, else http://127.0.0.1:UMBRA_PORT, port 8080 if unset)"
@@ -181,41 +182,63 @@ def recorded_from_json(event: dict[str, Any]):
     )
 
 
-def state_json(state: Any) -> dict[str, Any]:
-    """The folded row as the API's Job object."""
-    from umbra.projections.jobs import to_json
+def _folds(stream: str):
+    """The fold of a stream's projection and the state's API shape: a job's (the Job object) or a node's."""
+    if stream.startswith("node:"):
+        import msgspec
 
-    return to_json(state)
+        from umbra.projections.nodes import fold as fold_node
+
+        return fold_node, lambda state: msgspec.to_builtins(state.as_row())
+    from umbra.projections.jobs import fold as fold_job, to_json
+
+    return fold_job, to_json
 
 
 def replay(events: Iterable[dict[str, Any]], *, up_to: int | None = None):
-    """Fold a job's events in order; yields ``(event, status after it)`` and returns the state."""
-    from umbra.projections.jobs import fold
-
-    state = None
-    steps = []
+    """Fold one stream's events in order (a job's or a node's); returns ``[(event, status after it)]``
+    and the state, in the API's shape (``None`` when no event was folded)."""
+    state, steps, shape = None, [], None
     for event in events:
         if up_to is not None and int(event["position"]) > up_to:
             break
+        fold, shape = _folds(event["stream"])
         state = fold(state, recorded_from_json(event))
         steps.append((event, state.status))
-    return steps, state
+    return steps, (None if state is None else shape(state))
+
+
+async def _history(client: httpx.AsyncClient, object_id: UUID) -> dict[str, Any]:
+    """The job's history, or else the node's: ids are never shared, so one id names one stream."""
+    from umbra.agent.client import ServiceError
+
+    try:
+        return await _get_json(client, f"/v1/jobs/{object_id}/events")
+    except ServiceError as exc:
+        if exc.status != 404:
+            raise
+    try:
+        return await _get_json(client, f"/v1/nodes/{object_id}/events")
+    except ServiceError as exc:
+        if exc.status != 404:
+            raise
+    raise NotFound("job_not_found", f"No job or node {object_id} in this organization.")
 
 
 def cmd_replay(args) -> int:
     async def main() -> int:
         async with _client(args) as client:
-            history = await _get_json(client, f"/v1/jobs/{args.job_id}/events")
+            history = await _history(client, args.stream_id)
         steps, state = replay(history["events"], up_to=args.as_of)
         if state is None:
-            raise InvalidRequest(f"Job {args.job_id} had no events at or before position {args.as_of}.")
+            raise InvalidRequest(f"{args.stream_id} had no events at or before position {args.as_of}.")
         if args.json:
-            print(json.dumps({"events": [e for e, _ in steps], "state": state_json(state)}))
+            print(json.dumps({"events": [e for e, _ in steps], "state": state}))
             return 0
         for event, status in steps:
             print(f"{format_event(event, False)}  -> {status}")
         print()
-        for key, value in state_json(state).items():
+        for key, value in state.items():
             shown = "—" if value is None else json.dumps(value) if isinstance(value, (dict, list)) else value
             print(f"{key:>17}: {shown}")
         return 0
@@ -284,7 +307,7 @@ def _add_http_options(p: argparse.ArgumentParser) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     from umbra.cli import _uuid, _with_database
 
-    events = sub.add_parser("events", help="read the event log: tail it, replay a job")
+    events = sub.add_parser("events", help="read the event log: tail it, replay a job or a node")
     events_sub = events.add_subparsers(dest="events_command", required=True)
 
     p = events_sub.add_parser("tail", help="print the organization's events in commit order",
@@ -294,9 +317,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_http_options(p)
     p.set_defaults(func=cmd_tail)
 
-    p = events_sub.add_parser("replay", help="print a job's events and the state they fold to",
-                              description="Print a job's events, the status after each, and the state they fold to.")
-    p.add_argument("job_id", type=_uuid)
+    p = events_sub.add_parser("replay", help="print a job's or a node's events and the state they fold to",
+                              description="Print a job's (or a node's) events, the status after each, and the state "
+                                          "they fold to.")  # fmt: skip
+    p.add_argument("stream_id", metavar="ID", type=_uuid, help="a job's or a node's id")
     p.add_argument("--as-of", type=int, default=None, help="fold only events at or before this log position")
     _add_http_options(p)
     p.set_defaults(func=cmd_replay)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,29 @@ async def test_replay_folds_a_jobs_history_to_the_same_state_the_api_shows(cli, 
     assert status == 0
     assert "job.submitted" in out and "-> queued" in out and "-> running" in out and "job.completed" not in out
     assert "status: running" in out
+
+
+async def test_replay_folds_a_nodes_history_too(cli, api, live_server, org, conn):
+    """A node's stream replays like a job's: an auditor can see when it was paired, came online and was drained."""
+    code = (await api.post("/v1/pairings", json={"name": "audited"})).json()["code"]
+    async with httpx.AsyncClient(base_url=live_server.url) as anonymous:
+        redeemed = (await anonymous.post("/v1/pairings/redeem", json={"code": code, "name": "audited", "devices": [CPU]})).json()
+    async with httpx.AsyncClient(base_url=live_server.url, headers={"Authorization": f"Bearer {redeemed['credential']}"}) as node:
+        assert (await node.post("/v1/agent/heartbeat", json={"devices": [CPU]})).status_code == 200
+    assert (await api.post(f"/v1/nodes/{redeemed['node_id']}/drain")).status_code == 200
+    history = (await api.get(f"/v1/nodes/{redeemed['node_id']}/events")).json()["events"]
+    assert [e["type"] for e in history][-1] == "node.draining" and {e["stream"] for e in history} == {f"node:{redeemed['node_id']}"}
+    status, out, err = await cli("events", "replay", redeemed["node_id"], "--server", live_server.url, "--api-key", org[1], "--json")
+    assert status == 0, err
+    replayed = json.loads(out)
+    assert [e["type"] for e in replayed["events"]] == [e["type"] for e in history]
+    assert (replayed["state"]["id"], replayed["state"]["name"], replayed["state"]["status"]) == (redeemed["node_id"], "audited", "draining")
+    stored = await (await conn.execute("SELECT status, version FROM nodes WHERE id = %s", (redeemed["node_id"],))).fetchone()
+    assert (replayed["state"]["status"], replayed["state"]["version"]) == tuple(stored)
+    status, out, _ = await cli("events", "replay", redeemed["node_id"], "--server", live_server.url, "--api-key", org[1])
+    assert status == 0 and "node.draining" in out and "-> draining" in out
+    status, _, err = await cli("events", "replay", str(uuid.uuid4()), "--server", live_server.url, "--api-key", org[1])
+    assert status == 1 and err.startswith("umbra: job_not_found: No job or node")
 
 
 async def test_replay_of_another_organizations_job_is_not_found(cli, api, live_server, conn):
