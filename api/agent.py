@@ -32,7 +32,7 @@ from umbra.errors import Forbidden
 
 from .http import batch_principal, json_response, request_id
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
-from .params import query_int, query_names
+from .params import KIND_QUERY, query_int, query_names
 from .routing import endpoint
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,8 @@ routes = [
         query={"wait": (int, False, f"Seconds to wait, 0..{MAX_WAIT_SECONDS} (default {DEFAULT_WAIT_SECONDS})."),
                "max": (int, False, f"Jobs to take at most, 1..{MAX_JOBS_PER_REQUEST} (default 1). Above 1 the answer "
                                    "also lists every claim in `claims` (the first is also the answer's own fields); "
-                                   "it comes as soon as one job is claimed.")},
+                                   "it comes as soon as one job is claimed."),
+               "kind": KIND_QUERY},
         success=(200, 204),
         response=ClaimOut,
     )

@@ -27,7 +27,7 @@ from umbra.projections import jobs as queue
 
 from .agent import MAX_JOBS_PER_REQUEST, release_unheard
 from .http import authorized, batch_principal, json_response, path_uuid, read_json, request_id
-from .params import query_bool, query_int, query_names
+from .params import KIND_QUERY, query_bool, query_int, query_names
 from .routing import endpoint
 
 Attempt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
@@ -204,12 +204,13 @@ routes = [
              auth="node", scopes=("compute:complete",), body=CompleteRequest,
              query={"claim_next": (bool, False, "Also claim this node's next job in the same transaction (needs "
                                                "`compute:claim`); the answer's `next_claim` is that claim or null. "
-                                               "Never waits.")}),
+                                               "Never waits."), "kind": KIND_QUERY}),
     endpoint("POST", "/v1/agent/complete", complete_many,
              summary="Report several held jobs' results at once, each fenced and answered on its own.",
              auth="node", scopes=("compute:complete",), body=CompleteManyRequest,
              query={"claim_next": (int, False, f"Also claim up to this many jobs for the node, 0..{MAX_JOBS_PER_REQUEST} "
-                                               "(needs `compute:claim`), returned in `next_claims`. Never waits.")}),
+                                               "(needs `compute:claim`), returned in `next_claims`. Never waits."),
+                    "kind": KIND_QUERY}),
     endpoint("POST", "/v1/agent/jobs/{id}/fail", fail,
              summary="Report a failure: retryable ones requeue with exponential backoff until max_attempts.",
              auth="node", scopes=("compute:complete",), body=FailRequest),

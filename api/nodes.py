@@ -16,6 +16,7 @@ from msgspec import Meta
 from starlette.requests import Request
 
 from umbra.compute import credentials, heartbeat, nodes
+from umbra.compute.jobs import Name
 from umbra.domain.heartbeat import HeartbeatReport
 from umbra.domain.nodes import is_busy
 from umbra.errors import InvalidRequest
@@ -80,6 +81,8 @@ class HeartbeatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     agent_version: Annotated[str, Meta(max_length=100)] | None = None
     #: When the agent process started; a new value records a restart.
     agent_started_at: Annotated[datetime, Meta(tz=True)] | None = None
+    #: The job kinds the agent takes (the kinds its claims name); omitted means unchanged.
+    kinds: Annotated[list[Name], Meta(max_length=100)] | None = None
 
 
 class HeartbeatOut(msgspec.Struct, kw_only=True):
@@ -104,6 +107,8 @@ class NodeOut(msgspec.Struct, kw_only=True):
     schedulable: bool
     created_at: str
     updated_at: str
+    #: The job kinds its agent takes, as its heartbeat last reported them; null: not reported.
+    kinds: list[str] | None = None
 
 
 class NodeList(msgspec.Struct, kw_only=True):
@@ -132,6 +137,7 @@ def node_out(view: nodes.NodeView) -> NodeOut:
         schedulable=view.schedulable,
         created_at=rfc3339(s.created_at),
         updated_at=rfc3339(s.updated_at),
+        kinds=None if s.kinds is None else list(s.kinds),
     )
 
 
@@ -148,6 +154,7 @@ async def agent_heartbeat(request: Request):
             devices=None if body.devices is None else to_devices(body.devices),
             agent_version=body.agent_version,
             agent_started_at=body.agent_started_at,
+            kinds=None if body.kinds is None else tuple(body.kinds),
         )
         result = await heartbeat.heartbeat(
             conn,

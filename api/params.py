@@ -70,3 +70,8 @@ def query_names(request: Request, name: str) -> frozenset[str] | None:
     if bad is not None:
         raise InvalidRequest(f"each {name} must be 1 to {MAX_NAME} characters, got {len(bad)}.", field=name)
     return frozenset(values)
+
+
+#: The ``kind`` parameter of every claim, as the route tables declare it (``/openapi.json``).
+KIND_QUERY = (list[str], False, "Repeatable: claim only a job of one of these kinds (at most 100, each 1 to 200 "
+                                "characters); without it, a job of any kind.")

@@ -37,7 +37,7 @@ import msgspec
 import psycopg
 
 from umbra.db import PreparedStatement, begin_with, commit_with, run_together, uuid_array
-from umbra.domain.eligibility import NodeView, is_busy
+from umbra.domain.eligibility import NodeView, is_busy, takes_kind
 from umbra.domain.jobs import check_holder, repeats_completion
 from umbra.domain.node_status import effective_status
 from umbra.domain.placement import best_placement
@@ -50,7 +50,6 @@ from umbra.projections.jobs import JobRow
 from .auth import live_node_credentials, revoked
 from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
-    takes_kind,
     models_for_shapes, node_metadata,
 )  # fmt: skip
 from .jobs import settle_parents
@@ -334,7 +333,9 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     # Each waiting claimer wants its first `want` eligible rows: enough for it even if earlier claimers take theirs.
     want = sum(command.count for command, _ in waiting)
     left = {id(command): command.count for command, _ in waiting}
-    scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE))
+    named = [command.kinds for command, _ in waiting]
+    any_kind_of = None if not named or None in named else frozenset().union(*named)  # type: ignore[arg-type]
+    scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE), kinds=any_kind_of)
     locked_here: set[UUID] = set()  # rows this transaction has locked for a claimer: it could lock them again
     only = scan.only_shape()
     if only is not None and all(judged[id(command), only] is not None for command, _ in waiting):

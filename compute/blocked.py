@@ -139,12 +139,13 @@ class BlockingJudge:
 #: at most ``limit``: a skip scan of ``jobs_by_shape`` (each step is one descent to the first
 #: entry past the previous shape), so the cost follows the number of shapes, not of jobs. The
 #: SQL is a function (migrations/0025, 0029) because it must be planned with sorting disabled.
-QUEUED_SHAPES = "SELECT umbra_queued_shapes(%(org)s, %(limit)s)"
+QUEUED_SHAPES = "SELECT umbra_queued_kind_shapes(%(org)s, %(limit)s)"
 #: The distinct requirements among those shapes (jsonb text): blocking judges requirements only.
-_QUEUED_REQUIREMENTS = "SELECT DISTINCT (shape::jsonb->1)::text FROM umbra_queued_shapes(%(org)s, %(limit)s) AS shape"
-#: Queued shapes one re-examination judges at most. An organization with more
-#: has its other shapes' jobs judged by the next change or sweep that reaches them.
-REEXAMINED_SHAPES = 1000
+_QUEUED_REQUIREMENTS = "SELECT DISTINCT (shape::jsonb->1)::text FROM umbra_queued_kind_shapes(%(org)s, %(limit)s) AS shape"
+#: Queued (kind, requirements) pairs one re-examination reads at most, for the distinct requirements
+#: among them: every kind counts, so the cap is well above any plausible number of shapes (a skip-scan
+#: step each: some 10 µs). Requirements found only past it are not judged again.
+REEXAMINED_SHAPES = 10_000
 _BLOCKED_SHAPES = """
 SELECT DISTINCT requires::text, blocked_reason FROM jobs WHERE organization_id = %s AND status = 'blocked'
 """

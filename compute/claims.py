@@ -35,14 +35,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Collection, Mapping, Sequence
 from uuid import UUID, uuid4
 
 import msgspec
 import psycopg
 
 from umbra.db import uuid_array
-from umbra.domain.eligibility import is_busy
+from umbra.domain.eligibility import is_busy, takes_kind
 from umbra.domain.jobs import check_holder, decide_failure, repeats_completion
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
@@ -55,7 +55,7 @@ from umbra.projections.jobs import Change, JobRow
 
 from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, read_nodes
 from .jobs import (
-    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, check_json_depth, jobs_by_idempotency_key,
+    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, check_json_depth, check_shape_size, jobs_by_idempotency_key,
     lock_idempotency_keys,
     record_and_settle, refusing_nul,
     submitted_events,
@@ -99,6 +99,7 @@ WHERE organization_id = %(org)s AND status = 'queued'
   AND (not_before IS NULL OR not_before <= umbra_now())
   AND (priority, seq) > (%(priority)s, %(seq)s)
   AND NOT (jsonb_build_array(kind, requires) = ANY(%(skip)s::text[]::jsonb[]))
+  AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
 ORDER BY priority, seq
 LIMIT %(limit)s
 """
@@ -180,11 +181,6 @@ def decode_shape(shape: str) -> tuple[str, Requirements]:
     return _shape.decode(shape)
 
 
-def takes_kind(kinds: frozenset[str] | None, kind: str) -> bool:
-    """Whether a claim that named ``kinds`` (``None``: it named none, so every kind) may take a job of ``kind``."""
-    return kinds is None or kind in kinds
-
-
 async def queued_shapes(conn: psycopg.AsyncConnection, organization_id: UUID) -> psycopg.AsyncCursor[Any]:
     """Start reading the organization's queued shapes (one more than :data:`MAX_SHAPES` at most)."""
     return await conn.execute(QUEUED_SHAPES, {"org": organization_id, "limit": MAX_SHAPES + 1})
@@ -222,12 +218,16 @@ class ClaimableScan:
     """
 
     def __init__(self, conn: psycopg.AsyncConnection, organization_id: UUID, shapes: Sequence[str],
-                 runnable: Callable[[str], bool], *, per_shape: int | None = None) -> None:  # fmt: skip
+                 runnable: Callable[[str], bool], *, per_shape: int | None = None,
+                 kinds: Collection[str] | None = None) -> None:  # fmt: skip
         self._conn = conn
         self._org = organization_id
         self._shapes = shapes
         self._runnable = runnable
         self._per_shape = per_shape
+        #: The only kinds any claimer of this scan takes (None: every kind). ``runnable`` judges them too;
+        #: the ordered walk also skips other kinds in SQL, so their rows never fill its bounded pages.
+        self._kinds = None if kinds is None else sorted(kinds)
         self._accepted: list[str] | None = None
         #: Known after the first page: the organization has no queued job that is due.
         self.nothing_due = not shapes
@@ -280,9 +280,10 @@ class ClaimableScan:
         skip: list[str] = []
         after = _FIRST
         for scanned in range(MAX_SCAN_PAGES):
-            params = {"org": self._org, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE}
+            params = {"org": self._org, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE,
+                      "kinds": self._kinds}  # fmt: skip
             rows: list[ScanRow] = await (await self._conn.execute(CLAIMABLE_SCAN, params)).fetchall()
-            if not scanned and not rows:
+            if not scanned and not rows and self._kinds is None:
                 self.nothing_due = True
             for row in rows:
                 if row[3] not in judged:
@@ -401,7 +402,7 @@ async def claim(
 
         shapes = [shape for (shape,) in await (await queued_shapes(conn, organization_id)).fetchall()]
         models = await models_for_shapes(conn, organization_id, shapes)
-        scan = ClaimableScan(conn, organization_id, shapes, runnable)
+        scan = ClaimableScan(conn, organization_id, shapes, runnable, kinds=kinds)
         only = scan.only_shape()
         if only is not None and (locked := await lock_first_of_shape(conn, organization_id, only)):
             return await _take(conn, locked[0], node_id, judged[only], lease_seconds, request_id)  # type: ignore[arg-type]
@@ -566,6 +567,7 @@ class ChildRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idempotency_key: IdempotencyKey | None = None
 
     def __post_init__(self) -> None:
+        check_shape_size(self.kind, self.requires)
         if self.payload:
             check_json_depth(self.payload)
 

@@ -39,6 +39,8 @@ from .blocked import read_models, read_nodes
 DEFAULT_BLOCKED_TIMEOUT_SECONDS = 86_400
 
 _NOW = "SELECT umbra_now()"
+#: The job kinds each node's agent takes, as its heartbeat last reported them (NULL: every kind).
+_KINDS = "SELECT id, kinds FROM nodes WHERE organization_id = %s AND kinds IS NOT NULL"
 #: Due queued jobs ahead of one job in claim order, per requirement shape.
 _AHEAD = """
 SELECT requires::text, count(*) FROM jobs
@@ -101,9 +103,10 @@ async def _waiting(
     ahead = competing_ahead(shapes, [node for node in nodes if node.id in able], models)
     due_in = max(0.0, (row.not_before - now).total_seconds()) if row.not_before else 0.0
     standing = QueueStanding(due_in_seconds=due_in, ahead=ahead)
+    kinds_taken = {node_id: kinds for node_id, kinds in await (await conn.execute(_KINDS, (row.organization_id,))).fetchall()}
     summary = queued_summary(
         eligible, ineligible, nodes=nodes, requires=row.requires, models=models, standing=standing,
-        not_before=row.not_before,
+        not_before=row.not_before, kind=row.kind, kinds_taken=kinds_taken,
     )  # fmt: skip
     not_before = row.not_before.astimezone(timezone.utc) if row.not_before and due_in > 0 else None
     return Explanation(job_id=row.id, status=row.status, eligible=eligible, ineligible=ineligible, summary=summary,

@@ -86,7 +86,7 @@ async def heartbeat(
         if credential_id is not None and not await live_node_credentials(conn, [credential_id]):
             raise revoked()
         raise node_not_found(node_id)
-    state, last_seen_at, now, before = projection.from_row(row), row[15], row[16], row[17]
+    state, (last_seen_at, now, before) = projection.from_row(row), row[projection.WIDTH:]
     decision = decide_heartbeat(state, report, now, event_interval_seconds=event_interval_seconds)
     # After a silence, the sweeper may be marking this node offline right now, from a read made before
     # this beat: the stored status read here may already be out of date. Look again under the row's lock.

@@ -47,9 +47,9 @@ IdempotencyKey = Annotated[str, Meta(min_length=1, max_length=200)]
 MAX_BATCH = 10_000
 
 
-#: Bytes (UTF-8) of the names a job's requirements may hold in all. The requirements are a key of the queue's
-#: index of shapes (``jobs_by_shape``), and PostgreSQL refuses an index entry over about 2.7 kB:
-#: a job naming more could never be stored, nor unblocked once it was.
+#: Bytes (UTF-8) of the names a job's kind and requirements may hold in all. The kind and the requirements
+#: are the key of the queue's index of shapes (``jobs_by_shape``), and PostgreSQL refuses an index entry
+#: over about 2.7 kB: a job naming more could never be stored, nor unblocked once it was.
 MAX_REQUIRES_NAMED = 1_500
 
 
@@ -63,10 +63,12 @@ class RequiresRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefer_node: UUID | None = None
 
     def __post_init__(self) -> None:
-        named = sum(len(name.encode()) for name in (*self.models, *self.trust_domains, *self.accelerators))
-        if named > MAX_REQUIRES_NAMED:
+        if (named := self.named_bytes()) > MAX_REQUIRES_NAMED:
             raise ValueError(f"the names in requires (models, trust_domains, accelerators) take {named} bytes "
                              f"in all; at most {MAX_REQUIRES_NAMED}")  # fmt: skip
+
+    def named_bytes(self) -> int:
+        return sum(len(name.encode()) for name in (*self.models, *self.trust_domains, *self.accelerators))
 
     def to_requirements(self) -> Requirements:
         if self == _NO_REQUIREMENTS_REQUEST:
@@ -131,8 +133,18 @@ class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idempotency_key: IdempotencyKey | None = None
 
     def __post_init__(self) -> None:
+        check_shape_size(self.kind, self.requires)
         if self.payload:
             check_json_depth(self.payload)
+
+
+def check_shape_size(kind: str, requires: RequiresRequest) -> None:
+    """The kind and the names in requires share one budget (:data:`MAX_REQUIRES_NAMED`): together they key
+    ``jobs_by_shape``, so a long kind leaves less room for names."""
+    named = len(kind.encode()) + requires.named_bytes()
+    if named > MAX_REQUIRES_NAMED:
+        raise ValueError(f"the kind and the names in requires (models, trust_domains, accelerators) take {named} "
+                         f"bytes in all; at most {MAX_REQUIRES_NAMED}")  # fmt: skip
 
 
 class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -338,7 +350,7 @@ async def settle_parents(
         [row] = await queue.record(conn, [Change(parent.id, organization_id, parent, [event])], metadata=caused)
         settled.append(row)
         if row.parent_job_id is not None:
-            causes.setdefault(row.parent_job_id, row.id)
+            causes[row.parent_job_id] = row.id  # the container that just settled
             pending.append((row.parent_job_id, organization_id))
     return settled
 

@@ -81,7 +81,7 @@ ORDER BY n.name, n.id
 
 def _view(row: tuple, stale_seconds: int) -> NodeView:
     state = projection.from_row(row)
-    last_seen_at, now = row[15], row[16]
+    last_seen_at, now = row[projection.WIDTH:]
     status = effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds)
     return NodeView(state, status, last_seen_at, is_schedulable(status, state.devices))
 
@@ -287,12 +287,17 @@ async def sign_off(
     ``online`` changes (an administrator's ``draining`` or ``retired`` stays);
     the node's next heartbeat brings it back online.
     """
-    def goes_offline(status: str) -> bool:
-        return after_went_offline(status) != status
+    async def decide(conn: psycopg.AsyncConnection, state: NodeState) -> list[Event]:
+        if after_went_offline(state.status) == state.status:
+            return []
+        seen = await (await conn.execute(_LAST_SEEN, (node_id,))).fetchone()
+        return [NodeWentOffline(last_seen_at=seen[0] if seen else None)]
 
-    state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeWentOffline(), goes_offline),
-                                 f"node:{node_id}", request_id)  # fmt: skip
+    state, _ = await change_node(conn, organization_id, node_id, decide, f"node:{node_id}", request_id)
     return state
+
+
+_LAST_SEEN = "SELECT last_seen_at FROM node_liveness WHERE node_id = %s"
 
 
 _STALE = f"""
@@ -339,7 +344,7 @@ async def mark_stale_nodes_offline(
             store.PendingAppend(
                 store.node_stream(s.id),
                 s.version,
-                [NodeWentOffline(last_seen_at=row[15])],
+                [NodeWentOffline(last_seen_at=row[projection.WIDTH])],
                 s.organization_id,
                 {"actor": "sweeper"},
             )

@@ -43,7 +43,7 @@ models already hold there (a resident model is not loaded twice).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, Mapping, Sequence
+from typing import Collection, Literal, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -132,6 +132,16 @@ def missing_models(requires: Requirements, models: Mapping[str, RegisteredModel]
 
 def is_busy(device: Device) -> bool:
     return device.kind != "cpu" and device.vram_free_mb <= 0
+
+
+def takes_kind(kinds: Collection[str] | None, kind: str) -> bool:
+    """Whether a claimer that takes ``kinds`` (``None``: it named none, so every kind) may take a job of ``kind``.
+
+    A claim names the kinds its agent has handlers for; kinds are not part of
+    eligibility (a device either could run the job or not), only of whose
+    claims may take it.
+    """
+    return kinds is None or kind in kinds
 
 
 def judge_device(

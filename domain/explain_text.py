@@ -10,11 +10,12 @@ recomputed here.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
+from uuid import UUID
 
 from umbra.events.types import Placement, Requirements
 
-from .eligibility import NodeView, missing_models, required_accelerators
+from .eligibility import NodeView, missing_models, required_accelerators, takes_kind
 from .explain import EligibleDevice, IneligibleDevice, QueueStanding
 from .models import RegisteredModel
 
@@ -97,8 +98,17 @@ def queued_summary(
     models: Mapping[str, RegisteredModel],
     standing: QueueStanding,
     not_before: datetime | None,
+    kind: str | None = None,
+    kinds_taken: Mapping[UUID, Collection[str] | None] | None = None,
 ) -> str:
-    """Where a queued job would run and what keeps it waiting, or why nothing can take it now."""
+    """Where a queued job would run and what keeps it waiting, or why nothing can take it now.
+
+    ``kinds_taken`` holds the job kinds each node's agent takes, as its
+    heartbeat reported them (absent or None: every kind). An eligible device
+    whose agent has no handler for ``kind`` never claims the job, so the best
+    device named is one whose agent takes it, and when there is none that is
+    what the job waits for.
+    """
     not_due = (
         f"it is not due until {moment(not_before)} ({standing.due_in_seconds:.0f} s from now, a retry backoff)"
         if not_before is not None and standing.due_in_seconds > 0
@@ -107,9 +117,18 @@ def queued_summary(
     if not eligible:
         clauses = refusal_clauses(refused, requires, models) if nodes else ["no nodes are paired in this organization"]
         return "No device can take it now: " + "; ".join([*clauses, *([not_due] if not_due else [])]) + "."
-    best = eligible[0]
+    takes = kinds_taken or {}
+    takers = [e for e in eligible if kind is None or takes_kind(takes.get(e.node_id), kind)]
+    if not takers:
+        handled = sorted({k for e in eligible for k in (takes.get(e.node_id) or ())})
+        nodes_named = len({e.node_id for e in eligible})
+        one = nodes_named == 1
+        waits = [f"no agent on {'it' if one else 'them'} takes kind {kind!r} "
+                 f"({'it takes' if one else 'they take'} {', '.join(handled)}): it waits for an agent with a handler for it"]  # fmt: skip
+        return f"Can run on {_count(len(eligible), 'device')}, but " + "; ".join([*waits, *([not_due] if not_due else [])]) + "."
+    best = takers[0]
     head = (
-        f"Can run on {_count(len(eligible), 'device')}; the best is {best.node_name}/{best.device_label} "
+        f"Can run on {_count(len(takers), 'device')}; the best is {best.node_name}/{best.device_label} "
         f"via {best.via} (score {best.score:g}, {best.placement_reason})"
     )
     waits = [w for w in (not_due,) if w]

@@ -44,6 +44,7 @@ class HeartbeatBasis(Protocol):
     agent_started_at: datetime | None
     #: ``recorded_at`` of the last ``node.heartbeat`` event, None before the first.
     last_heartbeat_at: datetime | None
+    kinds: tuple[str, ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,8 @@ class HeartbeatReport:
     devices: tuple[Device, ...] | None = None
     agent_version: str | None = None
     agent_started_at: datetime | None = None
+    #: The job kinds the agent takes (its handlers).
+    kinds: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +149,9 @@ def decide_heartbeat(
         reasons.extend(sorted(device_changes(current.devices, devices)))
     if report.agent_version is not None and report.agent_version != current.agent_version:
         reasons.append("agent_version")
+    kinds = current.kinds if report.kinds is None else tuple(sorted(set(report.kinds)))
+    if kinds != current.kinds:
+        reasons.append("kinds")
     restarted = report.agent_started_at is not None and report.agent_started_at != current.agent_started_at
     if restarted:
         reasons.append("agent_restart")
@@ -159,5 +165,6 @@ def decide_heartbeat(
         agent_version=report.agent_version if report.agent_version is not None else current.agent_version,
         devices=devices,
         agent_started_at=report.agent_started_at if restarted else None,
+        kinds=kinds,
     )
     return HeartbeatDecision(event, tuple(reasons))

@@ -81,11 +81,11 @@ def decide_failure(
     of them (``job.released``): they never ran, so they are not charged
     against ``max_attempts``, though ``attempt`` (the fencing token, which
     never goes back) counts them. Without this a dropped long-poll cost the job
-    one of its retries.
+    one of its retries. The backoff still follows ``attempt`` (SPEC: 5 s × 2^(attempt−1)).
     """
     runs = attempt - released
     if should_retry(retry_requested=retry, attempt=runs, max_attempts=max_attempts):
-        return JobRequeued(attempt=attempt, error=error, not_before=now + timedelta(seconds=backoff_seconds(runs)))
+        return JobRequeued(attempt=attempt, error=error, not_before=now + timedelta(seconds=backoff_seconds(attempt)))
     return JobFailed(attempt=attempt, error=error, reason="attempts_exhausted" if retry else "not_retryable")
 
 

@@ -53,6 +53,8 @@ class NodeState:
     position: int
     created_at: datetime
     updated_at: datetime
+    #: The job kinds its agent takes, as last reported (sorted); None: not reported (every kind).
+    kinds: tuple[str, ...] | None = None
 
     def as_row(self) -> dict[str, Any]:
         """The comparable row shape shared by :func:`rebuild` and :func:`live`."""
@@ -94,6 +96,7 @@ def fold(state: NodeState | None, recorded: RecordedEvent) -> NodeState:
             devices=event.devices,
             agent_version=event.agent_version if event.agent_version is not None else state.agent_version,
             agent_started_at=event.agent_started_at if event.agent_started_at is not None else state.agent_started_at,
+            kinds=event.kinds if event.kinds is not None else state.kinds,
             last_heartbeat_at=recorded.recorded_at,
             **stamp,
         )
@@ -112,20 +115,20 @@ def fold(state: NodeState | None, recorded: RecordedEvent) -> NodeState:
 
 _COLUMNS = (
     "id, organization_id, name, status, trust_domain, locality, transport, agent_version, agent_started_at, "
-    "last_heartbeat_at, devices, version, position, created_at, updated_at"
+    "last_heartbeat_at, devices, version, position, created_at, updated_at, kinds"
 )
 
 _WRITE = f"""
 INSERT INTO nodes ({_COLUMNS})
 VALUES (%(id)s, %(organization_id)s, %(name)s, %(status)s, %(trust_domain)s, %(locality)s, %(transport)s,
         %(agent_version)s, %(agent_started_at)s, %(last_heartbeat_at)s, %(devices)s::jsonb, %(version)s,
-        %(position)s, %(created_at)s, %(updated_at)s)
+        %(position)s, %(created_at)s, %(updated_at)s, %(kinds)s)
 ON CONFLICT (id) DO UPDATE SET
     name = EXCLUDED.name, status = EXCLUDED.status, trust_domain = EXCLUDED.trust_domain,
     locality = EXCLUDED.locality, transport = EXCLUDED.transport, agent_version = EXCLUDED.agent_version,
     agent_started_at = EXCLUDED.agent_started_at, last_heartbeat_at = EXCLUDED.last_heartbeat_at,
     devices = EXCLUDED.devices, version = EXCLUDED.version, position = EXCLUDED.position,
-    updated_at = EXCLUDED.updated_at
+    updated_at = EXCLUDED.updated_at, kinds = EXCLUDED.kinds
 """
 
 
@@ -133,6 +136,7 @@ async def write(conn: psycopg.AsyncConnection, state: NodeState) -> None:
     """Upsert the row for ``state`` on the caller's connection (and transaction)."""
     params = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
     params["devices"] = msgspec.json.encode(state.devices).decode()
+    params["kinds"] = None if state.kinds is None else list(state.kinds)
     await conn.execute(_WRITE, params)
 
 
@@ -141,13 +145,16 @@ _devices_type = tuple[Device, ...]
 
 def from_row(row: tuple) -> NodeState:
     """A ``nodes`` row (selected as :data:`COLUMNS`) as a :class:`NodeState`."""
-    values = list(row[:15])
+    values = list(row[:WIDTH])
     values[10] = msgspec.convert(values[10], _devices_type)
+    values[15] = None if values[15] is None else tuple(values[15])
     return NodeState(*values)
 
 
 #: The column list :func:`from_row` expects, for readers that join other tables.
 COLUMNS = ", ".join(f"n.{c.strip()}" for c in _COLUMNS.split(","))
+#: How many they are: a reader's own columns follow, from ``row[WIDTH]`` on.
+WIDTH = len(_COLUMNS.split(","))
 
 
 async def load(

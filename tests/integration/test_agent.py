@@ -83,6 +83,7 @@ async def test_agent_heartbeats_its_devices_and_start_time_and_goes_online(serve
         assert agent.node_status == "online"
     assert [d["label"] for d in node["devices"]] == ["cpu0", "gpu0"]
     assert node["agent_version"] == "test-1"
+    assert node["kinds"] == ["echo", "sleep"]  # the kinds its claims name: the built-in handlers
     assert datetime.fromisoformat(node["agent_started_at"].replace("Z", "+00:00")) == agent.started_at
 
 
@@ -189,6 +190,25 @@ async def test_an_agent_claims_only_the_kinds_it_has_handlers_for(server, api):
     async with running_agent(server, paired["credential"], {"transcode": lambda claim: {"done": claim.payload["file"]}}):
         done = await eventually(lambda: job_in(api, foreign["id"], "complete", "failed"), timeout=15)
     assert done["status"] == "complete" and done["result"] == {"done": "a.mp4"} and done["attempt"] == 1
+
+
+@pytest.mark.parametrize("extra", [[f"plugin-{i:03d}" for i in range(100)], ["x" * 201], ["渲染" * 90 + f"-{i}" for i in range(40)]],
+                         ids=["101 kinds", "a 201-character kind", "too long to name"])  # fmt: skip
+async def test_an_agent_with_kinds_the_server_cannot_take_as_named_still_runs_its_jobs(server, api, extra):
+    """A claim names at most 100 kinds of 1 to 200 characters (and fits a request line): an agent whose
+    handlers exceed that names none and claims every kind, rather than being refused on every claim and beat."""
+    from umbra.agent.handlers import echo
+
+    paired = await pair(server, api, "plugins")
+    async with running_agent(server, paired["credential"], {kind: echo for kind in extra}):
+        node = await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+        job = await submit(api, "echo", {"text": "hi"})
+        done = await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=10)
+    assert done["status"] == "complete"
+    if len(extra) == 1:  # one over-long name is left out; the others are named
+        assert node["kinds"] == ["echo", "sleep"]
+    else:
+        assert node["kinds"] is None  # names none: takes every kind
 
 
 async def test_handler_exception_fails_the_job_with_its_message(server, api):

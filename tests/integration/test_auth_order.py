@@ -41,7 +41,7 @@ _PATH_PARAM = re.compile(r"{([^}:]+)(?::[^}]+)?}")
 
 #: A value each kind of query parameter refuses (every one the API has takes a bounded integer,
 #: a boolean word, or one of a few words); the control request proves it is refused.
-INVALID_QUERY = {int: "-1", bool: "maybe", str: "bogus"}
+INVALID_QUERY = {int: "-1", bool: "maybe", str: "bogus", list[str]: ""}
 #: Query parameters no value of which is refused as such, and why.
 NOT_VALIDATED = {"access_token": "the credential itself, for EventSource clients: a wrong one is 401"}
 #: A path parameter no value of which is refused as such: any slug names a model (one that may not exist yet).

@@ -159,8 +159,8 @@ async def test_a_released_claim_is_not_charged_against_max_attempts(conn, org):
     requeued = await run_and_fail(3)  # the first run
     assert requeued.status == "queued"
     [*_, event] = await store.read_stream(conn, store.job_stream(job.id))
-    assert event.type == "job.requeued" and event.event.not_before == event.recorded_at + timedelta(seconds=5)
-    await set_clock(conn, 6)  # the backoff of a first run
+    assert event.type == "job.requeued" and event.event.not_before == event.recorded_at + timedelta(seconds=20)
+    await set_clock(conn, 21)  # the backoff after attempt 3
     failed = await run_and_fail(4)  # the second run: the last of two
     assert failed.status == "failed"
     [*_, event] = await store.read_stream(conn, store.job_stream(job.id))

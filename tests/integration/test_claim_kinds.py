@@ -6,13 +6,18 @@ so a claimer that takes some kinds never reads the rows of the others.
 
 from __future__ import annotations
 
+import random
+import string
+
 import anyio
 import httpx
+import msgspec
 import pytest
 
 from tests.conftest import LiveServer
 from tests.helpers import bearer, eventually
 from umbra.compute import claims, jobs
+from umbra.compute.jobs import MAX_REQUIRES_NAMED
 from umbra.events.types import Requirements
 from umbra.projections import jobs as queue
 from umbra.projections.verify import verify
@@ -75,6 +80,54 @@ async def test_a_kind_behind_more_queued_shapes_than_are_judged_is_still_found(c
     wanted = await submit(conn, org_id, "wanted", priority=2)
     assert (await claim(conn, org_id, node, {"wanted", "absent"})).job_id == wanted.id
     assert (await claim(conn, org_id, node, {"kind-3"})).job.get("kind") == "kind-3"
+
+
+def _longest_shape(rng: random.Random) -> tuple[str, list[str]]:
+    """A 200-character kind of 3-byte characters and distinct 2-character trust domains filling the rest of
+    the shared budget ("local", the node's, among them): random, so nothing compresses the index entry."""
+    kind = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(200))
+    names, used = ["local"], len(kind.encode()) + 5
+    while used + 2 <= MAX_REQUIRES_NAMED:
+        name = "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(2))
+        if name not in names:
+            names.append(name)
+            used += 2
+    return kind, names
+
+
+async def test_the_kind_and_the_names_in_requires_share_one_budget_so_an_accepted_job_can_always_be_queued(conn, org):
+    """Both key jobs_by_shape, whose entries PostgreSQL caps at about 2.7 kB: a job over it could be stored
+    only while blocked (blocked rows are not in the index) and would fail every pairing that tried to unblock it."""
+    org_id, _ = org
+    kind, names = _longest_shape(random.Random(7))
+    blocked = await submit(conn, org_id, kind, requires={"trust_domains": names})
+    assert (await queue.load(conn, blocked.id, org_id)).status == "blocked"  # no node yet
+    await add_node(conn, org_id, "box", [CPU64])  # its re-examination queues the job
+    assert (await queue.load(conn, blocked.id, org_id)).status == "queued"
+    with pytest.raises(msgspec.ValidationError, match=r"the kind and the names in requires \(models, trust_domains, accelerators\) take 1501 bytes"):
+        spec(kind, requires={"trust_domains": [*names, "!!"]})
+    with pytest.raises(msgspec.ValidationError, match="1501 bytes"):
+        msgspec.convert({"kind": kind, "requires": {"trust_domains": [*names, "!!"]}}, claims.ChildRequest)
+
+
+@pytest.mark.parametrize("path", ["single", "batch"])
+async def test_over_max_shapes_a_claim_naming_a_kind_finds_its_job_behind_pages_of_other_kinds(db_url, conn, org, path):
+    """The bounded walk of the queue in claim order skips the kinds no claimer names in SQL: otherwise 21 kinds
+    of 100 jobs each in front fill its 20 pages and the claim finds nothing while its job waits."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    ahead = [spec(f"busy-{k:02d}", priority=1) for k in range(claims.MAX_SCAN_PAGES + 1) for _ in range(claims.SCAN_PAGE)]
+    await jobs.submit(conn, org_id, ahead, actor="t", batch=True)
+    wanted = await submit(conn, org_id, "wanted", priority=2)
+    await jobs.submit(conn, org_id, [spec(f"tail-{i:02d}", priority=3) for i in range(claims.MAX_SHAPES)],
+                      actor="t", batch=True)  # fmt: skip
+    if path == "single":
+        got = await claim(conn, org_id, node, {"wanted"})
+    else:
+        async with group_commit(db_url) as (group, _, tg):
+            [got] = await in_one_batch(group, tg, [lambda: group.claim(
+                node_id=node, organization_id=org_id, lease_seconds=60, stale_seconds=45, kinds=frozenset({"wanted"}))])
+    assert got is not None and got.job_id == wanted.id
 
 
 async def test_claimers_in_one_batch_each_take_only_their_kinds(db_url, conn, org):
@@ -175,16 +228,17 @@ async def _true(value):
     return True if value else None
 
 
-@pytest.mark.parametrize("path", ["/v1/agent/claim?wait=0", "/v1/agent/complete?claim_next=1"])
+@pytest.mark.parametrize("path,also", [("/v1/agent/claim", {"wait": 0}), ("/v1/agent/complete", {"claim_next": 1}),
+                                       ("/v1/agent/complete", {})])  # a malformed parameter is refused, used or not
 @pytest.mark.parametrize("kinds,why", [([""], "1 to 200"), (["x" * 201], "1 to 200"),
                                        ([f"k{i}" for i in range(101)], "at most 100")])  # fmt: skip
-async def test_a_bad_kind_is_refused_naming_the_parameter_and_claims_nothing(conn, org, server, path, kinds, why):
+async def test_a_bad_kind_is_refused_naming_the_parameter_and_claims_nothing(conn, org, server, path, also, kinds, why):
     org_id, _ = org
     _, credential = await online_node(conn, org_id, "box")
     job = await submit(conn, org_id, "echo")
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         body = {"results": [{"job_id": str(job.id), "attempt": 1}]} if "complete" in path else None
-        answer = await client.post(path, params={"kind": kinds}, json=body, headers=bearer(credential))
+        answer = await client.post(path, params={**also, "kind": kinds}, json=body, headers=bearer(credential))
     assert answer.status_code == 422, answer.text
     assert answer.json()["error"] == "invalid_request" and answer.json()["field"] == "kind" and why in answer.json()["message"]
     assert (await queue.load(conn, job.id, org_id)).status == "queued"

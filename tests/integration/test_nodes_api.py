@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import anyio
 import pytest
 
@@ -309,7 +311,8 @@ async def test_an_agent_signing_off_reads_offline_at_once_and_its_next_beat_brin
     assert (read["status"], read["stored_status"]) == ("offline", "offline")  # not online for another 45 s
     [(actor, last_seen)] = await (await conn.execute(
         "SELECT metadata->>'actor', data->>'last_seen_at' FROM events WHERE type = 'node.went_offline'")).fetchall()
-    assert (actor, last_seen) == (f"node:{node_id}", None)
+    liveness = (await (await conn.execute("SELECT last_seen_at FROM node_liveness WHERE node_id = %s", (node_id,))).fetchone())[0]
+    assert actor == f"node:{node_id}" and datetime.fromisoformat(last_seen) == liveness  # as the sweeper records it
     again = await client.post("/v1/agent/offline", headers=bearer(credential))  # nothing more to record
     assert again.status_code == 200 and again.json()["status"] == "offline"
     assert (await (await conn.execute("SELECT count(*) FROM events WHERE type = 'node.went_offline'")).fetchone())[0] == 1
@@ -330,3 +333,25 @@ async def test_signing_off_leaves_an_administrators_drain_and_needs_a_node_crede
     assert (await client.post(f"/v1/nodes/{node_id}/revoke", headers=bearer(key))).status_code == 200
     assert (await client.post("/v1/agent/offline", headers=bearer(credential))).status_code == 401
     assert (await footprint(conn))[0] == before[0] + 1  # the revocation's event, nothing from the refusals
+
+
+async def test_the_kinds_an_agent_takes_are_shown_and_explain_says_when_none_takes_a_jobs(client, conn, org):
+    from umbra.projections.verify import verify
+
+    _, key = org
+    node_id, credential = await pair(client, key)
+    assert (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()["kinds"] is None  # not reported
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": [GPU, CPU], "kinds": ["sleep", "echo"]},
+                             headers=bearer(credential))  # fmt: skip
+    assert beat.status_code == 200, beat.text
+    assert (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()["kinds"] == ["echo", "sleep"]
+    job = (await client.post("/v1/jobs", json={"kind": "render"}, headers=bearer(key))).json()
+    explained = (await client.get(f"/v1/jobs/{job['id']}/explain", headers=bearer(key))).json()
+    assert "no agent on it takes kind 'render' (it takes echo, sleep)" in explained["summary"], explained["summary"]
+    assert explained["eligible"]  # the devices could run it: it is not blocked, it waits for a handler
+    echo = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).json()
+    summary = (await client.get(f"/v1/jobs/{echo['id']}/explain", headers=bearer(key))).json()["summary"]
+    assert summary.startswith("Can run on 2 devices; the best is gpu-box/gpu0"), summary
+    too_many = await client.post("/v1/agent/heartbeat", json={"kinds": [f"k{i}" for i in range(101)]}, headers=bearer(credential))
+    assert too_many.status_code == 422 and too_many.json()["error"] == "invalid_request"
+    assert await verify(conn) == []  # the kinds are folded from the log like the rest of the node

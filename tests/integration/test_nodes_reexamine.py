@@ -186,3 +186,23 @@ async def test_a_drain_that_blocks_work_notifies_once_with_the_last_position(db_
         notes = [n async for n in listener.notifies(timeout=0.5)]
     assert await status(conn, job_id) == "blocked"
     assert [store.parse_hints(n.payload) for n in notes] == [[(org_id, await store.head_position(conn), 0)]]
+
+
+async def test_retiring_the_only_gpu_blocks_its_job_however_many_kinds_are_queued(conn, org):
+    """Re-examination judges each distinct requirement once, whatever the number of kinds sharing them:
+    a thousand kinds of plain jobs queued in front must not hide the one job that needs CUDA."""
+    from umbra.compute.blocked import reexamine_waiting_jobs
+    from umbra.projections import jobs as queue
+
+    from .queue_support import CPU64, GPU24, spec, submit as submit_one
+
+    org_id, _ = org
+    await add_node(conn, org_id, "cpu", [CPU64])
+    gpu = await add_node(conn, org_id, "gpu", [GPU24])
+    await submit(conn, org_id, [spec(f"a{i:04d}") for i in range(1_000)], actor="t", batch=True)
+    cuda = await submit_one(conn, org_id, "b", requires={"accelerators": ["cuda"]})
+    assert (await queue.load(conn, cuda.id, org_id)).status == "queued"
+    await retire_node(conn, org_id, gpu, actor="admin")  # the only CUDA device is gone for good
+    assert (await queue.load(conn, cuda.id, org_id)).status == "blocked"
+    await reexamine_waiting_jobs(conn, org_id)  # and as the sweeper does, again: it stays blocked
+    assert (await queue.load(conn, cuda.id, org_id)).status == "blocked"

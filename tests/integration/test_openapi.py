@@ -86,3 +86,10 @@ def test_a_new_struct_field_appears_without_editing_the_document():
     assert doc["paths"]["/v1/things"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/Thing"
     }
+
+
+@pytest.mark.parametrize("path", ["/v1/agent/claim", "/v1/agent/jobs/{id}/complete", "/v1/agent/complete"])
+def test_every_claim_declares_its_repeatable_kind_parameter(path):
+    operation = build_document(all_routes())["paths"][path]["post"]
+    [kind] = [p for p in operation["parameters"] if p["name"] == "kind"]
+    assert kind["in"] == "query" and not kind["required"] and kind["schema"] == {"type": "array", "items": {"type": "string"}}

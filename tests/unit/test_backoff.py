@@ -43,9 +43,9 @@ def test_an_expired_lease_requeues_with_the_delay_until_attempts_are_spent():
 
 
 def test_released_claims_are_not_charged_as_runs():
-    """Attempt 4 after two releases is the second run: the backoff and the budget count runs."""
+    """Attempt 4 after two releases is the second run: the budget counts runs; the backoff follows the attempt."""
     event = decide_failure(attempt=4, max_attempts=3, error="oom", retry=True, now=NOW, released=2)
-    assert event == JobRequeued(attempt=4, error="oom", not_before=NOW + timedelta(seconds=10))
+    assert event == JobRequeued(attempt=4, error="oom", not_before=NOW + timedelta(seconds=40))
     assert decide_failure(attempt=5, max_attempts=3, error="oom", retry=True, now=NOW, released=2).reason == "attempts_exhausted"
     assert decide_lease_expiry(attempt=2, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, released=1).requeued
     assert not decide_lease_expiry(attempt=3, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, released=1).requeued

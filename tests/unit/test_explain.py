@@ -155,6 +155,24 @@ def test_an_eligible_job_says_where_it_would_run_and_what_holds_it_back():
     assert "1 job ahead" in queued(fleet, QueueStanding(ahead=1))
 
 
+def test_a_job_no_eligible_nodes_agent_takes_waits_for_a_handler_and_the_best_is_one_that_takes_it():
+    cpu_box, gpu_box = node(CPU, name="cpu-box"), node(GPU, name="gpu-box")
+    req = Requirements()
+    eligible, ineligible = survey([cpu_box, gpu_box], req, MODELS)
+
+    def said(kinds_taken):
+        return queued_summary(eligible, ineligible, nodes=[cpu_box, gpu_box], requires=req, models=MODELS,
+                              standing=QueueStanding(), not_before=None, kind="render", kinds_taken=kinds_taken)  # fmt: skip
+
+    assert said({cpu_box.id: ("echo",), gpu_box.id: ("echo", "sleep")}) == (
+        "Can run on 2 devices, but no agent on them takes kind 'render' (they take echo, sleep): "
+        "it waits for an agent with a handler for it."
+    )
+    assert said({cpu_box.id: ("render",), gpu_box.id: ("echo",)}).startswith(
+        "Can run on 1 device; the best is cpu-box/cpu via ram")
+    assert said({cpu_box.id: ("echo",)}).startswith("Can run on 1 device; the best is gpu-box/gpu0")  # gpu-box: every kind
+
+
 def test_blocked_sentences_come_from_the_blocking_reason():
     fails = datetime(2030, 1, 2, tzinfo=timezone.utc)
     reason = "no_eligible_device: needs 40000 MB VRAM, largest is 24576 MB (gpu-box/gpu0)"

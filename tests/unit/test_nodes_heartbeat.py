@@ -25,6 +25,7 @@ class Recorded:
     agent_version: str | None = "1.0"
     agent_started_at: datetime | None = NOW - timedelta(hours=1)
     last_heartbeat_at: datetime | None = NOW - timedelta(seconds=30)
+    kinds: tuple[str, ...] | None = None
 
 
 def decide(current=None, **report):
@@ -38,6 +39,17 @@ def test_an_unchanged_beat_records_nothing():
 
 def test_a_beat_that_reports_nothing_new_records_nothing():
     assert decide().event is None
+
+
+def test_the_kinds_an_agent_takes_are_recorded_when_they_change_in_any_order():
+    first = decide(kinds=("sleep", "echo", "echo"))
+    assert first.reasons == ("kinds",) and first.event.kinds == ("echo", "sleep")
+    assert decide(Recorded(kinds=("echo", "sleep")), kinds=("sleep", "echo")).event is None
+    assert decide(Recorded(kinds=("echo", "sleep"))).event is None  # not reported: unchanged
+    changed = decide(Recorded(kinds=("echo", "sleep")), kinds=("echo",))
+    assert changed.reasons == ("kinds",) and changed.event.kinds == ("echo",) and not changed.changes_capacity
+    periodic = decide(Recorded(kinds=("echo",), last_heartbeat_at=NOW - timedelta(seconds=301)))
+    assert periodic.event.kinds == ("echo",)  # a recorded beat restates them, as it restates the devices
 
 
 def test_the_periodic_beat_is_recorded_with_the_current_devices():

@@ -13,6 +13,7 @@ import email.utils
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -118,6 +119,25 @@ def _devices_json(devices: Sequence[Device]) -> list[Any]:
     return msgspec.to_builtins(list(devices))
 
 
+#: What the server takes as the kinds a claim or a heartbeat names (docs/API.md): at most 100 kinds of 1
+#: to 200 characters, and a request line of 16 KiB at most in all (the HTTP server's limit).
+MAX_NAMED_KINDS, MAX_KIND_LENGTH, MAX_KINDS_QUERY = 100, 200, 8_000
+
+
+def claim_kinds(handler_kinds: Sequence[str]) -> list[str]:
+    """The kinds this agent names when it claims: its handlers' kinds, as the server takes them.
+
+    A handler registered under a name no job can have (over 200 characters)
+    is left out. When the rest are too many to name (over 100, or too long for
+    a request line), the agent names none: it claims every kind, and a job it
+    has no handler for fails, as an agent that names no kinds does.
+    """
+    kinds = [kind for kind in handler_kinds if 1 <= len(kind) <= MAX_KIND_LENGTH]
+    if len(kinds) > MAX_NAMED_KINDS or sum(len(quote(kind, safe="")) + 6 for kind in kinds) > MAX_KINDS_QUERY:
+        return []
+    return kinds
+
+
 #: How long a stopping agent waits to say so: it is leaving either way.
 SIGN_OFF_TIMEOUT_SECONDS = 3.0
 
@@ -159,13 +179,15 @@ class AgentClient:
         return (await self._post("/v1/pairings/redeem", body)).json()
 
     async def heartbeat(
-        self, *, devices: Sequence[Device], agent_version: str, agent_started_at: datetime
+        self, *, devices: Sequence[Device], agent_version: str, agent_started_at: datetime, kinds: Sequence[str] = ()
     ) -> dict[str, Any]:
-        """``POST /v1/agent/heartbeat``; the answer carries the node's status."""
+        """``POST /v1/agent/heartbeat``; the answer carries the node's status. ``kinds``: the job kinds
+        this agent takes (its claims name them), so ``explain`` can say when no agent takes a job's."""
         body = {
             "devices": _devices_json(devices),
             "agent_version": agent_version,
             "agent_started_at": agent_started_at.isoformat(),
+            **({"kinds": list(kinds)} if kinds else {}),
         }
         return (await self._post("/v1/agent/heartbeat", body)).json()
 

@@ -38,7 +38,7 @@ import anyio
 import httpx
 import msgspec
 
-from .client import AgentClient, Claim, ServiceError
+from .client import AgentClient, Claim, ServiceError, claim_kinds
 from .handlers import Decompose, HandlerRegistry, PermanentError, is_retryable
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,8 @@ class JobRun:
             if asked:  # a retry: the lost first answer may have carried a claim already
                 return await self.client.complete(claim.job_id, claim.attempt, result), None
             asked = True
-            return await self.client.complete_and_claim(claim.job_id, claim.attempt, result, kinds=self.registry.kinds)
+            return await self.client.complete_and_claim(claim.job_id, claim.attempt, result,
+                                                       kinds=claim_kinds(self.registry.kinds))
 
         outcome = await self._undeliverable_fails(await self._report("complete", complete_and_claim), "result")
         if outcome.status != "complete":

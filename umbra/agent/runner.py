@@ -31,7 +31,7 @@ import psutil
 
 from umbra.events.types import Device
 
-from .client import AgentClient, Claim, ServiceError
+from .client import AgentClient, Claim, ServiceError, claim_kinds
 from .devices import steady
 from .handlers import HandlerRegistry
 from .jobrun import JobRun, Outcome, backoff_delay, describe
@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 MIN_POLL_SECONDS = 1.0
 
 __all__ = ["Agent", "AgentConfig", "Outcome", "backoff_delay"]
+
+
+#: How long a stopping agent lets a heartbeat already on its way finish before it signs off.
+LAST_BEAT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class Agent:
     ) -> None:
         self.client = client
         self.registry = registry
+        #: The kinds its claims and heartbeats name (empty: every kind).
+        self.kinds = claim_kinds(registry.kinds)
         self.config = config
         self.started_at = process_start_time()
         self.outcomes: list[Outcome] = []
@@ -83,6 +89,7 @@ class Agent:
         self._heartbeat_seconds = config.heartbeat_seconds
         self._online = anyio.Event()
         self._stopping = anyio.Event()
+        self._work_done = anyio.Event()
         self._poll_scopes: set[anyio.CancelScope] = set()
         self._current: set[JobRun] = set()
         self._fatal: ServiceError | None = None
@@ -109,7 +116,13 @@ class Agent:
             async with anyio.create_task_group() as work:
                 for _ in range(max(1, self.config.concurrency)):
                     work.start_soon(self._work_loop)
-            tg.cancel_scope.cancel()
+            # A beat already on its way finishes first (for a few seconds at most): one the server
+            # handled after the sign-off would bring the node back online until it went stale.
+            self._work_done.set()
+            if self._fatal is not None or self.node_status == "retired":
+                tg.cancel_scope.cancel()
+            else:
+                tg.cancel_scope.deadline = anyio.current_time() + LAST_BEAT_SECONDS
         if self._fatal is not None:
             raise self._fatal
         if self.node_status != "retired":
@@ -140,7 +153,7 @@ class Agent:
 
     async def _heartbeat_loop(self) -> None:
         failures = 0
-        while True:
+        while not self._work_done.is_set():
             delay = self._heartbeat_seconds
             try:
                 await self.heartbeat()
@@ -156,13 +169,15 @@ class Agent:
                 log.warning("heartbeat failed", extra={"action": "heartbeat_failed", "error": type(exc).__name__})
             if failures:
                 delay = min(delay, backoff_delay(failures, self.config.backoff_base_seconds, self.config.backoff_cap_seconds))
-            await anyio.sleep(delay)
+            with anyio.move_on_after(delay):
+                await self._work_done.wait()
 
     async def heartbeat(self) -> dict[str, Any]:
         # Off the event loop: discovery runs nvidia-smi, which may take seconds, and renewals must not wait.
         devices = steady(self._reported, await anyio.to_thread.run_sync(self._devices))
         answer = await self.client.heartbeat(
-            devices=devices, agent_version=self.config.agent_version, agent_started_at=self.started_at
+            devices=devices, agent_version=self.config.agent_version, agent_started_at=self.started_at,
+            kinds=self.kinds,
         )
         self._reported = devices
         interval = answer.get("heartbeat_interval_seconds")
@@ -188,7 +203,7 @@ class Agent:
             asked = anyio.current_time()
             with self._poll_scope():
                 try:
-                    claim = await self.client.claim(self.config.claim_wait_seconds, kinds=self.registry.kinds)
+                    claim = await self.client.claim(self.config.claim_wait_seconds, kinds=self.kinds)
                 except ServiceError as exc:
                     if exc.status == 401:
                         self._reject(exc)
