@@ -81,7 +81,7 @@ class HeartbeatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     agent_version: Annotated[str, Meta(max_length=100)] | None = None
     #: When the agent process started; a new value records a restart.
     agent_started_at: Annotated[datetime, Meta(tz=True)] | None = None
-    #: The job kinds the agent takes (the kinds its claims name); omitted means unchanged.
+    #: The job kinds the agent takes (the kinds its claims name); empty: every kind; omitted: unchanged.
     kinds: Annotated[list[Name], Meta(max_length=100)] | None = None
 
 

@@ -24,6 +24,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from umbra.domain.eligibility import NodeView, blocking_reason
+from umbra.domain.eligibility import takes_kind
 from umbra.domain.explain import Explanation, QueueStanding, competing_ahead, survey
 from umbra.domain.explain_text import blocked_summary, placed_summary, queued_summary
 from umbra.domain.models import RegisteredModel
@@ -34,6 +35,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .blocked import read_models, read_nodes
+from .claims import releases
 
 #: How long a job may stay blocked before the sweeper fails it (the settings default).
 DEFAULT_BLOCKED_TIMEOUT_SECONDS = 86_400
@@ -41,13 +43,13 @@ DEFAULT_BLOCKED_TIMEOUT_SECONDS = 86_400
 _NOW = "SELECT umbra_now()"
 #: The job kinds each node's agent takes, as its heartbeat last reported them (NULL: every kind).
 _KINDS = "SELECT id, kinds FROM nodes WHERE organization_id = %s AND kinds IS NOT NULL"
-#: Due queued jobs ahead of one job in claim order, per requirement shape.
+#: Due queued jobs ahead of one job in claim order, per shape (kind and requirements).
 _AHEAD = """
-SELECT requires::text, count(*) FROM jobs
+SELECT kind, requires::text, count(*) FROM jobs
 WHERE organization_id = %(org)s AND status = 'queued'
   AND (not_before IS NULL OR not_before <= umbra_now())
   AND (priority, seq) < (%(priority)s, %(seq)s)
-GROUP BY requires
+GROUP BY kind, requires
 """
 _CHILDREN = """
 SELECT count(*), count(*) FILTER (WHERE status IN ('complete', 'failed', 'cancelled', 'partial'))
@@ -97,13 +99,14 @@ async def _waiting(
             summary=blocked_summary(stored=row.blocked_reason, current=current, fails_at=fails_at),
             blocked_reason=current,
         )  # fmt: skip
-    able = {e.node_id for e in eligible}
+    kinds_taken = {node_id: kinds for node_id, kinds in await (await conn.execute(_KINDS, (row.organization_id,))).fetchall()}
+    # The nodes that would claim this job: they could run it and their agents take its kind.
+    able = {e.node_id for e in eligible if takes_kind(kinds_taken.get(e.node_id), row.kind)}
     params = {"org": row.organization_id, "priority": row.priority, "seq": row.seq}
-    shapes = [(_requirements.decode(r), n) for r, n in await (await conn.execute(_AHEAD, params)).fetchall()]
-    ahead = competing_ahead(shapes, [node for node in nodes if node.id in able], models)
+    shapes = [(k, _requirements.decode(r), n) for k, r, n in await (await conn.execute(_AHEAD, params)).fetchall()]
+    ahead = competing_ahead(shapes, [node for node in nodes if node.id in able], models, kinds_taken)
     due_in = max(0.0, (row.not_before - now).total_seconds()) if row.not_before else 0.0
     standing = QueueStanding(due_in_seconds=due_in, ahead=ahead)
-    kinds_taken = {node_id: kinds for node_id, kinds in await (await conn.execute(_KINDS, (row.organization_id,))).fetchall()}
     summary = queued_summary(
         eligible, ineligible, nodes=nodes, requires=row.requires, models=models, standing=standing,
         not_before=row.not_before, kind=row.kind, kinds_taken=kinds_taken,
@@ -124,10 +127,11 @@ async def _placed(conn: psycopg.AsyncConnection, row: JobRow, nodes: Sequence[No
     lease_left = None
     if row.status == "running" and row.lease_expires_at:
         lease_left = (row.lease_expires_at - now).total_seconds()
+    released = (await releases(conn, [row.id])).get(row.id, 0) if row.attempt else 0
     summary = placed_summary(
         status=row.status, placement=row.placement, node_name=node_name, attempt=row.attempt,
         max_attempts=row.max_attempts, lease_seconds_left=lease_left, error=row.error, result=row.result,
-        children=children,
+        children=children, released=released,
     )  # fmt: skip
     return Explanation(job_id=row.id, status=row.status, eligible=[], ineligible=[], summary=summary,
                        placement=row.placement, placement_node_name=node_name)  # fmt: skip

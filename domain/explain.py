@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal, Mapping, Sequence
+from typing import Collection, Literal, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
 
 from umbra.events.types import Device, Placement, Requirements
 
-from .eligibility import NodeView, judge_device, required_accelerators
+from .eligibility import NodeView, judge_device, required_accelerators, takes_kind
 from .models import RegisteredModel
 from .placement import best_placement, placements
 
@@ -143,17 +143,21 @@ def survey(
 
 
 def competing_ahead(
-    shapes: Sequence[tuple[Requirements, int]],
+    shapes: Sequence[tuple[str, Requirements, int]],
     nodes: Sequence[NodeView],
     models: Mapping[str, RegisteredModel],
+    kinds_taken: Mapping[UUID, Collection[str] | None] | None = None,
 ) -> int:
-    """How many jobs ahead (``(requirements, count)`` per shape) some node in ``nodes`` would claim first.
+    """How many jobs ahead (``(kind, requirements, count)`` per shape) some node in ``nodes`` would claim first.
 
     A claiming node scans the queue in order and takes the first job it is
     eligible for, so a job ahead holds this one back only where a node that
-    could run this one could run it too. Judged with the claim's own
-    :func:`best_placement`, once per requirement shape.
+    could run this one could run it too, and its agent takes that job's kind
+    (``kinds_taken``, by node: the kinds its heartbeat reported; absent, every
+    kind). Judged with the claim's own :func:`best_placement`, once per shape.
     """
+    takes = kinds_taken or {}
     return sum(
-        count for requires, count in shapes if any(best_placement(node, requires, models) for node in nodes)
-    )
+        count for kind, requires, count in shapes
+        if any(takes_kind(takes.get(node.id), kind) and best_placement(node, requires, models) for node in nodes)
+    )  # fmt: skip

@@ -121,11 +121,13 @@ def queued_summary(
     takers = [e for e in eligible if kind is None or takes_kind(takes.get(e.node_id), kind)]
     if not takers:
         handled = sorted({k for e in eligible for k in (takes.get(e.node_id) or ())})
-        nodes_named = len({e.node_id for e in eligible})
-        one = nodes_named == 1
-        waits = [f"no agent on {'it' if one else 'them'} takes kind {kind!r} "
-                 f"({'it takes' if one else 'they take'} {', '.join(handled)}): it waits for an agent with a handler for it"]  # fmt: skip
-        return f"Can run on {_count(len(eligible), 'device')}, but " + "; ".join([*waits, *([not_due] if not_due else [])]) + "."
+        names = list(dict.fromkeys(e.node_name for e in eligible))
+        one = len(names) == 1
+        where = names[0] if one else _count(len(names), "node")
+        whose = f"{'its agent does' if one else 'their agents do'} not take kind {kind!r}"
+        taken = f" ({'it takes' if one else 'they take'} {', '.join(handled)})" if handled else ""
+        waits = [f"{whose}{taken}: it waits for an agent with a handler for it", *([not_due] if not_due else [])]
+        return f"Can run on {_count(len(eligible), 'device')} of {where}, but " + "; ".join(waits) + "."
     best = takers[0]
     head = (
         f"Can run on {_count(len(takers), 'device')}; the best is {best.node_name}/{best.device_label} "
@@ -168,21 +170,27 @@ def placed_summary(
     error: str | None,
     result: Any,
     children: tuple[int, int] | None,
+    released: int = 0,
 ) -> str:
     """A running or finished job: where it ran and how it ended.
 
     ``children`` is ``(total, finished)`` for a job that was split into
-    children (a container), None otherwise.
+    children (a container), None otherwise. ``released`` counts its claims
+    given back unheard: they are attempts (fencing tokens) but not runs, so
+    "attempt 4 of 3" is said as attempt 4, the second run of three.
     """
     where = _where(node_name, placement) if placement else None
+    runs = attempt - released
+    of_max = (f"{attempt} (run {runs} of {max_attempts}; {_count(released, 'earlier claim')} given back unheard)"
+              if released else f"{attempt} of {max_attempts}")  # fmt: skip
     if status == "running":
         if children is not None:
             total, finished = children
             of = _count(total, "child", "children")
             return f"Running as a container: {finished} of {of} finished; it settles when all have."
         if placement is None:
-            return f"Running, attempt {attempt} of {max_attempts}."
-        head = f"Running on {where} via {placement.via} ({placement.reason}), attempt {attempt} of {max_attempts}"
+            return f"Running, attempt {of_max}."
+        head = f"Running on {where} via {placement.via} ({placement.reason}), attempt {of_max}"
         if lease_seconds_left is None:
             return head + "."
         if lease_seconds_left >= 0:
@@ -199,9 +207,10 @@ def placed_summary(
         if attempt == 0:
             return f"Failed without running: {said}"
         on = f" on {where}" if where else ""
-        if attempt < max_attempts:  # not "attempt 1 of 3": no attempt is left, the failure was final
-            return f"Failed for good after attempt {attempt} (of up to {max_attempts}){on}: {said}"
-        return f"Failed after attempt {attempt} of {max_attempts}{on}: {said}"
+        if runs < max_attempts:  # not "attempt 1 of 3": no attempt is left, the failure was final
+            ran = f"run {runs}, attempt {attempt}" if released else f"attempt {attempt}"
+            return f"Failed for good after {ran} (of up to {max_attempts}){on}: {said}"
+        return f"Failed after attempt {of_max}{on}: {said}"
     if status == "cancelled":
         if where:
             return f"Cancelled while running on {where}."

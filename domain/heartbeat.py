@@ -54,7 +54,7 @@ class HeartbeatReport:
     devices: tuple[Device, ...] | None = None
     agent_version: str | None = None
     agent_started_at: datetime | None = None
-    #: The job kinds the agent takes (its handlers).
+    #: The job kinds the agent takes (its handlers); empty: every kind; None: not reported (unchanged).
     kinds: tuple[str, ...] | None = None
 
 
@@ -149,8 +149,9 @@ def decide_heartbeat(
         reasons.extend(sorted(device_changes(current.devices, devices)))
     if report.agent_version is not None and report.agent_version != current.agent_version:
         reasons.append("agent_version")
-    kinds = current.kinds if report.kinds is None else tuple(sorted(set(report.kinds)))
-    if kinds != current.kinds:
+    # Reported kinds replace the recorded ones; none named (an empty list) is every kind, stored as None.
+    reported = None if report.kinds is None else tuple(sorted(set(report.kinds)))
+    if reported is not None and (reported or None) != current.kinds:
         reasons.append("kinds")
     restarted = report.agent_started_at is not None and report.agent_started_at != current.agent_started_at
     if restarted:
@@ -165,6 +166,6 @@ def decide_heartbeat(
         agent_version=report.agent_version if report.agent_version is not None else current.agent_version,
         devices=devices,
         agent_started_at=report.agent_started_at if restarted else None,
-        kinds=kinds,
+        kinds=reported if reported is not None else current.kinds,
     )
     return HeartbeatDecision(event, tuple(reasons))

@@ -199,8 +199,8 @@ class NodeHeartbeat(_Event, tag="node.heartbeat"):
     devices: tuple[Device, ...] = ()
     #: Set when the agent reports a new process start; unchanged otherwise.
     agent_started_at: datetime | None = None
-    #: The job kinds the agent takes (sorted), when it reports them; None: unchanged (older
-    #: agents and events never report them, and their nodes take every kind).
+    #: The job kinds the agent takes (sorted), when it reports them; empty: it names none, so every
+    #: kind; None: unchanged (older agents and events never report them: their nodes take every kind).
     kinds: tuple[str, ...] | None = None
 
 

@@ -12,10 +12,8 @@ CREATE INDEX jobs_by_shape ON jobs (organization_id, kind, requires, priority, s
 -- Each shape as the JSON text of [kind, requirements]: one value, so callers keep a
 -- shape as one string (a key, an element of a text[] parameter) and split it in SQL.
 -- Sorting stays disabled while the body is planned (see 0025): the skip scan is
--- the only plan without a sort. A function of its own name: servers of the previous
--- version, still running during a rolling upgrade, keep calling umbra_queued_shapes
--- (requirements only), which still answers, without the index's help.
-CREATE FUNCTION umbra_queued_kind_shapes(org uuid, max_shapes integer) RETURNS SETOF text
+-- the only plan without a sort.
+CREATE OR REPLACE FUNCTION umbra_queued_shapes(org uuid, max_shapes integer) RETURNS SETOF text
     LANGUAGE plpgsql STABLE SET enable_sort = off AS $$
 BEGIN
     RETURN QUERY

@@ -96,7 +96,7 @@ def fold(state: NodeState | None, recorded: RecordedEvent) -> NodeState:
             devices=event.devices,
             agent_version=event.agent_version if event.agent_version is not None else state.agent_version,
             agent_started_at=event.agent_started_at if event.agent_started_at is not None else state.agent_started_at,
-            kinds=event.kinds if event.kinds is not None else state.kinds,
+            kinds=state.kinds if event.kinds is None else (event.kinds or None),  # () names none: every kind
             last_heartbeat_at=recorded.recorded_at,
             **stamp,
         )

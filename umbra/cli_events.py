@@ -189,7 +189,7 @@ def _folds(stream: str):
 
         from umbra.projections.nodes import fold as fold_node
 
-        return fold_node, lambda state: msgspec.to_builtins(state.as_row())
+        return fold_node, lambda state: msgspec.json.decode(msgspec.json.encode(state.as_row()))  # tuples as lists
     from umbra.projections.jobs import fold as fold_job, to_json
 
     return fold_job, to_json

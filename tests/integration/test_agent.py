@@ -211,6 +211,22 @@ async def test_an_agent_with_kinds_the_server_cannot_take_as_named_still_runs_it
         assert node["kinds"] is None  # names none: takes every kind
 
 
+async def test_an_agent_that_names_no_kinds_replaces_the_kinds_an_earlier_agent_reported(server, api):
+    """The node's next agent has too many handlers to name: it claims every kind, and its beats say so
+    (an empty list), so the node does not keep the earlier agent's kinds and explain does not blame them."""
+    from umbra.agent.handlers import echo
+
+    paired = await pair(server, api, "box-kinds")
+    async with running_agent(server, paired["credential"]):
+        node = await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+    assert node["kinds"] == ["echo", "sleep"]
+    async with running_agent(server, paired["credential"], {f"plugin-{i:03d}": echo for i in range(100)}) as agent:
+        assert agent.kinds == []
+        await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+        await agent.heartbeat()
+        assert (await api.get(f"/v1/nodes/{paired['node_id']}")).json()["kinds"] is None  # every kind
+
+
 async def test_handler_exception_fails_the_job_with_its_message(server, api):
     def broken(claim):
         raise ValueError(f"frame {claim.payload['frame']} is corrupt")

@@ -158,6 +158,7 @@ async def test_a_released_claim_is_not_charged_against_max_attempts(conn, org):
 
     requeued = await run_and_fail(3)  # the first run
     assert requeued.status == "queued"
+
     [*_, event] = await store.read_stream(conn, store.job_stream(job.id))
     assert event.type == "job.requeued" and event.event.not_before == event.recorded_at + timedelta(seconds=20)
     await set_clock(conn, 21)  # the backoff after attempt 3
@@ -165,6 +166,10 @@ async def test_a_released_claim_is_not_charged_against_max_attempts(conn, org):
     assert failed.status == "failed"
     [*_, event] = await store.read_stream(conn, store.job_stream(job.id))
     assert (event.type, event.event.reason) == ("job.failed", "attempts_exhausted")
+    from umbra.compute.explain import explain
+
+    said = (await explain(conn, org_id, job.id)).summary
+    assert said.startswith("Failed after attempt 4 (run 2 of 2; 2 earlier claims given back unheard)"), said
 
 
 async def test_release_returns_a_claim_to_the_queue_and_keeps_the_attempt_counted(conn, org):

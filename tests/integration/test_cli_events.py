@@ -160,6 +160,7 @@ async def test_replay_folds_a_nodes_history_too(cli, api, live_server, org, conn
     assert (replayed["state"]["status"], replayed["state"]["version"]) == tuple(stored)
     status, out, _ = await cli("events", "replay", redeemed["node_id"], "--server", live_server.url, "--api-key", org[1])
     assert status == 0 and "node.draining" in out and "-> draining" in out
+    assert '"label": "cpu0"' in out and "('" not in out  # the devices (and kinds) as JSON, not Python tuples
     status, _, err = await cli("events", "replay", str(uuid.uuid4()), "--server", live_server.url, "--api-key", org[1])
     assert status == 1 and err.startswith("umbra: job_not_found: No job or node")
 

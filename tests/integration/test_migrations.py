@@ -83,3 +83,26 @@ async def test_nodes_revoked_before_revocation_meant_retired_are_retired_by_0028
     assert rows == {revoked: "retired", silent: "offline"}
     differences = await verify(conn, org_id)
     assert all(d.get("id") != str(revoked) for d in differences), differences
+
+
+async def test_a_database_migrated_through_0029_gets_the_kind_shapes_function_and_the_old_one_back(conn, db_url, org):
+    """0029 first made ``umbra_queued_shapes`` return [kind, requirements] pairs. A database migrated then has
+    version 29 recorded; 0031 adds ``umbra_queued_kind_shapes`` (what claims call) and gives the old name its
+    requirements back, for servers of the version before 0029 still running during an upgrade."""
+    from umbra.compute import claims
+
+    from .queue_support import CPU64, add_node, submit
+
+    org_id, _ = org
+    [first_0029] = [m for m in available_migrations() if m.version == 29]
+    await conn.execute("DELETE FROM schema_migrations WHERE version >= 30")
+    await conn.execute("DROP FUNCTION umbra_queued_kind_shapes(uuid, integer)")
+    await conn.execute("ALTER TABLE nodes DROP COLUMN kinds")
+    await conn.execute(first_0029.sql.split("CREATE INDEX jobs_by_shape")[1].split(";", 1)[1])  # its function only
+    assert await migrate(db_url) == ["0030_node_kinds.sql", "0031_kind_shapes_function.sql"]
+    node = await add_node(conn, org_id, "box", [CPU64])
+    job = await submit(conn, org_id, "echo", requires={"ram_min_mb": 10})
+    old = [text for (text,) in await (await conn.execute("SELECT umbra_queued_shapes(%s, 10)", (org_id,))).fetchall()]
+    assert old == ['{"ram_min_mb": 10}']  # requirements, as servers before 0029 decode them
+    claimed = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
+    assert claimed is not None and claimed.job_id == job.id

@@ -347,11 +347,31 @@ async def test_the_kinds_an_agent_takes_are_shown_and_explain_says_when_none_tak
     assert (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()["kinds"] == ["echo", "sleep"]
     job = (await client.post("/v1/jobs", json={"kind": "render"}, headers=bearer(key))).json()
     explained = (await client.get(f"/v1/jobs/{job['id']}/explain", headers=bearer(key))).json()
-    assert "no agent on it takes kind 'render' (it takes echo, sleep)" in explained["summary"], explained["summary"]
+    assert explained["summary"] == ("Can run on 2 devices of gpu-box, but its agent does not take kind 'render' "
+                                    "(it takes echo, sleep): it waits for an agent with a handler for it."), explained["summary"]
     assert explained["eligible"]  # the devices could run it: it is not blocked, it waits for a handler
     echo = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).json()
     summary = (await client.get(f"/v1/jobs/{echo['id']}/explain", headers=bearer(key))).json()["summary"]
     assert summary.startswith("Can run on 2 devices; the best is gpu-box/gpu0"), summary
+    every = await client.post("/v1/agent/heartbeat", json={"kinds": []}, headers=bearer(credential))  # names none
+    assert every.status_code == 200 and (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()["kinds"] is None
+    summary = (await client.get(f"/v1/jobs/{job['id']}/explain", headers=bearer(key))).json()["summary"]
+    assert "takes kind" not in summary and summary.startswith("Can run on 2 devices; the best is"), summary
     too_many = await client.post("/v1/agent/heartbeat", json={"kinds": [f"k{i}" for i in range(101)]}, headers=bearer(credential))
     assert too_many.status_code == 422 and too_many.json()["error"] == "invalid_request"
     assert await verify(conn) == []  # the kinds are folded from the log like the rest of the node
+
+
+async def test_explain_counts_no_jobs_ahead_of_a_kind_the_nodes_agent_never_claims(client, org):
+    _, key = org
+    _, credential = await pair(client, key)
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": [GPU, CPU], "kinds": ["render"]}, headers=bearer(credential))
+    assert beat.status_code == 200, beat.text
+    for _ in range(3):
+        assert (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).status_code == 201
+    render = (await client.post("/v1/jobs", json={"kind": "render"}, headers=bearer(key))).json()
+    explained = (await client.get(f"/v1/jobs/{render['id']}/explain", headers=bearer(key))).json()
+    assert "ahead of it" not in explained["summary"] and explained["summary"].endswith("the next claim by an eligible node takes it.")
+    assert (await client.post("/v1/agent/heartbeat", json={"kinds": []}, headers=bearer(credential))).status_code == 200
+    explained = (await client.get(f"/v1/jobs/{render['id']}/explain", headers=bearer(key))).json()
+    assert "3 jobs ahead of it" in explained["summary"], explained["summary"]  # an agent of every kind takes them first

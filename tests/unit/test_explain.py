@@ -104,10 +104,14 @@ def test_memory_refusals_carry_the_rules_numbers():
 
 def test_jobs_ahead_count_only_where_an_eligible_node_would_take_them_first():
     cpu_box = node(CPU, name="cpu-box")
-    shapes = [(Requirements(), 3), (Requirements(accelerators=("cuda",)), 5), (Requirements(ram_min_mb=100), 2)]
+    shapes = [("echo", Requirements(), 3), ("echo", Requirements(accelerators=("cuda",)), 5),
+              ("render", Requirements(ram_min_mb=100), 2)]  # fmt: skip
     assert competing_ahead(shapes, [cpu_box], MODELS) == 5
     assert competing_ahead(shapes, [cpu_box, node(GPU)], MODELS) == 10
     assert competing_ahead(shapes, [], MODELS) == 0
+    # Jobs of a kind the node's agent does not take are never claimed by it first.
+    assert competing_ahead(shapes, [cpu_box], MODELS, {cpu_box.id: ("render",)}) == 2
+    assert competing_ahead(shapes, [cpu_box], MODELS, {cpu_box.id: ("echo",)}) == 3
 
 
 # -- sentences ---------------------------------------------------------------------
@@ -165,7 +169,7 @@ def test_a_job_no_eligible_nodes_agent_takes_waits_for_a_handler_and_the_best_is
                               standing=QueueStanding(), not_before=None, kind="render", kinds_taken=kinds_taken)  # fmt: skip
 
     assert said({cpu_box.id: ("echo",), gpu_box.id: ("echo", "sleep")}) == (
-        "Can run on 2 devices, but no agent on them takes kind 'render' (they take echo, sleep): "
+        "Can run on 2 devices of 2 nodes, but their agents do not take kind 'render' (they take echo, sleep): "
         "it waits for an agent with a handler for it."
     )
     assert said({cpu_box.id: ("render",), gpu_box.id: ("echo",)}).startswith(
@@ -204,6 +208,16 @@ def test_placed_and_finished_sentences_name_the_recorded_placement():
     )
     assert placed_summary(status="failed", attempt=1, lease_seconds_left=None, **failed) == (
         "Failed for good after attempt 1 (of up to 3) on gpu-box/gpu0: out of memory."
+    )
+    # Claims given back unheard are attempts (fencing tokens), not runs: "attempt 4 of 3" says which run it is.
+    assert placed_summary(status="running", attempt=4, lease_seconds_left=None, released=2, **common) == (
+        "Running on gpu-box/gpu0 via vram (placed:gpu_discrete), attempt 4 (run 2 of 3; 2 earlier claims given back unheard)."
+    )
+    assert placed_summary(status="failed", attempt=4, lease_seconds_left=None, released=1, **failed) == (
+        "Failed after attempt 4 (run 3 of 3; 1 earlier claim given back unheard) on gpu-box/gpu0: out of memory."
+    )
+    assert placed_summary(status="failed", attempt=3, lease_seconds_left=None, released=1, **failed) == (
+        "Failed for good after run 2, attempt 3 (of up to 3) on gpu-box/gpu0: out of memory."
     )
     container = {**common, "children": (5, 2)}
     assert placed_summary(status="running", attempt=1, lease_seconds_left=None, **container) == (

@@ -50,6 +50,9 @@ def test_the_kinds_an_agent_takes_are_recorded_when_they_change_in_any_order():
     assert changed.reasons == ("kinds",) and changed.event.kinds == ("echo",) and not changed.changes_capacity
     periodic = decide(Recorded(kinds=("echo",), last_heartbeat_at=NOW - timedelta(seconds=301)))
     assert periodic.event.kinds == ("echo",)  # a recorded beat restates them, as it restates the devices
+    every = decide(Recorded(kinds=("echo",)), kinds=())  # an agent that names none takes every kind
+    assert every.reasons == ("kinds",) and every.event.kinds == ()
+    assert decide(kinds=()).event is None  # None recorded (every kind) and none named: unchanged
 
 
 def test_the_periodic_beat_is_recorded_with_the_current_devices():

@@ -187,7 +187,7 @@ class AgentClient:
             "devices": _devices_json(devices),
             "agent_version": agent_version,
             "agent_started_at": agent_started_at.isoformat(),
-            **({"kinds": list(kinds)} if kinds else {}),
+            "kinds": list(kinds),  # always: an empty list says "every kind", replacing kinds reported before
         }
         return (await self._post("/v1/agent/heartbeat", body)).json()
 

@@ -90,6 +90,8 @@ class Agent:
         self._online = anyio.Event()
         self._stopping = anyio.Event()
         self._work_done = anyio.Event()
+        self._leave_now = False
+        self._beats: anyio.CancelScope | None = None
         self._poll_scopes: set[anyio.CancelScope] = set()
         self._current: set[JobRun] = set()
         self._fatal: ServiceError | None = None
@@ -97,8 +99,13 @@ class Agent:
     # -- control ---------------------------------------------------------------
 
     def stop(self, *, immediately: bool = False) -> None:
-        """Stop polling; let the running jobs run for the grace period (or not)."""
+        """Stop polling; let the running jobs run for the grace period (or not: then leave without waiting
+        for a last heartbeat or signing off)."""
         self._stopping.set()
+        if immediately:
+            self._leave_now = True
+            if self._work_done.is_set() and self._beats is not None:
+                self._beats.cancel()
         for scope in self._poll_scopes:
             scope.cancel()
         for run in self._current:
@@ -111,6 +118,7 @@ class Agent:
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         """Run until stopped. Raises :class:`ServiceError` if the credential is rejected."""
         async with anyio.create_task_group() as tg:
+            self._beats = tg.cancel_scope
             tg.start_soon(self._heartbeat_loop)
             task_status.started()
             async with anyio.create_task_group() as work:
@@ -119,13 +127,13 @@ class Agent:
             # A beat already on its way finishes first (for a few seconds at most): one the server
             # handled after the sign-off would bring the node back online until it went stale.
             self._work_done.set()
-            if self._fatal is not None or self.node_status == "retired":
+            if self._fatal is not None or self.node_status == "retired" or self._leave_now:
                 tg.cancel_scope.cancel()
             else:
                 tg.cancel_scope.deadline = anyio.current_time() + LAST_BEAT_SECONDS
         if self._fatal is not None:
             raise self._fatal
-        if self.node_status != "retired":
+        if self.node_status != "retired" and not self._leave_now:
             await self._sign_off()
 
     async def _sign_off(self) -> None:
