@@ -9,10 +9,11 @@ person is told about a device is exactly what decided (or will decide) the
 claim. Nothing here re-states a rule.
 
 A node that reports no devices has no device to judge; it is listed once, with
-the node-level rule it fails (status, trust domain, an unregistered model) or
-no reason at all. That rule is found by judging an *ideal* device, one with
-every accelerator the job needs and unbounded memory, so only the rules that do
-not depend on the device can fail.
+the node-level rule it fails (status, trust domain, an unregistered model), or
+not at all when it fails none: every listed reason is one of the rules' (API.md
+lists them), never null. That rule is found by judging an *ideal* device, one
+with every accelerator the job needs and unbounded memory, so only the rules
+that do not depend on the device can fail.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class IneligibleDevice(msgspec.Struct, kw_only=True):
     """A device that cannot take the job now, and the first rule it fails.
 
     ``device_label`` is None for a node that reports no devices; its ``reason``
-    is then the node-level rule it fails, or None when it fails none.
+    is then the node-level rule it fails (a node that fails none is not listed).
     """
 
     node_id: UUID
@@ -135,8 +136,7 @@ def survey(
     for node in nodes:
         if node.devices:
             ineligible.extend(by_node.get(node.id, ()))
-        else:
-            reason = node_level_reason(node, requires, models)
+        elif (reason := node_level_reason(node, requires, models)) is not None:
             ineligible.append(IneligibleDevice(node_id=node.id, node_name=node.name, device_label=None,
                                                device_kind=None, reason=reason))  # fmt: skip
     return eligible, ineligible

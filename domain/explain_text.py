@@ -61,7 +61,8 @@ def _largest(refused: Sequence[IneligibleDevice], reason: str, memory: str) -> s
 
 
 def refusal_clauses(
-    refused: Sequence[IneligibleDevice], requires: Requirements, models: Mapping[str, RegisteredModel]
+    refused: Sequence[IneligibleDevice], requires: Requirements, models: Mapping[str, RegisteredModel],
+    nodes: Sequence[NodeView] = (),
 ) -> list[str]:
     """Why no device can take the job now, most actionable first (memory, then capabilities, then nodes)."""
     memory = (_largest(refused, "vram_insufficient", "VRAM"), _largest(refused, "ram_insufficient", "RAM"))
@@ -83,7 +84,8 @@ def refusal_clauses(
         count = len({r.node_id for r in refused if r.reason == reason})
         if count:
             clauses.append(f"{_count(count, 'node')} {_be(count)} {state}")
-    bare = sum(1 for r in refused if r.device_label is None and r.reason is None)
+    listed = {r.node_id for r in refused}
+    bare = sum(1 for node in nodes if not node.devices and node.id not in listed)  # no device, no rule failed
     if bare:
         clauses.append(f"{_count(bare, 'node')} {'reports' if bare == 1 else 'report'} no devices")
     return clauses
@@ -115,7 +117,7 @@ def queued_summary(
         else None
     )
     if not eligible:
-        clauses = refusal_clauses(refused, requires, models) if nodes else ["no nodes are paired in this organization"]
+        clauses = refusal_clauses(refused, requires, models, nodes) if nodes else ["no nodes are paired in this organization"]
         return "No device can take it now: " + "; ".join([*clauses, *([not_due] if not_due else [])]) + "."
     takes = kinds_taken or {}
     takers = [e for e in eligible if kind is None or takes_kind(takes.get(e.node_id), kind)]

@@ -375,3 +375,19 @@ async def test_explain_counts_no_jobs_ahead_of_a_kind_the_nodes_agent_never_clai
     assert (await client.post("/v1/agent/heartbeat", json={"kinds": []}, headers=bearer(credential))).status_code == 200
     explained = (await client.get(f"/v1/jobs/{render['id']}/explain", headers=bearer(key))).json()
     assert "3 jobs ahead of it" in explained["summary"], explained["summary"]  # an agent of every kind takes them first
+
+
+async def test_explain_gives_every_listed_device_one_of_the_contracts_reasons(client, org):
+    """A node that reports no devices and fails no node-level rule has nothing to judge: it is not listed
+    (it was, with a null device and a null reason); its summary clause still says it reports no devices."""
+    from umbra.domain.eligibility import REASONS
+
+    _, key = org
+    node_id, _ = await pair(client, key, "full", devices=(CPU,))
+    _, empty = await pair(client, key, "empty")
+    assert (await client.post("/v1/agent/heartbeat", json={"devices": []}, headers=bearer(empty))).status_code == 200
+    job = (await client.post("/v1/jobs", json={"kind": "x", "requires": {"ram_min_mb": 40000}}, headers=bearer(key))).json()
+    explained = (await client.get(f"/v1/jobs/{job['id']}/explain", headers=bearer(key))).json()
+    assert explained["ineligible"] and all(item["reason"] in REASONS for item in explained["ineligible"]), explained
+    assert [item["node_id"] for item in explained["ineligible"]] == [node_id]
+    assert "1 node reports no devices" in explained["summary"], explained["summary"]
