@@ -32,7 +32,7 @@ from umbra.errors import Forbidden
 
 from .http import batch_principal, json_response, request_id
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
-from .params import KIND_QUERY, query_int, query_names
+from .params import KIND_QUERY, query_int, query_kinds
 from .routing import endpoint
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ async def claim(request: Request) -> Response:
         raise Forbidden("Only a node credential can claim jobs.")
     wait = query_int(request, "wait", default=DEFAULT_WAIT_SECONDS, minimum=0, maximum=MAX_WAIT_SECONDS)
     most = query_int(request, "max", default=1, minimum=1, maximum=MAX_JOBS_PER_REQUEST)
-    kinds = query_names(request, "kind")
+    kinds = query_kinds(request)
     node_id: UUID = who.node_id
     settings = services.settings
 

@@ -27,7 +27,7 @@ from umbra.projections import jobs as queue
 
 from .agent import MAX_JOBS_PER_REQUEST, release_unheard
 from .http import authorized, batch_principal, json_response, path_uuid, read_json, request_id
-from .params import KIND_QUERY, query_bool, query_int, query_names
+from .params import KIND_QUERY, query_bool, query_int, query_kinds
 from .routing import endpoint
 
 Attempt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
@@ -98,7 +98,7 @@ async def complete(request: Request) -> Response:
     claim_next = query_bool(request, "claim_next", default=False)
     if claim_next:
         who.require("compute:claim")
-    kinds = query_names(request, "kind")
+    kinds = query_kinds(request)
     body = await read_json(request, CompleteRequest)
     group = request.app.state.group_commit
     if not claim_next:
@@ -137,7 +137,7 @@ async def complete_many(request: Request) -> Response:
     claim_next = query_int(request, "claim_next", default=0, minimum=0, maximum=MAX_JOBS_PER_REQUEST)
     if claim_next:
         who.require("compute:claim")
-    kinds = query_names(request, "kind")
+    kinds = query_kinds(request)
     body = await read_json(request, CompleteManyRequest, items="results")
     seen: set[UUID] = set()
     for index, item in enumerate(body.results):

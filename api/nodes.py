@@ -16,7 +16,7 @@ from msgspec import Meta
 from starlette.requests import Request
 
 from umbra.compute import credentials, heartbeat, nodes
-from umbra.compute.jobs import Name
+from umbra.compute.jobs import Kinds
 from umbra.domain.heartbeat import HeartbeatReport
 from umbra.domain.nodes import is_busy
 from umbra.errors import InvalidRequest
@@ -82,7 +82,7 @@ class HeartbeatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     #: When the agent process started; a new value records a restart.
     agent_started_at: Annotated[datetime, Meta(tz=True)] | None = None
     #: The job kinds the agent takes (the kinds its claims name); empty: every kind; omitted: unchanged.
-    kinds: Annotated[list[Name], Meta(max_length=100)] | None = None
+    kinds: Kinds | None = None
 
 
 class HeartbeatOut(msgspec.Struct, kw_only=True):

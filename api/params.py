@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
+from umbra.compute.jobs import MAX_NAMED_KINDS, NAME_LENGTH
 from umbra.errors import InvalidRequest
 
 
@@ -50,28 +51,25 @@ def query_list(request: Request, name: str, *, allowed: tuple[str, ...], default
     return words
 
 
-#: Values a repeatable parameter may carry at most, and characters each.
-MAX_REPEATED, MAX_NAME = 100, 200
+def query_kinds(request: Request) -> frozenset[str] | None:
+    """The job kinds a claim names (``?kind=a&kind=b``), or ``None`` when it names none (every kind).
 
-
-def query_names(request: Request, name: str) -> frozenset[str] | None:
-    """Every value of a repeatable parameter (``?kind=a&kind=b``), or ``None`` when it is absent.
-
-    Repeated rather than comma-separated, so any name (a job kind is any text
-    of 1 to 200 characters) can be given. An empty or over-long value, or more
-    than :data:`MAX_REPEATED` of them, is refused naming the parameter.
+    Repeated rather than comma-separated, so any kind (1 to 200 characters of
+    any text) can be named. Limited as a heartbeat's ``kinds`` are
+    (:data:`umbra.compute.jobs.Kinds`): an empty or over-long value, or more
+    than 100 of them, is refused naming the parameter.
     """
-    values = request.query_params.getlist(name)
+    values = request.query_params.getlist("kind")
     if not values:
         return None
-    if len(values) > MAX_REPEATED:
-        raise InvalidRequest(f"{name} may be given at most {MAX_REPEATED} times, got {len(values)}.", field=name)
-    bad = next((v for v in values if not 1 <= len(v) <= MAX_NAME), None)
+    if len(values) > MAX_NAMED_KINDS:
+        raise InvalidRequest(f"kind may be given at most {MAX_NAMED_KINDS} times, got {len(values)}.", field="kind")
+    bad = next((v for v in values if not 1 <= len(v) <= NAME_LENGTH), None)
     if bad is not None:
-        raise InvalidRequest(f"each {name} must be 1 to {MAX_NAME} characters, got {len(bad)}.", field=name)
+        raise InvalidRequest(f"each kind must be 1 to {NAME_LENGTH} characters, got {len(bad)}.", field="kind")
     return frozenset(values)
 
 
 #: The ``kind`` parameter of every claim, as the route tables declare it (``/openapi.json``).
-KIND_QUERY = (list[str], False, "Repeatable: claim only a job of one of these kinds (at most 100, each 1 to 200 "
-                                "characters); without it, a job of any kind.")
+KIND_QUERY = (list[str], False, f"Repeatable: claim only a job of one of these kinds (at most {MAX_NAMED_KINDS}, "
+                                f"each 1 to {NAME_LENGTH} characters); without it, a job of any kind.")

@@ -23,8 +23,7 @@ import msgspec
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from umbra.domain.eligibility import NodeView, blocking_reason
-from umbra.domain.eligibility import takes_kind
+from umbra.domain.eligibility import NodeView, blocking_reason, takes_kind
 from umbra.domain.explain import Explanation, QueueStanding, competing_ahead, survey
 from umbra.domain.explain_text import blocked_summary, placed_summary, queued_summary
 from umbra.domain.models import RegisteredModel

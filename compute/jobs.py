@@ -39,7 +39,13 @@ from .blocked import BlockingJudge
 
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
 Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-Name = Annotated[str, Meta(min_length=1, max_length=200)]
+#: Characters a name (a job kind, a model, a trust domain, an accelerator) may have.
+NAME_LENGTH = 200
+Name = Annotated[str, Meta(min_length=1, max_length=NAME_LENGTH)]
+#: Job kinds a claim or a heartbeat may name at most.
+MAX_NAMED_KINDS = 100
+#: The job kinds an agent takes, as a heartbeat reports them (a claim names them in its query).
+Kinds = Annotated[list[Name], Meta(max_length=MAX_NAMED_KINDS)]
 MaxAttempts = Annotated[int, Meta(ge=1, le=100)]
 IdempotencyKey = Annotated[str, Meta(min_length=1, max_length=200)]
 

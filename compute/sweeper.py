@@ -49,8 +49,8 @@ from umbra.projections.jobs import Change
 from umbra.settings import Settings
 
 from . import pairing, statistics
-from .claims import releases
 from .blocked import reexamine_waiting_jobs
+from .claims import releases
 from .jobs import record_and_settle
 
 log = logging.getLogger(__name__)

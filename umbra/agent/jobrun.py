@@ -32,13 +32,13 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import anyio
 import httpx
 import msgspec
 
-from .client import AgentClient, Claim, ServiceError, claim_kinds
+from .client import AgentClient, Claim, ServiceError
 from .handlers import Decompose, HandlerRegistry, PermanentError, is_retryable
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,11 @@ class JobRun:
         on_rejected: Callable[[ServiceError], None],
         backoff: tuple[float, float] = (0.5, 30.0),
         claim_next: Callable[[], bool] = lambda: False,
+        kinds: Sequence[str] = (),
     ) -> None:
         self.client = client
+        #: The kinds the claim of the next job names (the agent's: ``Agent.kinds``).
+        self._kinds = kinds
         self._claim_next = claim_next
         self.registry = registry
         self.claim = claim
@@ -197,8 +200,7 @@ class JobRun:
             if asked:  # a retry: the lost first answer may have carried a claim already
                 return await self.client.complete(claim.job_id, claim.attempt, result), None
             asked = True
-            return await self.client.complete_and_claim(claim.job_id, claim.attempt, result,
-                                                       kinds=claim_kinds(self.registry.kinds))
+            return await self.client.complete_and_claim(claim.job_id, claim.attempt, result, kinds=self._kinds)
 
         outcome = await self._undeliverable_fails(await self._report("complete", complete_and_claim), "result")
         if outcome.status != "complete":

@@ -254,7 +254,7 @@ class Agent:
         config = self.config
         run = JobRun(self.client, self.registry, claim, on_rejected=self._reject,
                      backoff=(config.backoff_base_seconds, config.backoff_cap_seconds),
-                     claim_next=lambda: not self.stopping)  # fmt: skip
+                     claim_next=lambda: not self.stopping, kinds=self.kinds)  # fmt: skip
         if self.stopping:
             run.stop(config.grace_seconds)
         self._current.add(run)
