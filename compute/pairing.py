@@ -48,11 +48,13 @@ from .nodes import append_node_events, capacity_cause
 
 log = logging.getLogger(__name__)
 
-#: Redemption attempts allowed per source address per window. At 20 guesses a
-#: quarter-hour the 1,000,000-code space takes about 21 years to walk.
+#: Redemption attempts admitted per source address within any window of
+#: :data:`WINDOW_SECONDS`. At 20 guesses a quarter-hour the 1,000,000-code
+#: space takes about 21 years to walk.
 ATTEMPTS_PER_WINDOW = 20
-#: The fixed window, aligned on the database clock; the count resets with it,
-#: so this is a rate, not a lifetime total.
+#: The sliding window, on the database clock: the attempts of the last 15
+#: minutes, whenever they fell, so this is a rate, not a lifetime total, and no
+#: boundary lets a source spend its budget twice in a row.
 WINDOW_SECONDS = 15 * 60
 TTL_MIN_SECONDS, TTL_MAX_SECONDS, TTL_DEFAULT_SECONDS = 60, 1800, 600
 #: How long a code's row is kept once it expired (redeemed or not), for a look
@@ -153,16 +155,15 @@ async def issue_pairing_code(
 
 
 _CHARGE = """
-WITH w AS (
-    SELECT date_bin(make_interval(secs => %(window)s), umbra_now(), TIMESTAMPTZ '2000-01-01 00:00:00+00') AS start
-), expired AS (
-    DELETE FROM pairing_attempts p USING w WHERE p.source = %(source)s AND p.window_start < w.start
+INSERT INTO pairing_attempt_times AS p (source, attempted_at) VALUES (%(source)s, ARRAY[umbra_now()])
+ON CONFLICT (source) DO UPDATE SET (attempted_at, refused) = (
+    SELECT CASE WHEN count(*) >= %(budget)s THEN coalesce(array_agg(at ORDER BY at), '{}')
+                ELSE coalesce(array_agg(at ORDER BY at), '{}') || umbra_now() END,
+           count(*) >= %(budget)s
+    FROM unnest(p.attempted_at) at WHERE at > umbra_now() - make_interval(secs => %(window)s)
 )
-INSERT INTO pairing_attempts (source, window_start, attempts)
-SELECT %(source)s, w.start, 1 FROM w
-ON CONFLICT (source, window_start) DO UPDATE SET attempts = pairing_attempts.attempts + 1
-RETURNING attempts,
-          greatest(1, ceil(extract(epoch FROM window_start + make_interval(secs => %(window)s) - umbra_now())))::int
+RETURNING refused,
+          greatest(1, ceil(extract(epoch FROM attempted_at[1] + make_interval(secs => %(window)s) - umbra_now())))::int
 """
 
 
@@ -171,13 +172,16 @@ async def charge_attempt(conn: psycopg.AsyncConnection, source: str) -> None:
 
     Must run as its own committed statement (``conn`` in autocommit, outside a
     transaction) *before* the code is checked, so a failing redemption still
-    counts and a right code past the budget is refused like a wrong one.
+    counts and a right code past the budget is refused like a wrong one. A
+    refused attempt is not counted: the budget caps the guesses that reach a
+    code, and ``Retry-After`` is then exactly when the oldest admitted attempt
+    leaves the window and the next is admitted.
     """
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         raise RuntimeError("charge_attempt must commit on its own; call it outside a transaction")
-    row = await (await conn.execute(_CHARGE, {"window": WINDOW_SECONDS, "source": source})).fetchone()
-    attempts, retry_after = row
-    if attempts > ATTEMPTS_PER_WINDOW:
+    params = {"source": source, "budget": ATTEMPTS_PER_WINDOW, "window": WINDOW_SECONDS}
+    refused, retry_after = await (await conn.execute(_CHARGE, params)).fetchone()
+    if refused:
         log.warning("pairing rate limit reached", extra={"action": "pairing_rate_limited", "source": source})
         raise RateLimited(
             f"Too many pairing attempts from this address; try again in {retry_after} s.", retry_after=retry_after
@@ -287,15 +291,18 @@ async def redeem_pairing_code(
 
 
 _PRUNE_CODES = "DELETE FROM pairing_codes WHERE expires_at < umbra_now() - make_interval(secs => %s)"
-_PRUNE_ATTEMPTS = "DELETE FROM pairing_attempts WHERE window_start + make_interval(secs => %s) <= umbra_now()"
+_PRUNE_ATTEMPTS = """
+DELETE FROM pairing_attempt_times
+WHERE attempted_at[cardinality(attempted_at)] + make_interval(secs => %s) <= umbra_now()
+"""
 
 
 async def prune(conn: psycopg.AsyncConnection) -> int:
-    """Delete pairing codes past their retention and attempt counts of windows that ended; returns the rows deleted.
+    """Delete pairing codes past their retention and sources with no attempt left in the window; returns the rows deleted.
 
     Neither is an event: a pairing is recorded in the log by the node's own
-    events (``node.created``, ``node.paired``). An ended window no longer
-    limits anyone; a source's next attempt would delete its old windows
+    events (``node.created``, ``node.paired``). A source whose attempts all
+    left the window no longer limits anyone; its next attempt would trim them
     anyway, but sources that never come back would stay forever.
     """
     codes = await conn.execute(_PRUNE_CODES, (RETENTION_SECONDS,))

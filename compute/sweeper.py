@@ -16,8 +16,8 @@ Each tick, in separate command transactions:
   (:mod:`umbra.compute.statistics`);
 * every :data:`REEXAMINE_SECONDS`, **waiting jobs** get a second look (see
   :func:`sweep_once`): blocked ones something could now run are unblocked,
-  queued ones nothing could ever run are blocked; and spent **pairing codes** and ended rate-limit
-  windows are deleted (:func:`umbra.compute.pairing.prune`).
+  queued ones nothing could ever run are blocked; and spent **pairing codes** and the rate limit's
+  sources with no attempt left in its window are deleted (:func:`umbra.compute.pairing.prune`).
 
 It runs inside the server from startup, in exactly one process at a time:
 :func:`run` holds a session-level advisory lock on a dedicated connection

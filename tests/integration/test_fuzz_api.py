@@ -10,8 +10,8 @@ checked on every request:
   a server error;
 * a refused request (4xx) writes nothing: the log, the jobs, nodes, models,
   pairing codes, credentials and node liveness are the same after it. Only the
-  pairing rate-limit counter (``pairing_attempts``) is meant to move on a
-  refused redemption, so it is left out.
+  pairing rate limit's attempt times (``pairing_attempt_times``) are meant to move on a
+  refused redemption, so they are left out.
 
 Twenty examples per operation keep the suite fast; ``UMBRA_FUZZ_EXAMPLES``
 asks for more (400 each take about five minutes on two cores, and reach

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from datetime import datetime
 
-import anyio
 import pytest
 
 from umbra.compute.accounts import create_api_key, create_organization
@@ -183,29 +182,26 @@ async def test_the_model_registry_is_per_organization(client, conn, org):
     assert (await client.get("/v1/models", headers=bearer(other_key))).json() == {"models": []}
 
 
-async def seconds_left_in_window(conn) -> int:
-    """What ``Retry-After`` should say now: the seconds until the current rate-limit window ends (database clock)."""
+async def seconds_until_the_first_attempt_leaves(conn) -> int:
+    """What ``Retry-After`` should say now: when the oldest counted attempt leaves the 15-minute window (database clock)."""
     [(left,)] = await (await conn.execute(
-        "SELECT greatest(1, ceil(extract(epoch FROM date_bin(make_interval(secs => %(w)s), umbra_now(),"
-        " TIMESTAMPTZ '2000-01-01 00:00:00+00') + make_interval(secs => %(w)s) - umbra_now())))::int",
-        {"w": WINDOW_SECONDS})).fetchall()  # fmt: skip
+        "SELECT greatest(1, ceil(extract(epoch FROM attempted_at[1] + make_interval(secs => %s) - umbra_now())))::int"
+        " FROM pairing_attempt_times", (WINDOW_SECONDS,))).fetchall()  # fmt: skip
     return left
 
 
 async def test_the_twenty_first_redeem_is_429_with_retry_after(client, conn, org):
     _, key = org
-    if (left := await seconds_left_in_window(conn)) < 10:  # the 21 attempts must fall in one fixed window
-        await anyio.sleep(left + 1)
     code = (await client.post("/v1/pairings", json={"name": "gpu-box"}, headers=bearer(key))).json()["code"]
     wrong = f"{(int(code) + 1) % 1_000_000:06d}"
     for _ in range(20):
         answer = await client.post("/v1/pairings/redeem", json={"code": wrong, "name": "gpu-box"})
         assert answer.status_code == 401 and answer.json()["error"] == "pairing_code_invalid"
-    before = await seconds_left_in_window(conn)
+    before = await seconds_until_the_first_attempt_leaves(conn)
     limited = await client.post("/v1/pairings/redeem", json={"code": code, "name": "gpu-box"})
-    after = await seconds_left_in_window(conn)
+    after = await seconds_until_the_first_attempt_leaves(conn)
     assert limited.status_code == 429 and limited.json()["error"] == "rate_limited"
-    # The seconds until the window the attempts were counted in ends: no more, no less.
+    # The seconds until the first of the twenty leaves the window, when the next attempt is admitted: no more, no less.
     assert after <= int(limited.headers["Retry-After"]) <= before
     assert (await client.get("/v1/nodes", headers=bearer(key))).json() == {"nodes": []}
 
@@ -217,15 +213,13 @@ async def test_an_invalid_redeem_body_counts_as_an_attempt(client, conn, org):
     tpu = {**CPU, "kind": "tpu"}
     answer = await client.post("/v1/pairings/redeem", json={"code": code, "name": "gpu-box", "devices": [tpu]})
     assert (answer.status_code, answer.json()["error"]) == (422, "invalid_request"), answer.text
-    assert (await (await conn.execute("SELECT sum(attempts) FROM pairing_attempts")).fetchone())[0] == 1
+    assert (await (await conn.execute("SELECT sum(cardinality(attempted_at)) FROM pairing_attempt_times")).fetchone())[0] == 1
     assert (await client.get("/v1/nodes", headers=bearer(key))).json() == {"nodes": []}
 
 
 async def test_the_twenty_first_redeem_is_429_after_twenty_invalid_bodies(client, conn, org):
     """The limit is checked before the body as well as the code: the 21st gets 429 whatever it carries."""
     _, key = org
-    if (left := await seconds_left_in_window(conn)) < 10:  # the 21 attempts must fall in one fixed window
-        await anyio.sleep(left + 1)
     code = (await client.post("/v1/pairings", json={"name": "gpu-box"}, headers=bearer(key))).json()["code"]
     invalid = [{"json": {"code": code, "name": "gpu-box", "devices": [{**CPU, "kind": "tpu"}]}},  # an unknown device kind
                {"json": {"code": "1" * 33, "name": "gpu-box"}},  # a code longer than 32 characters
@@ -233,9 +227,9 @@ async def test_the_twenty_first_redeem_is_429_after_twenty_invalid_bodies(client
     for i in range(ATTEMPTS):
         answer = await client.post("/v1/pairings/redeem", **invalid[i % len(invalid)])
         assert (answer.status_code, answer.json()["error"]) == (422, "invalid_request"), answer.text
-    before = await seconds_left_in_window(conn)
+    before = await seconds_until_the_first_attempt_leaves(conn)
     limited = await client.post("/v1/pairings/redeem", json={"code": code, "name": "gpu-box"})
-    after = await seconds_left_in_window(conn)
+    after = await seconds_until_the_first_attempt_leaves(conn)
     assert (limited.status_code, limited.json()["error"]) == (429, "rate_limited")
     assert after <= int(limited.headers["Retry-After"]) <= before
     still = await client.post("/v1/pairings/redeem", **invalid[0])
@@ -266,8 +260,6 @@ async def test_a_client_cannot_choose_its_rate_limit_bucket_with_x_forwarded_for
 
     from tests.conftest import LiveServer
 
-    if (left := await seconds_left_in_window(conn)) < 10:  # the 21 attempts must fall in one fixed window
-        await anyio.sleep(left + 1)
     logged: list[logging.LogRecord] = []
     access_log = logging.getLogger("umbra.api.middleware")
     capture = logging.Handler()
@@ -287,8 +279,8 @@ async def test_a_client_cannot_choose_its_rate_limit_bucket_with_x_forwarded_for
         access_log.removeHandler(capture)
         access_log.setLevel(old_level)
     assert answers == [401] * ATTEMPTS + [429]
-    sources = await (await conn.execute("SELECT source, attempts FROM pairing_attempts")).fetchall()
-    assert sources == [(counted, ATTEMPTS + 1)]
+    sources = await (await conn.execute("SELECT source, cardinality(attempted_at), refused FROM pairing_attempt_times")).fetchall()
+    assert sources == [(counted, ATTEMPTS, True)]  # the 21st was charged to the same source, and refused
     requests = [r for r in logged if getattr(r, "action", None) == "http_request"]
     assert len(requests) == ATTEMPTS + 1 and {r.client for r in requests} == {counted}
 

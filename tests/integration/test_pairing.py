@@ -7,7 +7,7 @@ import psycopg
 import pytest
 
 from umbra.compute.auth import NODE_SCOPES, VerifiedTokenCache, authenticate
-from umbra.compute.pairing import ATTEMPTS_PER_WINDOW, charge_attempt, issue_pairing_code, redeem_pairing_code
+from umbra.compute.pairing import ATTEMPTS_PER_WINDOW, WINDOW_SECONDS, charge_attempt, issue_pairing_code, redeem_pairing_code
 from umbra.errors import Conflict, InvalidRequest, RateLimited, Unauthenticated
 from umbra.events import store
 from umbra.events.types import Device
@@ -148,15 +148,61 @@ async def test_the_rate_limit_is_charged_before_the_code_is_checked(conn, org):
     await redeem(conn, issued.code, source="10.0.0.2")
 
 
-async def test_the_window_resets(conn, org):
-    for _ in range(ATTEMPTS_PER_WINDOW):
+async def travel(conn, seconds: int) -> None:
+    """Move this session's database clock to ``seconds`` from the real now (``umbra_now``)."""
+    await conn.execute("SELECT set_config('umbra.clock_offset', %s, false)", (f"{seconds} seconds",))
+
+
+async def test_the_window_slides(conn, org):
+    """The last 15 minutes, whenever they began: no boundary gives a source its budget twice in a row.
+
+    Fixed windows let 20 attempts just before a boundary and 20 just after it through within seconds.
+    """
+    window, half = WINDOW_SECONDS, ATTEMPTS_PER_WINDOW // 2
+    for _ in range(half):
+        await charge_attempt(conn, "10.0.0.9")
+    await travel(conn, 600)
+    for _ in range(half):
+        await charge_attempt(conn, "10.0.0.9")
+    for _ in range(3):  # refused attempts are not counted: they move nothing
+        with pytest.raises(RateLimited) as limited:
+            await charge_attempt(conn, "10.0.0.9")
+        assert window - 600 - 5 <= limited.value.retry_after <= window - 600 + 1  # when the first ten leave it
+    # Wherever a fixed 15-minute window would have ended, 14 minutes on the budget is still spent.
+    await travel(conn, window - 60)
+    with pytest.raises(RateLimited) as limited:
+        await charge_attempt(conn, "10.0.0.9")
+    assert 55 <= limited.value.retry_after <= 61
+    # The first ten have left the window: exactly ten more are admitted, until the second ten leave too.
+    await travel(conn, window + 1)
+    for _ in range(half):
         await charge_attempt(conn, "10.0.0.9")
     with pytest.raises(RateLimited) as limited:
         await charge_attempt(conn, "10.0.0.9")
-    await conn.execute("SELECT set_config('umbra.clock_offset', %s, false)", (f"{limited.value.retry_after} seconds",))
+    assert 595 <= limited.value.retry_after <= 601
+    await travel(conn, 600 + window + 1)
     await charge_attempt(conn, "10.0.0.9")
-    rows = (await (await conn.execute("SELECT count(*) FROM pairing_attempts WHERE source = '10.0.0.9'")).fetchone())[0]
-    assert rows == 1  # the spent window was dropped when the next one opened
+    [(kept, refused)] = await (await conn.execute(
+        "SELECT cardinality(attempted_at), refused FROM pairing_attempt_times WHERE source = '10.0.0.9'")).fetchall()
+    assert (kept, refused) == (half + 1, False)  # the times that left the window were dropped
+
+
+async def test_concurrent_attempts_of_one_source_are_all_counted(db_url, conn, org):
+    """The source's row lock orders them: of 30 at once, exactly 20 are admitted."""
+    outcomes: list[str] = []
+
+    async def attempt() -> None:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as own:
+            try:
+                await charge_attempt(own, "10.0.0.7")
+                outcomes.append("admitted")
+            except RateLimited:
+                outcomes.append("refused")
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(ATTEMPTS_PER_WINDOW + 10):
+            tg.start_soon(attempt)
+    assert sorted(outcomes) == ["admitted"] * ATTEMPTS_PER_WINDOW + ["refused"] * 10
 
 
 async def test_charging_must_commit_on_its_own(conn):
@@ -317,5 +363,5 @@ async def test_given_a_pool_pairing_holds_no_connection_while_it_hashes(db_url, 
         assert probed == ["code", "code", "code", "credential"]
     who = await authenticate(conn, redeemed.credential, VerifiedTokenCache())
     assert (who.kind, who.node_id) == ("node", redeemed.node_id)
-    attempts = (await (await conn.execute("SELECT sum(attempts) FROM pairing_attempts")).fetchone())[0]
+    attempts = (await (await conn.execute("SELECT sum(cardinality(attempted_at)) FROM pairing_attempt_times")).fetchone())[0]
     assert attempts == 2

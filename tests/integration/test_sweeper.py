@@ -177,7 +177,7 @@ async def test_a_blocked_job_missed_by_a_node_change_is_unblocked_by_the_sweeper
     assert (await queue.load(conn, job.id, org_id)).status == "queued"
 
 
-async def test_spent_pairing_codes_and_ended_rate_limit_windows_are_pruned(conn, org):
+async def test_spent_pairing_codes_and_sources_past_the_rate_limit_window_are_pruned(conn, org):
     from umbra.compute import pairing
 
     org_id, _ = org
@@ -193,16 +193,19 @@ async def test_spent_pairing_codes_and_ended_rate_limit_windows_are_pruned(conn,
             " CASE WHEN %s THEN umbra_now() + make_interval(secs => %s) END)",
             (org_id, name, expires_in, redeemed, expires_in - 10),
         )  # fmt: skip
-    for source, started_ago in (("gone", 2 * window), ("ended", window), ("current", window // 2)):
-        await conn.execute("INSERT INTO pairing_attempts VALUES (%s, umbra_now() - make_interval(secs => %s), 3)",
-                           (source, started_ago))  # fmt: skip
+    # Each source's admitted attempts, by how long ago: only a source with one still in the window is kept.
+    for source, ago in (("gone", [3 * window, 2 * window]), ("ended", [2 * window, window]),
+                        ("current", [2 * window, window // 2])):  # fmt: skip
+        await conn.execute("INSERT INTO pairing_attempt_times (source, attempted_at)"
+                           " SELECT %s, array_agg(umbra_now() - make_interval(secs => s) ORDER BY s DESC) FROM unnest(%s::int[]) s",
+                           (source, ago))  # fmt: skip
     report = await sweep_once(conn, SETTINGS, reexamine=False)
     assert report.pairing_rows_pruned == 0  # only with the periodic second look
     report = await sweep_once(conn, SETTINGS)
     assert report.pairing_rows_pruned == 4
     kept = await (await conn.execute("SELECT node_name FROM pairing_codes ORDER BY node_name")).fetchall()
     assert [name for (name,) in kept] == ["just-expired", "just-redeemed", "live"]
-    sources = await (await conn.execute("SELECT source FROM pairing_attempts")).fetchall()
+    sources = await (await conn.execute("SELECT source FROM pairing_attempt_times")).fetchall()
     assert [source for (source,) in sources] == ["current"]
 
 
