@@ -18,7 +18,7 @@ from starlette.requests import Request
 from umbra.errors import NotFound
 from umbra.events import store
 
-from .http import json_response, path_uuid, principal
+from .http import authenticated, json_response, path_uuid
 from .params import bounded_int, query_int
 from .routing import endpoint
 from .sse import LogWatch, StreamRead, message, sse_stream, stream_principal, watched_reads
@@ -54,8 +54,7 @@ class StreamHistory(msgspec.Struct, kw_only=True):
 
 
 async def list_events(request: Request):
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "events:read")
+    async with authenticated(request, "events:read") as (who, conn):
         after = query_int(request, "after", default=0, minimum=0, maximum=MAX_POSITION)
         limit = query_int(request, "limit", default=100, minimum=1, maximum=MAX_PAGE)
         batch = await store.read_log(conn, after=after, limit=limit, organization_id=who.organization_id)
@@ -66,8 +65,7 @@ def _history(stream_of, code: str, noun: str):
     """A stream's whole history in stream order, for one object of the caller's organization."""
 
     async def history(request: Request):
-        async with request.app.state.services.pool.connection() as conn:
-            who = await principal(request, conn, "events:read")
+        async with authenticated(request, "events:read") as (who, conn):
             object_id = path_uuid(request, "id", code=code)
             recorded = await store.read_stream(conn, stream_of(object_id))
         if not recorded or recorded[0].organization_id != who.organization_id:
@@ -91,8 +89,7 @@ def resume_position(request: Request) -> int:
 
 async def stream_events(request: Request):
     services = request.app.state.services
-    async with services.pool.connection() as conn:
-        who = await stream_principal(request, conn, "events:read")
+    who = await stream_principal(request, "events:read")
     after = resume_position(request)
     watch: LogWatch = request.app.state.log_watch
     return sse_stream(watched_reads(services, watch, who, _log_reader(who.organization_id, after)), name="events", watch=watch)

@@ -8,14 +8,13 @@ from starlette.responses import Response
 from umbra.compute.explain import explain
 from umbra.domain.explain import Explanation
 
-from .http import json_response, path_uuid, principal
+from .http import authenticated, json_response, path_uuid
 from .routing import endpoint
 
 
 async def explain_job(request: Request) -> Response:
     settings = request.app.state.services.settings
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:read")
+    async with authenticated(request, "jobs:read") as (who, conn):
         job_id = path_uuid(request, code="job_not_found")
         answer = await explain(
             conn,

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any, Sequence, TypeVar
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Sequence, TypeVar
 from uuid import UUID
 
 import msgspec
+import psycopg
 from starlette.requests import Request
 from starlette.responses import Response
 
-from umbra.compute.auth import Principal, authenticate, authenticate_pooled, credential_is_live, revoked
+from umbra.compute.auth import Principal, authenticate_pooled, authenticated_connection, credential_is_live, revoked
 from umbra.db import DATABASE_AWAY
 from umbra.compute.jobs import MAX_JSON_DEPTH, TOO_DEEP
 from umbra.errors import InvalidRequest, NotFound, UmbraError
@@ -148,14 +150,25 @@ def bearer_token(request: Request) -> str | None:
     return token.strip()
 
 
-async def principal(request: Request, conn, *any_of_scopes: str) -> Principal:
-    """Authenticate the request on ``conn`` and check one of the scopes (403 otherwise)."""
-    who = await authenticate(conn, bearer_token(request), request.app.state.services.token_cache)
-    return _admitted(request, who, any_of_scopes)
+@asynccontextmanager
+async def authenticated(request: Request, *any_of_scopes: str) -> AsyncIterator[tuple[Principal, psycopg.AsyncConnection]]:
+    """Authenticate the request, check one of the scopes (403 otherwise), and lend a pooled connection
+    for the route's queries: ``async with authenticated(request, "jobs:read") as (who, conn):``.
+
+    No connection is held while a token not yet cached is verified (argon2id, ~70 ms): one held
+    meanwhile is one the agents' batches and every other request wait for. A cached token's
+    revocation is checked on the connection the route then uses (see
+    :func:`umbra.compute.auth.authenticated_connection`). Both come before the route looks at its
+    path, query or body, so an unknown or revoked credential is 401 and a missing scope 403 whatever
+    they hold.
+    """
+    services = request.app.state.services
+    async with authenticated_connection(services.pool, bearer_token(request), services.token_cache) as (who, conn):
+        yield _admitted(request, who, any_of_scopes), conn
 
 
 async def authorized(request: Request, *any_of_scopes: str) -> Principal:
-    """:func:`principal` on connections borrowed for its queries alone (not during argon2).
+    """:func:`authenticated` on connections borrowed for its queries alone, none lent to the route.
 
     For routes that read a body next: the client may send it slowly, and a
     connection held meanwhile is one the agents' batches and every other
@@ -167,7 +180,7 @@ async def authorized(request: Request, *any_of_scopes: str) -> Principal:
 
 
 async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
-    """:func:`principal` for a route whose command goes through the group commit.
+    """:func:`authorized` for a route whose command goes through the group commit.
 
     The batch re-checks the credential's revocation in its own transaction
     (pass ``who.credential_id`` to the command), so a cached token costs no

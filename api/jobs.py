@@ -11,7 +11,7 @@ from umbra.compute.jobs import BatchRequest, JobRequest
 from umbra.errors import InvalidRequest, NotFound
 from umbra.projections import jobs as queue
 
-from .http import authorized, json_response, path_uuid, principal, read_json, request_id
+from .http import authenticated, authorized, json_response, path_uuid, read_json, request_id
 from .params import query_int
 from .routing import endpoint
 
@@ -40,8 +40,7 @@ async def submit_batch(request: Request) -> Response:
 
 
 async def list_jobs(request: Request) -> Response:
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:read")
+    async with authenticated(request, "jobs:read") as (who, conn):
         statuses = jobs.parse_statuses(request.query_params.get("status"))
         limit = query_int(request, "limit", default=DEFAULT_LIMIT, minimum=1, maximum=MAX_LIMIT)
         after = query_int(request, "after", default=0, minimum=0, maximum=2**63 - 1)
@@ -50,8 +49,7 @@ async def list_jobs(request: Request) -> Response:
 
 
 async def get_job(request: Request) -> Response:
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:read", "compute:read")
+    async with authenticated(request, "jobs:read", "compute:read") as (who, conn):
         job_id = path_uuid(request, code="job_not_found")
         as_of = request.query_params.get("as_of")
         if as_of is not None and not as_of.strip():
@@ -65,8 +63,7 @@ async def get_job(request: Request) -> Response:
 
 
 async def cancel_job(request: Request) -> Response:
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:write")
+    async with authenticated(request, "jobs:write") as (who, conn):
         job_id = path_uuid(request, code="job_not_found")
         row = await jobs.cancel(conn, who.organization_id, job_id, actor=who.actor, request_id=request_id(request))
     return json_response(queue.job_out(row))

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from umbra.compute import models
 from umbra.domain.models import RegisteredModel
 
-from .http import authorized, json_response, principal, read_json, request_id
+from .http import authenticated, authorized, json_response, read_json, request_id
 from .nodes import Megabytes, Word, rfc3339
 from .routing import endpoint
 
@@ -60,8 +60,7 @@ def model_out(m: RegisteredModel) -> ModelOut:
 
 
 async def list_models(request: Request):
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:read", "nodes:admin", "compute:read")
+    async with authenticated(request, "jobs:read", "nodes:admin", "compute:read") as (who, conn):
         registry = await models.list_models(conn, who.organization_id)
     return json_response(ModelList(models=[model_out(m) for m in registry]))
 

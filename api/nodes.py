@@ -22,7 +22,7 @@ from umbra.domain.nodes import is_busy
 from umbra.errors import InvalidRequest
 from umbra.events.types import Device, ResidentModel
 
-from .http import authorized, json_response, path_uuid, principal, read_json, request_id
+from .http import authenticated, authorized, json_response, path_uuid, read_json, request_id
 from .routing import endpoint
 
 Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -181,15 +181,13 @@ async def agent_offline(request: Request):
 
 
 async def list_nodes(request: Request):
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:read", "nodes:admin")
+    async with authenticated(request, "jobs:read", "nodes:admin") as (who, conn):
         views = await nodes.load_schedulable_view(conn, who.organization_id, stale_seconds=_stale(request))
     return json_response(NodeList(nodes=[node_out(v) for v in views]))
 
 
 async def get_node(request: Request):
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "jobs:read", "nodes:admin", "compute:read")
+    async with authenticated(request, "jobs:read", "nodes:admin", "compute:read") as (who, conn):
         node_id = path_uuid(request, "id", code="node_not_found")
         view = None
         if who.node_id is None or who.node_id == node_id:
@@ -201,9 +199,7 @@ async def get_node(request: Request):
 
 def _admin_action(command):
     async def handle(request: Request):
-        services = request.app.state.services
-        async with services.pool.connection() as conn:
-            who = await principal(request, conn, "nodes:admin")
+        async with authenticated(request, "nodes:admin") as (who, conn):
             node_id = path_uuid(request, "id", code="node_not_found")
             await command(request, conn, who, node_id)
             view = await nodes.node_view(conn, node_id, organization_id=who.organization_id, stale_seconds=_stale(request))

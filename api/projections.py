@@ -25,7 +25,7 @@ from umbra.events.types import JOB_STATUSES
 from umbra.projections import jobs as job_rows
 from umbra.projections.verify import verify
 
-from .http import json_response, principal
+from .http import authenticated, json_response
 from .nodes import node_out
 from .params import query_int, query_list
 from .routing import endpoint
@@ -87,8 +87,7 @@ async def read_nodes(conn, organization_id: UUID, stale_seconds: int) -> dict[st
 
 
 async def queue_snapshot(request: Request):
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, *READ_SCOPES)
+    async with authenticated(request, *READ_SCOPES) as (who, conn):
         limit = query_int(request, "limit", default=DEFAULT_LISTED_JOBS, minimum=0, maximum=MAX_LISTED_JOBS)
         async with conn.transaction():
             await _snapshot_transaction(conn)
@@ -98,8 +97,7 @@ async def queue_snapshot(request: Request):
 
 async def nodes_snapshot(request: Request):
     services = request.app.state.services
-    async with services.pool.connection() as conn:
-        who = await principal(request, conn, *READ_SCOPES, "nodes:admin")
+    async with authenticated(request, *READ_SCOPES, "nodes:admin") as (who, conn):
         async with conn.transaction():
             await _snapshot_transaction(conn)
             view = await read_nodes(conn, who.organization_id, services.settings.heartbeat_stale_seconds)
@@ -107,16 +105,14 @@ async def nodes_snapshot(request: Request):
 
 
 async def verify_projections(request: Request):
-    async with request.app.state.services.pool.connection() as conn:
-        who = await principal(request, conn, "nodes:admin")
+    async with authenticated(request, "nodes:admin") as (who, conn):
         differences = await verify(conn, who.organization_id)
     return json_response({"ok": not differences, "differences": differences})
 
 
 async def stream_projections(request: Request):
     services = request.app.state.services
-    async with services.pool.connection() as conn:
-        who = await stream_principal(request, conn, *READ_SCOPES)
+    who = await stream_principal(request, *READ_SCOPES)
     views = query_list(request, "views", allowed=VIEWS, default=VIEWS)
     watch: LogWatch = request.app.state.log_watch
     reader = _view_reader(who.organization_id, views, services.settings.heartbeat_stale_seconds)

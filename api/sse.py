@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from umbra import metrics
-from umbra.compute.auth import Principal, authenticate, credential_is_live, revoked
+from umbra.compute.auth import Principal, authenticate_pooled, credential_is_live, revoked
 from umbra.db import DATABASE_AWAY
 
 from .http import bearer_token
@@ -96,15 +96,17 @@ class LogWatch:
                 tg.start_soon(first, everyone)
 
 
-async def stream_principal(request: Request, conn, *any_of_scopes: str) -> Principal:
-    """Like :func:`umbra.api.http.principal`, also accepting ``?access_token=``.
+async def stream_principal(request: Request, *any_of_scopes: str) -> Principal:
+    """Like :func:`umbra.api.http.authorized`, also accepting ``?access_token=``.
 
     A browser's EventSource cannot send an Authorization header, so streams
     take the token from the query string too. The access log never records
-    query strings, so the token is not written anywhere.
+    query strings, so the token is not written anywhere. A pooled connection
+    is borrowed for the credential's queries alone, never during argon2.
     """
     token = bearer_token(request) or request.query_params.get("access_token")
-    who = await authenticate(conn, token, request.app.state.services.token_cache)
+    services = request.app.state.services
+    who = await authenticate_pooled(services.pool, token, services.token_cache)
     if any_of_scopes:
         who.require(*any_of_scopes)
     request.state.principal = who

@@ -20,8 +20,9 @@ a minute regardless.
 from __future__ import annotations
 
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator
 from uuid import UUID
 
 import anyio
@@ -69,8 +70,9 @@ FAILURE_WINDOW_SECONDS = 60.0
 class VerifiedTokenCache:
     """Tokens that verified (see the module's docstring), and wrong secrets by prefix.
 
-    Each wrong secret for a prefix that exists costs an argon2 verification: tens of ms of CPU, and
-    on some routes a pooled connection meanwhile. Past :data:`MAX_FAILED_VERIFICATIONS` for one
+    Each wrong secret for a prefix that exists costs an argon2 verification: tens of ms of CPU (in a
+    worker thread, with no pooled connection held meanwhile: see :func:`authenticate_pooled` and
+    :func:`authenticated_connection`). Past :data:`MAX_FAILED_VERIFICATIONS` for one
     prefix within the window, further tokens of that prefix that are not already verified are
     refused 429 with ``Retry-After`` before any work. A key whose token is cached goes on as before;
     its uncached holders wait out the window, as a client of a rate-limited API does.
@@ -169,7 +171,8 @@ def _kind(token: str | None) -> str:
 
 
 async def authenticate(conn: psycopg.AsyncConnection, token: str | None, cache: VerifiedTokenCache) -> Principal:
-    """Resolve a bearer token to a :class:`Principal` or raise 401."""
+    """Resolve a bearer token to a :class:`Principal` or raise 401, on ``conn`` (held during argon2 for a
+    token not in the cache: routes use :func:`authenticated_connection` or :func:`authenticate_pooled`)."""
     kind = _kind(token)
     assert token is not None
     cached = cache.get(token)
@@ -237,6 +240,31 @@ async def authenticate_pooled(pool: AsyncConnectionPool, token: str | None, cach
             return cached
         async with pool.connection() as conn:
             return await _still_valid(conn, cached, cache)
+    return await _verify_pooled(pool, kind, token, cache)
+
+
+@asynccontextmanager
+async def authenticated_connection(pool: AsyncConnectionPool, token: str | None,
+                                   cache: VerifiedTokenCache) -> AsyncIterator[tuple[Principal, psycopg.AsyncConnection]]:  # fmt: skip
+    """The token's :class:`Principal` (or 401) and a pooled connection for the caller's queries.
+
+    A cached token's revocation is checked on the connection the caller then
+    goes on using: one checkout per request, as on a connection it held all
+    along. A token not in the cache is verified as :func:`authenticate_pooled`
+    does it (its candidates looked up on a borrowed connection, given back
+    before argon2), and the caller's connection is taken only once it verified:
+    requests whose tokens are being verified hold none of the pool's.
+    """
+    kind = _kind(token)
+    assert token is not None
+    cached = cache.get(token)
+    verified = await _verify_pooled(pool, kind, token, cache) if cached is None else None
+    async with pool.connection() as conn:
+        yield (verified or await _still_valid(conn, cached, cache)), conn  # type: ignore[arg-type]
+
+
+async def _verify_pooled(pool: AsyncConnectionPool, kind: str, token: str, cache: VerifiedTokenCache) -> Principal:
+    """An uncached token verified with no pooled connection held during argon2 (429 first if its prefix is being guessed)."""
     cache.refuse_if_guessed(token_prefix(token, kind))  # type: ignore[arg-type]
     async with pool.connection() as conn:
         rows = await _candidates(conn, kind, token)

@@ -6,8 +6,9 @@ Its organization is the node's, never something a request says.
 
 Revocation sets ``revoked_at``; every request re-checks that column, so a
 revoked token fails on its next request in every server process: most routes
-in :func:`umbra.compute.auth.authenticate` on a cached hit, the agent's claim,
-renew and complete inside their group-commit transaction.
+on a cached hit (:func:`umbra.compute.auth.authenticated_connection`,
+:func:`~umbra.compute.auth.authenticate_pooled`), the agent's claim, renew and
+complete inside their group-commit transaction.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -277,10 +278,11 @@ async def test_requests_right_after_the_servers_sessions_are_terminated_do_not_a
     server = serve()
     await server.ready()
     async with httpx.AsyncClient(base_url=server.url, timeout=15) as client:
-        # fill the pool with several idle connections
+        # fill the pool with several idle connections: concurrent requests, each holding one
+        assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200  # the key is cached now
         async with anyio.create_task_group() as tg:
             for _ in range(8):
-                tg.start_soon(client.get, "/v1/jobs", )
+                tg.start_soon(partial(client.get, "/v1/jobs?limit=1", headers=bearer(key)))
         for _ in range(4):
             assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
         await terminate_server_sessions(db_url)

@@ -1,0 +1,139 @@
+"""No pooled connection is held while a bearer token is verified with argon2id.
+
+An uncached token costs an argon2id verification (~70 ms of CPU in a worker
+thread). Were a pooled connection held meanwhile, a handful of requests with
+not-yet-verified tokens (dashboards and CLIs after a restart, or wrong secrets
+for a real key's prefix) would hold the whole pool, and every agent batch and
+every other request would wait for them. Here the verification of chosen
+tokens is held open (a gate in ``verify_secret``) while a pool of two serves
+more such requests than it has connections, and requests on a cached token
+still go through at once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import httpx
+import pytest
+
+from umbra.compute import auth
+from umbra.compute.accounts import create_api_key
+from umbra.security import token_prefix, verify_secret
+from tests.conftest import LiveServer
+from tests.helpers import bearer, eventually
+
+pytestmark = pytest.mark.anyio
+
+#: The server's pool: the settings' smallest.
+POOL_SIZE = 2
+#: How long the gate holds a verification at most, so a failing test still ends.
+GATE_SECONDS = 20.0
+
+
+class VerificationGate:
+    """``verify_secret`` holding the tokens in ``held`` until :meth:`open` (the others verify as usual)."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+        self.inside = 0
+        self._lock = threading.Lock()
+        self._open = threading.Event()
+
+    def __call__(self, stored_hash: str, secret: str) -> bool:
+        if secret in self.held:
+            with self._lock:
+                self.inside += 1
+            self._open.wait(GATE_SECONDS)
+        return verify_secret(stored_hash, secret)
+
+    def open(self) -> None:
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+
+def wrong_secret(token: str) -> str:
+    """``token``'s kind and (real) prefix with another secret: a verification that fails."""
+    kind, prefix, secret = token.split("_", 2)
+    return f"{kind}_{prefix}_{'A' * len(secret)}"
+
+
+async def test_requests_in_argon2_hold_no_pooled_connection(db_url, conn, org, monkeypatch):
+    org_id, cached_key = org
+    fresh_jobs_reader = await create_api_key(conn, org_id, ["jobs:read"])
+    fresh_events_reader = await create_api_key(conn, org_id, ["events:read"])
+    admin = await create_api_key(conn, org_id, ["nodes:admin"])
+    gate = VerificationGate()
+    monkeypatch.setattr(auth, "verify_secret", gate)
+
+    with LiveServer(db_url, UMBRA_POOL_SIZE=str(POOL_SIZE)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await client.get("/v1/jobs", headers=bearer(cached_key))).status_code == 200  # now cached
+            # Three requests in argon2 at once, on a pool of two: a list, a stream, a wrong secret.
+            stalled = {
+                "list": ("/v1/jobs", fresh_jobs_reader),
+                "stream": ("/v1/events/stream", fresh_events_reader),
+                "wrong secret": ("/v1/nodes", wrong_secret(admin)),
+            }
+            gate.held.update(token for _, token in stalled.values())
+            statuses: dict[str, int] = {}
+
+            async def stalled_request(name: str, path: str, token: str) -> None:
+                async with client.stream("GET", path, headers=bearer(token)) as answer:
+                    statuses[name] = answer.status_code  # a stream's headers, then it is closed
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    for name, (path, token) in stalled.items():
+                        tg.start_soon(stalled_request, name, path, token)
+                    # As many in argon2 as the pool has connections (were they holding them, nothing else could run).
+                    await eventually(lambda: _true(gate.inside >= POOL_SIZE), timeout=8)
+                    for path in ("/v1/jobs", "/v1/nodes", "/v1/projections/queue"):
+                        with anyio.move_on_after(3) as waited:
+                            answer = await client.get(path, headers=bearer(cached_key))
+                        assert not waited.cancelled_caught, f"GET {path} on a cached token waited for other tokens' argon2"
+                        assert answer.status_code == 200, answer.text
+                    # More requests in argon2 at once than the pool has connections.
+                    await eventually(lambda: _true(gate.inside == len(stalled)), timeout=8)
+                    assert not gate.is_open  # all of them are still in argon2
+                    gate.open()
+            finally:
+                gate.open()
+            assert statuses == {"list": 200, "stream": 200, "wrong secret": 401}
+            # Verified now: served from the cache, as the first key is.
+            assert (await client.get("/v1/jobs", headers=bearer(fresh_jobs_reader))).status_code == 200
+
+
+async def test_a_request_on_a_cached_token_takes_one_pooled_connection(db_url, org):
+    _, key = org
+    with LiveServer(db_url) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200  # now cached
+            pool = server.app.state.services.pool
+            before = pool.get_stats()["requests_num"]
+            for path in ("/v1/jobs", "/v1/nodes", "/v1/events", "/v1/models") * 5:
+                assert (await client.get(path, headers=bearer(key))).status_code == 200
+            # One checkout each, revocation checked on the connection the route then uses (a little
+            # room for a background task's checkout).
+            assert pool.get_stats()["requests_num"] - before <= 20 + 2
+
+
+async def test_a_revoked_cached_token_is_refused_before_the_route_reads(db_url, conn, org):
+    """The cached path still re-checks revocation on its connection: 401, not the route's 404."""
+    org_id, _ = org
+    key = await create_api_key(conn, org_id, ["jobs:read"])
+    with LiveServer(db_url) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200  # now cached
+            await conn.execute("UPDATE api_keys SET revoked_at = now() WHERE prefix = %s", (token_prefix(key, "uk"),))
+            answer = await client.get("/v1/jobs/not-a-uuid/explain", headers=bearer(key))
+            assert answer.status_code == 401 and answer.json()["error"] == "unauthenticated"
+            assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 401
+
+
+async def _true(value: bool) -> bool:
+    return value
