@@ -4,8 +4,11 @@ Each names the attempt it holds (the fencing token). Renewals and completions
 from many agents share transactions (:mod:`umbra.compute.group_commit`); each
 is still decided on its own locked row. Not the holder, or a
 stale attempt, is 409 ``job_not_claimed_by_this_node``; a cancelled job is 409
-``job_cancelled``; neither changes anything. The organization and the node
-come from the credential, never from the request.
+``job_cancelled``; neither changes anything. A completion, failure or
+decomposition sent again by the node that reported it, for the same attempt
+(it did not hear the answer), is answered as the first was and records
+nothing (:mod:`umbra.domain.jobs`). The organization and the node come from
+the credential, never from the request.
 """
 
 from __future__ import annotations

@@ -28,6 +28,15 @@ appended and folded onto the locked row.
 Anyone else, or a holder whose job was claimed again, gets 409
 ``job_not_claimed_by_this_node``; a holder whose job was cancelled gets 409
 ``job_cancelled``. Either refusal happens before any append.
+
+**Repeats.** A holder that did not hear the answer to its completion,
+failure or decomposition sends it again. One the job has already recorded,
+from the node that reported it for that attempt, is answered as the first
+was and records nothing (``repeats_completion``, ``repeats_failure``,
+``repeats_decomposition`` in :mod:`umbra.domain.jobs`). Where the row no
+longer names the node (a requeue, a decomposition clear the holder), the
+job's stream says who ended that attempt, read only then
+(:func:`attempt_ended_by`).
 """
 
 from __future__ import annotations
@@ -43,13 +52,18 @@ import psycopg
 
 from umbra.db import uuid_array
 from umbra.domain.eligibility import is_busy, takes_kind
-from umbra.domain.jobs import check_holder, decide_failure, repeats_completion
+from umbra.domain.jobs import (
+    check_holder, decide_failure, decomposition_repeat_needs_log, failure_repeat_needs_log, repeats_completion,
+    repeats_decomposition, repeats_failure,
+)  # fmt: skip
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
 from umbra.domain.placement import best_placement
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
-from umbra.events.types import JobClaimed, JobCompleted, JobDecomposed, JobLeaseRenewed, JobReleased, Placement, Requirements
+from umbra.events.types import (
+    JobClaimed, JobCompleted, JobDecomposed, JobLeaseRenewed, JobReleased, JobRequeued, Placement, Requirements, decode_event,
+)  # fmt: skip
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
@@ -480,21 +494,57 @@ async def releases(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID]) -> di
     return {queue.job_id_of(stream): count for stream, count in counted}
 
 
+async def _locked(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID) -> tuple[JobRow, datetime]:
+    """The job's row, locked, and the database clock; another organization's job is not found."""
+    record = await (await conn.execute(_LOCK_BY_ID, (job_id, organization_id))).fetchone()
+    if record is None:
+        raise NotFound("job_not_found", f"No job {job_id}.")
+    return queue.from_db(record), record[-1]
+
+
+def _check_holder(row: JobRow, node_id: UUID, attempt: int) -> None:
+    check_holder(status=row.status, lease_owner=row.lease_owner, attempt=row.attempt, node_id=node_id, claimed_attempt=attempt)
+
+
 async def _held(
     conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, node_id: UUID, attempt: int, *,
     repeated_completion_ok: bool = False,
 ) -> tuple[JobRow, datetime]:
     """The job's row, locked, once this node holds it at ``attempt`` (refused otherwise); with
     ``repeated_completion_ok``, also the row of a job this holder already completed at that attempt."""
-    record = await (await conn.execute(_LOCK_BY_ID, (job_id, organization_id))).fetchone()
-    if record is None:
-        raise NotFound("job_not_found", f"No job {job_id}.")
-    row = queue.from_db(record)
-    holder = {"status": row.status, "lease_owner": row.lease_owner, "attempt": row.attempt, "node_id": node_id,
-              "claimed_attempt": attempt}  # fmt: skip
-    if not (repeated_completion_ok and repeats_completion(**holder)):
-        check_holder(**holder)
-    return row, record[-1]
+    row, now = await _locked(conn, organization_id, job_id)
+    if not (repeated_completion_ok and repeats_completion(status=row.status, lease_owner=row.lease_owner, attempt=row.attempt,
+                                                          node_id=node_id, claimed_attempt=attempt)):  # fmt: skip
+        _check_holder(row, node_id, attempt)
+    return row, now
+
+
+#: A job's claim at one attempt and the report that ended it, of one type: at most one of each, since
+#: the claim is the only one at its attempt and the report is fenced by it.
+_ATTEMPT_EVENTS = """
+SELECT data::text FROM events
+WHERE stream = %(stream)s AND type = ANY(%(types)s::text[]) AND (data->>'attempt')::int = %(attempt)s
+ORDER BY version
+"""
+
+
+async def attempt_ended_by(conn: psycopg.AsyncConnection, job_id: UUID, attempt: int, ending: type[Any]) -> tuple[UUID | None, Any]:
+    """The node whose claim at ``attempt`` ended in an ``ending`` event, and that event; ``(None, None)`` if it did not.
+
+    For a report sent again where the row no longer names the node that sent
+    the first (``job.requeued`` and ``job.decomposed`` clear the holder). The
+    claim's event names the node; the report was fenced by that claim, so it
+    was that node's. Read by the job's stream (``events_stream_version``): a
+    handful of rows, and only for a request the row alone would refuse.
+    """
+    types = [JobClaimed.__struct_config__.tag, ending.__struct_config__.tag]
+    found = [decode_event(data) for (data,) in await (await conn.execute(
+        _ATTEMPT_EVENTS, {"stream": store.job_stream(job_id), "types": types, "attempt": attempt})).fetchall()]  # fmt: skip
+    claimed = next((e for e in found if isinstance(e, JobClaimed)), None)
+    ended = next((e for e in found if isinstance(e, ending)), None)
+    if claimed is None or ended is None:
+        return None, None
+    return claimed.node_id, ended
 
 
 async def renew(
@@ -543,10 +593,18 @@ async def fail(
     retry: bool,
     request_id: str | None = None,
 ) -> JobRow:
-    """A retryable failure requeues with backoff while attempts remain; otherwise the job fails."""
+    """A retryable failure requeues with backoff while attempts remain; otherwise the job fails.
+
+    A failure this node already reported for ``attempt``, sent again, is
+    answered with the job as it stands and records nothing (the first
+    outcome stands: see :func:`umbra.domain.jobs.repeats_failure`).
+    """
     with refusing_nul():
         async with conn.transaction():
-            row, now = await _held(conn, organization_id, job_id, node_id, attempt)
+            row, now = await _locked(conn, organization_id, job_id)
+            if await _repeats_failure(conn, row, node_id, attempt):
+                return row
+            _check_holder(row, node_id, attempt)
             released = (await releases(conn, [job_id])).get(job_id, 0) if retry else 0
             event = decide_failure(attempt=attempt, max_attempts=row.max_attempts, error=error, retry=retry, now=now,
                                    released=released)  # fmt: skip
@@ -554,6 +612,15 @@ async def fail(
                                                          metadata=node_metadata(node_id, request_id))  # fmt: skip
             await store.publish(conn, [(organization_id, position, 0)])
     return failed
+
+
+async def _repeats_failure(conn: psycopg.AsyncConnection, row: JobRow, node_id: UUID, attempt: int) -> bool:
+    """Whether this failure is a repeat; the log is read only when the row leaves it open (a requeued job)."""
+    requeued_by = None
+    if failure_repeat_needs_log(status=row.status, attempt=row.attempt, claimed_attempt=attempt):
+        requeued_by, _ = await attempt_ended_by(conn, row.id, attempt, JobRequeued)
+    return repeats_failure(status=row.status, lease_owner=row.lease_owner, attempt=row.attempt, node_id=node_id,
+                           claimed_attempt=attempt, requeued_by=requeued_by)  # fmt: skip
 
 
 class ChildRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -587,6 +654,12 @@ async def add_children(
     Children inherit the parent's organization, project and lang, and its
     priority unless they give one. The parent is released and stays
     ``running`` (never claimable) until its children settle it.
+
+    A decomposition this node already made at ``attempt``, sent again, is
+    answered with those children as they stand, in the same order, and makes
+    nothing, whatever it lists (see
+    :func:`umbra.domain.jobs.repeats_decomposition`): it is recognised before
+    its idempotency keys are looked up, which the first one took.
     """
     if not children:
         raise InvalidRequest("children must name at least one child.", field="children")
@@ -604,7 +677,11 @@ async def _add_children(
         # Before the parent's row too: waiting for a change of the fleet with the row locked would hold up
         # every batch that renews or completes the job.
         await hold_capacity(conn, organization_id, exclusive=False)
-        parent, _ = await _held(conn, organization_id, job_id, node_id, attempt)
+        parent, _ = await _locked(conn, organization_id, job_id)
+        made = await _repeated_children(conn, parent, node_id, attempt)
+        if made is not None:
+            return made
+        _check_holder(parent, node_id, attempt)
         taken = await jobs_by_idempotency_key(conn, organization_id, keys)
         for index, child in enumerate(children):
             key = child.idempotency_key
@@ -631,3 +708,24 @@ async def _add_children(
         queued = sum(1 for row in rows[1:] if row.status == "queued")
         await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])
     return rows[1:]
+
+
+_CHILDREN = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE id = ANY(%s) AND organization_id = %s"
+
+
+async def _repeated_children(conn: psycopg.AsyncConnection, parent: JobRow, node_id: UUID, attempt: int) -> list[JobRow] | None:
+    """The children of a decomposition sent again, as they stand, in the order of the first; ``None`` if it is no repeat.
+
+    The log is read only for a job split at that attempt (its row names no holder since).
+    """
+    if not decomposition_repeat_needs_log(status=parent.status, attempt=parent.attempt, children_total=parent.children_total,
+                                          claimed_attempt=attempt):  # fmt: skip
+        return None
+    decomposed_by, decomposed = await attempt_ended_by(conn, parent.id, attempt, JobDecomposed)
+    if not repeats_decomposition(status=parent.status, attempt=parent.attempt, children_total=parent.children_total,
+                                 node_id=node_id, claimed_attempt=attempt, decomposed_by=decomposed_by):  # fmt: skip
+        return None
+    children = list(decomposed.children)
+    rows = {row.id: row for row in map(queue.from_db, await (await conn.execute(
+        _CHILDREN, (children, parent.organization_id))).fetchall())}  # fmt: skip
+    return [rows[child] for child in children]

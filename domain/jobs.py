@@ -1,4 +1,4 @@
-"""Pure decisions about one job: fencing, failure, lease expiry, cancellation.
+"""Pure decisions about one job: fencing, repeated reports, failure, lease expiry, cancellation.
 
 Each function takes the facts it needs as plain values and either returns the
 event to append or raises the refusal; the command modules load and lock the
@@ -70,6 +70,85 @@ def repeats_completion(*, status: str, lease_owner: UUID | None, attempt: int, n
     match.
     """
     return status == "complete" and lease_owner == node_id and attempt == claimed_attempt
+
+
+#: A job requeued by its holder's failure: ``queued``, or ``blocked`` since (a second look found that
+#: nothing could run it now), until it is claimed again at a later attempt or cancelled.
+_REQUEUED = frozenset({"queued", "blocked"})
+#: A decomposed job: a container, its children open or settled. It keeps the attempt that split it,
+#: for it is never claimed again; cancelled, it is no repeat.
+_DECOMPOSED = frozenset({"running", "complete", "partial"})
+
+
+def failure_repeat_needs_log(*, status: str, attempt: int, claimed_attempt: int) -> bool:
+    """Whether only the log can tell if a failure is one the job has already recorded.
+
+    ``job.requeued`` clears the holder from the row, and so do an expired lease
+    that requeued the job and a release: a queued row at the node's attempt
+    looks the same after each. The caller then reads who failed that attempt
+    (:func:`repeats_failure`'s ``requeued_by``); for any other row it reads
+    nothing, so a failure from the holder costs no more than before.
+    """
+    return attempt == claimed_attempt and status in _REQUEUED
+
+
+def repeats_failure(
+    *, status: str, lease_owner: UUID | None, attempt: int, node_id: UUID, claimed_attempt: int, requeued_by: UUID | None = None
+) -> bool:
+    """Whether a failure is one the job has already recorded, sent again by the node that reported it.
+
+    As with :func:`repeats_completion`: the node did not hear the first answer
+    and sends the failure again. It is answered with the job as it stands and
+    records nothing: the first outcome stands, whatever error text or retry
+    flag the repeat carries. Without this it was refused 409, and the agent
+    took its report for lost. Only the failing node, for the failed attempt
+    (the fencing token: once the job is claimed again it names an older one):
+
+    * ``failed``: ``job.failed`` keeps the holder on the row, so the row
+      alone tells. An expired lease that failed the job clears the holder,
+      and a blocked job that timed out had none: neither was this node's.
+    * ``queued`` (or ``blocked`` since): ``requeued_by`` is the node whose
+      claim at ``claimed_attempt`` ended in its own retryable failure
+      (``job.requeued``), read from the log when
+      :func:`failure_repeat_needs_log` says so; ``None`` when that attempt
+      ended otherwise (its lease expired, it was released).
+
+    A cancelled or completed job is no repeat of a failure.
+    """
+    if attempt != claimed_attempt:
+        return False
+    if status == "failed":
+        return lease_owner == node_id
+    return status in _REQUEUED and requeued_by == node_id
+
+
+def decomposition_repeat_needs_log(*, status: str, attempt: int, children_total: int, claimed_attempt: int) -> bool:
+    """Whether the job was split at the attempt a decomposition names, so the log must say by whom.
+
+    ``job.decomposed`` clears the holder from the row; the row still says the
+    job was split (its children count) and at which attempt.
+    """
+    return attempt == claimed_attempt and children_total > 0 and status in _DECOMPOSED
+
+
+def repeats_decomposition(
+    *, status: str, attempt: int, children_total: int, node_id: UUID, claimed_attempt: int, decomposed_by: UUID | None = None
+) -> bool:
+    """Whether a decomposition is one the job has already recorded, sent again by the node that split it.
+
+    It is answered as the first was (the children as they stand, in the same
+    order) and makes nothing: the first children stand, whatever the repeat
+    lists. A repeat that made its children again would double the work and
+    find its own idempotency keys taken. ``decomposed_by`` is the node whose
+    claim at ``claimed_attempt`` split the job (``job.decomposed``), read from
+    the log when :func:`decomposition_repeat_needs_log` says so. A cancelled
+    job is no repeat.
+    """
+    return (
+        decomposition_repeat_needs_log(status=status, attempt=attempt, children_total=children_total,
+                                       claimed_attempt=claimed_attempt)
+        and decomposed_by == node_id
+    )  # fmt: skip
 
 
 def decide_failure(

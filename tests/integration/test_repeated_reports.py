@@ -1,0 +1,228 @@
+"""A failure or a decomposition sent again by its holder (it did not hear the answer) is answered as the
+first one was, and recorded once; anything that is not such a repeat is still refused, changing nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import bearer
+from umbra.compute import claims
+from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
+from umbra.compute.sweeper import sweep_once
+from umbra.settings import load_settings
+
+from .queue_support import CPU64, beat, set_clock, submit
+
+pytestmark = pytest.mark.anyio
+
+SETTINGS = load_settings({})
+
+
+async def paired(conn, org_id, name):
+    """A node, online, and its credential."""
+    issued = await issue_pairing_code(conn, org_id, name)
+    redeemed = await redeem_pairing_code(conn, code=issued.code, name=name, source=f"test:{name}", devices=[CPU64])
+    await beat(conn, org_id, redeemed.node_id, [CPU64])
+    return redeemed.node_id, redeemed.credential
+
+
+async def claim(client, credential, job_id) -> int:
+    claimed = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+    assert claimed.status_code == 200 and claimed.json()["job"]["id"] == str(job_id), claimed.text
+    return claimed.json()["job"]["attempt"]
+
+
+async def events(client, api_key, job_id) -> list[dict]:
+    response = await client.get(f"/v1/jobs/{job_id}/events", headers=bearer(api_key))
+    assert response.status_code == 200, response.text
+    return response.json()["events"]
+
+
+async def refused(response, code="job_not_claimed_by_this_node") -> None:
+    assert response.status_code == 409 and response.json()["error"] == code, f"{response.status_code} {response.text[:200]}"
+
+
+def fail_body(attempt, error="oom", retry=True):
+    return {"attempt": attempt, "error": error, "retry": retry}
+
+
+async def test_a_failure_sent_again_is_answered_with_the_requeued_job_and_recorded_once(client, conn, org):
+    """The holder failed the job (retryable: requeued with a backoff), did not hear the answer and sends
+    it again: 200 with the job as it stands, the first failure standing (another error text or retry flag
+    changes nothing), and nothing recorded. Another node, or another attempt, is still refused."""
+    org_id, api_key = org
+    _, credential = await paired(conn, org_id, "a")
+    _, other = await paired(conn, org_id, "b")
+    job = await submit(conn, org_id)
+    attempt = await claim(client, credential, job.id)
+    path = f"/v1/agent/jobs/{job.id}/fail"
+    first = await client.post(path, headers=bearer(credential), json=fail_body(attempt))
+    assert first.status_code == 200 and first.json()["status"] == "queued" and first.json()["not_before"], first.text
+    recorded = await events(client, api_key, job.id)
+    assert [e["type"] for e in recorded] == ["job.submitted", "job.claimed", "job.requeued"]
+    for body in (fail_body(attempt), fail_body(attempt, error="another text", retry=False)):
+        again = await client.post(path, headers=bearer(credential), json=body)
+        assert again.status_code == 200, f"sent again: {again.status_code} {again.text[:200]}"
+        assert again.json() == first.json()  # the job as the first failure left it
+    for credential_, attempt_ in ((other, attempt), (credential, attempt + 1)):
+        await refused(await client.post(path, headers=bearer(credential_), json=fail_body(attempt_)))
+    assert await events(client, api_key, job.id) == recorded
+
+
+async def test_a_failure_sent_again_after_it_failed_the_job_is_answered_with_the_failed_job(client, conn, org):
+    """A non-retryable failure (or the last attempt's) fails the job; sent again it is answered 200 with
+    the failed job. A job that was completed, not failed, still refuses a failure from its holder."""
+    org_id, api_key = org
+    _, credential = await paired(conn, org_id, "a")
+    _, other = await paired(conn, org_id, "b")
+    job = await submit(conn, org_id)
+    attempt = await claim(client, credential, job.id)
+    path = f"/v1/agent/jobs/{job.id}/fail"
+    first = await client.post(path, headers=bearer(credential), json=fail_body(attempt, error="bad input", retry=False))
+    assert first.status_code == 200 and first.json()["status"] == "failed", first.text
+    recorded = await events(client, api_key, job.id)
+    again = await client.post(path, headers=bearer(credential), json=fail_body(attempt, error="other", retry=True))
+    assert again.status_code == 200, f"sent again: {again.status_code} {again.text[:200]}"
+    assert (again.json()["status"], again.json()["error"]) == ("failed", "bad input") and again.json() == first.json()
+    await refused(await client.post(path, headers=bearer(other), json=fail_body(attempt)))
+    await refused(await client.post(f"/v1/agent/jobs/{job.id}/children", headers=bearer(credential),
+                                    json={"attempt": attempt, "children": [{"kind": "part"}]}))  # fmt: skip
+    assert await events(client, api_key, job.id) == recorded
+
+    done = await submit(conn, org_id)
+    attempt = await claim(client, credential, done.id)
+    completed = await client.post(f"/v1/agent/jobs/{done.id}/complete", headers=bearer(credential), json={"attempt": attempt})
+    assert completed.status_code == 200
+    recorded = await events(client, api_key, done.id)
+    await refused(await client.post(f"/v1/agent/jobs/{done.id}/fail", headers=bearer(credential), json=fail_body(attempt)))
+    assert await events(client, api_key, done.id) == recorded
+
+
+async def test_a_failure_is_no_repeat_once_the_job_was_claimed_again_cancelled_or_its_lease_ended_it(client, conn, org):
+    """The attempt is the fencing token: a failure of attempt 1 sent once the job is claimed again (by the
+    same node) is stale; an attempt that ended by an expired lease, or a release, was not failed by the
+    node, though the queued row looks the same as after its own failure; a cancelled job is no repeat."""
+    org_id, api_key = org
+    node_id, credential = await paired(conn, org_id, "a")
+    job = await submit(conn, org_id, max_attempts=5)
+    path = f"/v1/agent/jobs/{job.id}/fail"
+    first = await claim(client, credential, job.id)
+    assert (await client.post(path, headers=bearer(credential), json=fail_body(first))).status_code == 200
+    again = await client.post(path, headers=bearer(credential), json=fail_body(first))
+    assert again.status_code == 200, f"sent again: {again.status_code} {again.text[:200]}"
+
+    await set_clock(conn, 6)  # past the backoff; the same node claims it again, with a short lease
+    second = await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=5)
+    assert (second.job_id, second.attempt) == (job.id, first + 1)
+    recorded = await events(client, api_key, job.id)
+    await refused(await client.post(path, headers=bearer(credential), json=fail_body(first)))  # claimed again since
+
+    await set_clock(conn, 12)
+    assert (await sweep_once(conn, SETTINGS, reexamine=False)).leases_requeued == 1
+    recorded = await events(client, api_key, job.id)
+    assert recorded[-1]["type"] == "job.lease_expired"
+    # Queued at the node's attempt with no holder, as after its own failure: but the lease ended it.
+    await refused(await client.post(path, headers=bearer(credential), json=fail_body(second.attempt)))
+
+    await set_clock(conn, 12 + SETTINGS.lease_expired_delay_seconds + 1)
+    third = await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60)
+    assert third.attempt == second.attempt + 1
+    assert await claims.release(conn, job.id, node_id, third.attempt)  # given back unheard (client gone)
+    await refused(await client.post(path, headers=bearer(credential), json=fail_body(third.attempt)))
+    assert [e["type"] for e in await events(client, api_key, job.id)][len(recorded):] == ["job.claimed", "job.released"]
+
+    cancelled = await client.post(f"/v1/jobs/{job.id}/cancel", headers=bearer(api_key))
+    assert cancelled.status_code == 200
+    recorded = await events(client, api_key, job.id)
+    for attempt in (first, second.attempt, third.attempt):
+        await refused(await client.post(path, headers=bearer(credential), json=fail_body(attempt)))
+    assert await events(client, api_key, job.id) == recorded
+
+
+async def test_a_failure_by_an_expired_lease_is_no_repeat(client, conn, org):
+    """The last attempt's lease expired: the job failed with no holder, not by the node. Its late failure
+    is refused; the node's own failure of an earlier attempt was a repeat until then."""
+    org_id, api_key = org
+    node_id, credential = await paired(conn, org_id, "a")
+    job = await submit(conn, org_id, max_attempts=2)
+    path = f"/v1/agent/jobs/{job.id}/fail"
+    first = await claim(client, credential, job.id)
+    assert (await client.post(path, headers=bearer(credential), json=fail_body(first))).status_code == 200
+    again = await client.post(path, headers=bearer(credential), json=fail_body(first))
+    assert again.status_code == 200, f"sent again: {again.status_code} {again.text[:200]}"
+    await set_clock(conn, 6)
+    second = await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=5)
+    await set_clock(conn, 12)
+    assert (await sweep_once(conn, SETTINGS, reexamine=False)).leases_failed == 1
+    recorded = await events(client, api_key, job.id)
+    assert recorded[-1]["type"] == "job.lease_expired"
+    for attempt in (first, second.attempt):
+        await refused(await client.post(path, headers=bearer(credential), json=fail_body(attempt)))
+    assert await events(client, api_key, job.id) == recorded
+
+
+async def children_of(conn, parent_id) -> int:
+    return (await (await conn.execute("SELECT count(*) FROM jobs WHERE parent_job_id = %s", (parent_id,))).fetchone())[0]
+
+
+async def test_children_sent_again_are_answered_with_the_same_children_and_made_once(client, conn, org):
+    """The holder split the job, did not hear the answer and sends the children again: 201 with the
+    children as they stand (the same ids, in the same order), and nothing made or recorded. Another node,
+    or another attempt, is still refused."""
+    org_id, api_key = org
+    _, credential = await paired(conn, org_id, "a")
+    _, other = await paired(conn, org_id, "b")
+    parent = await submit(conn, org_id, kind="split")
+    attempt = await claim(client, credential, parent.id)
+    path = f"/v1/agent/jobs/{parent.id}/children"
+    body = {"attempt": attempt, "children": [{"kind": "part", "payload": {"i": i}} for i in range(3)]}
+    first = await client.post(path, headers=bearer(credential), json=body)
+    assert first.status_code == 201, first.text
+    ids = [c["id"] for c in first.json()["children"]]
+    recorded = await events(client, api_key, parent.id)
+    for body_ in (body, {"attempt": attempt, "children": [{"kind": "other"}]}):
+        again = await client.post(path, headers=bearer(credential), json=body_)
+        assert again.status_code == 201, f"sent again: {again.status_code} {again.text[:200]}"
+        assert [c["id"] for c in again.json()["children"]] == ids
+        assert [c["payload"] for c in again.json()["children"]] == [{"i": i} for i in range(3)]
+    assert await children_of(conn, parent.id) == 3
+    for credential_, attempt_ in ((other, attempt), (credential, attempt + 1)):
+        await refused(await client.post(path, headers=bearer(credential_), json={**body, "attempt": attempt_}))
+    await refused(await client.post(f"/v1/agent/jobs/{parent.id}/fail", headers=bearer(credential), json=fail_body(attempt)))
+    assert await events(client, api_key, parent.id) == recorded and await children_of(conn, parent.id) == 3
+
+    # The children run and the parent settles: a repeat still gets them, as they stand now.
+    for _ in ids:
+        claimed = (await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))).json()["job"]
+        done = await client.post(f"/v1/agent/jobs/{claimed['id']}/complete", headers=bearer(credential),
+                                 json={"attempt": claimed["attempt"], "result": {"ok": True}})  # fmt: skip
+        assert done.status_code == 200
+    assert (await client.get(f"/v1/jobs/{parent.id}", headers=bearer(api_key))).json()["status"] == "complete"
+    recorded = await events(client, api_key, parent.id)
+    again = await client.post(path, headers=bearer(credential), json=body)
+    assert again.status_code == 201, f"sent again: {again.status_code} {again.text[:200]}"
+    assert [(c["id"], c["status"]) for c in again.json()["children"]] == [(i, "complete") for i in ids]
+    assert await events(client, api_key, parent.id) == recorded and await children_of(conn, parent.id) == 3
+
+
+async def test_children_with_idempotency_keys_sent_again_are_made_once_and_a_cancelled_parent_refuses(client, conn, org):
+    """Children named by idempotency keys, sent again: the same children (the keys are theirs, not taken
+    by another), made once. Once the parent is cancelled, the same request is refused as before."""
+    org_id, api_key = org
+    _, credential = await paired(conn, org_id, "a")
+    parent = await submit(conn, org_id, kind="split")
+    attempt = await claim(client, credential, parent.id)
+    path = f"/v1/agent/jobs/{parent.id}/children"
+    body = {"attempt": attempt, "children": [{"kind": "part", "idempotency_key": f"part-{i}"} for i in range(2)]}
+    first = await client.post(path, headers=bearer(credential), json=body)
+    assert first.status_code == 201, first.text
+    recorded = await events(client, api_key, parent.id)
+    again = await client.post(path, headers=bearer(credential), json=body)
+    assert again.status_code == 201, f"sent again: {again.status_code} {again.text[:200]}"
+    assert again.json() == first.json()  # nothing happened to the children in between
+    assert await children_of(conn, parent.id) == 2 and await events(client, api_key, parent.id) == recorded
+
+    assert (await client.post(f"/v1/jobs/{parent.id}/cancel", headers=bearer(api_key))).status_code == 200
+    recorded = await events(client, api_key, parent.id)
+    await refused(await client.post(path, headers=bearer(credential), json=body))
+    assert await children_of(conn, parent.id) == 2 and await events(client, api_key, parent.id) == recorded
