@@ -19,6 +19,7 @@ from umbra.compute.jobs import MAX_JSON_DEPTH, TOO_DEEP
 from umbra.errors import InvalidRequest, NotFound, UmbraError
 
 from .items import item_at
+from .params import integer
 
 #: Request bodies above this are refused with 413 before they are parsed.
 MAX_BODY_BYTES = 1024 * 1024
@@ -47,7 +48,7 @@ def request_id(request: Request) -> str | None:
 
 async def read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared is not None and (length := integer(declared)) is not None and length > MAX_BODY_BYTES:
         raise PayloadTooLarge()
     chunks: list[bytes] = []
     size = 0

@@ -34,6 +34,7 @@ from umbra import metrics
 
 from .errors import unexpected_error
 from .http import MAX_BODY_BYTES, IPNetwork, PayloadTooLarge, forwarded_client, json_response
+from .params import integer
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,7 @@ def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     for name, value in headers:
         if name == b"content-length":
-            text = value.decode("latin-1").strip()
-            return int(text) if text.isdigit() else None
+            return integer(value.decode("latin-1"))
     return None
 
 

@@ -84,6 +84,11 @@ class HeartbeatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     #: The job kinds the agent takes (the kinds its claims name); empty: every kind; omitted: unchanged.
     kinds: Kinds | None = None
 
+    def __post_init__(self) -> None:
+        # The log records times in UTC: the agent's offset would otherwise go into node.heartbeat as sent.
+        if self.agent_started_at is not None:
+            self.agent_started_at = self.agent_started_at.astimezone(timezone.utc)
+
 
 class HeartbeatOut(msgspec.Struct, kw_only=True):
     node_id: UUID

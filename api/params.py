@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from starlette.requests import Request
 
 from umbra.compute.jobs import MAX_NAMED_KINDS, NAME_LENGTH
@@ -29,11 +31,24 @@ def query_bool(request: Request, name: str, *, default: bool) -> bool:
     return word in _TRUE
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def integer(text: str) -> int | None:
+    """The integer ``text`` spells in ASCII digits (with an optional sign, around spaces), else ``None``.
+
+    Python's ``int`` also reads ``1_000`` and the digits of every script
+    (``٣``): no client sending such a value means that number, and a refusal
+    says so where a silent reading would page from the wrong place.
+    """
+    text = text.strip()
+    return int(text) if _INTEGER.fullmatch(text) else None
+
+
 def bounded_int(raw: str, name: str, *, minimum: int, maximum: int) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer between {minimum} and {maximum}.", field=name) from None
+    value = integer(raw)
+    if value is None:
+        raise InvalidRequest(f"{name} must be an integer between {minimum} and {maximum}.", field=name)
     if not minimum <= value <= maximum:
         raise InvalidRequest(f"{name} must be between {minimum} and {maximum}, got {value}.", field=name)
     return value

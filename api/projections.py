@@ -4,7 +4,7 @@ A snapshot is read in one ``REPEATABLE READ`` transaction together with the
 organization's head position, so ``position`` is exactly the log position the
 rows reflect. The stream sends a full ``queue`` and ``nodes`` view on open and
 then, whenever the log moves (a hint) or time passes (the safety poll), a fresh
-view of each one that changed: a job or node row folded a newer event, or a
+view of each one that changed (and only those): a job or node row folded a newer event, or a
 node's *effective* status flipped with no event at all (a node going stale
 reads ``offline`` 45 s after its last heartbeat, before the sweeper records
 ``node.went_offline``). Messages carry whole views, so a client never has to
@@ -137,11 +137,15 @@ def _view_reader(organization_id: UUID, views: tuple[str, ...], stale: float) ->
             await _snapshot_transaction(conn)
             head = await store.head_position(conn, organization_id)
             if "queue" in views and (last_position is None or head > last_position):
-                queue = await read_queue(conn, organization_id, DEFAULT_LISTED_JOBS)
-                if last_position is not None:
-                    moved = await (await conn.execute(_MOVED_JOBS, (organization_id, last_position))).fetchall()
-                    queue["changed"] = [str(job_id) for (job_id,) in moved]
-                out.append(message(queue, event="queue"))
+                # Only a job row that folded a newer event changes the queue view: a log that moved for
+                # nodes alone (heartbeats, pairings, drains) sends no queue message.
+                moved = [] if last_position is None else await (await conn.execute(
+                    _MOVED_JOBS, (organization_id, last_position))).fetchall()  # fmt: skip
+                if last_position is None or moved:
+                    queue = await read_queue(conn, organization_id, DEFAULT_LISTED_JOBS)
+                    if last_position is not None:
+                        queue["changed"] = [str(job_id) for (job_id,) in moved]
+                    out.append(message(queue, event="queue"))
             if "nodes" in views:
                 nodes = await read_nodes(conn, organization_id, stale)
                 keys = {n["id"]: _node_key(n) for n in nodes["nodes"]}

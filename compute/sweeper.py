@@ -40,7 +40,7 @@ import psycopg
 from anyio.abc import TaskStatus
 
 from umbra import metrics
-from umbra.db import assume_service_role
+from umbra.db import assume_service_role, connect
 from umbra.domain.jobs import decide_lease_expiry
 from umbra.events import store
 from umbra.events.types import JobFailed
@@ -235,7 +235,7 @@ async def run(
     delay = 0.5
     while True:
         try:
-            conn = await psycopg.AsyncConnection.connect(database_url, autocommit=True)
+            conn = await connect(database_url)
             delay = 0.5
             try:
                 await _lead(conn, settings, retry_seconds)

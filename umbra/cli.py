@@ -39,9 +39,7 @@ def _with_database(fn):
     """Run ``fn(conn, args)`` against the configured (or embedded) database, migrated."""
 
     def run(args) -> int:
-        import psycopg
-
-        from .db import resolve_database
+        from .db import connect, resolve_database
         from .migrate import migrate
 
         settings = load_settings()
@@ -49,7 +47,7 @@ def _with_database(fn):
         try:
             async def main():
                 await migrate(url)
-                async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                async with await connect(url) as conn:
                     return await fn(conn, args)
 
             return anyio.run(main) or 0

@@ -232,14 +232,32 @@ async def borrowed(db: Database) -> AsyncIterator[psycopg.AsyncConnection]:
 
 
 async def _configure(conn: psycopg.AsyncConnection) -> None:
-    """A pooled connection: the service role, and timestamps read in UTC.
+    """A pooled connection: the service role, and timestamps read in UTC (:func:`in_utc`)."""
+    await in_utc(conn)
+    await assume_service_role(conn)
 
-    The API writes every time in UTC (RFC 3339 with ``Z``). Read in the
-    server's own time zone, each timestamp had to be converted in Python
-    before it was encoded, five per Job object on the agents' path.
+
+async def in_utc(conn: psycopg.AsyncConnection) -> None:
+    """Read timestamps in UTC on ``conn``, whatever the database's own time zone.
+
+    The API and the log write every time in UTC (RFC 3339 with ``Z``), and
+    times read from the database go into events as they are: read in the
+    database's zone (initdb takes the machine's), a lease expiry's
+    ``not_before`` was recorded as ``+05:30``. Converting in Python instead
+    would cost five conversions per Job object on the agents' path.
     """
     await conn.execute("SET TIME ZONE 'UTC'")
-    await assume_service_role(conn)
+
+
+async def connect(url: str, **kwargs: Any) -> psycopg.AsyncConnection:
+    """A connection of its own (the sweeper's, the CLI's), in autocommit and reading times in UTC as pooled ones do."""
+    conn = await psycopg.AsyncConnection.connect(url, autocommit=True, **kwargs)
+    try:
+        await in_utc(conn)
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
 
 
 #: What a read meets while the database is away (restarting, failing over, a pooled connection it

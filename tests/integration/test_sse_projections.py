@@ -8,6 +8,7 @@ import anyio
 import httpx
 import pytest
 
+from tests.helpers import bearer
 from tests.integration.test_events_api_projections import pair, submit
 from tests.integration.test_sse import SseReader
 from umbra.compute.heartbeat import heartbeat
@@ -72,3 +73,28 @@ async def test_views_filter_and_bad_views_are_refused(conn, org, live_server):
     assert refused.status_code == 422 and refused.json()["field"] == "views"
     assert unauthenticated.status_code == 401
     assert (first["event"], second["event"]) == ("nodes", "nodes")
+
+
+async def test_a_node_event_pushes_no_queue_message_to_a_queue_only_subscriber(client, org, live_server):
+    """The queue view is sent again only when a job moved: a log that moved for nodes alone (a pairing,
+    heartbeats, drains) sent every queue-only subscriber the same view again, with ``changed: []``."""
+    _, key = org
+    headers = bearer(key)
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as streams:
+        async with streams.stream("GET", "/v1/projections/stream", params={"views": "queue"}, headers=headers) as response:
+            reader = SseReader(response)
+            first = json.loads((await reader.next_message())["data"])
+            # A node is paired: the log moves, the queue does not.
+            issued = await client.post("/v1/pairings", json={"name": "box"}, headers=headers)
+            redeemed = await client.post("/v1/pairings/redeem", json={"code": issued.json()["code"], "name": "box",
+                                                                      "agent_version": "1", "devices": []})  # fmt: skip
+            assert redeemed.status_code == 201
+            await anyio.sleep(1.5)  # past the stream's safety poll
+            job = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=headers)).json()
+            with anyio.fail_after(10):
+                following = await reader.next_message()
+    view = json.loads(following["data"])
+    assert following["event"] == "queue"
+    assert view["changed"] == [job["id"]], (
+        f"queue re-sent unchanged after a node event: position {first['position']} -> {view['position']}, "
+        f"changed={view['changed']}, counts={view['counts']}")

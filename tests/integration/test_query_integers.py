@@ -1,0 +1,47 @@
+"""Integer query parameters are ASCII digits: anything else is refused 422, naming the parameter.
+
+Python's ``int()`` also reads digit-group underscores (``1_0`` → 10) and every
+script's decimal digits (Arabic-Indic ``٣`` → 3): read that way, a cursor or a
+limit silently became another number instead of a refusal.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import bearer
+
+pytestmark = pytest.mark.anyio
+
+CASES = [
+    ("/v1/events", "after", "1_0"),
+    ("/v1/events", "limit", "\u0663"),  # ARABIC-INDIC DIGIT THREE
+    ("/v1/jobs", "limit", "1_0"),
+    ("/v1/jobs", "after", "\u0665"),  # ARABIC-INDIC DIGIT FIVE
+    ("/v1/projections/queue", "limit", "2_0"),
+]
+
+
+@pytest.mark.parametrize(("path", "name", "value"), CASES)
+async def test_a_non_integer_query_value_is_refused_naming_the_parameter(client, org, path, name, value):
+    _, key = org
+    response = await client.get(path, params={name: value}, headers=bearer(key))
+    assert response.status_code == 422, f"{path}?{name}={value!r} answered {response.status_code}: {response.text[:200]}"
+    assert response.json()["error"] == "invalid_request" and response.json()["field"] == name
+
+
+async def test_an_as_of_that_is_not_an_integer_is_refused(client, org):
+    _, key = org
+    job = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).json()
+    response = await client.get(f"/v1/jobs/{job['id']}", params={"as_of": "1_000"}, headers=bearer(key))
+    assert response.status_code == 422, response.text[:200]
+    assert response.json()["field"] == "as_of"
+
+
+@pytest.mark.parametrize(("text", "value"), [("10", 10), (" 7 ", 7), ("+3", 3), ("-2", -2), ("0", 0),
+                                             ("1_0", None), ("\u0663", None), ("", None), ("1.5", None),
+                                             ("0x1f", None), ("\u00b2", None), ("- 1", None)])  # fmt: skip
+def test_an_integer_is_ascii_digits_with_an_optional_sign(text, value):
+    from umbra.api.params import integer
+
+    assert integer(text) == value

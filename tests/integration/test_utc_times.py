@@ -1,0 +1,98 @@
+"""Every time the service writes is RFC 3339 UTC, whatever the database's own time zone.
+
+Debian's and Ubuntu's initdb set the cluster's TimeZone to the machine's zone,
+so a database outside UTC is the ordinary deployment. Pooled connections read
+times in UTC; the sweeper's and the CLI's own connections did not, so the
+events the sweeper appends (``job.lease_expired``'s ``not_before``,
+``node.went_offline``'s ``last_seen_at``) and ``umbra admin pairing-code``
+carried the database's offset. An agent's own ``agent_started_at`` went into
+the log with the offset the agent sent.
+"""
+
+from __future__ import annotations
+
+import httpx
+import psycopg
+import pytest
+from psycopg import conninfo, sql
+
+from tests.conftest import LiveServer
+from tests.helpers import bearer, eventually
+from tests.integration.test_queue_api import CPU
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def local_time_db(db_url):
+    """This test's database with a non-UTC default TimeZone, as initdb leaves it on a machine in India."""
+    name = conninfo.conninfo_to_dict(db_url)["dbname"]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute(sql.SQL("ALTER DATABASE {} SET timezone = 'Asia/Kolkata'").format(sql.Identifier(name)))
+    return db_url
+
+
+async def _org(db_url):
+    from umbra.compute.accounts import create_organization
+
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+        return await create_organization(c, "acme")
+
+
+async def test_sweeper_events_carry_utc_timestamps_in_a_database_whose_timezone_is_not_utc(local_time_db):
+    _, key = await _org(local_time_db)
+    with LiveServer(local_time_db, UMBRA_SWEEP_INTERVAL_SECONDS="0.2", UMBRA_LEASE_SECONDS="1",
+                    UMBRA_LEASE_EXPIRED_DELAY_SECONDS="5", UMBRA_HEARTBEAT_STALE_SECONDS="2") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            issued = await client.post("/v1/pairings", json={"name": "box"}, headers=bearer(key))
+            redeemed = (await client.post("/v1/pairings/redeem", json={
+                "code": issued.json()["code"], "name": "box", "agent_version": "1", "devices": [CPU]})).json()
+            node = bearer(redeemed["credential"])
+            assert (await client.post("/v1/agent/heartbeat", json={"devices": [CPU], "agent_version": "1"},
+                                      headers=node)).status_code == 200
+            job = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).json()
+            claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node)
+            assert claimed.status_code == 200 and claimed.json()["job"]["id"] == job["id"]
+
+            # The holder goes silent: the sweeper expires the lease and marks the node offline.
+            async def swept():
+                events = (await client.get("/v1/events", params={"limit": 1000}, headers=bearer(key))).json()["events"]
+                by_type = {e["type"]: e for e in events}
+                return by_type if {"job.lease_expired", "node.went_offline"} <= set(by_type) else None
+
+            by_type = await eventually(swept, timeout=20)
+    not_before = by_type["job.lease_expired"]["data"]["not_before"]
+    last_seen = by_type["node.went_offline"]["data"]["last_seen_at"]
+    assert (not_before.endswith("Z"), last_seen.endswith("Z")) == (True, True), (
+        f"sweeper events not in UTC: job.lease_expired not_before={not_before}, "
+        f"node.went_offline last_seen_at={last_seen}")
+
+
+async def test_cli_pairing_code_prints_expires_at_in_utc_in_a_database_whose_timezone_is_not_utc(local_time_db):
+    """``umbra admin pairing-code --json`` prints ``expires_at`` in UTC, as the HTTP route does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    org_id, _ = await _org(local_time_db)
+    done = subprocess.run([sys.executable, "-m", "umbra.cli", "admin", "pairing-code", "--org", str(org_id), "--name", "box", "--json"],
+                          env={**os.environ, "UMBRA_DATABASE_URL": local_time_db}, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expires_at = json.loads(done.stdout)["expires_at"]
+    assert expires_at.endswith("Z"), f"pairing-code expires_at is not UTC: {expires_at}"
+
+
+async def test_a_heartbeats_agent_started_at_is_recorded_in_utc(client, org):
+    """The agent's ``agent_started_at`` is recorded in ``node.heartbeat`` in UTC, whatever offset it was sent with."""
+    from tests.integration.test_queue_api import pair
+
+    _, key = org
+    _, credential = await pair(client, key)
+    beat = await client.post("/v1/agent/heartbeat", headers=bearer(credential), json={
+        "devices": [CPU], "agent_version": "1", "agent_started_at": "2026-01-01T10:00:00+02:00"})
+    assert beat.status_code == 200, beat.text
+    events = (await client.get("/v1/events", params={"limit": 1000}, headers=bearer(key))).json()["events"]
+    started = [e["data"]["agent_started_at"] for e in events if e["type"] == "node.heartbeat" and e["data"].get("agent_started_at")]
+    assert started == ["2026-01-01T08:00:00Z"], started
