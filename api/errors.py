@@ -67,9 +67,9 @@ async def database_unavailable(request: Request, exc: Exception) -> Response:
 
     A 503 with ``Retry-After`` tells clients to try again; a 500 would say the request itself is at
     fault, and an EventSource gives up on it for good. Whether the command committed is unknown
-    when the connection broke during its ``COMMIT``: a completion sent again is answered as the
-    repeat it is (200), and a claim that did commit is released; a failure or a decomposition sent
-    again after such a commit is refused 409, as for any holder that lost its job.
+    when the connection broke during its ``COMMIT``: a completion, a failure or a decomposition
+    sent again by its node is answered as the repeat it is (:mod:`umbra.domain.jobs`), and a claim
+    that did commit is released.
     """
     if not database_away(exc):
         return await unexpected_error(request, exc)

@@ -87,7 +87,10 @@ class HeartbeatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     def __post_init__(self) -> None:
         # The log records times in UTC: the agent's offset would otherwise go into node.heartbeat as sent.
         if self.agent_started_at is not None:
-            self.agent_started_at = self.agent_started_at.astimezone(timezone.utc)
+            try:
+                self.agent_started_at = self.agent_started_at.astimezone(timezone.utc)
+            except OverflowError:  # msgspec answers only ValueError and TypeError as the body's fault (422)
+                raise ValueError("agent_started_at is out of range in UTC") from None
 
 
 class HeartbeatOut(msgspec.Struct, kw_only=True):

@@ -35,14 +35,15 @@ _INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 def integer(text: str) -> int | None:
-    """The integer ``text`` spells in ASCII digits (with an optional sign, around spaces), else ``None``.
+    """The integer ``text`` spells in at most 20 ASCII digits (with an optional sign, around spaces), else ``None``.
 
     Python's ``int`` also reads ``1_000`` and the digits of every script
     (``٣``): no client sending such a value means that number, and a refusal
     says so where a silent reading would page from the wrong place.
     """
     text = text.strip()
-    return int(text) if _INTEGER.fullmatch(text) else None
+    # No value here needs more than 20 digits; Python refuses to read over 4,300 (ValueError).
+    return int(text) if len(text) <= 21 and _INTEGER.fullmatch(text) else None
 
 
 def bounded_int(raw: str, name: str, *, minimum: int, maximum: int) -> int:

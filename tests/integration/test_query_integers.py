@@ -40,8 +40,18 @@ async def test_an_as_of_that_is_not_an_integer_is_refused(client, org):
 
 @pytest.mark.parametrize(("text", "value"), [("10", 10), (" 7 ", 7), ("+3", 3), ("-2", -2), ("0", 0),
                                              ("1_0", None), ("\u0663", None), ("", None), ("1.5", None),
-                                             ("0x1f", None), ("\u00b2", None), ("- 1", None)])  # fmt: skip
+                                             ("0x1f", None), ("\u00b2", None), ("- 1", None), ("1" * 5000, None)])  # fmt: skip
 def test_an_integer_is_ascii_digits_with_an_optional_sign(text, value):
     from umbra.api.params import integer
 
     assert integer(text) == value
+
+
+async def test_a_huge_integer_is_refused_422_not_500(client, org):
+    """Python refuses to read more than 4,300 digits (ValueError): such a value is a refusal, not a server error."""
+    _, key = org
+    huge = "1" * 5000
+    response = await client.get("/v1/jobs", params={"limit": huge}, headers=bearer(key))
+    assert (response.status_code, response.json()["field"]) == (422, "limit"), response.text[:200]
+    async with client.stream("GET", "/v1/events/stream", headers={**bearer(key), "Last-Event-ID": huge}) as streamed:
+        assert streamed.status_code == 422

@@ -96,3 +96,15 @@ async def test_a_heartbeats_agent_started_at_is_recorded_in_utc(client, org):
     events = (await client.get("/v1/events", params={"limit": 1000}, headers=bearer(key))).json()["events"]
     started = [e["data"]["agent_started_at"] for e in events if e["type"] == "node.heartbeat" and e["data"].get("agent_started_at")]
     assert started == ["2026-01-01T08:00:00Z"], started
+
+
+@pytest.mark.parametrize("started", ["0001-01-01T00:00:00+01:00", "9999-12-31T23:30:00-01:00"])
+async def test_an_agent_started_at_out_of_range_in_utc_is_refused_422(client, org, started):
+    """In UTC these leave datetime's years 1 to 9999: refused naming the field, not a server error."""
+    from tests.integration.test_queue_api import pair
+
+    _, key = org
+    _, credential = await pair(client, key)
+    response = await client.post("/v1/agent/heartbeat", headers=bearer(credential), json={"agent_started_at": started})
+    assert response.status_code == 422, f"{response.status_code} {response.text[:200]}"
+    assert response.json()["error"] == "invalid_request"
