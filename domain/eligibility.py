@@ -37,7 +37,9 @@ of its models' RAM floors, where a model (or a job) with a VRAM floor but no
 RAM floor needs at least its VRAM floor in RAM: its size does not shrink on the
 processor, and "no RAM floor measured" must not read as "any RAM will do". The
 memory available to a job is the device's free memory plus what the job's own
-models already hold there (a resident model is not loaded twice).
+models already hold there (a resident model is not loaded twice); and the
+models it must still load must fit in the free memory alone, for what a
+resident model holds, however far above its floor, is in use by that model.
 """
 
 from __future__ import annotations
@@ -167,7 +169,8 @@ def judge_device(
 
     vram_need = vram_needed(requires, models)
     vram_available = device.vram_free_mb + held
-    if device.kind != "cpu" and vram_available >= vram_need:
+    vram_short = _shortfall(vram_need, vram_available, sum(m.vram_min_mb for m in to_load), device.vram_free_mb)
+    if device.kind != "cpu" and vram_short is None:
         wanted = sum(max(m.vram_preferred_mb or 0, m.vram_min_mb) for m in to_load)
         return replace(
             base,
@@ -179,7 +182,8 @@ def judge_device(
         )
     ram_need = ram_needed(requires, models)
     ram_available = device.ram_free_mb + held
-    if device.kind in UNIFIED_MEMORY_KINDS and ram_available >= ram_need:
+    ram_short = _shortfall(ram_need, ram_available, sum(m.ram_floor_mb for m in to_load), device.ram_free_mb)
+    if device.kind in UNIFIED_MEMORY_KINDS and ram_short is None:
         wanted = sum(m.ram_floor_mb for m in to_load)
         return replace(
             base,
@@ -191,8 +195,21 @@ def judge_device(
             available_mb=ram_available,
         )
     if device.kind == "gpu_discrete":
-        return replace(base, reason="vram_insufficient", needed_mb=vram_need, available_mb=vram_available)
-    return replace(base, reason="ram_insufficient", needed_mb=ram_need, available_mb=ram_available)
+        needed, available = vram_short or (vram_need, vram_available)
+        return replace(base, reason="vram_insufficient", needed_mb=needed, available_mb=available)
+    needed, available = ram_short or (ram_need, ram_available)
+    return replace(base, reason="ram_insufficient", needed_mb=needed, available_mb=available)
+
+
+def _shortfall(need: int, available: int, to_load: int, free: int) -> tuple[int, int] | None:
+    """``None`` when the job fits one memory, else the (needed, available) MB of the first test it fails:
+    everything it needs against what is free plus what its resident models hold, then the models it must
+    load against what is free."""
+    if available < need:
+        return need, available
+    if free < to_load:
+        return to_load, free
+    return None
 
 
 def _evictions(device: Device, requires: Requirements, shortfall_mb: int) -> tuple[str, ...]:

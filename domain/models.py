@@ -27,6 +27,8 @@ class RegisteredModel:
 
         Without a measured RAM floor the VRAM floor stands in: the weights do
         not shrink because they moved from VRAM to RAM, and guessing lower
-        starts jobs that then swap.
+        starts jobs that then swap. A floor of 0 is not a measurement either
+        (as for a job's own ``ram_min_mb``): a model with weights of some size
+        does not run in no memory.
         """
-        return self.ram_min_mb if self.ram_min_mb is not None else self.vram_min_mb
+        return self.ram_min_mb or self.vram_min_mb

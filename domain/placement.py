@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from umbra.events.types import Placement, Requirements
+from umbra.events.types import Device, Placement, Requirements
 
 from .eligibility import NodeView, Verdict, judge_node
 from .models import RegisteredModel
@@ -49,14 +49,19 @@ def reason(verdict: Verdict, requires: Requirements) -> str:
     return f"{prefix}:{verdict.device_kind}"
 
 
-def estimated_seconds(requires: Requirements, models: Mapping[str, RegisteredModel], verdict: Verdict) -> float | None:
-    """Seconds before the work can start: loading the models not already resident.
+def estimated_seconds(
+    requires: Requirements, models: Mapping[str, RegisteredModel], verdict: Verdict, device: Device
+) -> float | None:
+    """Seconds before the work can start: loading the models not already resident on ``device``.
 
-    ``None`` when nothing is known (no model named, or no load time registered).
+    ``None`` when nothing is known (no model named, or no load time registered
+    for the models to load).
     """
     if verdict.resident or not requires.models:
         return 0.0 if verdict.resident else None
-    known = [models[slug].load_seconds for slug in requires.models if slug in models and models[slug].load_seconds]
+    resident = {m.slug for m in device.resident_models}
+    to_load = [models[slug] for slug in requires.models if slug in models and slug not in resident]
+    known = [model.load_seconds for model in to_load if model.load_seconds]
     return float(sum(known)) if known else None
 
 
@@ -90,7 +95,7 @@ def placements(
                         resident=verdict.resident,
                         would_evict=verdict.would_evict,
                         score=round(value, 6),
-                        estimated_seconds=estimated_seconds(requires, models, verdict),
+                        estimated_seconds=estimated_seconds(requires, models, verdict, device),
                     ),
                 )
             )

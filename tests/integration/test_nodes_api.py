@@ -182,6 +182,19 @@ async def test_the_model_registry_is_per_organization(client, conn, org):
     assert (await client.get("/v1/models", headers=bearer(other_key))).json() == {"models": []}
 
 
+async def test_a_model_registered_with_a_zero_ram_floor_is_not_run_from_a_smaller_cpu(client, org):
+    """A RAM floor of 0 beside a VRAM floor is no measurement: the VRAM floor stands in for RAM, so a
+    16,000 MB model waits (blocked) rather than running on a CPU with 3,000 MB free."""
+    _, key = org
+    put = await client.put("/v1/models/big:16b", json={"vram_min_mb": 16000, "ram_min_mb": 0}, headers=bearer(key))
+    assert put.status_code == 200, put.text
+    small_cpu = {**CPU, "ram_total_mb": 4096, "ram_free_mb": 3000}
+    _, credential = await pair(client, key, "small-box", devices=(small_cpu,))
+    created = await client.post("/v1/jobs", json={"kind": "infer", "requires": {"models": ["big:16b"]}}, headers=bearer(key))
+    assert (created.status_code, created.json()["status"]) == (201, "blocked"), created.text
+    assert (await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))).status_code == 204
+
+
 async def seconds_until_the_first_attempt_leaves(conn) -> int:
     """What ``Retry-After`` should say now: when the oldest counted attempt leaves the 15-minute window (database clock)."""
     [(left,)] = await (await conn.execute(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from uuid import uuid4
 
+import msgspec
 import pytest
 
 from umbra.domain.eligibility import REASONS, NodeView, blocking_reason, judge_device, judge_node
@@ -90,6 +91,9 @@ def test_a_vram_floor_without_a_ram_floor_needs_that_much_ram_from_system_memory
     assert judge(small, vram_min_mb=9000).reason == "ram_insufficient"
     # A measured RAM floor is used as measured.
     assert judge(Device(kind="cpu", label="c", ram_total_mb=2048, ram_free_mb=1600), models=("tiny",)).eligible
+    # A RAM floor of 0 is no measurement (as the reference reads it): the VRAM floor still stands in.
+    zero = {"big": RegisteredModel(slug="big", vram_min_mb=16000, ram_min_mb=0)}
+    assert judge(Device(kind="cpu", label="c", ram_total_mb=4000, ram_free_mb=3000), zero, models=("big",)).reason == "ram_insufficient"
 
 
 def test_models_named_together_need_the_sum_of_their_floors():
@@ -104,6 +108,23 @@ def test_a_resident_model_counts_toward_the_job_that_needs_it():
     verdict = judge(warm, models=("gemma",))
     assert (verdict.via, verdict.resident, verdict.would_evict) == ("vram", True, ())
     assert judge(warm, vram_min_mb=16000).reason == "vram_insufficient"  # the warm model is not this job's
+
+
+def test_the_models_a_job_must_load_fit_in_free_memory_whatever_its_resident_ones_hold():
+    """What a warm model holds above its floor is in use by it, not room for the job's other model."""
+    pair = {"a": RegisteredModel(slug="a", vram_min_mb=4000), "b": RegisteredModel(slug="b", vram_min_mb=2000)}
+    warm_a = Device(kind="gpu_discrete", label="g", vram_total_mb=8192, vram_free_mb=1000,
+                    resident_models=(ResidentModel(slug="a", vram_held_mb=6000),))  # fmt: skip
+    verdict = judge(warm_a, pair, models=("a", "b"))
+    assert (verdict.reason, verdict.needed_mb, verdict.available_mb) == ("vram_insufficient", 2000, 1000)
+    roomier = msgspec.structs.replace(warm_a, vram_free_mb=2000)
+    assert judge(roomier, pair, models=("a", "b")).via == "vram"
+    # The same on the RAM path of a unified device.
+    ram_pair = {"a": RegisteredModel(slug="a", vram_min_mb=4000, ram_min_mb=4000),
+                "b": RegisteredModel(slug="b", vram_min_mb=2000, ram_min_mb=2000)}  # fmt: skip
+    cpu = Device(kind="cpu", label="c", ram_total_mb=16384, ram_free_mb=1500,
+                 resident_models=(ResidentModel(slug="a", vram_held_mb=6000),))  # fmt: skip
+    assert (judge(cpu, ram_pair, models=("a", "b")).reason, judge(cpu, ram_pair, models=("a",)).via) == ("ram_insufficient", "ram")
 
 
 def test_loading_to_the_preferred_size_names_the_models_it_would_evict():

@@ -120,4 +120,6 @@ def test_admin_transition_rules():
 def test_an_unmeasured_ram_floor_falls_back_to_the_vram_floor():
     assert RegisteredModel(slug="m", vram_min_mb=16000).ram_floor_mb == 16000
     assert RegisteredModel(slug="m", vram_min_mb=16000, ram_min_mb=20000).ram_floor_mb == 20000
-    assert RegisteredModel(slug="m", vram_min_mb=16000, ram_min_mb=0).ram_floor_mb == 0
+    # 0 is no measurement of a model with weights (as the reference reads it): the VRAM floor stands in.
+    assert RegisteredModel(slug="m", vram_min_mb=16000, ram_min_mb=0).ram_floor_mb == 16000
+    assert RegisteredModel(slug="m", vram_min_mb=0, ram_min_mb=0).ram_floor_mb == 0

@@ -67,6 +67,10 @@ def test_the_estimate_is_the_load_time_of_models_not_yet_resident():
     warm = best_placement(node(gpu("g", 1.0, free=500, resident=[("m", 6000)])), Requirements(models=("m",)), MODELS)
     assert (cold.estimated_seconds, warm.estimated_seconds) == (12.5, 0.0)
     assert best_placement(node(gpu("g", 1.0)), Requirements(), {}).estimated_seconds is None
+    # Of two models, one warm on the device: only the other one's load is waited for.
+    pair = {**MODELS, "cold": RegisteredModel(slug="cold", vram_min_mb=2000, load_seconds=10)}
+    half_warm = best_placement(node(gpu("g", 1.0, free=10000, resident=[("m", 6000)])), Requirements(models=("m", "cold")), pair)
+    assert half_warm.estimated_seconds == 10.0
 
 
 def test_no_eligible_device_means_no_placement():
