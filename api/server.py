@@ -74,6 +74,7 @@ def config(app, *, host: str, port: int, **options) -> uvicorn.Config:
         host=host,
         port=port,
         log_level=options.pop("log_level", "warning"),
+        log_config=None,  # its loggers write JSON through umbra.logs, as the service's own do
         access_log=False,  # api.middleware writes the structured access log
         # X-Forwarded-For is read by api.http.client_address alone, and only from
         # UMBRA_TRUSTED_PROXIES. uvicorn's own reading trusts 127.0.0.1 by

@@ -35,19 +35,28 @@ def _uuid(text: str) -> UUID:
         raise argparse.ArgumentTypeError(f"not a UUID: {text!r}") from None
 
 
-def _with_database(fn):
-    """Run ``fn(conn, args)`` against the configured (or embedded) database, migrated."""
+def _with_database(fn, *, migrating: bool = True):
+    """Run ``fn(conn, args)`` against the configured (or embedded) database, migrated.
+
+    ``migrating=False`` is for a command that only reads (``verify``): an
+    auditor's role may read and nothing more, and an audit must not change the
+    schema it audits. It refuses a database behind this version instead.
+    """
 
     def run(args) -> int:
         from .db import connect, resolve_database
-        from .migrate import migrate
+        from .migrate import migrate, pending_migrations
 
         settings = load_settings()
         url, embedded = resolve_database(settings)
         try:
             async def main():
-                await migrate(url)
+                if migrating:
+                    await migrate(url)
                 async with await connect(url) as conn:
+                    if not migrating and (pending := await pending_migrations(conn)):
+                        raise UmbraError("migrations_pending", f"The database lacks {len(pending)} migration(s) of this "
+                                         f"version (first: {pending[0]}); run `umbra migrate` first.")  # fmt: skip
                     return await fn(conn, args)
 
             return anyio.run(main) or 0

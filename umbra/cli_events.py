@@ -333,4 +333,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--org", type=_uuid, default=None, help="only this organization (default: all)")
     p.add_argument("--json", action="store_true", help='print {"ok", "differences"} as JSON')
-    p.set_defaults(func=_with_database(_verify))
+    p.set_defaults(func=_with_database(_verify, migrating=False))

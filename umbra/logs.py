@@ -1,7 +1,8 @@
 """Structured JSON logs on stderr for the service's own loggers.
 
-Only the ``umbra`` logger tree is configured; other libraries' loggers are left
-as they are. Records carry literal keys passed through ``extra=``; secrets are
+The ``umbra`` logger tree and uvicorn's are configured (uvicorn's own lines,
+a malformed request or a port already taken, would otherwise be plain text
+between the JSON ones); other libraries' loggers are left as they are. Records carry literal keys passed through ``extra=``; secrets are
 never passed there (tests capture a full pair/claim cycle to prove it).
 """
 
@@ -31,14 +32,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+#: Logger trees written as JSON on stderr. uvicorn sets its own loggers' levels (``log_level``).
+JSON_LOGGERS = ("umbra", "uvicorn")
+
+
 def configure_logging(level: str = "INFO") -> None:
-    logger = logging.getLogger("umbra")
-    if any(getattr(h, "_umbra", False) for h in logger.handlers):
-        logger.setLevel(level)
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    handler._umbra = True  # type: ignore[attr-defined]
-    logger.addHandler(handler)
-    logger.setLevel(level)
-    logger.propagate = False
+    for name in JSON_LOGGERS:
+        logger = logging.getLogger(name)
+        if name == "umbra":
+            logger.setLevel(level)
+        if any(getattr(h, "_umbra", False) for h in logger.handlers):
+            continue
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter())
+        handler._umbra = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False

@@ -105,6 +105,20 @@ GROUP_COMMIT_FALLBACKS = Counter(
     registry=None,
 )
 
+#: The label values of the labelled counters and histograms, each given its series at start, so a
+#: fresh server shows them at 0: a dashboard or an alert on ``rate(umbra_claims_total[5m])`` reads 0,
+#: not "no data". (``umbra_http_requests`` and ``umbra_sse_streams`` name routes as they are met.)
+CLAIM_TRIGGERS = ("immediate", "hint", "poll", "recheck", "completion", "same_claim")
+CLAIM_OUTCOMES = ("claimed", "timeout", "client_gone")
+SWEEPER_ACTIONS_COUNTED = ("lease_requeued", "lease_failed", "node_went_offline", "blocked_timeout",
+                           "job_unblocked", "job_blocked", "pairing_pruned", "jobs_analysed")  # fmt: skip
+for _trigger in CLAIM_TRIGGERS:
+    CLAIMS.labels(trigger=_trigger)
+for _outcome in CLAIM_OUTCOMES:
+    CLAIM_WAIT.labels(outcome=_outcome)
+for _action in SWEEPER_ACTIONS_COUNTED:
+    SWEEPER_ACTIONS.labels(action=_action)
+
 PROCESS_COLLECTORS: tuple[Collector, ...] = (
     CLAIMS,
     CLAIM_ATTEMPTS,
@@ -143,6 +157,7 @@ def count_events_appended(n: int = 1) -> None:
 
 
 def count_sweeper_action(action: str, n: int = 1) -> None:
-    """``action`` is a short constant such as ``lease_expired`` or ``node_went_offline``."""
+    """``action`` is one of :data:`SWEEPER_ACTIONS_COUNTED`, such as ``lease_requeued`` or ``node_went_offline``."""
+    assert action in SWEEPER_ACTIONS_COUNTED, action  # its series exists from the start
     if n > 0:
         SWEEPER_ACTIONS.labels(action=action).inc(n)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+import psycopg
+from psycopg import conninfo
+
 
 class SettingsError(ValueError):
     """A configuration variable is present but unusable."""
@@ -145,6 +148,22 @@ def server_url(env: Mapping[str, str] | None = None) -> str:
     return f"http://{host}:{_int(env, 'UMBRA_PORT', 8080, minimum=1, maximum=65535)}"
 
 
+def _database_url(env: Mapping[str, str]) -> str | None:
+    """``UMBRA_DATABASE_URL``, parsed (not connected) so a mistyped one stops the process naming the variable.
+
+    libpq's own complaint quotes the whole string, password and all, which would
+    land on stderr and in whatever collects it: it is never repeated.
+    """
+    url = env.get("UMBRA_DATABASE_URL", "").strip() or None
+    if url is not None:
+        try:
+            conninfo.conninfo_to_dict(url)
+        except psycopg.Error:
+            raise SettingsError("UMBRA_DATABASE_URL is not a PostgreSQL URL (postgresql://user:password@host:port/dbname)"
+                                " or a conninfo string (host=... dbname=...)") from None  # fmt: skip
+    return url
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Build the settings from ``env`` (default: the process environment)."""
     env = os.environ if env is None else env
@@ -155,14 +174,21 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     kwargs = {}
     if data_dir:
         kwargs["data_dir"] = Path(data_dir).expanduser().resolve()
+    interval = _int(env, "UMBRA_HEARTBEAT_INTERVAL_SECONDS", 10, minimum=1)
+    stale = _int(env, "UMBRA_HEARTBEAT_STALE_SECONDS", 45, minimum=1)
+    if stale <= interval:
+        # Every healthy node would read offline between its beats, and take no work then.
+        raise SettingsError(f"UMBRA_HEARTBEAT_STALE_SECONDS ({stale}) must be longer than "
+                            f"UMBRA_HEARTBEAT_INTERVAL_SECONDS ({interval}); three intervals or more is usual")  # fmt: skip
     return Settings(
-        database_url=env.get("UMBRA_DATABASE_URL") or None,
-        host=env.get("UMBRA_HOST", "127.0.0.1"),
+        database_url=_database_url(env),
+        # Empty is unset, as for every other variable: "" would listen on every interface.
+        host=env.get("UMBRA_HOST", "").strip() or "127.0.0.1",
         port=_int(env, "UMBRA_PORT", 8080, minimum=0, maximum=65535),
         pool_size=_int(env, "UMBRA_POOL_SIZE", 10, minimum=2),
         lease_seconds=_int(env, "UMBRA_LEASE_SECONDS", 60, minimum=1),
-        heartbeat_interval_seconds=_int(env, "UMBRA_HEARTBEAT_INTERVAL_SECONDS", 10, minimum=1),
-        heartbeat_stale_seconds=_int(env, "UMBRA_HEARTBEAT_STALE_SECONDS", 45, minimum=1),
+        heartbeat_interval_seconds=interval,
+        heartbeat_stale_seconds=stale,
         heartbeat_event_seconds=_int(env, "UMBRA_HEARTBEAT_EVENT_SECONDS", 300, minimum=0),
         sweep_interval_seconds=_float(env, "UMBRA_SWEEP_INTERVAL_SECONDS", 1.0),
         lease_expired_delay_seconds=_int(env, "UMBRA_LEASE_EXPIRED_DELAY_SECONDS", 2, minimum=0),

@@ -42,7 +42,8 @@ async def _org(db_url):
 async def test_sweeper_events_carry_utc_timestamps_in_a_database_whose_timezone_is_not_utc(local_time_db):
     _, key = await _org(local_time_db)
     with LiveServer(local_time_db, UMBRA_SWEEP_INTERVAL_SECONDS="0.2", UMBRA_LEASE_SECONDS="1",
-                    UMBRA_LEASE_EXPIRED_DELAY_SECONDS="5", UMBRA_HEARTBEAT_STALE_SECONDS="2") as server:
+                    UMBRA_LEASE_EXPIRED_DELAY_SECONDS="5", UMBRA_HEARTBEAT_STALE_SECONDS="2",
+                    UMBRA_HEARTBEAT_INTERVAL_SECONDS="1") as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             issued = await client.post("/v1/pairings", json={"name": "box"}, headers=bearer(key))
             redeemed = (await client.post("/v1/pairings/redeem", json={

@@ -1,8 +1,13 @@
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from umbra.settings import SettingsError, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults():
@@ -74,3 +79,29 @@ def test_only_an_unreachable_database_is_an_outage_to_retry():
     for refused in (errors.DeadlockDetected(), errors.SerializationFailure(), errors.QueryCanceled(),
                     errors.ProgramLimitExceeded(), ValueError("not a database error")):  # fmt: skip
         assert not database_away(refused), refused
+
+
+def test_an_empty_umbra_host_does_not_listen_on_every_interface():
+    """``UMBRA_HOST=`` (an empty line in an EnvironmentFile, a compose ``UMBRA_HOST:``) is unset, as for every
+    other variable: an empty host is every interface to the socket layer."""
+    assert load_settings({"UMBRA_HOST": ""}).host == load_settings({"UMBRA_HOST": "  "}).host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("interval,stale", [("60", "45"), ("45", "45")])
+def test_a_stale_threshold_not_above_the_heartbeat_interval_is_refused(interval, stale):
+    """With the interval agents are told at or above the stale time, every healthy node reads offline between
+    its beats and takes no work then."""
+    with pytest.raises(SettingsError, match="UMBRA_HEARTBEAT_STALE_SECONDS"):
+        load_settings({"UMBRA_HEARTBEAT_INTERVAL_SECONDS": interval, "UMBRA_HEARTBEAT_STALE_SECONDS": stale})
+
+
+@pytest.mark.parametrize("command", [["migrate"], ["verify"], ["admin", "create-org", "x", "--json"]])
+def test_a_malformed_database_url_is_named_and_its_password_never_printed(command):
+    """A mistyped UMBRA_DATABASE_URL ("postgresql//" without the colon) stops the command naming the variable;
+    libpq's own message would echo it whole, password and all, to stderr and whatever collects it."""
+    env = {**os.environ, "UMBRA_DATABASE_URL": "postgresql//umbra:Hunter2-s3cret@db.internal/umbra"}
+    done = subprocess.run([sys.executable, "-m", "umbra.cli", *command], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode != 0
+    assert "Hunter2-s3cret" not in done.stderr + done.stdout, done.stderr
+    assert "UMBRA_DATABASE_URL" in done.stderr, done.stderr

@@ -1,0 +1,136 @@
+"""Operations: `umbra serve` as a process (its listen address, its logs, /metrics at start) and `umbra verify`
+run by an auditor's read-only role."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psycopg
+from psycopg import conninfo, sql
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def serve(db_url: str, *args: str, **env: str):
+    """`umbra serve` as a real process; yields (process, port, stderr path)."""
+    port = free_port()
+    log = Path(tempfile.gettempdir()) / f"umbra_serve_{uuid.uuid4().hex[:8]}.log"
+    environment = {**os.environ, "UMBRA_DATABASE_URL": db_url, "UMBRA_SWEEP_INTERVAL_SECONDS": "0.2", **env}
+    with log.open("wb") as err:
+        process = subprocess.Popen([sys.executable, "-m", "umbra.cli", "serve", "--port", str(port), *args],
+                                   cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while "serving on" not in log.read_text():
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        yield process, port, log
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.unlink(missing_ok=True)
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses with a listening TCP socket on ``port`` (from /proc/net/tcp{,6})."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(address if len(address) == width else address)
+    return found
+
+
+def test_serve_with_an_empty_umbra_host_stays_on_the_loopback(db_url):
+    """UMBRA_HOST set but empty is unset, as every other variable: the loopback, not every interface (which
+    an empty host would be to the socket layer: the whole API, /metrics included)."""
+    with serve(db_url, UMBRA_HOST="") as (_process, port, log):
+        text = log.read_text()
+        addresses = _listening(port)
+    wildcard = {"00000000", "00000000000000000000000000000000"}
+    assert not (addresses & wildcard), f"listening on {addresses}; log: {text}"
+    assert "http://0.0.0.0:" not in text and "http://[::]:" not in text
+
+
+def test_a_fresh_servers_metrics_name_claims_claim_wait_and_sweeper_actions(db_url):
+    """A server that has claimed and swept nothing yet shows its claims, claim waits and sweeper actions at 0,
+    so a dashboard or an alert on rate(umbra_claims_total[5m]) reads 0 rather than "no data"."""
+    with serve(db_url) as (_process, port, _log):
+        body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    samples = {line.split("{")[0].split(" ")[0] for line in body.splitlines() if line and not line.startswith("#")}
+    missing = [name for name in ("umbra_claims_total", "umbra_claim_wait_seconds_count", "umbra_sweeper_actions_total")
+               if name not in samples]  # fmt: skip
+    assert not missing, f"no samples for {missing}"
+
+
+def test_every_line_serve_writes_to_stderr_is_json(db_url):
+    """Every line on stderr is JSON, uvicorn's own too (a malformed request from anyone who reaches the port)."""
+    with serve(db_url) as (_process, port, log):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            raw.sendall(b"NOT-HTTP\x00\x01 garbage\r\n\r\n")
+            with contextlib.suppress(OSError):
+                raw.recv(1024)
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
+        time.sleep(0.5)
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+    not_json = []
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            not_json.append(line)
+    assert not not_json, not_json
+
+
+def test_verify_runs_with_a_read_only_auditor_role(db_url):
+    """An audit needs only read rights, and changes nothing: `umbra verify` does not migrate (a SELECT-only role
+    has no rights to), and refuses a database behind this version, naming what to run."""
+    role = f"umbra_auditor_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(db_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        admin.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA public TO {}").format(sql.Identifier(role)))
+    try:
+        env = {**os.environ, "UMBRA_DATABASE_URL": conninfo.make_conninfo(db_url, user=role)}
+        done = subprocess.run([sys.executable, "-m", "umbra.cli", "verify", "--json"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"ok": True, "differences": []}
+
+
+def test_verify_refuses_a_database_behind_this_version_without_migrating_it(db_url):
+    with psycopg.connect(db_url, autocommit=True) as admin:
+        [(last,)] = admin.execute("SELECT max(version) FROM schema_migrations").fetchall()
+        admin.execute("DELETE FROM schema_migrations WHERE version = %s", (last,))
+    env = {**os.environ, "UMBRA_DATABASE_URL": db_url}
+    done = subprocess.run([sys.executable, "-m", "umbra.cli", "verify"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode != 0 and "migrations_pending" in done.stderr and "umbra migrate" in done.stderr, done.stderr
+    with psycopg.connect(db_url, autocommit=True) as admin:
+        assert admin.execute("SELECT count(*) FROM schema_migrations WHERE version = %s", (last,)).fetchone() == (0,)
