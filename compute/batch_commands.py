@@ -40,7 +40,7 @@ from umbra.db import PreparedStatement, begin_with, commit_with, run_together, u
 from umbra.domain.eligibility import NodeView, is_busy, takes_kind
 from umbra.domain.jobs import check_holder, repeats_completion
 from umbra.domain.node_status import effective_status
-from umbra.domain.placement import best_placement
+from umbra.domain.placement import after_placement, best_placement
 from umbra.errors import NotFound, UmbraError
 from umbra.events import store
 from umbra.events.types import Device, Event, JobClaimed, JobCompleted, JobLeaseRenewed, Placement
@@ -320,13 +320,28 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> di
 async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]],
                          shapes: Sequence[str], models: Mapping[str, Any], claimers: Sequence[Command]) -> list[_Staged]:  # fmt: skip
     judged: dict[tuple[int, str], Placement | None] = {}  # by (id of the command, shape)
+    node_of = {id(command): node for command, node in waiting}  # each claimer's node, as its next job finds it
+
+    def placement_for(command: Command, shape: str) -> Placement | None:
+        key = (id(command), shape)
+        if key not in judged:
+            kind, requires = decode_shape(shape)
+            judged[key] = best_placement(node_of[id(command)], requires, models) if takes_kind(command.kinds, kind) else None
+        return judged[key]
 
     def runnable(shape: str) -> bool:
         """Judged for every waiting claimer; a shape none of them may take is never read."""
-        kind, requires = decode_shape(shape)
-        for command, node in waiting:
-            judged[id(command), shape] = best_placement(node, requires, models) if takes_kind(command.kinds, kind) else None
-        return any(judged[id(command), shape] is not None for command, _ in waiting)
+        return any([placement_for(command, shape) is not None for command, _ in waiting])
+
+    def claimed(command: Command, node: NodeView, row: JobRow, now: datetime, placement: Placement) -> None:
+        """Stage the claim; the memory the job takes on its device is not there for the command's next job."""
+        staged.append(_claimed(command, node, row, now, placement))
+        before = node_of[id(command)]
+        after = after_placement(before, placement, row.requires, models)
+        if after is not before:
+            node_of[id(command)] = after
+            for key in [key for key in judged if key[0] == id(command)]:
+                del judged[key]  # judged again, against what is left
 
     staged: list[_Staged] = []
     saw_eligible: set[int] = set()  # claimers that saw a row they could run
@@ -338,18 +353,22 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE), kinds=any_kind_of)
     locked_here: set[UUID] = set()  # rows this transaction has locked for a claimer: it could lock them again
     only = scan.only_shape()
-    if only is not None and all(judged[id(command), only] is not None for command, _ in waiting):
+    if only is not None and all(placement_for(command, only) is not None for command, _ in waiting):
         # Every waiting claimer can run the one shape any of them can: the claim order is that shape's own,
         # and its first rows are found and locked in one statement, then handed out in arrival order.
-        locked = iter(await lock_first_of_shape(conn, org, only, count=min(want, SCAN_PAGE)))
+        locked = await lock_first_of_shape(conn, org, only, count=min(want, SCAN_PAGE))
+        handed = 0
         for command, node in list(waiting):
-            for record in locked:
-                staged.append(_claimed(command, node, queue.from_db(record), record[-1], judged[id(command), only]))  # type: ignore[arg-type]
+            while handed < len(locked) and (placement := placement_for(command, only)) is not None:
+                record = locked[handed]
+                handed += 1
+                claimed(command, node, queue.from_db(record), record[-1], placement)
                 locked_here.add(record[0])
                 left[id(command)] -= 1
                 if not left[id(command)]:
-                    waiting.remove((command, node))
                     break
+            if not left[id(command)] or placement_for(command, only) is None:
+                waiting.remove((command, node))  # served, or its node has no room for another of the one shape
         if not waiting:
             return staged
         # Rows ran out among the shape's first ones (held by other claimers, or none left): read on page by page.
@@ -362,7 +381,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         wanted: list[UUID] = []
         order = {job_id: index for index, job_id in enumerate(shape_of)}
         for command, node in waiting:
-            eligible = [ids[:want] for shape, ids in by_shape.items() if judged[id(command), shape] is not None]
+            eligible = [ids[:want] for shape, ids in by_shape.items() if placement_for(command, shape) is not None]
             if eligible:
                 saw_eligible.add(id(command))
             wanted += eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
@@ -373,9 +392,9 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             for command, node in list(waiting):
                 taken = []
                 for index, (row, now) in enumerate(free):
-                    placement = judged[id(command), shape_of[row.id]]
+                    placement = placement_for(command, shape_of[row.id])
                     if placement is not None:
-                        staged.append(_claimed(command, node, row, now, placement))
+                        claimed(command, node, row, now, placement)
                         taken.append(index)
                         left[id(command)] -= 1
                         if not left[id(command)]:

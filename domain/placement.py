@@ -16,9 +16,12 @@ so a queue shows which jobs run on the slow path and why:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Sequence
 
-from umbra.events.types import Device, Placement, Requirements
+import msgspec
+
+from umbra.events.types import Device, Placement, Requirements, ResidentModel
 
 from .eligibility import NodeView, Verdict, judge_node
 from .models import RegisteredModel
@@ -107,3 +110,49 @@ def best_placement(node: NodeView, requires: Requirements, models: Mapping[str, 
     """The best device of one node for the job, or ``None`` if no device is eligible."""
     ranked, _ = placements([node], requires, models)
     return ranked[0] if ranked else None
+
+
+def after_placement(
+    node: NodeView, placement: Placement, requires: Requirements, models: Mapping[str, RegisteredModel]
+) -> NodeView:
+    """``node`` as the next job of the same claim finds it: the placed job's memory taken on its device.
+
+    A claim of several jobs (``?max=N``, a completion claiming the next N) judges
+    them together against the memory the node last reported free; without
+    this, one claim put two 16,000 MB jobs on one 24,000 MB card. On the
+    memory it runs from, the job takes its models' floors (those not resident
+    there already, which then are: a later job naming them shares them, as a
+    resident model is not loaded twice) and its own need beyond them; the
+    models it would evict give theirs back. Returns ``node`` itself when the
+    job takes nothing (no requirement), so a claim of such jobs costs no
+    second judgement.
+
+    Claims made one after another still judge the memory last reported: the
+    agent's next beat says what its jobs took.
+    """
+    if not (requires.models or requires.vram_min_mb or requires.ram_min_mb):
+        return node  # the common no-op job: nothing to take, nothing to look up
+    index = next((i for i, d in enumerate(node.devices) if d.label == placement.device_id), None)
+    if index is None:
+        return node
+    device = node.devices[index]
+    named = [models[slug] for slug in requires.models if slug in models]
+    if placement.via == "vram":
+        floors = [m.vram_min_mb for m in named]
+        own = requires.vram_min_mb
+    else:
+        floors = [m.ram_floor_mb for m in named]
+        own = requires.ram_min_mb or requires.vram_min_mb
+    kept = [m for m in device.resident_models if m.slug not in placement.would_evict]
+    freed = sum(m.vram_held_mb for m in device.resident_models if m.slug in placement.would_evict)
+    present = {m.slug for m in kept}
+    loaded = [(m.slug, floor) for m, floor in zip(named, floors) if m.slug not in present]
+    taken = sum(floor for _, floor in loaded) + max(0, own - sum(floors))
+    if not taken and not freed and not loaded:
+        return node
+    resident = (*kept, *(ResidentModel(slug=slug, vram_held_mb=floor) for slug, floor in loaded))
+    if placement.via == "vram":
+        changed = msgspec.structs.replace(device, vram_free_mb=max(0, device.vram_free_mb + freed - taken), resident_models=resident)
+    else:
+        changed = msgspec.structs.replace(device, ram_free_mb=max(0, device.ram_free_mb + freed - taken), resident_models=resident)
+    return replace(node, devices=(*node.devices[:index], changed, *node.devices[index + 1 :]))

@@ -6,7 +6,7 @@ from uuid import uuid4
 
 from umbra.domain.eligibility import NodeView
 from umbra.domain.models import RegisteredModel
-from umbra.domain.placement import best_placement, placements
+from umbra.domain.placement import after_placement, best_placement, placements
 from umbra.events.types import Device, Requirements, ResidentModel
 
 MODELS = {"m": RegisteredModel(slug="m", vram_min_mb=4000, vram_preferred_mb=8000, load_seconds=12.5)}
@@ -75,3 +75,36 @@ def test_the_estimate_is_the_load_time_of_models_not_yet_resident():
 
 def test_no_eligible_device_means_no_placement():
     assert best_placement(node(gpu("g", 1.0, free=100)), Requirements(vram_min_mb=1000), {}) is None
+
+
+def test_after_a_placement_the_next_job_of_the_claim_finds_the_memory_it_took_gone():
+    box = node(gpu("g0", 1.0, free=20000), gpu("g1", 1.0, free=20000))
+    placed = best_placement(box, Requirements(vram_min_mb=12000), {})
+    after = after_placement(box, placed, Requirements(vram_min_mb=12000), {})
+    assert [d.vram_free_mb for d in after.devices] == [8000, 20000]
+    assert best_placement(after, Requirements(vram_min_mb=12000), {}).device_id == "g1"
+    # A job that needs nothing takes nothing: the same node, not a copy to judge again.
+    assert after_placement(box, best_placement(box, Requirements(), {}), Requirements(), {}) is box
+
+
+def test_after_a_placement_its_models_are_resident_and_the_evicted_ones_gone():
+    registry = {"m": RegisteredModel(slug="m", vram_min_mb=4000), "big": RegisteredModel(slug="big", vram_min_mb=8000, vram_preferred_mb=14000)}
+    box = node(gpu("g", 1.0, free=9000, resident=[("a", 3000), ("b", 9000)]))
+    placed = best_placement(box, Requirements(models=("big",)), registry)
+    assert placed.would_evict == ("b",)
+    [device] = after_placement(box, placed, Requirements(models=("big",)), registry).devices
+    assert (device.vram_free_mb, sorted(m.slug for m in device.resident_models)) == (9000 + 9000 - 8000, ["a", "big"])
+    # The job's own need beyond its models' floors is taken too; a model already resident is not loaded again.
+    warm = node(gpu("g", 1.0, free=10000, resident=[("m", 4000)]))
+    taken = after_placement(warm, best_placement(warm, Requirements(models=("m",), vram_min_mb=7000), registry),
+                            Requirements(models=("m",), vram_min_mb=7000), registry)  # fmt: skip
+    assert taken.devices[0].vram_free_mb == 10000 - 3000
+
+
+def test_after_a_placement_on_the_slow_path_ram_is_taken():
+    cpu = Device(kind="cpu", label="cpu", ram_total_mb=32768, ram_free_mb=20000)
+    box = node(cpu)
+    placed = best_placement(box, Requirements(ram_min_mb=12000), {})
+    assert placed.via == "ram"
+    after = after_placement(box, placed, Requirements(ram_min_mb=12000), {})
+    assert after.devices[0].ram_free_mb == 8000 and best_placement(after, Requirements(ram_min_mb=12000), {}) is None
