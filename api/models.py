@@ -9,10 +9,11 @@ from msgspec import Meta
 from starlette.requests import Request
 
 from umbra.compute import models
+from umbra.domain.device_reports import Megabytes, Word
 from umbra.domain.models import RegisteredModel
 
 from .http import authenticated, authorized, json_response, read_json, request_id
-from .nodes import Megabytes, Word, rfc3339
+from .nodes import rfc3339
 from .routing import endpoint
 
 

@@ -8,7 +8,7 @@ Handlers are thin: authenticate, decode the body strictly, call one command in
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 from uuid import UUID
 
 import msgspec
@@ -17,40 +17,16 @@ from starlette.requests import Request
 
 from umbra.compute import credentials, heartbeat, nodes
 from umbra.compute.jobs import Kinds
+from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, as_device
 from umbra.domain.heartbeat import HeartbeatReport
 from umbra.domain.nodes import is_busy
 from umbra.errors import InvalidRequest
-from umbra.events.types import Device, ResidentModel
+from umbra.events.types import Device
 
 from .http import authenticated, authorized, json_response, path_uuid, read_json, request_id
 from .routing import endpoint
 
-Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-Label = Annotated[str, Meta(min_length=1, max_length=200)]
-Word = Annotated[str, Meta(min_length=1, max_length=100)]
-
-
-class ResidentModelReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    slug: Label
-    vram_held_mb: Megabytes = 0
-
-
-class DeviceReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A device as an agent reports it; identified by ``label`` within its node."""
-
-    kind: Literal["cpu", "gpu_integrated", "gpu_discrete"]
-    label: Label
-    vram_total_mb: Megabytes = 0
-    vram_free_mb: Megabytes = 0
-    ram_total_mb: Megabytes = 0
-    ram_free_mb: Megabytes = 0
-    compute_units: Annotated[int, Meta(ge=0)] | None = None
-    throughput_factor: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
-    accelerators: Annotated[list[Word], Meta(max_length=32)] = []
-    resident_models: Annotated[list[ResidentModelReport], Meta(max_length=256)] = []
-
-
-Devices = Annotated[list[DeviceReport], Meta(max_length=256)]
+Devices = Annotated[list[DeviceReport], Meta(max_length=MAX_DEVICES)]
 
 
 def to_devices(reports: list[DeviceReport]) -> tuple[Device, ...]:
@@ -58,21 +34,7 @@ def to_devices(reports: list[DeviceReport]) -> tuple[Device, ...]:
     labels = [d.label for d in reports]
     if len(set(labels)) != len(labels):
         raise InvalidRequest("devices: each device needs a distinct label within the node.", field="devices")
-    return tuple(
-        Device(
-            kind=d.kind,
-            label=d.label,
-            vram_total_mb=d.vram_total_mb,
-            vram_free_mb=d.vram_free_mb,
-            ram_total_mb=d.ram_total_mb,
-            ram_free_mb=d.ram_free_mb,
-            compute_units=d.compute_units,
-            throughput_factor=d.throughput_factor,
-            accelerators=tuple(d.accelerators),
-            resident_models=tuple(ResidentModel(slug=m.slug, vram_held_mb=m.vram_held_mb) for m in d.resident_models),
-        )
-        for d in reports
-    )
+    return tuple(as_device(d) for d in reports)
 
 
 class HeartbeatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -16,11 +16,12 @@ from starlette.requests import Request
 
 from umbra.compute import pairing
 from umbra.compute.auth import NODE_SCOPES
+from umbra.domain.device_reports import Label, Word
 from umbra.errors import InvalidRequest
 
 from .http import authorized, client_address, json_response, read_json
 from .http import request_id
-from .nodes import Devices, Label, Word, rfc3339, to_devices
+from .nodes import Devices, rfc3339, to_devices
 from .routing import endpoint
 
 

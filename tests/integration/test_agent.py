@@ -301,6 +301,45 @@ async def test_a_revoked_credential_stops_the_agent_with_unauthenticated(server,
     assert refused.value.code == "unauthenticated" and refused.value.status == 401
 
 
+async def test_a_heartbeat_the_server_refuses_for_its_devices_stops_the_agent_after_its_job(server, api):
+    """Devices the server does not accept (here a label reported twice, 422) are refused however often
+    they are sent: the agent stops as for a signal (the running job finishes within the grace and is
+    reported, the node signs off) and ends with the server's error, instead of running on unseen."""
+    paired = await pair(server, api, "box-refused")
+    devices = [CPU]
+    started = anyio.Event()
+
+    async def slow(claim):
+        started.set()
+        await anyio.sleep(2)
+        return {"slept": 2}
+
+    refused: list[ServiceError] = []
+
+    async with AgentClient(server.url, paired["credential"]) as client:
+        agent = Agent(client, HandlerRegistry({**BUILTINS, "slow": slow}), lambda: list(devices),
+                      AgentConfig(agent_version="t", claim_wait_seconds=1, grace_seconds=20))  # fmt: skip
+
+        async def run() -> None:
+            try:
+                await agent.run()
+            except ServiceError as exc:
+                refused.append(exc)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await eventually(lambda: _node_if(api, paired["node_id"], "online"))
+                job = await submit(api, "slow")
+                await started.wait()
+                devices.append(Device(kind="cpu", label=CPU.label, ram_total_mb=8192, ram_free_mb=8000))
+    assert [(e.status, e.code) for e in refused] == [(422, "invalid_request")]
+    assert "distinct label" in refused[0].message
+    assert await job_in(api, job["id"], "complete"), "the running job was finished and reported"
+    assert [o.status for o in agent.outcomes] == ["complete"]
+    assert await _node_if(api, paired["node_id"], "offline"), "the node signed off"
+
+
 async def test_retiring_the_node_stops_the_agent(server, api):
     paired = await pair(server, api, "box-9")
     async with AgentClient(server.url, paired["credential"]) as client:

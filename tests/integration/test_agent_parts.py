@@ -13,7 +13,15 @@ import msgspec
 import pytest
 
 from umbra.agent.credentials import CredentialFile, CredentialFileError, StoredCredential
-from umbra.agent.devices import DeviceSpecError, cpu_device, parse_device_spec, parse_nvidia_smi, steady
+from umbra.agent.devices import (
+    MAX_DEVICES,
+    DeviceSpecError,
+    check_device_set,
+    cpu_device,
+    parse_device_spec,
+    parse_nvidia_smi,
+    steady,
+)
 from umbra.agent.handlers import HandlerRegistry, PermanentError, RetryableError, UnknownKind, is_retryable
 from umbra.agent.jobrun import backoff_delay
 from umbra.cli_events import SseParser
@@ -49,6 +57,28 @@ def test_device_override_is_a_strict_device_object():
         parse_device_spec('{"kind": "tpu", "label": "t"}')
     with pytest.raises(DeviceSpecError):
         parse_device_spec("not json")
+
+
+def test_device_override_refuses_a_field_the_device_object_does_not_have():
+    """Dropped, ``vram_totl_mb`` would report a 24 GB GPU with no VRAM: busy, never given work."""
+    with pytest.raises(DeviceSpecError, match="unknown field `vram_totl_mb`.*a device has: kind, label, vram_total_mb"):
+        parse_device_spec('{"kind": "gpu_discrete", "label": "g0", "vram_totl_mb": 24576}')
+
+
+@pytest.mark.parametrize("fields", ['"label": ""', '"label": "c", "ram_free_mb": -1', '"label": "c", "throughput_factor": 0',
+                                    '"label": "c", "vram_total_mb": 2147483648', '"label": "c", "accelerators": [""]'])
+def test_device_override_is_held_to_the_servers_limits(fields):
+    with pytest.raises(DeviceSpecError):
+        parse_device_spec('{"kind": "cpu", %s}' % fields)
+
+
+def test_a_device_set_with_a_label_twice_or_too_many_devices_is_refused():
+    cpu = Device(kind="cpu", label="c0", ram_total_mb=8192, ram_free_mb=8000)
+    check_device_set([cpu, msgspec.structs.replace(cpu, label="c1")])
+    with pytest.raises(DeviceSpecError, match="'c0' is given twice"):
+        check_device_set([cpu, msgspec.structs.replace(cpu, ram_free_mb=1)])
+    with pytest.raises(DeviceSpecError, match="at most 256"):
+        check_device_set([msgspec.structs.replace(cpu, label=f"c{i}") for i in range(MAX_DEVICES + 1)])
 
 
 def test_small_memory_drift_keeps_the_previous_report_and_real_changes_pass():

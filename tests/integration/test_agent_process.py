@@ -1,6 +1,7 @@
 """``umbra agent`` as a real process: pairing once into a private credential
-file, reusing it, and SIGTERM (finish the current job, or give it back after
-the grace period; exit 0 either way)."""
+file, reusing it, SIGTERM and SIGHUP (finish the current job, or give it back
+after the grace period; exit 0 either way), and devices the server would
+refuse (refused at start, before any heartbeat)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import pytest
 
 from tests.conftest import LiveServer
 from tests.helpers import eventually
+from umbra.agent.client import AgentClient
+from umbra.agent.credentials import CredentialFile, StoredCredential
+from umbra.agent.devices import parse_device_spec
 
 pytestmark = pytest.mark.anyio
 
@@ -147,6 +151,53 @@ async def test_a_restart_reuses_the_credential_and_gives_a_job_back_after_the_gr
     events = (await api.get(f"/v1/jobs/{stuck}/events")).json()["events"]
     assert [e["type"] for e in events] == ["job.submitted", "job.claimed", "job.requeued"]
     assert "paired as" not in second.stdout.decode()
+
+
+async def _paired_file(server, api, tmp_path, name: str) -> tuple[Path, str]:
+    """A credential file as a first ``umbra agent --code`` run leaves it, and the node's id."""
+    code = await _code(api, name)
+    async with AgentClient(server.url) as client:
+        answer = await client.redeem(code=code, name=name, agent_version="t", devices=[parse_device_spec(DEVICE)])
+    store = CredentialFile(tmp_path / "credential.json")
+    store.save(StoredCredential(server=server.url, node_id=answer["node_id"], name=name, credential=answer["credential"]))
+    return store.path, answer["node_id"]
+
+
+async def test_sighup_finishes_the_current_job_as_sigterm_does(server, api, tmp_path):
+    """The terminal or SSH session the agent was started from closing: killed outright, the running
+    job would be neither finished nor given back (it waits out its lease) and the node never signed
+    off. ``umbra serve`` treats SIGHUP the same way."""
+    credential_file, node_id = await _paired_file(server, api, tmp_path, "hup-1")
+    async with agent_process("--credential-file", str(credential_file), "--grace", "20") as agent:
+        await eventually(lambda: _online_node(api, "hup-1"), timeout=20)
+        running = await _submit(api, "sleep", {"seconds": 2})
+        await eventually(lambda: _claimed_by(agent, api, running), timeout=10)
+        agent.process.send_signal(signal.SIGHUP)
+        assert await agent.wait() == 0, agent.stderr.decode()[-500:]
+    assert (await _job(api, running, "complete"))["result"] == {"slept": 2}
+    assert (await api.get(f"/v1/nodes/{node_id}")).json()["status"] == "offline", "the node signed off"
+
+
+@pytest.mark.parametrize(
+    "devices, says",
+    [
+        ([{"kind": "cpu", "label": "cpu0", "ram_total_mb": 8192, "ram_free_mb": 4000}], "'cpu0' is given twice"),
+        ([{"kind": "cpu", "label": "cpu1", "ram_total_mb": 8192, "ram_free_mb": -1}], "$.ram_free_mb"),
+        ([{"kind": "gpu_discrete", "label": "gpu0", "vram_totl_mb": 24576}], "unknown field `vram_totl_mb`"),
+    ],
+    ids=["duplicate-label", "negative-free-ram", "unknown-field"],
+)
+async def test_devices_the_server_would_refuse_stop_the_agent_at_start(server, api, tmp_path, devices, says):
+    """Started with them, a paired agent's every heartbeat would be refused (422); it is refused
+    before any heartbeat instead, saying what is wrong (``agent_process`` passes a cpu0 already)."""
+    credential_file, node_id = await _paired_file(server, api, tmp_path, "bad-dev-1")
+    flags = [arg for device in devices for arg in ("--device", json.dumps(device))]
+    async with agent_process("--credential-file", str(credential_file), *flags) as agent:
+        status = await agent.wait(timeout=20)
+    err = agent.stderr.decode()
+    assert status == 2 and err.startswith("umbra: invalid_request: umbra agent: argument --device:"), err
+    assert says in err and err.count("\n") == 1, err
+    assert (await api.get(f"/v1/nodes/{node_id}")).json()["status"] == "provisioning", "no heartbeat was sent"
 
 
 async def _restarted(api, before: dict):

@@ -1,9 +1,13 @@
 """``umbra agent``: pair once with a code, then heartbeat, claim and run jobs.
 
 The first run (with --code) redeems the pairing code and saves the node
-credential; every later run reuses the saved credential. SIGTERM or SIGINT
+credential; every later run reuses the saved credential. SIGTERM, SIGINT or
+SIGHUP (the terminal or SSH session closing; unless started under nohup)
 stops polling and lets the current job finish within --grace seconds; a
-second signal gives up on it at once. Either way the exit status is 0.
+second signal gives up on it at once. Either way the exit status is 0. A
+credential the server rejects, or a heartbeat it refuses for what it reports
+(devices it does not accept), stops the agent with the server's error and
+exit status 1.
 """
 
 from __future__ import annotations
@@ -25,12 +29,11 @@ from umbra.settings import server_url
 
 from .client import AgentClient, ServiceError
 from .credentials import CredentialFile, StoredCredential
-from .devices import DeviceSpecError, discover, parse_device_spec
+from .devices import DeviceSpecError, check_device_set, discover, parse_device_spec
 from .handlers import HandlerRegistry, load_object
 from .runner import Agent, AgentConfig
 
 log = logging.getLogger(__name__)
-
 
 
 def agent_version() -> str:
@@ -42,6 +45,12 @@ def agent_version() -> str:
 
 #: Most jobs one agent runs at once (each slot is a long-poll and a connection).
 MAX_CONCURRENCY = 64
+#: --heartbeat bounds, seconds. Below one second a failing server is retried in a tight loop (a failed
+#: beat is retried after the back-off or the interval, whichever is shorter); the upper bound refuses
+#: milliseconds given for seconds, and infinity.
+HEARTBEAT_RANGE = (1.0, 300.0)
+#: --grace bounds, seconds: a stop still ends within the hour (a supervisor's stop timeout is shorter).
+GRACE_RANGE = (0.0, 3600.0)
 
 
 def _device(text: str):
@@ -49,6 +58,18 @@ def _device(text: str):
         return parse_device_spec(text)
     except DeviceSpecError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _AddDevice(argparse.Action):
+    """``--device`` appended to the set, refused at once when the set is one the server would refuse."""
+
+    def __call__(self, parser, namespace, device, option_string=None) -> None:
+        devices = [*(getattr(namespace, self.dest) or ()), device]  # a copy: never the default list itself
+        try:
+            check_device_set(devices)
+        except DeviceSpecError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        setattr(namespace, self.dest, devices)
 
 
 def _handler_spec(text: str) -> tuple[str, str]:
@@ -68,14 +89,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--code", help="six-digit pairing code (first run only)")
     p.add_argument("--name", help="node name the pairing code was issued for")
     p.add_argument("--credential-file", type=Path, help="where the node credential is kept (default: <data dir>/agent/credential.json)")
-    p.add_argument("--device", type=_device, action="append", default=[], metavar="JSON",
-                   help="report this device instead of discovering (repeatable; a Device object as in API.md)")
+    p.add_argument("--device", type=_device, action=_AddDevice, default=[], metavar="JSON",
+                   help="report this device instead of discovering (repeatable; a Device object as in API.md, checked"
+                        " as the server checks it: no unknown fields, a non-empty label of its own, no negative MB)")
     p.add_argument("--handler", type=_handler_spec, action="append", default=[], metavar="KIND=MODULE:FUNC",
                    help="add or replace the handler for a job kind (repeatable)")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds a running job may continue after SIGTERM (default 30)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds a running job may continue after SIGTERM, SIGINT or SIGHUP, 0..3600 (default 30)")
     p.add_argument("--claim-wait", type=float, default=30.0, help="long-poll seconds per claim request, 0..60 (default 30)")
     p.add_argument("--concurrency", type=int, default=1, help="jobs run at once, 1..64 (default 1)")
-    p.add_argument("--heartbeat", type=float, default=10.0, help="heartbeat seconds until the server names an interval (default 10)")
+    p.add_argument("--heartbeat", type=float, default=10.0,
+                   help="heartbeat seconds until the server names an interval, 1..300 (default 10)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     p.set_defaults(func=run_agent)
 
@@ -89,6 +113,10 @@ def run_agent(args) -> int:
         raise InvalidRequest("--claim-wait must be between 0 and 60 seconds.")
     if not 1 <= args.concurrency <= MAX_CONCURRENCY:
         raise InvalidRequest(f"--concurrency must be between 1 and {MAX_CONCURRENCY}.")
+    if not HEARTBEAT_RANGE[0] <= args.heartbeat <= HEARTBEAT_RANGE[1]:  # NaN too: every comparison is false
+        raise InvalidRequest(f"--heartbeat must be between {HEARTBEAT_RANGE[0]:g} and {HEARTBEAT_RANGE[1]:g} seconds.")
+    if not GRACE_RANGE[0] <= args.grace <= GRACE_RANGE[1]:
+        raise InvalidRequest(f"--grace must be between {GRACE_RANGE[0]:g} and {GRACE_RANGE[1]:g} seconds.")
     store = CredentialFile(args.credential_file) if args.credential_file else CredentialFile.default(load_settings().data_dir)
     registry = HandlerRegistry.default()
     for kind, target in args.handler:
@@ -163,7 +191,7 @@ async def _main(args, store: CredentialFile, registry: HandlerRegistry, devices)
             log.info("agent started", extra={"action": "agent_started", "node_id": stored.node_id, "kinds": ",".join(registry.kinds)})
             try:
                 await agent.run()
-            except ServiceError as exc:  # a rejected credential: retrying cannot help
+            except ServiceError as exc:  # a rejected credential, or devices refused: retrying cannot help
                 fatal = exc
             tg.cancel_scope.cancel()
     if fatal is not None:
@@ -172,8 +200,23 @@ async def _main(args, store: CredentialFile, registry: HandlerRegistry, devices)
     return 0
 
 
+def stop_signals() -> list[signal.Signals]:
+    """The signals that stop the agent gracefully.
+
+    SIGHUP is one: the terminal or SSH session the agent was started from closing would
+    otherwise kill it outright, its running job neither finished nor given back (it waits
+    out its lease) and the node left to go stale. Under ``nohup`` (SIGHUP ignored) the
+    user asked it to outlive the terminal, and it stays ignored.
+    """
+    signals = [signal.SIGTERM, signal.SIGINT]
+    hangup = getattr(signal, "SIGHUP", None)  # not on Windows
+    if hangup is not None and signal.getsignal(hangup) != signal.SIG_IGN:
+        signals.append(hangup)
+    return signals
+
+
 async def _stop_on_signals(agent: Agent) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with anyio.open_signal_receiver(*stop_signals()) as signals:
         async for signum in signals:
             log.info("stop requested", extra={"action": "agent_stopping", "signal": signal.Signals(signum).name,
                                               "immediately": agent.stopping})

@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 import msgspec
 import psutil
 
+from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, as_device
 from umbra.events.types import Device
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,30 @@ def discover() -> list[Device]:
 
 
 def parse_device_spec(text: str) -> Device:
-    """One ``--device`` override: a JSON Device object as in API.md."""
+    """One ``--device`` override: a JSON Device object as in API.md, held to the server's limits
+    (:class:`umbra.domain.device_reports.DeviceReport`, what the server decodes heartbeats with).
+
+    A field the Device object does not have is refused, not dropped: it is a typo
+    (``vram_totl_mb``) that would report a 24 GB GPU with no VRAM, busy for ever.
+    """
     try:
-        return msgspec.json.decode(text, type=Device)
+        report = msgspec.json.decode(text, type=DeviceReport)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise DeviceSpecError(f"--device is not a valid device object: {exc}") from None
+        fields = f" (a device has: {', '.join(DeviceReport.__struct_fields__)})" if "unknown field" in str(exc) else ""
+        raise DeviceSpecError(f"--device is not a valid device object: {exc}{fields}") from None
+    return as_device(report)
+
+
+def check_device_set(devices: Sequence[Device]) -> None:
+    """Raise :class:`DeviceSpecError` for a set of devices the server refuses as a whole:
+    a label given twice (devices are told apart by label within the node), or too many."""
+    seen: set[str] = set()
+    for device in devices:
+        if device.label in seen:
+            raise DeviceSpecError(f"--device label {device.label!r} is given twice; each device needs its own label.")
+        seen.add(device.label)
+    if len(devices) > MAX_DEVICES:
+        raise DeviceSpecError(f"--device is given {len(devices)} times; a node reports at most {MAX_DEVICES} devices.")
 
 
 def _moved(old: int, new: int, total: int) -> bool:

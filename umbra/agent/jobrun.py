@@ -51,6 +51,8 @@ STOPPED_MESSAGE = "The agent stopped before the job finished."
 RUNTIME_MESSAGE = "The job exceeded its max_runtime_s."
 #: Longest failure message sent; the server accepts 10,000 characters.
 MAX_ERROR_CHARS = 4000
+#: Doublings :func:`backoff_delay` counts at most (``2.0 ** 1024`` overflows a float).
+MAX_DOUBLINGS = 1000
 
 
 def backoff_delay(failures: int, base: float, cap: float, rng: random.Random | None = None) -> float:
@@ -58,8 +60,14 @@ def backoff_delay(failures: int, base: float, cap: float, rng: random.Random | N
 
     The random half spreads a fleet's retries; the fixed half keeps any single
     agent from hammering a server that is down.
+
+    The doublings stop counting long after any real cap is reached: ``2 ** n``
+    becomes a float in the product and overflows from the 1025th failure, so an
+    agent (or ``umbra events tail --follow``) facing a server down for hours
+    would die of its own back-off instead of riding the outage out.
     """
-    ceiling = min(cap, base * 2 ** max(0, failures - 1))
+    doublings = min(max(0, failures - 1), MAX_DOUBLINGS)
+    ceiling = min(cap, base * 2.0**doublings)  # a product past the float range is inf, which the cap absorbs
     return ceiling / 2 + (rng or random).uniform(0, ceiling / 2)
 
 

@@ -10,11 +10,14 @@ jobs at once (one by default). A completion claims the loop's next job in the
 same request, so a busy agent long-polls only when the queue has nothing left
 for it.
 
-Stopping (SIGTERM/SIGINT, or the node being retired): polling stops at once
-(a long-poll abandoned mid-wait claims nothing); the current job gets
+Stopping (SIGTERM/SIGINT/SIGHUP, or the node being retired): polling stops at
+once (a long-poll abandoned mid-wait claims nothing); the current job gets
 ``grace_seconds`` to finish and is reported as usual; past that it is cancelled
 and failed as retryable so another node picks it up. A credential the server
-rejects (401) stops the agent with that error: retrying cannot fix it.
+rejects (401) stops the agent at once with that error: retrying cannot fix it.
+Nor can it fix a heartbeat the server refuses for what it says (422 devices it
+does not accept, say): the agent stops as for a signal, then ends with that
+error, instead of being refused every few seconds for as long as it runs.
 """
 
 from __future__ import annotations
@@ -46,10 +49,18 @@ __all__ = ["Agent", "AgentConfig", "Outcome", "backoff_delay"]
 
 #: How long a stopping agent lets a heartbeat already on its way finish before it signs off.
 LAST_BEAT_SECONDS = 5.0
+#: 4xx answers to a heartbeat that sending it again may turn into a 200: a timeout, a write that met
+#: another (409 concurrency_conflict), too many requests. Every other 4xx refuses the beat itself
+#: (422 devices the server does not accept, 413, 403 a credential without the scope, 404 a node that
+#: was removed): the agent's own report is wrong, and no retry makes it right.
+TRANSIENT_REFUSALS = frozenset({408, 409, 425, 429})
 
 
 @dataclass(frozen=True)
 class AgentConfig:
+    """How the agent paces itself. ``umbra agent`` range-checks its flags; these checks only refuse what
+    would break the loops (a heartbeat period of zero retries a failing server without pause)."""
+
     agent_version: str
     #: Heartbeat period until the server names one in its answer.
     heartbeat_seconds: float = 10.0
@@ -62,6 +73,12 @@ class AgentConfig:
     backoff_cap_seconds: float = 30.0
     #: Jobs run at once: one work loop each (claim, run, report, chain to the next).
     concurrency: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_seconds < float("inf"):  # NaN fails every comparison
+            raise ValueError(f"heartbeat_seconds must be a positive number of seconds, not {self.heartbeat_seconds!r}")
+        if not self.grace_seconds >= 0:
+            raise ValueError(f"grace_seconds must be zero or more seconds, not {self.grace_seconds!r}")
 
 
 def process_start_time() -> datetime:
@@ -131,10 +148,10 @@ class Agent:
                 tg.cancel_scope.cancel()
             else:
                 tg.cancel_scope.deadline = anyio.current_time() + LAST_BEAT_SECONDS
-        if self._fatal is not None:
-            raise self._fatal
         if self.node_status != "retired" and not self._leave_now:
             await self._sign_off()
+        if self._fatal is not None:
+            raise self._fatal
 
     async def _sign_off(self) -> None:
         """Tell the server this agent is stopping, so the node reads offline now, not after 45 s of silence.
@@ -152,6 +169,18 @@ class Agent:
         self._fatal = exc
         self.stop(immediately=True)
 
+    def _refused(self, exc: ServiceError) -> None:
+        """The server refuses this agent's heartbeat for what it says: stop as for a signal (running jobs
+        get the grace period, the node signs off), then end with the server's error.
+
+        Sent again, the beat is refused the same way for as long as the agent runs: the node never
+        comes online (or goes stale) while the process looks healthy, and only a log line says why.
+        """
+        log.error("heartbeat refused; stopping", extra={"action": "heartbeat_refused", "code": exc.code,
+                                                       "status": exc.status, "reason": exc.message})
+        self._fatal = exc
+        self.stop()
+
     async def _pause(self, seconds: float) -> None:
         """Sleep, waking early when the agent is asked to stop."""
         with anyio.move_on_after(seconds):
@@ -162,7 +191,6 @@ class Agent:
     async def _heartbeat_loop(self) -> None:
         failures = 0
         while not self._work_done.is_set():
-            delay = self._heartbeat_seconds
             try:
                 await self.heartbeat()
                 failures = 0
@@ -170,11 +198,17 @@ class Agent:
                 if exc.status == 401:
                     self._reject(exc)
                     return
+                if exc.status < 500 and exc.status not in TRANSIENT_REFUSALS:
+                    self._refused(exc)
+                    return
                 failures += 1
                 log.warning("heartbeat refused", extra={"action": "heartbeat_failed", "code": exc.code})
             except httpx.HTTPError as exc:
                 failures += 1
                 log.warning("heartbeat failed", extra={"action": "heartbeat_failed", "error": type(exc).__name__})
+            # Read after the beat: the interval its answer named applies from this wait on (the first
+            # wait at --heartbeat, up to 300 s, would leave a node the server wants every 10 s stale).
+            delay = self._heartbeat_seconds
             if failures:
                 delay = min(delay, backoff_delay(failures, self.config.backoff_base_seconds, self.config.backoff_cap_seconds))
             with anyio.move_on_after(delay):

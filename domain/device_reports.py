@@ -1,0 +1,59 @@
+"""A device as an agent reports it (``POST /v1/agent/heartbeat``, pairing) and the limits it is held to.
+
+One definition for both ends: the server decodes heartbeats with it, and the
+reference agent checks its ``--device`` overrides with it at start, so an
+override the server would refuse (a typo'd field, an empty label, a negative
+size) stops the agent at once instead of every heartbeat being refused 422
+for as long as it runs. It needs nothing but msgspec, which an agent has.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from umbra.events.types import Device, ResidentModel
+
+Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Label = Annotated[str, Meta(min_length=1, max_length=200)]
+Word = Annotated[str, Meta(min_length=1, max_length=100)]
+#: Most devices one node reports.
+MAX_DEVICES = 256
+
+
+class ResidentModelReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    slug: Label
+    vram_held_mb: Megabytes = 0
+
+
+class DeviceReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A device as an agent reports it; identified by ``label`` within its node."""
+
+    kind: Literal["cpu", "gpu_integrated", "gpu_discrete"]
+    label: Label
+    vram_total_mb: Megabytes = 0
+    vram_free_mb: Megabytes = 0
+    ram_total_mb: Megabytes = 0
+    ram_free_mb: Megabytes = 0
+    compute_units: Annotated[int, Meta(ge=0)] | None = None
+    throughput_factor: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
+    accelerators: Annotated[list[Word], Meta(max_length=32)] = []
+    resident_models: Annotated[list[ResidentModelReport], Meta(max_length=256)] = []
+
+
+def as_device(report: DeviceReport) -> Device:
+    """The reported device as the stored value the node's events carry."""
+    return Device(
+        kind=report.kind,
+        label=report.label,
+        vram_total_mb=report.vram_total_mb,
+        vram_free_mb=report.vram_free_mb,
+        ram_total_mb=report.ram_total_mb,
+        ram_free_mb=report.ram_free_mb,
+        compute_units=report.compute_units,
+        throughput_factor=report.throughput_factor,
+        accelerators=tuple(report.accelerators),
+        resident_models=tuple(ResidentModel(slug=m.slug, vram_held_mb=m.vram_held_mb) for m in report.resident_models),
+    )

@@ -1,0 +1,149 @@
+"""``umbra agent``'s flags: a value the agent cannot use is refused at start with a clear error
+naming the flag, never accepted and found out later (no database, no server)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from umbra.agent.cli import stop_signals
+from umbra.agent.runner import AgentConfig
+from umbra.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CPU = {"kind": "cpu", "label": "c0", "ram_total_mb": 8192, "ram_free_mb": 8000}
+
+
+def _parse(*argv: str):
+    return build_parser().parse_args(["agent", *argv])
+
+
+def _refused(capsys, *argv: str) -> str:
+    """What ``umbra agent ARGV`` says when its parser refuses ARGV (exit 2, as argparse's)."""
+    with pytest.raises(SystemExit) as refused:
+        _parse(*argv)
+    assert refused.value.code == 2
+    return capsys.readouterr().err
+
+
+# -- --device ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"kind": "gpu_discrete", "label": "g0", "vram_totl_mb": 24576, "vram_free_mb": 24000}, "vram_totl_mb"),
+        ({"kind": "cpu", "label": "c0", "ram_total": 65536, "ram_free_mb": 60000}, "ram_total"),
+    ],
+    ids=["vram_totl_mb", "ram_total"],
+)
+def test_a_device_with_a_field_the_device_object_does_not_have_is_refused_naming_it(capsys, spec, field):
+    """A misspelt field is not dropped: the GPU would be reported with 0 MB of VRAM, busy for ever."""
+    err = _refused(capsys, "--device", json.dumps(spec))
+    assert "--device" in err and f"unknown field `{field}`" in err, err
+
+
+@pytest.mark.parametrize(
+    "spec, where",
+    [
+        ({**CPU, "label": ""}, "$.label"),
+        ({**CPU, "label": "x" * 201}, "$.label"),
+        ({**CPU, "ram_total_mb": -1}, "$.ram_total_mb"),
+        ({**CPU, "ram_free_mb": 2**31}, "$.ram_free_mb"),
+        ({**CPU, "throughput_factor": 0}, "$.throughput_factor"),
+        ({**CPU, "compute_units": -2}, "$.compute_units"),
+        ({**CPU, "accelerators": [""]}, "$.accelerators[0]"),
+        ({**CPU, "resident_models": [{"slug": "m", "vram_held_mb": -5}]}, "$.resident_models[0].vram_held_mb"),
+    ],
+    ids=["empty-label", "long-label", "negative-mb", "huge-mb", "zero-throughput", "negative-units",
+         "empty-accelerator", "negative-resident"],
+)
+def test_a_device_the_server_would_refuse_is_refused_at_start(capsys, spec, where):
+    """The server refuses such a heartbeat (422) every time it is sent: the agent refuses it first."""
+    err = _refused(capsys, "--device", json.dumps(spec))
+    assert where in err, err
+
+
+def test_two_devices_with_one_label_are_refused_at_start(capsys):
+    """Devices are told apart by label within a node: the server refuses a set naming one twice."""
+    err = _refused(capsys, "--device", json.dumps(CPU), "--device", json.dumps({**CPU, "ram_free_mb": 4000}))
+    assert "'c0' is given twice" in err, err
+
+
+def test_devices_the_server_accepts_are_kept_in_order():
+    gpu = {"kind": "gpu_discrete", "label": "g0", "vram_total_mb": 24576, "vram_free_mb": 24000,
+           "accelerators": ["cuda"], "resident_models": [{"slug": "m", "vram_held_mb": 100}]}
+    args = _parse("--device", json.dumps(CPU), "--device", json.dumps(gpu))
+    assert [(d.label, d.kind) for d in args.device] == [("c0", "cpu"), ("g0", "gpu_discrete")]
+    assert args.device[1].resident_models[0].slug == "m"
+    assert _parse().device == [], "no --device: discovery (and the default list is never appended to)"
+
+
+# -- --heartbeat / --grace -----------------------------------------------------------------
+
+def _agent(*argv: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``umbra agent ARGV`` as a process, with no credential: it stops at start either way."""
+    missing = tmp_path / "no-credential.json"
+    return subprocess.run(
+        [sys.executable, "-m", "umbra.cli", "agent", *argv, "--credential-file", str(missing),
+         "--server", "http://127.0.0.1:9"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=dict(os.environ),
+    )
+
+
+@pytest.mark.parametrize("argv", [("--heartbeat", "0"), ("--heartbeat", "-3"), ("--heartbeat", "nan"),
+                                  ("--heartbeat", "0.5"), ("--heartbeat", "301"), ("--heartbeat", "inf"),
+                                  ("--grace", "-1"), ("--grace", "nan"), ("--grace", "3601")],
+                         ids=lambda argv: "=".join(argv).removeprefix("--"))
+def test_heartbeat_and_grace_out_of_range_are_refused_naming_the_flag(argv, tmp_path):
+    """With --heartbeat 0 a failed beat was retried at once, hammering a server that is down; the ranges
+    are the ones --help gives (heartbeat 1..300 s, grace 0..3600 s)."""
+    done = _agent(*argv, tmp_path=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"umbra: invalid_request: {argv[0]} must be between"), done.stderr
+
+
+def test_heartbeat_and_grace_at_their_bounds_are_accepted(tmp_path):
+    """Past the range checks, the agent stops only for want of a credential."""
+    done = _agent("--heartbeat", "1", "--grace", "0", tmp_path=tmp_path)
+    assert done.returncode == 1 and done.stderr.startswith("umbra: credential_file:"), done.stderr
+    done = _agent("--heartbeat", "300", "--grace", "3600", tmp_path=tmp_path)
+    assert done.returncode == 1 and done.stderr.startswith("umbra: credential_file:"), done.stderr
+
+
+@pytest.mark.parametrize("heartbeat", [0.0, -1.0, math.nan, math.inf])
+def test_the_agent_loop_refuses_a_heartbeat_period_it_would_spin_on(heartbeat):
+    """Whoever builds an Agent: a failed beat is retried after min(period, back-off), so a period of
+    zero would retry a failing server without pause."""
+    with pytest.raises(ValueError, match="heartbeat_seconds"):
+        AgentConfig(agent_version="t", heartbeat_seconds=heartbeat)
+
+
+@pytest.mark.parametrize("grace", [-1.0, math.nan])
+def test_the_agent_loop_refuses_a_grace_that_is_not_a_duration(grace):
+    with pytest.raises(ValueError, match="grace_seconds"):
+        AgentConfig(agent_version="t", grace_seconds=grace)
+
+
+# -- signals -------------------------------------------------------------------------------
+
+def test_sighup_stops_the_agent_as_sigterm_and_sigint_do():
+    """A closed terminal or SSH session stops the agent gracefully instead of killing it mid-job."""
+    assert {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} <= set(stop_signals())
+
+
+def test_a_sighup_ignored_as_under_nohup_stays_ignored():
+    """``nohup umbra agent`` asks for an agent that outlives its terminal."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert signal.SIGHUP not in stop_signals()
+        assert {signal.SIGTERM, signal.SIGINT} <= set(stop_signals())
+    finally:
+        signal.signal(signal.SIGHUP, previous)
