@@ -319,29 +319,45 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> di
 
 async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]],
                          shapes: Sequence[str], models: Mapping[str, Any], claimers: Sequence[Command]) -> list[_Staged]:  # fmt: skip
-    judged: dict[tuple[int, str], Placement | None] = {}  # by (id of the command, shape)
+    judged: dict[int, dict[str, Placement | None]] = {id(command): {} for command, _ in waiting}  # by command, shape
     node_of = {id(command): node for command, node in waiting}  # each claimer's node, as its next job finds it
+    full: set[int] = set()  # claimers whose node has room for no queued shape any more
+    every_shape_judged = len(shapes) <= MAX_SHAPES
 
     def placement_for(command: Command, shape: str) -> Placement | None:
-        key = (id(command), shape)
-        if key not in judged:
+        mine = judged[id(command)]
+        if shape not in mine:
             kind, requires = decode_shape(shape)
-            judged[key] = best_placement(node_of[id(command)], requires, models) if takes_kind(command.kinds, kind) else None
-        return judged[key]
+            mine[shape] = best_placement(node_of[id(command)], requires, models) if takes_kind(command.kinds, kind) else None
+        return mine[shape]
 
     def runnable(shape: str) -> bool:
         """Judged for every waiting claimer; a shape none of them may take is never read."""
         return any([placement_for(command, shape) is not None for command, _ in waiting])
 
-    def claimed(command: Command, node: NodeView, row: JobRow, now: datetime, placement: Placement) -> None:
+    def room(command: Command, shape: str) -> int:
+        """How many more jobs of ``shape`` the command's node has room for, up to the number it still wants."""
+        _, requires = decode_shape(shape)
+        view, fits = node_of[id(command)], 0
+        while fits < left[id(command)] and (placed := best_placement(view, requires, models)) is not None:
+            after = after_placement(view, placed, requires, models)
+            if after is view:
+                return left[id(command)]  # takes nothing: every one fits
+            view, fits = after, fits + 1
+        return fits
+
+    def claimed(command: Command, node: NodeView, row: JobRow, now: datetime, placement: Placement, shape: str) -> None:
         """Stage the claim; the memory the job takes on its device is not there for the command's next job."""
         staged.append(_claimed(command, node, row, now, placement))
         before = node_of[id(command)]
         after = after_placement(before, placement, row.requires, models)
         if after is not before:
             node_of[id(command)] = after
-            for key in [key for key in judged if key[0] == id(command)]:
-                del judged[key]  # judged again, against what is left
+            judged[id(command)] = {}  # judged again, against what is left
+            if placement_for(command, shape) is None and every_shape_judged and not any(
+                placement_for(command, other) is not None for other in shapes
+            ):
+                full.add(id(command))  # it stops reading the queue: nothing queued fits any more
 
     staged: list[_Staged] = []
     saw_eligible: set[int] = set()  # claimers that saw a row they could run
@@ -356,13 +372,16 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     if only is not None and all(placement_for(command, only) is not None for command, _ in waiting):
         # Every waiting claimer can run the one shape any of them can: the claim order is that shape's own,
         # and its first rows are found and locked in one statement, then handed out in arrival order.
-        locked = await lock_first_of_shape(conn, org, only, count=min(want, SCAN_PAGE))
+        # Only as many rows as the claimers' nodes have room for: a row locked and not handed out would be
+        # skipped, until this commit, by a claimer of the other batch in flight, which might then say
+        # nothing is left when it is.
+        locked = await lock_first_of_shape(conn, org, only, count=min(sum(room(c, only) for c, _ in waiting), SCAN_PAGE))
         handed = 0
         for command, node in list(waiting):
             while handed < len(locked) and (placement := placement_for(command, only)) is not None:
                 record = locked[handed]
                 handed += 1
-                claimed(command, node, queue.from_db(record), record[-1], placement)
+                claimed(command, node, queue.from_db(record), record[-1], placement, only)
                 locked_here.add(record[0])
                 left[id(command)] -= 1
                 if not left[id(command)]:
@@ -394,10 +413,10 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                 for index, (row, now) in enumerate(free):
                     placement = placement_for(command, shape_of[row.id])
                     if placement is not None:
-                        claimed(command, node, row, now, placement)
+                        claimed(command, node, row, now, placement, shape_of[row.id])
                         taken.append(index)
                         left[id(command)] -= 1
-                        if not left[id(command)]:
+                        if not left[id(command)] or id(command) in full:
                             waiting.remove((command, node))
                             break
                 for index in reversed(taken):
@@ -408,13 +427,12 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         for command in claimers:
             if command.organization_id == org:
                 command.nothing_left = True
-    every_shape_judged = len(shapes) <= MAX_SHAPES
     for command, node in waiting:
         if left[id(command)] == command.count:  # a claim that took some jobs got what there was
             # Beaten to the rows it could run, it may say nothing is left only when nothing queued is
             # for anyone else: every queued shape is one it can run. Otherwise its wake token must go on
             # to a waiter that can run the rest.
-            runs_all = every_shape_judged and all(judged.get((id(command), shape)) is not None for shape in shapes)
+            runs_all = every_shape_judged and all(judged[id(command)].get(shape) is not None for shape in shapes)
             command.nothing_left = scan.nothing_due or (id(command) in saw_eligible and runs_all)
     return staged
 

@@ -84,6 +84,11 @@ class NodeView:
     status: str
     trust_domain: str
     devices: tuple[Device, ...]
+    #: (device label, model) pairs that jobs placed earlier in the same claim run on (never evicted for a
+    #: later one), and of those, the ones they load (resident for memory, but not loaded yet: a later job
+    #: waits for them too). See :func:`umbra.domain.placement.after_placement`.
+    in_use: frozenset[tuple[str, str]] = frozenset()
+    loading: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +169,7 @@ def judge_device(
 
     resident_here = {m.slug: m.vram_held_mb for m in device.resident_models}
     held = sum(resident_here.get(slug, 0) for slug in requires.models)
-    resident = bool(requires.models) and all(slug in resident_here for slug in requires.models)
+    resident = bool(requires.models) and all(slug in resident_here and (device.label, slug) not in node.loading for slug in requires.models)
     to_load = [models[slug] for slug in requires.models if slug not in resident_here]
 
     vram_need = vram_needed(requires, models)
@@ -176,7 +181,7 @@ def judge_device(
             base,
             via="vram",
             resident=resident,
-            would_evict=_evictions(device, requires, wanted - device.vram_free_mb),
+            would_evict=_evictions(device, requires, wanted - device.vram_free_mb, node.in_use),
             needed_mb=vram_need,
             available_mb=vram_available,
         )
@@ -189,7 +194,7 @@ def judge_device(
             base,
             via="ram",
             resident=resident,
-            would_evict=_evictions(device, requires, wanted - device.ram_free_mb),
+            would_evict=_evictions(device, requires, wanted - device.ram_free_mb, node.in_use),
             slow_path=vram_need > 0,
             needed_mb=ram_need,
             available_mb=ram_available,
@@ -212,12 +217,13 @@ def _shortfall(need: int, available: int, to_load: int, free: int) -> tuple[int,
     return None
 
 
-def _evictions(device: Device, requires: Requirements, shortfall_mb: int) -> tuple[str, ...]:
-    """Resident models (not the job's own) to unload, largest first, to cover the shortfall."""
+def _evictions(device: Device, requires: Requirements, shortfall_mb: int, in_use: frozenset[tuple[str, str]]) -> tuple[str, ...]:
+    """Resident models (not the job's own, nor one another job of the claim runs on) to unload, largest first,
+    to cover the shortfall."""
     if shortfall_mb <= 0:
         return ()
     others = sorted(
-        (m for m in device.resident_models if m.slug not in requires.models),
+        (m for m in device.resident_models if m.slug not in requires.models and (device.label, m.slug) not in in_use),
         key=lambda m: (-m.vram_held_mb, m.slug),
     )
     chosen: list[str] = []

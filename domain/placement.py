@@ -23,7 +23,7 @@ import msgspec
 
 from umbra.events.types import Device, Placement, Requirements, ResidentModel
 
-from .eligibility import NodeView, Verdict, judge_node
+from .eligibility import UNIFIED_MEMORY_KINDS, NodeView, Verdict, judge_node
 from .models import RegisteredModel
 
 #: Score multiplier when the job's models must be loaded first.
@@ -53,16 +53,18 @@ def reason(verdict: Verdict, requires: Requirements) -> str:
 
 
 def estimated_seconds(
-    requires: Requirements, models: Mapping[str, RegisteredModel], verdict: Verdict, device: Device
+    requires: Requirements, models: Mapping[str, RegisteredModel], verdict: Verdict, device: Device,
+    loading: frozenset[tuple[str, str]] = frozenset(),
 ) -> float | None:
-    """Seconds before the work can start: loading the models not already resident on ``device``.
+    """Seconds before the work can start: loading the models not already resident on ``device``
+    (``loading``: those an earlier job of the same claim loads there, waited for too).
 
     ``None`` when nothing is known (no model named, or no load time registered
     for the models to load).
     """
     if verdict.resident or not requires.models:
         return 0.0 if verdict.resident else None
-    resident = {m.slug for m in device.resident_models}
+    resident = {m.slug for m in device.resident_models if (device.label, m.slug) not in loading}
     to_load = [models[slug] for slug in requires.models if slug in models and slug not in resident]
     known = [model.load_seconds for model in to_load if model.load_seconds]
     return float(sum(known)) if known else None
@@ -98,7 +100,7 @@ def placements(
                         resident=verdict.resident,
                         would_evict=verdict.would_evict,
                         score=round(value, 6),
-                        estimated_seconds=estimated_seconds(requires, models, verdict, device),
+                        estimated_seconds=estimated_seconds(requires, models, verdict, device, node.loading),
                     ),
                 )
             )
@@ -115,17 +117,20 @@ def best_placement(node: NodeView, requires: Requirements, models: Mapping[str, 
 def after_placement(
     node: NodeView, placement: Placement, requires: Requirements, models: Mapping[str, RegisteredModel]
 ) -> NodeView:
-    """``node`` as the next job of the same claim finds it: the placed job's memory taken on its device.
+    """``node`` as the next job of the same claim finds it: the placed job's memory taken, its models in use.
 
     A claim of several jobs (``?max=N``, a completion claiming the next N) judges
     them together against the memory the node last reported free; without
     this, one claim put two 16,000 MB jobs on one 24,000 MB card. On the
     memory it runs from, the job takes its models' floors (those not resident
     there already, which then are: a later job naming them shares them, as a
-    resident model is not loaded twice) and its own need beyond them; the
-    models it would evict give theirs back. Returns ``node`` itself when the
-    job takes nothing (no requirement), so a claim of such jobs costs no
-    second judgement.
+    resident model is not loaded twice, though it waits for the load too) and
+    its own need beyond them; the models it would evict give theirs back. The
+    models it runs on are in use: no later job of the claim evicts them. On a
+    unified-memory device (``cpu``, ``gpu_integrated``) the memory is the
+    node's system RAM, which every such device of the node reports: what one
+    takes, none has. Returns ``node`` itself when the job takes nothing (no
+    requirement), so a claim of such jobs costs no second judgement.
 
     Claims made one after another still judge the memory last reported: the
     agent's next beat says what its jobs took.
@@ -137,22 +142,30 @@ def after_placement(
         return node
     device = node.devices[index]
     named = [models[slug] for slug in requires.models if slug in models]
-    if placement.via == "vram":
-        floors = [m.vram_min_mb for m in named]
-        own = requires.vram_min_mb
-    else:
-        floors = [m.ram_floor_mb for m in named]
-        own = requires.ram_min_mb or requires.vram_min_mb
+    via_vram = placement.via == "vram"
+    floors = [m.vram_min_mb if via_vram else m.ram_floor_mb for m in named]
+    own = requires.vram_min_mb if via_vram else (requires.ram_min_mb or requires.vram_min_mb)
     kept = [m for m in device.resident_models if m.slug not in placement.would_evict]
     freed = sum(m.vram_held_mb for m in device.resident_models if m.slug in placement.would_evict)
     present = {m.slug for m in kept}
     loaded = [(m.slug, floor) for m, floor in zip(named, floors) if m.slug not in present]
-    taken = sum(floor for _, floor in loaded) + max(0, own - sum(floors))
-    if not taken and not freed and not loaded:
-        return node
+    change = freed - sum(floor for _, floor in loaded) - max(0, own - sum(floors))  # MB given back (negative: taken)
     resident = (*kept, *(ResidentModel(slug=slug, vram_held_mb=floor) for slug, floor in loaded))
-    if placement.via == "vram":
-        changed = msgspec.structs.replace(device, vram_free_mb=max(0, device.vram_free_mb + freed - taken), resident_models=resident)
-    else:
-        changed = msgspec.structs.replace(device, ram_free_mb=max(0, device.ram_free_mb + freed - taken), resident_models=resident)
-    return replace(node, devices=(*node.devices[:index], changed, *node.devices[index + 1 :]))
+    system_ram = device.kind in UNIFIED_MEMORY_KINDS
+
+    def after(d: Device, i: int) -> Device:
+        vram, ram = d.vram_free_mb, d.ram_free_mb
+        if i == index and via_vram:
+            vram += change
+        if system_ram and d.kind in UNIFIED_MEMORY_KINDS:
+            ram += change
+        if i == index:
+            return msgspec.structs.replace(d, vram_free_mb=max(0, vram), ram_free_mb=max(0, ram), resident_models=resident)
+        return msgspec.structs.replace(d, vram_free_mb=max(0, vram), ram_free_mb=max(0, ram)) if (vram, ram) != (d.vram_free_mb, d.ram_free_mb) else d
+
+    return replace(
+        node,
+        devices=tuple(after(d, i) for i, d in enumerate(node.devices)),
+        in_use=node.in_use | {(device.label, m.slug) for m in named},
+        loading=node.loading | {(device.label, slug) for slug, _ in loaded},
+    )

@@ -108,3 +108,25 @@ def test_after_a_placement_on_the_slow_path_ram_is_taken():
     assert placed.via == "ram"
     after = after_placement(box, placed, Requirements(ram_min_mb=12000), {})
     assert after.devices[0].ram_free_mb == 8000 and best_placement(after, Requirements(ram_min_mb=12000), {}) is None
+
+
+def test_on_unified_memory_what_one_device_takes_every_such_device_of_the_node_loses():
+    """A node's CPU and integrated GPU report the same system RAM: a job on either takes it from both."""
+    cpu = Device(kind="cpu", label="cpu", ram_total_mb=32768, ram_free_mb=20000)
+    igpu = Device(kind="gpu_integrated", label="igpu", vram_total_mb=16384, vram_free_mb=8000, ram_total_mb=32768, throughput_factor=4.0,
+                  ram_free_mb=20000)  # fmt: skip
+    box = node(cpu, igpu)
+    placed = best_placement(box, Requirements(vram_min_mb=6000), {})
+    assert (placed.device_id, placed.via) == ("igpu", "vram")
+    after = after_placement(box, placed, Requirements(vram_min_mb=6000), {})
+    assert [(d.vram_free_mb, d.ram_free_mb) for d in after.devices] == [(0, 14000), (2000, 14000)]
+
+
+def test_a_model_a_job_of_the_claim_runs_on_is_never_evicted_for_a_later_one():
+    registry = {"m": RegisteredModel(slug="m", vram_min_mb=8000),
+                "n": RegisteredModel(slug="n", vram_min_mb=4000, vram_preferred_mb=16000)}  # fmt: skip
+    box = node(gpu("g", 1.0, free=12000, resident=[("m", 8000)]))
+    alone = best_placement(box, Requirements(models=("n",)), registry)
+    assert alone.would_evict == ("m",)  # for its preferred size, n alone would unload m
+    after = after_placement(box, best_placement(box, Requirements(models=("m",)), registry), Requirements(models=("m",)), registry)
+    assert best_placement(after, Requirements(models=("n",)), registry).would_evict == ()
