@@ -159,6 +159,54 @@ async def test_a_beat_refused_for_what_it_says_stops_the_agent_with_the_servers_
     assert said == ["/v1/agent/heartbeat", "/v1/agent/offline"], "one beat, no claim, a sign-off"
 
 
+@pytest.mark.parametrize("status, code", [(403, "forbidden"), (422, "invalid_request")])
+async def test_a_claim_refused_for_what_it_says_stops_the_agent_with_the_servers_error(status, code, quiet_agent_logs):
+    """A credential without ``compute:claim``, say: asked again, the claim is refused the same way for as long
+    as the agent runs, and the node never gets work. The agent signs off and ends with the refusal; a claim
+    refused for now (429, 503) is asked again after the back-off."""
+    said: list[str] = []
+
+    async def server(request: httpx.Request) -> httpx.Response:
+        said.append(request.url.path)
+        if request.url.path == "/v1/agent/heartbeat":
+            return httpx.Response(200, json=ONLINE)
+        if request.url.path == "/v1/agent/claim":
+            return _refusal(status, code)
+        if request.url.path == "/v1/agent/offline":
+            return httpx.Response(200, json={"id": NODE, "status": "offline"})
+        return httpx.Response(204)
+
+    async with AgentClient("http://umbra", "uk_0_x", transport=httpx.MockTransport(server)) as client:
+        agent = _agent(client, heartbeat_seconds=1.0)
+        with anyio.fail_after(10), pytest.raises(ServiceError) as stopped:
+            await agent.run()
+    assert (stopped.value.status, stopped.value.code) == (status, code)
+    assert said.count("/v1/agent/claim") == 1 and said[-1] == "/v1/agent/offline"
+
+
+async def test_a_claim_refused_for_now_is_asked_again(quiet_agent_logs):
+    claims = 0
+
+    async def server(request: httpx.Request) -> httpx.Response:
+        nonlocal claims
+        if request.url.path == "/v1/agent/heartbeat":
+            return httpx.Response(200, json=ONLINE)
+        if request.url.path == "/v1/agent/claim":
+            claims += 1
+            return _refusal(429, "rate_limited") if claims % 2 else _refusal(503, "database_unavailable")
+        return httpx.Response(200, json={"id": NODE, "status": "offline"})
+
+    async with AgentClient("http://umbra", "uk_0_x", transport=httpx.MockTransport(server)) as client:
+        agent = _agent(client, heartbeat_seconds=1.0)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(agent.run)
+                while claims < 4:
+                    await anyio.sleep(0.01)
+                agent.stop(immediately=True)
+    assert claims >= 4
+
+
 async def test_a_job_running_when_the_beat_is_refused_is_finished_within_the_grace_and_reported(quiet_agent_logs):
     """The refusal stops the agent as a signal does: the running job is not abandoned to its lease."""
     said: list[str] = []

@@ -15,9 +15,10 @@ once (a long-poll abandoned mid-wait claims nothing); the current job gets
 ``grace_seconds`` to finish and is reported as usual; past that it is cancelled
 and failed as retryable so another node picks it up. A credential the server
 rejects (401) stops the agent at once with that error: retrying cannot fix it.
-Nor can it fix a heartbeat the server refuses for what it says (422 devices it
-does not accept, say): the agent stops as for a signal, then ends with that
-error, instead of being refused every few seconds for as long as it runs.
+Nor can it fix a heartbeat or a claim the server refuses for what it says (422
+devices it does not accept, 403 a credential without the scope): the agent
+stops as for a signal, then ends with that error, instead of being refused
+every few seconds for as long as it runs.
 """
 
 from __future__ import annotations
@@ -169,17 +170,23 @@ class Agent:
         self._fatal = exc
         self.stop(immediately=True)
 
-    def _refused(self, exc: ServiceError) -> None:
-        """The server refuses this agent's heartbeat for what it says: stop as for a signal (running jobs
-        get the grace period, the node signs off), then end with the server's error.
+    def _refused(self, exc: ServiceError, what: str) -> None:
+        """The server refuses this agent's heartbeat or claim for what it says: stop as for a signal
+        (running jobs get the grace period, the node signs off), then end with the server's error.
 
-        Sent again, the beat is refused the same way for as long as the agent runs: the node never
-        comes online (or goes stale) while the process looks healthy, and only a log line says why.
+        Sent again, it is refused the same way for as long as the agent runs: the node never comes
+        online (or goes stale), or never gets work, while the process looks healthy, and only a log
+        line says why.
         """
-        log.error("heartbeat refused; stopping", extra={"action": "heartbeat_refused", "code": exc.code,
-                                                       "status": exc.status, "reason": exc.message})
+        log.error(f"{what} refused; stopping", extra={"action": f"{what}_refused", "code": exc.code,
+                                                      "status": exc.status, "reason": exc.message})
         self._fatal = exc
         self.stop()
+
+    @staticmethod
+    def _for_good(exc: ServiceError) -> bool:
+        """A 4xx that sending the request again will not turn into a 200 (see :data:`TRANSIENT_REFUSALS`)."""
+        return exc.status < 500 and exc.status not in TRANSIENT_REFUSALS
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, waking early when the agent is asked to stop."""
@@ -198,8 +205,8 @@ class Agent:
                 if exc.status == 401:
                     self._reject(exc)
                     return
-                if exc.status < 500 and exc.status not in TRANSIENT_REFUSALS:
-                    self._refused(exc)
+                if self._for_good(exc):
+                    self._refused(exc, "heartbeat")
                     return
                 failures += 1
                 log.warning("heartbeat refused", extra={"action": "heartbeat_failed", "code": exc.code})
@@ -249,6 +256,9 @@ class Agent:
                 except ServiceError as exc:
                     if exc.status == 401:
                         self._reject(exc)
+                        break
+                    if self._for_good(exc):  # a credential without compute:claim, say
+                        self._refused(exc, "claim")
                         break
                     error = exc
                 except httpx.HTTPError as exc:
