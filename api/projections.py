@@ -31,7 +31,8 @@ from .params import query_int, query_list
 from .routing import endpoint
 from .sse import LogWatch, StreamRead, message, sse_stream, stream_principal, watched_reads
 
-#: Non-terminal jobs listed in a queue view (running first, then by priority and age).
+#: Non-terminal jobs listed in a queue view: running first, then blocked (the ones a person looks at:
+#: what runs where, and what cannot run), then queued, each by priority and age.
 MAX_LISTED_JOBS = 1000
 DEFAULT_LISTED_JOBS = 200
 VIEWS = ("queue", "nodes")
@@ -41,7 +42,7 @@ _COUNTS = "SELECT status, count(*) FROM jobs WHERE organization_id = %s GROUP BY
 _OPEN_JOBS = f"""
 SELECT {job_rows.SELECT_LIST} FROM jobs
 WHERE organization_id = %s AND status IN ('queued', 'running', 'blocked')
-ORDER BY status = 'running' DESC, priority, seq
+ORDER BY status = 'running' DESC, status = 'blocked' DESC, priority, seq
 LIMIT %s
 """
 _MOVED_JOBS = "SELECT id FROM jobs WHERE organization_id = %s AND position > %s ORDER BY position LIMIT 1000"

@@ -136,6 +136,22 @@
     renderQueue(); // node names in the running table
   }
 
+  // What is on screen belongs to the key that read it. Positions are per organization, so a snapshot of
+  // another organization's views, read with a new key, could be older than the one shown and would be
+  // dropped as stale: the previous organization's jobs and nodes stayed on screen under the new key.
+  function forgetViews() {
+    view.queue = null;
+    view.nodes = null;
+    view.position = 0;
+    explanations.clear();
+    for (const id of ["running-table", "blocked-table", "waiting-table"]) $(id)?.tBodies[0].replaceChildren();
+    for (const status of STATUSES) $(`count-${status}`).textContent = "0";
+    $("queue-total").textContent = "";
+    $("nodes").replaceChildren();
+    $("nodes-summary").textContent = "";
+    $("position").textContent = "";
+  }
+
   function notePosition(position) {
     if (typeof position === "number" && position > view.position) view.position = position;
     $("position").textContent = `log #${view.position}`;
@@ -276,7 +292,7 @@
       h("td", {}, placementCell(j.placement)),
       h("td", { class: "num" }, `${j.attempt}/${j.max_attempts}`),
       h("td", { class: "num", "data-until": j.lease_expires_at || "" }, until(j.lease_expires_at)))));
-    $("running-empty").hidden = running.length > 0;
+    showEmpty("running", running.length, counts.running || 0, jobs.length, "Nothing is running.");
 
     const blocked = jobs.filter((j) => j.status === "blocked");
     $("blocked-table").tBodies[0].replaceChildren(...blocked.map((j, i) => h("tr", { "data-job": j.id },
@@ -284,9 +300,19 @@
       h("td", {}, j.kind),
       h("td", {}, h("span", { class: "reason" }, j.blocked_reason || j.error || "—"), explainCell(j, i)),
       h("td", { class: "num", "data-ago": j.created_at || "" }, ago(j.created_at)))));
-    $("blocked-empty").hidden = blocked.length > 0;
+    showEmpty("blocked", blocked.length, counts.blocked || 0, jobs.length, "No blocked jobs.");
     renderWaiting();
     forgetExplanations(new Set([...blocked, ...waitingJobs()].map((j) => j.id)));
+  }
+
+  // The view lists the first open jobs (running, then blocked, then queued): jobs of a status may be
+  // counted and not listed, and an empty table must not then say there are none.
+  function showEmpty(status, listed, counted, jobsListed, none) {
+    const empty = $(`${status}-empty`);
+    empty.hidden = listed > 0;
+    empty.textContent = listed === 0 && counted > 0
+      ? `${counted} ${status} job${counted === 1 ? "" : "s"}, not listed: the view lists the first ${jobsListed} open jobs.`
+      : none;
   }
 
   // -- explanations ---------------------------------------------------------------------
@@ -362,7 +388,7 @@
 
   function deviceBlock(device) {
     const unified = device.kind !== "gpu_discrete";
-    const busy = device.kind !== "cpu" && device.vram_total_mb > 0 && device.vram_free_mb <= 0;
+    const busy = device.busy === true;  // the server's reading (a non-CPU device with no free VRAM)
     const models = device.resident_models || [];
     return h("div", { class: "device", "data-device": device.label },
       h("div", { class: "device-head" },
@@ -411,6 +437,7 @@
       const key = $("key-input").value.trim();
       if (!key) return;
       localStorage.setItem(KEY_STORAGE, key);
+      if (key !== apiKey) forgetViews();  // another key may be another organization: its log positions are its own
       apiKey = key;
       $("key-input").value = "";
       retryDelay = 1000;

@@ -1,0 +1,144 @@
+"""The dashboard shows what its key may see, as the views say it: another key's organization replaces the
+previous one's views, jobs counted and not listed are not called none, and a device is busy as the API says."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import anyio
+import httpx
+import psycopg
+import pytest
+
+from tests.browser.test_dashboard import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+from tests.conftest import LiveServer
+
+pytestmark = [pytest.mark.browser, needs_chromium]
+
+
+def _organization(db_url: str, name: str) -> tuple[str, str]:
+    from umbra.compute.accounts import create_organization
+
+    async def create():
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+            return await create_organization(conn, name)
+
+    with ThreadPoolExecutor(1) as pool:  # Playwright's sync API runs an event loop in this thread
+        org_id, key = pool.submit(anyio.run, create).result()
+    return str(org_id), key
+
+
+def _pair(api: httpx.Client, clients, base: str, name: str, devices: list[dict]) -> httpx.Client:
+    code = api.post("/v1/pairings", json={"name": name}).json()["code"]
+    redeemed = api.post("/v1/pairings/redeem", json={"code": code, "name": name, "devices": devices})
+    assert redeemed.status_code == 201, redeemed.text
+    node = clients(base, redeemed.json()["credential"])
+    beat = node.post("/v1/agent/heartbeat", json={"devices": devices, "agent_version": "0.1.0"})
+    assert beat.status_code == 200, beat.text
+    return node
+
+
+@pytest.fixture
+def served(db_url):
+    with LiveServer(db_url, UMBRA_SWEEP_INTERVAL_SECONDS="0.2") as server:
+        yield server
+
+
+@pytest.fixture
+def clients():
+    """HTTP clients the test opens, closed whether it passes or not."""
+    opened: list[httpx.Client] = []
+
+    def open_client(base: str, token: str) -> httpx.Client:
+        opened.append(httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30))
+        return opened[-1]
+
+    yield open_client
+    for c in opened:
+        c.close()
+
+
+@pytest.fixture
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def test_changing_the_key_to_another_organization_replaces_the_previous_organizations_views(served, browser, clients):
+    """After "Change key" the page shows what *that* key may see: the previous organization's views, whose log
+    positions are higher than the new one's, were kept as the newer ones."""
+    from playwright.sync_api import expect
+
+    _, quiet_key = _organization(served.settings.database_url, "quiet")  # no events at all: head position 0
+    _, busy_key = _organization(served.settings.database_url, "busy")
+    busy = clients(served.url, busy_key)
+    jobs = [busy.post("/v1/jobs", json={"kind": "secret-kind", "payload": {}}).json() for _ in range(3)]
+    assert all(j["status"] == "blocked" for j in jobs)  # no nodes: blocked
+    quiet = clients(served.url, quiet_key)
+    assert quiet.get("/v1/projections/queue").json()["counts"]["blocked"] == 0
+
+    page = browser.new_context().new_page()
+    page.goto(f"{served.url}/#key={busy_key}")
+    expect(page.locator("#conn-state")).to_have_attribute("data-state", "live")
+    expect(page.locator("#count-blocked")).to_have_text("3")
+
+    page.click("#change-key")
+    page.fill("#key-input", quiet_key)
+    page.click("#key-form button[type=submit]")
+    expect(page.locator("#conn-state")).to_have_attribute("data-state", "live")
+    page.wait_for_timeout(1500)  # the snapshot and the stream's first messages have arrived
+    # The quiet organization has no jobs: its dashboard must not list the other organization's.
+    expect(page.locator("#count-blocked")).to_have_text("0")
+    expect(page.locator(f'#blocked-table tr[data-job="{jobs[0]["id"]}"]')).to_have_count(0)
+
+
+def test_a_blocked_job_counted_in_the_tiles_is_not_reported_as_no_blocked_jobs(served, browser, clients):
+    """Behind 200 earlier queued jobs a blocked job is still listed (the view lists blocked jobs before queued
+    ones), never a blocked tile at 1 beside "No blocked jobs."."""
+    from playwright.sync_api import expect
+
+    _, key = _organization(served.settings.database_url, "deep")
+    api = clients(served.url, key)
+    cpu = {"kind": "cpu", "label": "cpu0", "ram_total_mb": 8192, "ram_free_mb": 8000}
+    _pair(api, clients, served.url, "box", [cpu])
+    batch = api.post("/v1/jobs/batch", json={"jobs": [{"kind": "echo", "payload": {}} for _ in range(200)]})
+    assert batch.status_code == 201 and {j["status"] for j in batch.json()["jobs"]} == {"queued"}
+    blocked = api.post("/v1/jobs", json={"kind": "echo", "payload": {}, "requires": {"accelerators": ["cuda"]}}).json()
+    assert blocked["status"] == "blocked"
+    snapshot = api.get("/v1/projections/queue").json()
+    assert snapshot["counts"]["blocked"] == 1 and snapshot["truncated"] is True
+
+    page = browser.new_context().new_page()
+    page.goto(f"{served.url}/#key={key}")
+    expect(page.locator("#conn-state")).to_have_attribute("data-state", "live")
+    expect(page.locator("#count-blocked")).to_have_text("1")
+    # Either the blocked job is listed, or at least the page does not claim there is none.
+    listed = page.locator(f'#blocked-table tr[data-job="{blocked["id"]}"]').count()
+    assert listed == 1 or page.locator("#blocked-empty").is_hidden(), (
+        "the Blocked panel says 'No blocked jobs.' while the blocked tile counts 1"
+    )
+
+
+def test_a_device_the_api_calls_busy_is_marked_busy(served, browser, clients):
+    """A device is marked busy as the nodes view says (a non-CPU device with no free VRAM: here a unified-memory
+    GPU reporting none), not by a reading of the page's own that missed it beside "no free device"."""
+    from playwright.sync_api import expect
+
+    _, key = _organization(served.settings.database_url, "igpu")
+    api = clients(served.url, key)
+    igpu = {"kind": "gpu_integrated", "label": "igpu0", "vram_total_mb": 0, "vram_free_mb": 0,
+            "ram_total_mb": 16384, "ram_free_mb": 12000, "accelerators": ["metal"]}  # fmt: skip
+    _pair(api, clients, served.url, "mini", [igpu])
+    view = api.get("/v1/projections/nodes").json()["nodes"][0]
+    assert view["devices"][0]["busy"] is True and view["schedulable"] is False
+
+    page = browser.new_context().new_page()
+    page.goto(f"{served.url}/#key={key}")
+    card = page.locator("article.node").filter(has_text="mini")
+    expect(card.locator(".status")).to_have_text("online")
+    expect(card).to_contain_text("no free device")
+    expect(card.locator('.device[data-device="igpu0"] .busy')).to_have_count(1)
