@@ -46,7 +46,7 @@ class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if isinstance(self.result, (dict, list)):
-            check_json_depth(self.result)
+            check_json_depth(self.result, "result")
 
 
 class ReportedResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -56,7 +56,7 @@ class ReportedResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if isinstance(self.result, (dict, list)):
-            check_json_depth(self.result)
+            check_json_depth(self.result, "result")
 
 
 class CompleteManyRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

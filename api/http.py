@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from umbra.compute.auth import Principal, authenticate_pooled, authenticated_connection, credential_is_live, revoked
 from umbra.db import DATABASE_AWAY
-from umbra.compute.jobs import MAX_JSON_DEPTH, TOO_DEEP
+from umbra.compute.jobs import MAX_JSON_DEPTH, TOO_DEEP, TOO_DEEP_FIELD
 from umbra.errors import InvalidRequest, NotFound, UmbraError
 
 from .items import item_at
@@ -69,6 +69,8 @@ NUL_REFUSED = "Strings may not contain the NUL character (\\u0000); PostgreSQL c
 #: How deep an item of a list (a batch's job, a child, a result) may nest: its own object, then a
 #: free-form field (payload, result) of at most MAX_JSON_DEPTH levels.
 _ITEM_DEPTH = MAX_JSON_DEPTH + 1
+#: The fields a body may nest freely, which a nesting too deep for the decoder is in.
+_FREE_FORM = "payload or result"
 
 
 async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False, items: str | None = None) -> T:
@@ -94,13 +96,16 @@ async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False,
         decoded = msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
         field = _field_of(str(exc))
+        if deep := TOO_DEEP_FIELD.match(str(exc)):  # raised by the struct (field names it), about one of its fields
+            field = f"{field}.{deep.group(1)}" if field else deep.group(1)
         item = _ITEM.match(field or "") if items else None
         extra = {"index": int(item.group(2))} if item and item.group(1) == items else {}
         raise InvalidRequest(f"Invalid request: {exc}", field=field, **extra) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Malformed JSON: {exc}") from None
     except RecursionError:  # deeper than the free-form fields' own check could look
-        raise _item_refusal(TOO_DEEP, items, item_at(body, items, deeper_than=_ITEM_DEPTH) if items else None) from None
+        raise _item_refusal(f"{TOO_DEEP} (in {_FREE_FORM})", items,
+                            item_at(body, items, deeper_than=_ITEM_DEPTH) if items else None) from None
     return decoded
 
 

@@ -636,7 +636,7 @@ class ChildRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         check_shape_size(self.kind, self.requires)
         if self.payload:
-            check_json_depth(self.payload)
+            check_json_depth(self.payload, "payload")
 
 
 async def add_children(

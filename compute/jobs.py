@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 from typing import Annotated, Any, Iterator, Mapping, Sequence
 from uuid import UUID
 
@@ -102,13 +103,17 @@ _NO_REQUIREMENTS = Requirements()
 #: of its organization's job list, failed.
 MAX_JSON_DEPTH = 100
 TOO_DEEP = f"JSON may nest arrays and objects at most {MAX_JSON_DEPTH} levels deep."
+#: How a depth refusal from a struct's ``__post_init__`` starts: the field it is about, then :data:`TOO_DEEP`.
+TOO_DEEP_FIELD = re.compile(r"^`(\w+)`: " + re.escape(TOO_DEEP))
 
 
-def check_json_depth(value: Any) -> None:
-    """Refuse ``value`` nested deeper than :data:`MAX_JSON_DEPTH`.
+def check_json_depth(value: Any, field: str) -> None:
+    """Refuse ``value`` (the body's ``field``) nested deeper than :data:`MAX_JSON_DEPTH`.
 
-    Raises ``ValueError``, which msgspec reports as a validation error when it
-    comes from a struct's ``__post_init__``. Level by level, visiting only
+    Raises ``ValueError`` naming the field (:data:`TOO_DEEP_FIELD`), which msgspec
+    reports as a validation error of the struct when it comes from its
+    ``__post_init__``: the HTTP layer reads the field back from the message
+    (``umbra.api.http.read_json``). Level by level, visiting only
     containers: a flat payload costs one pass over its values (under a
     microsecond), which a 10,000-job batch pays for every job.
     """
@@ -116,7 +121,7 @@ def check_json_depth(value: Any) -> None:
     depth = 1
     while level:
         if depth > MAX_JSON_DEPTH:
-            raise ValueError(TOO_DEEP)
+            raise ValueError(f"`{field}`: {TOO_DEEP}")
         deeper = []
         for item in level:
             for child in item.values() if type(item) is dict else item:
@@ -141,7 +146,7 @@ class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         check_shape_size(self.kind, self.requires)
         if self.payload:
-            check_json_depth(self.payload)
+            check_json_depth(self.payload, "payload")
 
 
 def check_shape_size(kind: str, requires: RequiresRequest) -> None:

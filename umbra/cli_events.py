@@ -117,11 +117,13 @@ async def _follow(client: httpx.AsyncClient, after: int, as_json: bool) -> None:
     from umbra.agent.runner import backoff_delay
 
     failures = 0
+    reached = False  # whether the server ever answered: until it does, a refused connection is a mistake
     while True:
         parser = SseParser()
         try:
             headers = {"Accept": "text/event-stream", "Last-Event-ID": str(after)}
             async with client.stream("GET", "/v1/events/stream", headers=headers) as response:
+                reached = True
                 if response.status_code >= 400:
                     await response.aread()
                     raise_for_error(response)
@@ -140,6 +142,8 @@ async def _follow(client: httpx.AsyncClient, after: int, as_json: bool) -> None:
             # The server or its database is restarting (a dropped connection, a 5xx, a 429): try again
             # from the last event printed. A refusal of the request itself (401, 403, 422) is final.
             if isinstance(exc, ServiceError) and exc.status < 500 and exc.status != 429:
+                raise
+            if not reached:  # a wrong --server (or none listening yet): said at once, as tail without --follow does
                 raise
             failures += 1
             delay = max(backoff_delay(failures, 0.5, 15.0), getattr(exc, "retry_after", None) or 0.0)

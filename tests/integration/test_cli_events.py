@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import anyio
 import httpx
 import pytest
 
+from tests.conftest import free_port
 from tests.helpers import eventually
 from umbra.cli import main
 
@@ -205,3 +207,21 @@ async def test_verify_shows_progress_while_a_long_rebuild_runs(cli, monkeypatch)
     status, out, err = await cli("verify")
     assert status == 0 and "views match the log" in out
     assert "umbra verify: still folding" in err
+
+
+def test_tail_follow_against_an_unreachable_server_fails_like_tail_does():
+    """A wrong --server is said at once with --follow too (exit 1, the URL named), not retried for ever as a
+    "stream interrupted" that was never opened; a server once reached and then gone is still waited out."""
+    server = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if k != "UMBRA_API_KEY"}
+    plain = subprocess.run([sys.executable, "-m", "umbra.cli", "events", "tail", "--server", server, "--api-key", "uk_a_b"],
+                           capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert plain.returncode == 1 and "ConnectError" in plain.stderr, plain.stderr
+    try:
+        follow = subprocess.run(
+            [sys.executable, "-m", "umbra.cli", "events", "tail", "--follow", "--server", server, "--api-key", "uk_a_b"],
+            capture_output=True, text=True, timeout=20, env=env,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"still retrying after 20 s; stderr: {exc.stderr!r}") from None
+    assert follow.returncode != 0 and "ConnectError" in follow.stderr

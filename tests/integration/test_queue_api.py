@@ -105,9 +105,13 @@ async def test_json_nested_too_deeply_is_refused_and_writes_nothing(client, org,
         (f"/v1/agent/jobs/{job['id']}/children", credential,
          b'{"attempt":1,"children":[{"kind":"c","payload":' + deep + b"}]}"),
     ]
-    for path, token, body in refusals:
+    fields = ["payload", "jobs[1].payload", "result", "result", "results[0].result", "children[0].payload"]
+    for (path, token, body), field in zip(refusals, fields):
         answer = await client.post(path, content=body, headers={**bearer(token), "content-type": "application/json"})
         assert (answer.status_code, answer.json()["error"]) == (422, "invalid_request"), (path, answer.text[:300])
+        # The refusal names the field: exactly where the field's own check found it, else the free-form fields.
+        named = answer.json().get("field") == field if levels < 970 else field.rsplit(".", 1)[-1] in answer.json()["message"]
+        assert named, (path, answer.json())
     assert await job_count(db_url) == before
     held = (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()
     assert (held["status"], held["result"]) == ("running", None)
