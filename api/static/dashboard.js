@@ -15,6 +15,7 @@
   let retryDelay = 1000;
   let refreshTimer = null;
   const view = { queue: null, nodes: null, position: 0 };
+  let generation = 0; // bumped when the key changes: what was read before belongs to the previous key
 
   // -- helpers ---------------------------------------------------------------
 
@@ -102,11 +103,14 @@
   // -- data ---------------------------------------------------------------------------
 
   async function refresh() {
+    const asked = generation;
     try {
       const [queue, nodes] = await Promise.all([api("/v1/projections/queue"), api("/v1/projections/nodes")]);
+      if (asked !== generation) return;  // read with a key since replaced: another organization's views
       applyQueue(queue);
       applyNodes(nodes);
     } catch (error) {
+      if (asked !== generation) return;
       if (error instanceof AuthError) askForKey(error.message);
       else scheduleReconnect();
     }
@@ -140,6 +144,7 @@
   // another organization's views, read with a new key, could be older than the one shown and would be
   // dropped as stale: the previous organization's jobs and nodes stayed on screen under the new key.
   function forgetViews() {
+    generation += 1;
     view.queue = null;
     view.nodes = null;
     view.position = 0;
@@ -365,7 +370,14 @@
       h("td", {}, j.kind),
       h("td", {}, explainCell(j, i)),
       h("td", { class: "num", "data-ago": j.created_at || "" }, ago(j.created_at)))));
-    $("waiting-empty").hidden = waiting.length > 0;
+    // Queued jobs counted and not listed (the view lists running and blocked ones first) may be waiting too.
+    const jobs = view.queue?.jobs || [];
+    const unlisted = (view.queue?.counts?.queued || 0) - jobs.filter((j) => j.status === "queued").length;
+    const empty = $("waiting-empty");
+    empty.hidden = waiting.length > 0;
+    empty.textContent = unlisted > 0
+      ? `${unlisted} queued job${unlisted === 1 ? "" : "s"} not listed (the view lists the first ${jobs.length} open jobs): none of those listed has waited longer than ${WAITING_SECONDS} s.`
+      : `No job has waited longer than ${WAITING_SECONDS} s.`;
   }
 
   function refreshExplanations() {

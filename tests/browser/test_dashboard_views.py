@@ -4,6 +4,7 @@ previous one's views, jobs counted and not listed are not called none, and a dev
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 
 import anyio
 import httpx
@@ -142,3 +143,72 @@ def test_a_device_the_api_calls_busy_is_marked_busy(served, browser, clients):
     expect(card.locator(".status")).to_have_text("online")
     expect(card).to_contain_text("no free device")
     expect(card.locator('.device[data-device="igpu0"] .busy')).to_have_count(1)
+
+
+def test_a_snapshot_read_with_the_previous_key_does_not_come_back_after_a_key_change(served, browser, clients):
+    """A snapshot still being read with the previous key when the key changes is not shown: it is the other
+    organization's, at a higher position, and every later view of the new one would be dropped as stale."""
+    from playwright.sync_api import expect
+
+    _, quiet_key = _organization(served.settings.database_url, "quiet")
+    _, busy_key = _organization(served.settings.database_url, "busy")
+    busy = clients(served.url, busy_key)
+    jobs = [busy.post("/v1/jobs", json={"kind": "secret-kind", "payload": {}}).json() for _ in range(3)]
+    assert all(j["status"] == "blocked" for j in jobs)
+
+    page = browser.new_context().new_page()
+    held = []
+
+    def hold_busy_snapshot(route):
+        # A slow snapshot read of the old key (a busy server, a slow link): answered only after the key changed.
+        if route.request.headers.get("authorization") == f"Bearer {busy_key}" and not held:
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route("**/v1/projections/queue", hold_busy_snapshot)
+    page.goto(f"{served.url}/#key={busy_key}")
+    expect(page.locator("#count-blocked")).to_have_text("3")  # from the stream's first message
+    page.wait_for_timeout(300)
+    assert held, "the page's snapshot read was not held"
+
+    page.click("#change-key")
+    page.fill("#key-input", quiet_key)
+    page.click("#key-form button[type=submit]")
+    expect(page.locator("#conn-state")).to_have_attribute("data-state", "live")
+    expect(page.locator("#count-blocked")).to_have_text("0")
+    held[0].continue_()  # the old key's read answers now
+    page.wait_for_timeout(1500)
+    assert page.locator("#count-blocked").inner_text() == "0", "the previous organization's queue is back on screen"
+    assert page.locator(f'#blocked-table tr[data-job="{jobs[0]["id"]}"]').count() == 0
+
+
+def test_a_queued_job_waiting_behind_200_blocked_ones_is_not_called_none_waiting(served, browser, clients):
+    """Behind 200 blocked jobs (listed before queued ones) an older queued job is not listed: the Waiting panel
+    says so rather than "No job has waited longer than 30 s." beside a queued tile at 1."""
+    from playwright.sync_api import expect
+
+    _, key = _organization(served.settings.database_url, "waiting")
+    api = clients(served.url, key)
+    cpu = {"kind": "cpu", "label": "cpu0", "ram_total_mb": 8192, "ram_free_mb": 8000}
+    _pair(api, clients, served.url, "box", [cpu])
+    waiting = api.post("/v1/jobs", json={"kind": "echo", "payload": {}}).json()
+    assert waiting["status"] == "queued"  # an online node could run it; no agent is claiming
+    batch = api.post("/v1/jobs/batch", json={"jobs": [{"kind": "gpu", "payload": {}, "requires": {"accelerators": ["cuda"]}}
+                                                      for _ in range(200)]})  # fmt: skip
+    assert batch.status_code == 201 and {j["status"] for j in batch.json()["jobs"]} == {"blocked"}
+    view = api.get("/v1/projections/queue").json()
+    assert view["counts"]["queued"] == 1 and waiting["id"] not in {j["id"] for j in view["jobs"]}
+
+    page = browser.new_context().new_page()
+    page.clock.install(time=datetime.now(timezone.utc))
+    page.goto(f"{served.url}/#key={key}")
+    expect(page.locator("#conn-state")).to_have_attribute("data-state", "live")
+    expect(page.locator("#count-queued")).to_have_text("1")
+    page.clock.set_system_time(datetime.now(timezone.utc) + timedelta(minutes=5))  # the job has waited 5 min
+    page.clock.run_for(2000)  # tick() re-renders the Waiting panel
+    listed = page.locator(f'#waiting-table tr[data-job="{waiting["id"]}"]').count()
+    empty = page.locator("#waiting-empty")
+    assert listed == 1 or not empty.is_visible() or "No job has waited" not in empty.inner_text(), (
+        f"Waiting says {empty.inner_text()!r} while a queued job has waited 5 minutes"
+    )

@@ -9,7 +9,7 @@ credential-file behaviour of the ``umbra agent`` process is in
 from __future__ import annotations
 
 import contextlib
-from datetime import datetime
+from datetime import datetime, timezone
 
 import anyio
 import httpx
@@ -446,3 +446,17 @@ async def test_an_idle_slot_with_a_zero_wait_polls_about_once_a_second(server, a
             polled = len(requests) - before
             agent.stop()
     assert 2 <= polled <= 5, polled
+
+
+@pytest.mark.parametrize("verb", ["drain", "retire"])
+async def test_a_drained_or_retired_nodes_beat_and_claim_are_not_refused(server, api, verb):
+    """Draining and retirement are answered, not refused: no 4xx the agent would take as final."""
+    paired = await pair(server, api, f"box-{verb}", devices=(CPU,))
+    async with AgentClient(server.url, paired["credential"]) as node:
+        await node.heartbeat(devices=[CPU], agent_version="t", agent_started_at=datetime.now(timezone.utc))
+        await api.post("/v1/jobs", json={"kind": "echo", "payload": {}})
+        assert (await api.post(f"/v1/nodes/{paired['node_id']}/{verb}")).status_code == 200
+        answer = await node.heartbeat(devices=[CPU], agent_version="t",
+                                      agent_started_at=datetime.now(timezone.utc))
+        assert answer["status"] == {"drain": "draining", "retire": "retired"}[verb]
+        assert await node.claim(0) is None

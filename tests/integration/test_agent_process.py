@@ -229,3 +229,19 @@ async def test_a_wrong_pairing_code_is_refused_with_the_servers_code(server, tmp
                                 "--credential-file", str(target), "--device", DEVICE)
     assert status == 1 and err.startswith("umbra: pairing_code_invalid:") and err.count("\n") == 1
     assert not target.exists()
+
+
+async def test_sigterm_then_sighup_as_systemd_sends_them_still_finishes_the_job(server, api, tmp_path):
+    """systemd (``SendSIGHUP=yes``) sends SIGTERM and then SIGHUP at once: one stop, and the running job still
+    gets its grace; only a second SIGTERM or SIGINT gives it up."""
+    credential_file, _ = await _paired_file(server, api, tmp_path, "hup-2")
+    async with agent_process("--credential-file", str(credential_file), "--grace", "20") as agent:
+        await eventually(lambda: _online_node(api, "hup-2"), timeout=20)
+        running = await _submit(api, "sleep", {"seconds": 2})
+        await eventually(lambda: _claimed_by(agent, api, running), timeout=10)
+        agent.process.send_signal(signal.SIGTERM)
+        await anyio.sleep(0.2)
+        agent.process.send_signal(signal.SIGHUP)
+        assert await agent.wait() == 0, agent.stderr.decode()[-500:]
+    job = await eventually(lambda: _job(api, running, "complete", "queued"), timeout=10)
+    assert job["status"] == "complete", f"the job was given back without its grace: {job['status']}, {job['error']!r}"

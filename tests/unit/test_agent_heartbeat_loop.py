@@ -239,3 +239,43 @@ async def test_a_job_running_when_the_beat_is_refused_is_finished_within_the_gra
     assert [(o.job_id, o.status) for o in agent.outcomes] == [("j1", "complete")]
     assert said.index("/v1/agent/jobs/j1/complete") < said.index("/v1/agent/offline") == len(said) - 1
     assert said.count("/v1/agent/claim") == 1, "a stopping agent claims nothing more"
+
+
+@pytest.mark.parametrize("path", ["/v1/agent/heartbeat", "/v1/agent/claim"])
+async def test_a_proxys_404_page_during_a_backend_restart_is_waited_out(path, quiet_agent_logs):
+    """Only the server's own refusals are final: a 4xx page without its error code (a proxy's 404 while the
+    server behind it restarts) is waited out, and the agent comes online / keeps claiming once it is back."""
+    hits = 0
+    back = anyio.Event()
+
+    async def server(request: httpx.Request) -> httpx.Response:
+        nonlocal hits
+        if request.url.path == path:
+            hits += 1
+            if hits <= 2:
+                return httpx.Response(404, text="404 page not found", headers={"content-type": "text/plain"})
+            back.set()
+        if request.url.path == "/v1/agent/heartbeat":
+            return httpx.Response(200, json=ONLINE)
+        if request.url.path == "/v1/agent/offline":
+            return httpx.Response(200, json={"id": NODE, "status": "offline"})
+        return httpx.Response(204)
+
+    async with AgentClient("http://umbra", "uk_0_x", transport=httpx.MockTransport(server)) as client:
+        agent = _agent(client, heartbeat_seconds=1.0)
+        error: list[BaseException] = []
+
+        async def run() -> None:
+            try:
+                await agent.run()
+            except Exception as exc:  # noqa: BLE001 - what stopped it, if anything
+                error.append(exc)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                with anyio.move_on_after(5):
+                    await back.wait()
+                stopped_by_itself = agent.stopping
+                agent.stop(immediately=True)
+    assert not stopped_by_itself and not error, f"the agent stopped for good on a proxy's 404: {error!r}"

@@ -4,10 +4,10 @@ The first run (with --code) redeems the pairing code and saves the node
 credential; every later run reuses the saved credential. SIGTERM, SIGINT or
 SIGHUP (the terminal or SSH session closing; unless started under nohup)
 stops polling and lets the current job finish within --grace seconds; a
-second signal gives up on it at once. Either way the exit status is 0. A
-credential the server rejects, or a heartbeat it refuses for what it reports
-(devices it does not accept), stops the agent with the server's error and
-exit status 1.
+second SIGTERM or SIGINT gives up on it at once. Either way the exit status
+is 0. A credential the server rejects, or a heartbeat or claim it refuses for
+what it says (devices it does not accept, a credential without the scope),
+stops the agent with the server's error and exit status 1.
 """
 
 from __future__ import annotations
@@ -216,8 +216,17 @@ def stop_signals() -> list[signal.Signals]:
 
 
 async def _stop_on_signals(agent: Agent) -> None:
+    """The first signal stops the agent within the grace; a second SIGTERM or SIGINT, at once.
+
+    A SIGHUP once the agent is stopping changes nothing: a supervisor may send it right
+    after SIGTERM (systemd's ``SendSIGHUP=``), and the terminal closing is no request to
+    give up the running job either.
+    """
+    hangup = getattr(signal, "SIGHUP", None)
     with anyio.open_signal_receiver(*stop_signals()) as signals:
         async for signum in signals:
+            if agent.stopping and signum == hangup:
+                continue
             log.info("stop requested", extra={"action": "agent_stopping", "signal": signal.Signals(signum).name,
                                               "immediately": agent.stopping})
             agent.stop(immediately=agent.stopping)

@@ -95,11 +95,15 @@ def seconds_until(expires_at: datetime, response: httpx.Response) -> float:
     return max(0.0, (expires_at - _server_now(response)).total_seconds())
 
 
+#: The code of a 4xx/5xx answer without the server's error body (a proxy's page, say).
+HTTP_ERROR = "http_error"
+
+
 def raise_for_error(response: httpx.Response) -> None:
-    """Raise :class:`ServiceError` for a 4xx/5xx answer, with its contract error code."""
+    """Raise :class:`ServiceError` for a 4xx/5xx answer, with its contract error code (:data:`HTTP_ERROR` if none)."""
     if response.status_code < 400:
         return
-    code, message = "http_error", response.reason_phrase or f"HTTP {response.status_code}"
+    code, message = HTTP_ERROR, response.reason_phrase or f"HTTP {response.status_code}"
     try:
         body = response.json()
         code = str(body.get("error") or code)

@@ -35,7 +35,7 @@ import psutil
 
 from umbra.events.types import Device
 
-from .client import AgentClient, Claim, ServiceError, claim_kinds
+from .client import HTTP_ERROR, AgentClient, Claim, ServiceError, claim_kinds
 from .devices import steady
 from .handlers import HandlerRegistry
 from .jobrun import JobRun, Outcome, backoff_delay, describe
@@ -185,8 +185,12 @@ class Agent:
 
     @staticmethod
     def _for_good(exc: ServiceError) -> bool:
-        """A 4xx that sending the request again will not turn into a 200 (see :data:`TRANSIENT_REFUSALS`)."""
-        return exc.status < 500 and exc.status not in TRANSIENT_REFUSALS
+        """A 4xx that sending the request again will not turn into a 200 (see :data:`TRANSIENT_REFUSALS`).
+
+        Only the server's own refusals (a body with its error code): a 4xx page without one comes from
+        something in between, a proxy answering 404 while the server behind it restarts, say.
+        """
+        return exc.status < 500 and exc.status not in TRANSIENT_REFUSALS and exc.code != HTTP_ERROR
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, waking early when the agent is asked to stop."""
