@@ -13,7 +13,7 @@ import psycopg
 from starlette.requests import Request
 from starlette.responses import Response
 
-from umbra.compute.auth import Principal, authenticate_pooled, authenticated_connection, credential_is_live, revoked
+from umbra.compute.auth import Principal, authenticate, authenticated_connection, credential_is_live, revoked
 from umbra.db import DATABASE_AWAY
 from umbra.compute.jobs import MAX_JSON_DEPTH, TOO_DEEP, TOO_DEEP_FIELD
 from umbra.errors import InvalidRequest, NotFound, UmbraError
@@ -181,7 +181,7 @@ async def authorized(request: Request, *any_of_scopes: str) -> Principal:
     request wait for.
     """
     services = request.app.state.services
-    who = await authenticate_pooled(services.pool, bearer_token(request), services.token_cache)
+    who = await authenticate(services.pool, bearer_token(request), services.token_cache)
     return _admitted(request, who, any_of_scopes)
 
 
@@ -193,7 +193,7 @@ async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
     connection and no query here.
     """
     services = request.app.state.services
-    who = await authenticate_pooled(services.pool, bearer_token(request), services.token_cache, revocation_deferred=True)
+    who = await authenticate(services.pool, bearer_token(request), services.token_cache, revocation_deferred=True)
     request.state.revocation_deferred = True  # see refusal_after_deferred_revocation
     return _admitted(request, who, any_of_scopes)
 

@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from umbra.compute import credentials, heartbeat, nodes
 from umbra.compute.jobs import Kinds
-from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, as_device
+from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, as_device, label_given_twice
 from umbra.domain.heartbeat import HeartbeatReport
 from umbra.domain.nodes import is_busy
 from umbra.errors import InvalidRequest
@@ -31,8 +31,7 @@ Devices = Annotated[list[DeviceReport], Meta(max_length=MAX_DEVICES)]
 
 def to_devices(reports: list[DeviceReport]) -> tuple[Device, ...]:
     """Request devices as stored values; a label reported twice is refused."""
-    labels = [d.label for d in reports]
-    if len(set(labels)) != len(labels):
+    if label_given_twice(d.label for d in reports) is not None:
         raise InvalidRequest("devices: each device needs a distinct label within the node.", field="devices")
     return tuple(as_device(d) for d in reports)
 

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from umbra import metrics
-from umbra.compute.auth import Principal, authenticate_pooled, credential_is_live, revoked
+from umbra.compute.auth import Principal, authenticate, credential_is_live, revoked
 from umbra.db import DATABASE_AWAY
 
 from .http import bearer_token
@@ -106,7 +106,7 @@ async def stream_principal(request: Request, *any_of_scopes: str) -> Principal:
     """
     token = bearer_token(request) or request.query_params.get("access_token")
     services = request.app.state.services
-    who = await authenticate_pooled(services.pool, token, services.token_cache)
+    who = await authenticate(services.pool, token, services.token_cache)
     if any_of_scopes:
         who.require(*any_of_scopes)
     request.state.principal = who

@@ -12,7 +12,7 @@ of the token (the token itself is never kept). That is safe because:
 a cache hit still requires presenting the full token (a SHA-256 preimage is as
 hard as guessing the token); every hit re-checks ``revoked_at`` on the row by
 primary key (for claim, renew and complete, inside the command's own batch
-transaction: :func:`authenticate_pooled`), so a revocation takes
+transaction: :func:`authenticate`), so a revocation takes
 effect on the next request in every server process; and entries expire after
 a minute regardless.
 """
@@ -30,6 +30,7 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
+from umbra.db import Database, borrowed
 from umbra.errors import Forbidden, RateLimited, Unauthenticated
 from umbra.security import token_fingerprint, token_prefix, verify_secret
 
@@ -71,7 +72,7 @@ class VerifiedTokenCache:
     """Tokens that verified (see the module's docstring), and wrong secrets by prefix.
 
     Each wrong secret for a prefix that exists costs an argon2 verification: tens of ms of CPU (in a
-    worker thread, with no pooled connection held meanwhile: see :func:`authenticate_pooled` and
+    worker thread, with no pooled connection held meanwhile: see :func:`authenticate` and
     :func:`authenticated_connection`). Past :data:`MAX_FAILED_VERIFICATIONS` for one
     prefix within the window, further tokens of that prefix that are not already verified are
     refused 429 with ``Retry-After`` before any work. A key whose token is cached goes on as before;
@@ -170,18 +171,6 @@ def _kind(token: str | None) -> str:
     return kind
 
 
-async def authenticate(conn: psycopg.AsyncConnection, token: str | None, cache: VerifiedTokenCache) -> Principal:
-    """Resolve a bearer token to a :class:`Principal` or raise 401, on ``conn`` (held during argon2 for a
-    token not in the cache: routes use :func:`authenticated_connection` or :func:`authenticate_pooled`)."""
-    kind = _kind(token)
-    assert token is not None
-    cached = cache.get(token)
-    if cached is not None:
-        return await _still_valid(conn, cached, cache)
-    cache.refuse_if_guessed(token_prefix(token, kind))  # type: ignore[arg-type]
-    return await _verify(kind, token, await _candidates(conn, kind, token), cache)
-
-
 async def _still_valid(conn: psycopg.AsyncConnection, cached: Principal, cache: VerifiedTokenCache) -> Principal:
     """A cached principal, once its credential's row says it is not revoked (401 and forgotten otherwise)."""
     if await credential_is_live(conn, cached):
@@ -219,18 +208,19 @@ async def _verify(kind: str, token: str, rows: list[Any], cache: VerifiedTokenCa
     raise Unauthenticated("The bearer token is malformed or unknown.")
 
 
-async def authenticate_pooled(pool: AsyncConnectionPool, token: str | None, cache: VerifiedTokenCache, *,
-                             revocation_deferred: bool = False) -> Principal:  # fmt: skip
-    """:func:`authenticate`, borrowing a pooled connection only for its queries.
+async def authenticate(db: Database, token: str | None, cache: VerifiedTokenCache, *,
+                       revocation_deferred: bool = False) -> Principal:  # fmt: skip
+    """Resolve a bearer token to a :class:`Principal` or raise 401, holding no pooled connection during argon2.
 
-    A token not in the cache is looked up, and the connection given back
-    before the (slow, ~70 ms) argon2 verification. ``revocation_deferred``:
-    the request's command re-checks revocation in its own transaction (the
-    group commit's batches read every command's credential, ``credential_id``
-    on the command), so a cached token needs no query here: on the agent's
-    hot path (claim, renew, complete) that is one pooled connection and one
-    round trip less per request, and a revocation still takes effect at the
-    credential's next command.
+    Given a pool, a connection is borrowed for each query only: a token not in
+    the cache is looked up, and the connection given back before the (slow,
+    ~70 ms) argon2 verification. Given a connection (the CLI, tests), every
+    query runs on it. ``revocation_deferred``: the request's command re-checks
+    revocation in its own transaction (the group commit's batches read every
+    command's credential, ``credential_id`` on the command), so a cached token
+    needs no query here: on the agent's hot path (claim, renew, complete) that
+    is one pooled connection and one round trip less per request, and a
+    revocation still takes effect at the credential's next command.
     """
     kind = _kind(token)
     assert token is not None
@@ -238,9 +228,9 @@ async def authenticate_pooled(pool: AsyncConnectionPool, token: str | None, cach
     if cached is not None:
         if revocation_deferred:
             return cached
-        async with pool.connection() as conn:
+        async with borrowed(db) as conn:
             return await _still_valid(conn, cached, cache)
-    return await _verify_pooled(pool, kind, token, cache)
+    return await _verify_uncached(db, kind, token, cache)
 
 
 @asynccontextmanager
@@ -250,22 +240,23 @@ async def authenticated_connection(pool: AsyncConnectionPool, token: str | None,
 
     A cached token's revocation is checked on the connection the caller then
     goes on using: one checkout per request, as on a connection it held all
-    along. A token not in the cache is verified as :func:`authenticate_pooled`
-    does it (its candidates looked up on a borrowed connection, given back
+    along. A token not in the cache is verified as :func:`authenticate` does
+    it (its candidates looked up on a borrowed connection, given back
     before argon2), and the caller's connection is taken only once it verified:
     requests whose tokens are being verified hold none of the pool's.
     """
     kind = _kind(token)
     assert token is not None
     cached = cache.get(token)
-    verified = await _verify_pooled(pool, kind, token, cache) if cached is None else None
+    verified = await _verify_uncached(pool, kind, token, cache) if cached is None else None
     async with pool.connection() as conn:
         yield (verified or await _still_valid(conn, cached, cache)), conn  # type: ignore[arg-type]
 
 
-async def _verify_pooled(pool: AsyncConnectionPool, kind: str, token: str, cache: VerifiedTokenCache) -> Principal:
-    """An uncached token verified with no pooled connection held during argon2 (429 first if its prefix is being guessed)."""
+async def _verify_uncached(db: Database, kind: str, token: str, cache: VerifiedTokenCache) -> Principal:
+    """A token not in the cache, verified with no pooled connection held during argon2 (429 first if its
+    prefix is being guessed)."""
     cache.refuse_if_guessed(token_prefix(token, kind))  # type: ignore[arg-type]
-    async with pool.connection() as conn:
+    async with borrowed(db) as conn:
         rows = await _candidates(conn, kind, token)
     return await _verify(kind, token, rows, cache)

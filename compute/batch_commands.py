@@ -40,7 +40,7 @@ from umbra.db import PreparedStatement, begin_with, commit_with, run_together, u
 from umbra.domain.eligibility import NodeView, is_busy, takes_kind
 from umbra.domain.jobs import check_holder, repeats_completion
 from umbra.domain.node_status import effective_status
-from umbra.domain.placement import after_placement, best_placement
+from umbra.domain.placement import after_placement, best_placement, takes_memory
 from umbra.errors import NotFound, UmbraError
 from umbra.events import store
 from umbra.events.types import Device, Event, JobClaimed, JobCompleted, JobLeaseRenewed, Placement
@@ -338,6 +338,8 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     def room(command: Command, shape: str) -> int:
         """How many more jobs of ``shape`` the command's node has room for, up to the number it still wants."""
         _, requires = decode_shape(shape)
+        if not takes_memory(requires):
+            return left[id(command)]  # no memory taken: every one fits, and nothing to judge again
         view, fits = node_of[id(command)], 0
         while fits < left[id(command)] and (placed := best_placement(view, requires, models)) is not None:
             after = after_placement(view, placed, requires, models)

@@ -62,7 +62,7 @@ from umbra.domain.placement import best_placement
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
-    JobClaimed, JobCompleted, JobDecomposed, JobLeaseRenewed, JobReleased, JobRequeued, Placement, Requirements, decode_event,
+    JobClaimed, JobCompleted, JobDecomposed, JobLeaseRenewed, JobReleased, JobRequeued, Placement, Requirements,
 )  # fmt: skip
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
@@ -479,9 +479,6 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
     return True
 
 
-_RELEASES = "SELECT stream, count(*) FROM events WHERE stream = ANY(%s) AND type = 'job.released' GROUP BY stream"
-
-
 async def releases(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID]) -> dict[UUID, int]:
     """How many claims of each job were released (given back unheard), for the attempts it is charged.
 
@@ -489,9 +486,8 @@ async def releases(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID]) -> di
     expired lease has to judge whether attempts remain: rare next to claims,
     so the queue's rows carry no counter for it.
     """
-    streams = [store.job_stream(job_id) for job_id in job_ids]
-    counted = await (await conn.execute(_RELEASES, (streams,))).fetchall()
-    return {queue.job_id_of(stream): count for stream, count in counted}
+    counted = await store.count_by_stream(conn, [store.job_stream(job_id) for job_id in job_ids], _tag(JobReleased))
+    return {queue.job_id_of(stream): count for stream, count in counted.items()}
 
 
 async def _locked(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID) -> tuple[JobRow, datetime]:
@@ -519,13 +515,8 @@ async def _held(
     return row, now
 
 
-#: A job's claim at one attempt and the report that ended it, of one type: at most one of each, since
-#: the claim is the only one at its attempt and the report is fenced by it.
-_ATTEMPT_EVENTS = """
-SELECT data::text FROM events
-WHERE stream = %(stream)s AND type = ANY(%(types)s::text[]) AND (data->>'attempt')::int = %(attempt)s
-ORDER BY version
-"""
+def _tag(event_type: type[Any]) -> str:
+    return event_type.__struct_config__.tag
 
 
 async def attempt_ended_by(conn: psycopg.AsyncConnection, job_id: UUID, attempt: int, ending: type[Any]) -> tuple[UUID | None, Any]:
@@ -534,12 +525,12 @@ async def attempt_ended_by(conn: psycopg.AsyncConnection, job_id: UUID, attempt:
     For a report sent again where the row no longer names the node that sent
     the first (``job.requeued`` and ``job.decomposed`` clear the holder). The
     claim's event names the node; the report was fenced by that claim, so it
-    was that node's. Read by the job's stream (``events_stream_version``): a
-    handful of rows, and only for a request the row alone would refuse.
+    was that node's. Only the job's claims and reports of that type are read
+    (one per attempt at most, never its renewals), and only for a request the
+    row alone would refuse.
     """
-    types = [JobClaimed.__struct_config__.tag, ending.__struct_config__.tag]
-    found = [decode_event(data) for (data,) in await (await conn.execute(
-        _ATTEMPT_EVENTS, {"stream": store.job_stream(job_id), "types": types, "attempt": attempt})).fetchall()]  # fmt: skip
+    recorded = await store.read_stream(conn, store.job_stream(job_id), types=[_tag(JobClaimed), _tag(ending)])
+    found = [r.event for r in recorded if r.event.attempt == attempt]  # type: ignore[attr-defined]
     claimed = next((e for e in found if isinstance(e, JobClaimed)), None)
     ended = next((e for e in found if isinstance(e, ending)), None)
     if claimed is None or ended is None:

@@ -7,7 +7,7 @@ Its organization is the node's, never something a request says.
 Revocation sets ``revoked_at``; every request re-checks that column, so a
 revoked token fails on its next request in every server process: most routes
 on a cached hit (:func:`umbra.compute.auth.authenticated_connection`,
-:func:`~umbra.compute.auth.authenticate_pooled`), the agent's claim, renew and
+:func:`~umbra.compute.auth.authenticate`), the agent's claim, renew and
 complete inside their group-commit transaction.
 """
 

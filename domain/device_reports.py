@@ -9,7 +9,7 @@ for as long as it runs. It needs nothing but msgspec, which an agent has.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Iterable, Literal
 
 import msgspec
 from msgspec import Meta
@@ -57,3 +57,13 @@ def as_device(report: DeviceReport) -> Device:
         accelerators=tuple(report.accelerators),
         resident_models=tuple(ResidentModel(slug=m.slug, vram_held_mb=m.vram_held_mb) for m in report.resident_models),
     )
+
+
+def label_given_twice(labels: Iterable[str]) -> str | None:
+    """The first label given twice, or ``None``: devices are told apart by label within their node."""
+    seen: set[str] = set()
+    for label in labels:
+        if label in seen:
+            return label
+        seen.add(label)
+    return None

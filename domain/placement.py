@@ -114,6 +114,12 @@ def best_placement(node: NodeView, requires: Requirements, models: Mapping[str, 
     return ranked[0] if ranked else None
 
 
+def takes_memory(requires: Requirements) -> bool:
+    """Whether a job of ``requires`` takes memory where it is placed: a job that names no model and no
+    floor takes none, however many of it one claim places on a device."""
+    return bool(requires.models or requires.vram_min_mb or requires.ram_min_mb)
+
+
 def after_placement(
     node: NodeView, placement: Placement, requires: Requirements, models: Mapping[str, RegisteredModel]
 ) -> NodeView:
@@ -135,7 +141,7 @@ def after_placement(
     Claims made one after another still judge the memory last reported: the
     agent's next beat says what its jobs took.
     """
-    if not (requires.models or requires.vram_min_mb or requires.ram_min_mb):
+    if not takes_memory(requires):
         return node  # the common no-op job: nothing to take, nothing to look up
     index = next((i for i, d in enumerate(node.devices) if d.label == placement.device_id), None)
     if index is None:

@@ -415,14 +415,24 @@ def _recorded(row: tuple) -> RecordedEvent:
 
 
 async def read_stream(
-    conn: psycopg.AsyncConnection, stream: str, *, up_to_position: int | None = None
+    conn: psycopg.AsyncConnection, stream: str, *, up_to_position: int | None = None, types: Sequence[str] | None = None
 ) -> list[RecordedEvent]:
-    """A stream's events in version order, optionally only those at or before a position."""
+    """A stream's events in version order, optionally only those at or before a position, or of ``types``
+    (a job's claims, say, without the renewals of a long run)."""
     cursor = await conn.execute(
-        f"SELECT {_COLUMNS} FROM events WHERE stream = %s AND (%s::bigint IS NULL OR position <= %s) ORDER BY version",
-        (stream, up_to_position, up_to_position),
+        f"SELECT {_COLUMNS} FROM events WHERE stream = %s AND (%s::bigint IS NULL OR position <= %s)"
+        " AND (%s::text[] IS NULL OR type = ANY(%s::text[])) ORDER BY version",
+        (stream, up_to_position, up_to_position, types, types),
     )
     return [_recorded(row) for row in await cursor.fetchall()]
+
+
+async def count_by_stream(conn: psycopg.AsyncConnection, streams: Sequence[str], type_: str) -> dict[str, int]:
+    """How many events of ``type_`` each of ``streams`` holds (streams with none are left out)."""
+    cursor = await conn.execute(
+        "SELECT stream, count(*) FROM events WHERE stream = ANY(%s) AND type = %s GROUP BY stream", (list(streams), type_)
+    )
+    return dict(await cursor.fetchall())
 
 
 async def read_log(

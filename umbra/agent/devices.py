@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import msgspec
 import psutil
 
-from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, as_device
+from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, as_device, label_given_twice
 from umbra.events.types import Device
 
 log = logging.getLogger(__name__)
@@ -127,11 +127,9 @@ def parse_device_spec(text: str) -> Device:
 def check_device_set(devices: Sequence[Device]) -> None:
     """Raise :class:`DeviceSpecError` for a set of devices the server refuses as a whole:
     a label given twice (devices are told apart by label within the node), or too many."""
-    seen: set[str] = set()
-    for device in devices:
-        if device.label in seen:
-            raise DeviceSpecError(f"--device label {device.label!r} is given twice; each device needs its own label.")
-        seen.add(device.label)
+    twice = label_given_twice(device.label for device in devices)
+    if twice is not None:
+        raise DeviceSpecError(f"--device label {twice!r} is given twice; each device needs its own label.")
     if len(devices) > MAX_DEVICES:
         raise DeviceSpecError(f"--device is given {len(devices)} times; a node reports at most {MAX_DEVICES} devices.")
 
