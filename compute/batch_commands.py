@@ -48,6 +48,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .auth import live_node_credentials, revoked
+from .blocked import any_takes_memory, with_held_jobs_read
 from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
     models_for_shapes, node_metadata,
@@ -181,7 +182,14 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
             shapes = [shape for (shape,) in shape_records]
             if not shapes or waiting.get(org):
                 registry = await models_for_shapes(conn, org, shapes)
-                staged += await _claim_for_org(conn, org, waiting.get(org, []), shapes, registry, claimers)
+                org_waiting = waiting.get(org, [])
+                if org_waiting and (len(shapes) > MAX_SHAPES or any_takes_memory(decode_shape(s)[1] for s in shapes)):
+                    # The jobs each node runs that its report does not show yet take their memory; not those
+                    # this batch completes (their hold ends before its claims).
+                    ending = [item.state.id for item in staged if isinstance(item.event, JobCompleted)]
+                    views = await with_held_jobs_read(conn, org, [node for _, node in org_waiting], registry, ending=ending)
+                    org_waiting = [(command, view) for (command, _), view in zip(org_waiting, views)]
+                staged += await _claim_for_org(conn, org, org_waiting, shapes, registry, claimers)
     return staged, deferred
 
 
@@ -320,7 +328,13 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> di
 async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]],
                          shapes: Sequence[str], models: Mapping[str, Any], claimers: Sequence[Command]) -> list[_Staged]:  # fmt: skip
     judged: dict[int, dict[str, Placement | None]] = {id(command): {} for command, _ in waiting}  # by command, shape
-    node_of = {id(command): node for command, node in waiting}  # each claimer's node, as its next job finds it
+    # Each claimer's node as its next job finds it: shared by the claimers of one node (two agents on one
+    # node), so what one's job takes, the other's next job finds taken.
+    node_views = {node.id: node for _, node in waiting}
+    node_of = {id(command): node.id for command, node in waiting}
+    claimers_of: dict[UUID, list[int]] = {}
+    for command, node in waiting:
+        claimers_of.setdefault(node.id, []).append(id(command))
     full: set[int] = set()  # claimers whose node has room for no queued shape any more
     every_shape_judged = len(shapes) <= MAX_SHAPES
 
@@ -328,7 +342,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         mine = judged[id(command)]
         if shape not in mine:
             kind, requires = decode_shape(shape)
-            mine[shape] = best_placement(node_of[id(command)], requires, models) if takes_kind(command.kinds, kind) else None
+            mine[shape] = best_placement(node_views[node_of[id(command)]], requires, models) if takes_kind(command.kinds, kind) else None
         return mine[shape]
 
     def runnable(shape: str) -> bool:
@@ -340,7 +354,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         _, requires = decode_shape(shape)
         if not takes_memory(requires):
             return left[id(command)]  # no memory taken: every one fits, and nothing to judge again
-        view, fits = node_of[id(command)], 0
+        view, fits = node_views[node_of[id(command)]], 0
         while fits < left[id(command)] and (placed := best_placement(view, requires, models)) is not None:
             after = after_placement(view, placed, requires, models)
             if after is view:
@@ -351,11 +365,12 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     def claimed(command: Command, node: NodeView, row: JobRow, now: datetime, placement: Placement, shape: str) -> None:
         """Stage the claim; the memory the job takes on its device is not there for the command's next job."""
         staged.append(_claimed(command, node, row, now, placement))
-        before = node_of[id(command)]
+        before = node_views[node.id]
         after = after_placement(before, placement, row.requires, models)
         if after is not before:
-            node_of[id(command)] = after
-            judged[id(command)] = {}  # judged again, against what is left
+            node_views[node.id] = after
+            for claimer in claimers_of[node.id]:
+                judged[claimer] = {}  # judged again, against what is left
             if placement_for(command, shape) is None and every_shape_judged and not any(
                 placement_for(command, other) is not None for other in shapes
             ):

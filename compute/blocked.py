@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
 import psycopg
 
-from umbra.db import organization_lock_key
+from umbra.db import organization_lock_key, uuid_array
 from umbra.domain.eligibility import NodeView, blocking_reason
 from umbra.domain.models import RegisteredModel
+from umbra.domain.placement import HeldJob, takes_memory, with_held_jobs
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.events import store
-from umbra.events.types import Device, JobBlocked, JobUnblocked, Requirements
+from umbra.events.types import Device, JobBlocked, JobUnblocked, Placement, Requirements
 from umbra.projections import jobs as queue
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,55 @@ async def read_nodes(
         )
         for nid, name, status, trust_domain, devices, last_seen, now in await cursor.fetchall()
     ]
+
+
+#: The running jobs of the given nodes that take memory, each node's in claim order, and whether each
+#: was claimed since the node's devices were last reported (by ``jobs_held_taking_memory``: its
+#: predicate is repeated here whole, or the planner cannot use it). A job an older server claimed
+#: has no ``claimed_at`` and counts as reported.
+_HELD_TAKING_MEMORY = """
+SELECT j.lease_owner, j.requires::text, j.placement::text,
+       coalesce(j.claimed_at >= n.last_heartbeat_at, n.last_heartbeat_at IS NULL)
+FROM jobs j JOIN nodes n ON n.id = j.lease_owner
+WHERE j.lease_owner = ANY(%(nodes)s::uuid[]) AND j.status = 'running'
+  AND (j.requires ? 'models' OR j.requires ? 'vram_min_mb' OR j.requires ? 'ram_min_mb')
+  AND j.placement IS NOT NULL AND NOT j.id = ANY(%(ending)s::uuid[])
+ORDER BY j.lease_owner, j.claimed_at NULLS FIRST, j.seq
+"""
+_requirements = msgspec.json.Decoder(Requirements)
+_placement = msgspec.json.Decoder(Placement)
+
+
+def any_takes_memory(requirements: Iterable[Requirements]) -> bool:
+    """Whether any of these jobs takes memory where it runs: only then do the nodes' held jobs matter to a claim."""
+    return any(takes_memory(requires) for requires in requirements)
+
+
+async def with_held_jobs_read(
+    conn: psycopg.AsyncConnection, organization_id: UUID, nodes: Sequence[NodeView], models: Mapping[str, RegisteredModel],
+    *, ending: Collection[UUID] = (),
+) -> list[NodeView]:
+    """``nodes`` (of the organization) as a claim must judge them: the jobs each runs that its last report does not
+    show take their memory.
+
+    One indexed read for all of them (see
+    :func:`umbra.domain.placement.with_held_jobs`). ``ending``: jobs whose
+    hold ends in the caller's transaction before its claims (a completion
+    that claims the node's next job), which reserve nothing. ``models`` may
+    leave out models no queued job names: the registry is read for a held
+    job's model it lacks.
+    """
+    if not nodes:
+        return []
+    held: dict[UUID, list[HeldJob]] = {}
+    cursor = await conn.execute(_HELD_TAKING_MEMORY, {"nodes": uuid_array([n.id for n in nodes]), "ending": uuid_array(list(ending))})
+    for node_id, requires, placement, since_report in await cursor.fetchall():
+        held.setdefault(node_id, []).append(
+            HeldJob(_requirements.decode(requires), _placement.decode(placement), claimed_since_report=since_report)
+        )
+    if any(slug not in models for jobs in held.values() for job in jobs for slug in job.requires.models):
+        models = await read_models(conn, organization_id)
+    return [with_held_jobs(node, held[node.id], models) if node.id in held else node for node in nodes]
 
 
 async def read_models(conn: psycopg.AsyncConnection, organization_id: UUID) -> dict[str, RegisteredModel]:

@@ -67,7 +67,7 @@ from umbra.events.types import (
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
-from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, read_nodes
+from .blocked import QUEUED_SHAPES, BlockingJudge, any_takes_memory, hold_capacity, read_models, read_nodes, with_held_jobs_read
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, check_json_depth, check_shape_size, jobs_by_idempotency_key,
     lock_idempotency_keys,
@@ -416,6 +416,8 @@ async def claim(
 
         shapes = [shape for (shape,) in await (await queued_shapes(conn, organization_id)).fetchall()]
         models = await models_for_shapes(conn, organization_id, shapes)
+        if len(shapes) > MAX_SHAPES or any_takes_memory(decode_shape(shape)[1] for shape in shapes):
+            [node] = await with_held_jobs_read(conn, organization_id, [node], models)  # its jobs since its report take their memory
         scan = ClaimableScan(conn, organization_id, shapes, runnable, kinds=kinds)
         only = scan.only_shape()
         if only is not None and (locked := await lock_first_of_shape(conn, organization_id, only)):

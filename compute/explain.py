@@ -28,12 +28,13 @@ from umbra.domain.explain import Explanation, QueueStanding, competing_ahead, su
 from umbra.domain.explain_text import blocked_summary, placed_summary, queued_summary
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
+from umbra.domain.placement import takes_memory
 from umbra.errors import NotFound
 from umbra.events.types import Requirements
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
-from .blocked import read_models, read_nodes
+from .blocked import read_models, read_nodes, with_held_jobs_read
 from .claims import releases
 
 #: How long a job may stay blocked before the sweeper fails it (the settings default).
@@ -77,6 +78,8 @@ async def explain(
         now: datetime = (await (await conn.execute(_NOW)).fetchone())[0]  # type: ignore[index]
         if row.status in ("queued", "blocked"):
             models = await read_models(conn, organization_id)
+            if takes_memory(row.requires):  # judged as a claim would judge it: held jobs not yet reported take their memory
+                nodes = await with_held_jobs_read(conn, organization_id, nodes, models)
             return await _waiting(conn, row, nodes, models, now, blocked_timeout_seconds)
         return await _placed(conn, row, nodes, now)
 

@@ -16,7 +16,7 @@ so a queue shows which jobs run on the slow path and why:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import msgspec
@@ -138,8 +138,8 @@ def after_placement(
     takes, none has. Returns ``node`` itself when the job takes nothing (no
     requirement), so a claim of such jobs costs no second judgement.
 
-    Claims made one after another still judge the memory last reported: the
-    agent's next beat says what its jobs took.
+    Claims made one after another find the jobs of earlier claims the same
+    way, until a report shows them (:func:`with_held_jobs`).
     """
     if not takes_memory(requires):
         return node  # the common no-op job: nothing to take, nothing to look up
@@ -175,3 +175,56 @@ def after_placement(
         in_use=node.in_use | {(device.label, m.slug) for m in named},
         loading=node.loading | {(device.label, slug) for slug, _ in loaded},
     )
+
+
+@dataclass(frozen=True, slots=True)
+class HeldJob:
+    """A job a node is running that takes memory (:func:`takes_memory`), as a claim for the node finds it."""
+
+    requires: Requirements
+    placement: Placement
+    #: Claimed at or after the time the node's devices were last reported (its last recorded beat).
+    claimed_since_report: bool
+
+
+def report_shows(node: NodeView, job: HeldJob) -> bool:
+    """Whether the memory ``node`` last reported already accounts for ``job``.
+
+    Not for a job claimed since the report. Nor for one whose models are not
+    all resident on its device yet: the agent is still loading them, and the
+    memory they will hold is still reported free.
+    """
+    if job.claimed_since_report:
+        return False
+    device = next((d for d in node.devices if d.label == job.placement.device_id), None)
+    if device is None:
+        return True  # the device is gone from the report: nothing left there to reserve
+    resident = {m.slug for m in device.resident_models}
+    return all(slug in resident for slug in job.requires.models)
+
+
+def with_held_jobs(node: NodeView, held: Sequence[HeldJob], models: Mapping[str, RegisteredModel]) -> NodeView:
+    """``node`` as its next claim must judge it: the memory of the jobs it holds that its report does not show yet taken.
+
+    A claim judges the memory the node last reported free. Without this, a
+    job claimed after another (two agents on one node, or one agent's next
+    claim before its next beat) found the first one's memory still free, and
+    a 24,000 MB card took two 16,000 MB jobs. Each such job takes its memory
+    as :func:`after_placement` takes that of an earlier job of the same claim,
+    in the order they were claimed. The models of every held job are in use
+    on their device whether reported or not: a claim never evicts a model a
+    running job runs on. ``held`` is in claim order.
+
+    What this cannot see: a job that completed since the report, whose model
+    the agent keeps loaded, is not running any more and reserves nothing,
+    though the model's memory is not in the report either; the next beat
+    shows it.
+    """
+    for job in held:
+        if not report_shows(node, job):
+            node = after_placement(node, job.placement, job.requires, models)
+        elif job.requires.models:
+            in_use = {(job.placement.device_id, slug) for slug in job.requires.models}
+            if not in_use <= node.in_use:
+                node = replace(node, in_use=node.in_use | in_use)
+    return node

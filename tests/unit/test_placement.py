@@ -6,7 +6,7 @@ from uuid import uuid4
 
 from umbra.domain.eligibility import NodeView
 from umbra.domain.models import RegisteredModel
-from umbra.domain.placement import after_placement, best_placement, placements
+from umbra.domain.placement import HeldJob, after_placement, best_placement, placements, report_shows, with_held_jobs
 from umbra.events.types import Device, Requirements, ResidentModel
 
 MODELS = {"m": RegisteredModel(slug="m", vram_min_mb=4000, vram_preferred_mb=8000, load_seconds=12.5)}
@@ -130,3 +130,51 @@ def test_a_model_a_job_of_the_claim_runs_on_is_never_evicted_for_a_later_one():
     assert alone.would_evict == ("m",)  # for its preferred size, n alone would unload m
     after = after_placement(box, best_placement(box, Requirements(models=("m",)), registry), Requirements(models=("m",)), registry)
     assert best_placement(after, Requirements(models=("n",)), registry).would_evict == ()
+
+
+def held(box: NodeView, requires: Requirements, *, since_report: bool) -> HeldJob:
+    placement = best_placement(box, requires, MODELS)
+    assert placement is not None
+    return HeldJob(requires, placement, claimed_since_report=since_report)
+
+
+def test_a_job_claimed_since_the_report_takes_its_memory_from_what_the_report_says_is_free():
+    box = node(gpu("g", 1.0, free=20000))
+    job = held(box, Requirements(vram_min_mb=16000), since_report=True)
+    assert not report_shows(box, job)
+    after = with_held_jobs(box, [job], MODELS)
+    assert after.devices[0].vram_free_mb == 4000
+    assert best_placement(after, Requirements(vram_min_mb=16000), MODELS) is None
+
+
+def test_a_job_the_report_shows_takes_nothing_more():
+    box = node(gpu("g", 1.0, free=4000))  # the report already shows the job's 16,000 MB taken
+    job = held(node(gpu("g", 1.0)), Requirements(vram_min_mb=16000), since_report=False)
+    assert report_shows(box, job)
+    assert with_held_jobs(box, [job], MODELS) is box
+
+
+def test_a_job_whose_models_are_not_resident_yet_is_still_loading_them():
+    before = node(gpu("g", 1.0, free=20000))
+    job = held(before, Requirements(models=("m",)), since_report=False)
+    assert not report_shows(before, job)  # a report after the claim, the model not in it: still loading
+    after = with_held_jobs(before, [job], MODELS)
+    assert after.devices[0].vram_free_mb == 16000 and ("g", "m") in after.loading
+    loaded = node(gpu("g", 1.0, free=12000, resident=[("m", 8000)]))
+    assert report_shows(loaded, job)
+
+
+def test_a_model_a_held_job_runs_on_is_never_evicted_even_once_reported():
+    box = node(gpu("g", 1.0, free=7000, resident=[("m", 8000)]))
+    job = held(box, Requirements(models=("m",)), since_report=False)
+    other = {"n": RegisteredModel(slug="n", vram_min_mb=6000, vram_preferred_mb=12000), **MODELS}
+    evicting = best_placement(box, Requirements(models=("n",)), other)
+    assert evicting is not None and evicting.would_evict == ("m",)  # with nothing running on m, it makes room
+    beside = best_placement(with_held_jobs(box, [job], other), Requirements(models=("n",)), other)
+    assert beside is not None and beside.would_evict == ()
+
+
+def test_a_held_job_on_a_device_gone_from_the_report_reserves_nothing():
+    job = held(node(gpu("gone", 1.0)), Requirements(vram_min_mb=16000), since_report=False)
+    box = node(gpu("g", 1.0))
+    assert report_shows(box, job) and with_held_jobs(box, [job], MODELS) is box
