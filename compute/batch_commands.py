@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -48,13 +48,13 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .auth import live_node_credentials, revoked
-from .blocked import any_takes_memory, with_held_jobs_read
+from .blocked import RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
 from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
-    models_for_shapes, node_metadata,
+    models_for_shapes, node_metadata, shapes_take_memory,
 )  # fmt: skip
 from .jobs import settle_parents
-from .nodes import SHARE_CLAIM_GUARDS, guard_key
+from .nodes import SHARE_CLAIM_GUARDS, TRY_NODE_MEMORY, guard_key, node_memory_key
 
 
 @dataclass(eq=False)
@@ -117,7 +117,7 @@ _LIVE_COLUMN = "(SELECT array_agg(id) FROM node_credentials WHERE id = ANY(%(cre
 _LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE"
 _NODES_QUERY = f"""
 SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, n.devices::text, l.last_seen_at, umbra_now(),
-       {_LIVE_COLUMN}
+       {RUNNING_TAKING_MEMORY}, {_LIVE_COLUMN}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.id = ANY(%(ids)s)
 """
@@ -129,8 +129,12 @@ _HELD = PreparedStatement("umbra_batch_held", _LOCK_HELD)
 _GUARDS = PreparedStatement("umbra_batch_claim_guards", SHARE_CLAIM_GUARDS)
 _NODES = PreparedStatement("umbra_batch_nodes", _NODES_QUERY)
 _SHAPES = PreparedStatement("umbra_batch_shapes", QUEUED_SHAPES)
+#: For an organization whose queue holds jobs that take memory: the claiming nodes' memory locks (those
+#: free now), then, in the next statement (a snapshot taken once they are held), the nodes' running jobs.
+_NODE_MEMORY = PreparedStatement("umbra_batch_node_memory", TRY_NODE_MEMORY)
+_RUNNING = PreparedStatement("umbra_batch_running", f"SELECT n.id, {RUNNING_TAKING_MEMORY} FROM nodes n WHERE n.id = ANY(%(ids)s::uuid[])")
 #: Every prepared statement a batch may run, prepared together on each connection (see ``db.begin_with``).
-_FAMILY = (_HELD, _GUARDS, _NODES, _SHAPES, store.APPEND_AT, queue.TRANSITIONS)
+_FAMILY = (_HELD, _GUARDS, _NODES, _SHAPES, _NODE_MEMORY, _RUNNING, store.APPEND_AT, queue.TRANSITIONS)
 _devices = msgspec.json.Decoder(tuple[Device, ...])
 
 
@@ -176,19 +180,17 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
         claimers = [c for c in claimers if id(c) not in unstaged]
     if claimers:
         # A node (or organization) whose guard a change holds is left out: its claimers take nothing this time.
-        waiting = _waiting_claimers([r[:-1] for r in node_records
-                                     if guard_key(r[1], r[0]) in guarded and guard_key(r[1]) in guarded], claimers)
+        waiting, running = _waiting_claimers([r[:-1] for r in node_records
+                                              if guard_key(r[1], r[0]) in guarded and guard_key(r[1]) in guarded], claimers)
+        # The jobs this batch completes end their hold before its claims: their memory is not promised any more.
+        ending = {item.state.id for item in staged if isinstance(item.event, JobCompleted)}
         for org, shape_records in zip(orgs, results):
             shapes = [shape for (shape,) in shape_records]
             if not shapes or waiting.get(org):
                 registry = await models_for_shapes(conn, org, shapes)
                 org_waiting = waiting.get(org, [])
-                if org_waiting and (len(shapes) > MAX_SHAPES or any_takes_memory(decode_shape(s)[1] for s in shapes)):
-                    # The jobs each node runs that its report does not show yet take their memory; not those
-                    # this batch completes (their hold ends before its claims).
-                    ending = [item.state.id for item in staged if isinstance(item.event, JobCompleted)]
-                    views = await with_held_jobs_read(conn, org, [node for _, node in org_waiting], registry, ending=ending)
-                    org_waiting = [(command, view) for (command, _), view in zip(org_waiting, views)]
+                if org_waiting:
+                    org_waiting = await _bounded_by_running_jobs(conn, org, org_waiting, running, ending, shapes, registry)
                 staged += await _claim_for_org(conn, org, org_waiting, shapes, registry, claimers)
     return staged, deferred
 
@@ -307,13 +309,14 @@ def _stage_held(records: Sequence[Any], held: Sequence[Command], deferred: list[
 # -- claims ------------------------------------------------------------------------------
 
 
-def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> dict[UUID, list[tuple[Command, NodeView]]]:
-    """Claimers whose node is in their organization, effectively online and not wholly busy, by organization."""
+def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> tuple[dict[UUID, list[tuple[Command, NodeView]]], dict[UUID, str | None]]:
+    """Claimers whose node is in their organization, effectively online and not wholly busy, by organization;
+    and each node's running jobs that take memory (the :data:`RUNNING_TAKING_MEMORY` column)."""
     stale = {c.node_id: c.stale_seconds for c in claimers}
     nodes = {
         nid: (org, NodeView(id=nid, name=name, trust_domain=trust, devices=_devices.decode(devices),
                             status=effective_status(status, last_seen, now, stale_seconds=stale[nid])))
-        for nid, org, name, status, trust, devices, last_seen, now in records
+        for nid, org, name, status, trust, devices, last_seen, now, _running in records
         if nid in stale  # a refused claimer's node was read with the others
     }  # fmt: skip
     by_org: dict[UUID, list[tuple[Command, NodeView]]] = {}
@@ -322,7 +325,40 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> di
         if node is None or org != command.organization_id or node.status != "online" or all(is_busy(d) for d in node.devices):
             continue  # outcome stays None: nothing this node may take
         by_org.setdefault(command.organization_id, []).append((command, node))
-    return by_org
+    return by_org, {record[0]: record[-1] for record in records}
+
+
+async def _bounded_by_running_jobs(
+    conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]], running: Mapping[UUID, str | None],
+    ending: Collection[UUID], shapes: Sequence[str], models: Mapping[str, Any],
+) -> list[tuple[Command, NodeView]]:
+    """The waiting claimers of one organization, each node bounded by the jobs it runs
+    (:func:`umbra.domain.placement.with_running_jobs`), less those of a node left wholly busy.
+
+    When a queued job takes memory, a claimer's node must be judged against
+    what the claims before it committed: the batch takes the nodes' memory
+    locks (:func:`umbra.compute.nodes.hold_node_memory`), never waiting, and
+    reads their running jobs again once it holds them. A claimer whose node's
+    lock another transaction holds takes nothing this time and looks again in
+    a moment, as when a change holds its claim guard.
+    """
+    node_ids = list(dict.fromkeys(node.id for _, node in waiting))
+    if shapes_take_memory(shapes):
+        keys = "{" + ",".join(str(node_memory_key(org, node_id)) for node_id in node_ids) + "}"
+        [[(held,)], fresh] = await run_together(conn, [(_NODE_MEMORY, {"ids": uuid_array(node_ids), "keys": keys}),
+                                                       (_RUNNING, {"ids": uuid_array(node_ids)})])  # fmt: skip
+        for command, node in waiting:
+            if node.id not in held:
+                command.guard_held = True
+        node_ids = [node_id for node_id in node_ids if node_id in held]
+        running = dict(fresh)
+    nodes = {node.id: node for _, node in waiting}
+    bounded = await with_running_jobs_read(conn, org, [(nodes[n], running_jobs(running[n], ending)) for n in node_ids], models)
+    views = dict(zip(node_ids, bounded))
+    return [
+        (command, views[node.id]) for command, node in waiting
+        if node.id in views and not all(is_busy(d) for d in views[node.id].devices)
+    ]
 
 
 async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]],
@@ -332,9 +368,9 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     # node), so what one's job takes, the other's next job finds taken.
     node_views = {node.id: node for _, node in waiting}
     node_of = {id(command): node.id for command, node in waiting}
-    claimers_of: dict[UUID, list[int]] = {}
+    claimers_of: dict[UUID, list[Command]] = {}
     for command, node in waiting:
-        claimers_of.setdefault(node.id, []).append(id(command))
+        claimers_of.setdefault(node.id, []).append(command)
     full: set[int] = set()  # claimers whose node has room for no queued shape any more
     every_shape_judged = len(shapes) <= MAX_SHAPES
 
@@ -349,16 +385,16 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         """Judged for every waiting claimer; a shape none of them may take is never read."""
         return any([placement_for(command, shape) is not None for command, _ in waiting])
 
-    def room(command: Command, shape: str) -> int:
-        """How many more jobs of ``shape`` the command's node has room for, up to the number it still wants."""
+    def room(node_id: UUID, shape: str, wanted: int) -> int:
+        """How many more jobs of ``shape`` the node has room for, up to ``wanted``."""
         _, requires = decode_shape(shape)
         if not takes_memory(requires):
-            return left[id(command)]  # no memory taken: every one fits, and nothing to judge again
-        view, fits = node_views[node_of[id(command)]], 0
-        while fits < left[id(command)] and (placed := best_placement(view, requires, models)) is not None:
+            return wanted  # no memory taken: every one fits, and nothing to judge again
+        view, fits = node_views[node_id], 0
+        while fits < wanted and (placed := best_placement(view, requires, models)) is not None:
             after = after_placement(view, placed, requires, models)
             if after is view:
-                return left[id(command)]  # takes nothing: every one fits
+                return wanted  # takes nothing: every one fits
             view, fits = after, fits + 1
         return fits
 
@@ -370,11 +406,9 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         if after is not before:
             node_views[node.id] = after
             for claimer in claimers_of[node.id]:
-                judged[claimer] = {}  # judged again, against what is left
-            if placement_for(command, shape) is None and every_shape_judged and not any(
-                placement_for(command, other) is not None for other in shapes
-            ):
-                full.add(id(command))  # it stops reading the queue: nothing queued fits any more
+                judged[id(claimer)] = {}  # judged again, against what is left
+                if every_shape_judged and not any(placement_for(claimer, other) is not None for other in shapes):
+                    full.add(id(claimer))  # it stops reading the queue: nothing queued fits any more
 
     staged: list[_Staged] = []
     saw_eligible: set[int] = set()  # claimers that saw a row they could run
@@ -392,7 +426,8 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         # Only as many rows as the claimers' nodes have room for: a row locked and not handed out would be
         # skipped, until this commit, by a claimer of the other batch in flight, which might then say
         # nothing is left when it is.
-        locked = await lock_first_of_shape(conn, org, only, count=min(sum(room(c, only) for c, _ in waiting), SCAN_PAGE))
+        wanted_of = {node_id: sum(left[id(c)] for c in of) for node_id, of in claimers_of.items()}
+        locked = await lock_first_of_shape(conn, org, only, count=min(sum(room(n, only, w) for n, w in wanted_of.items()), SCAN_PAGE))
         handed = 0
         for command, node in list(waiting):
             while handed < len(locked) and (placement := placement_for(command, only)) is not None:
@@ -438,6 +473,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                             break
                 for index in reversed(taken):
                     del free[index]
+            waiting[:] = [(command, node) for command, node in waiting if id(command) not in full]  # filled by another
         if not waiting:
             break
     if scan.nothing_due:

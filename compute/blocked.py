@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
 import psycopg
 
-from umbra.db import organization_lock_key, uuid_array
+from umbra.db import organization_lock_key
 from umbra.domain.eligibility import NodeView, blocking_reason
 from umbra.domain.models import RegisteredModel
-from umbra.domain.placement import HeldJob, takes_memory, with_held_jobs
+from umbra.domain.placement import RunningJob, with_running_jobs
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.events import store
 from umbra.events.types import Device, JobBlocked, JobUnblocked, Placement, Requirements
@@ -46,13 +46,48 @@ from umbra.projections import jobs as queue
 
 log = logging.getLogger(__name__)
 
+#: A node's running jobs that take memory, as JSON ``[[id, requires, placement], ...]`` in claim
+#: order (NULL: none), by ``jobs_held_taking_memory``, whose predicate is repeated here whole, or the
+#: planner cannot use it. A column of the nodes' reads that judge claims (``n`` is the node's row).
+RUNNING_TAKING_MEMORY = """(
+    SELECT json_agg(json_build_array(j.id, j.requires, j.placement) ORDER BY j.seq)::text FROM jobs j
+    WHERE j.lease_owner = n.id AND j.status = 'running'
+      AND (j.requires ? 'models' OR j.requires ? 'vram_min_mb' OR j.requires ? 'ram_min_mb')
+      AND j.placement IS NOT NULL
+)"""
 _NODES = """
-SELECT n.id, n.name, n.status, n.trust_domain, n.devices::text, l.last_seen_at, umbra_now()
+SELECT n.id, n.name, n.status, n.trust_domain, n.devices::text, l.last_seen_at, umbra_now(), {running}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.organization_id = %s AND (%s::uuid IS NULL OR n.id = %s)
 ORDER BY n.name
 """
+_NODES_AS_REPORTED = _NODES.format(running="NULL")
+_NODES_AS_CLAIMS_FIND_THEM = _NODES.format(running=RUNNING_TAKING_MEMORY)
 _devices = msgspec.json.Decoder(tuple[Device, ...])
+_running = msgspec.json.Decoder(list[tuple[UUID, Requirements, Placement]])
+
+
+def running_jobs(column: str | None, ending: Collection[UUID] = ()) -> list[RunningJob]:
+    """The :data:`RUNNING_TAKING_MEMORY` column, less ``ending``: jobs whose hold ends in the reader's
+    transaction before its claims (a completion that claims the node's next job)."""
+    if column is None:
+        return []
+    return [RunningJob(requires, placement) for job_id, requires, placement in _running.decode(column) if job_id not in ending]
+
+
+async def with_running_jobs_read(
+    conn: psycopg.AsyncConnection, organization_id: UUID, nodes: Sequence[tuple[NodeView, list[RunningJob]]],
+    models: Mapping[str, RegisteredModel],
+) -> list[NodeView]:
+    """Each node bounded by its running jobs (:func:`umbra.domain.placement.with_running_jobs`).
+
+    ``models`` may leave out models no queued job names (a claim reads the
+    registry only when one does): it is read for a running job's model it
+    lacks.
+    """
+    if any(slug not in models for _, running in nodes for job in running for slug in job.requires.models):
+        models = await read_models(conn, organization_id)
+    return [with_running_jobs(node, running, models) for node, running in nodes]
 
 
 async def read_nodes(
@@ -61,68 +96,33 @@ async def read_nodes(
     *,
     node_id: UUID | None = None,
     stale_seconds: int = DEFAULT_STALE_SECONDS,
+    models: Mapping[str, RegisteredModel] | None = None,
 ) -> list[NodeView]:
-    """The organization's nodes (or one of them) with their *effective* status, by the database clock."""
-    cursor = await conn.execute(_NODES, (organization_id, node_id, node_id))
-    return [
-        NodeView(
-            id=nid,
-            name=name,
-            status=effective_status(status, last_seen, now, stale_seconds=stale_seconds),
-            trust_domain=trust_domain,
-            devices=_devices.decode(devices),
-        )
-        for nid, name, status, trust_domain, devices, last_seen, now in await cursor.fetchall()
-    ]
+    """The organization's nodes (or one of them) with their *effective* status, by the database clock.
 
-
-#: The running jobs of the given nodes that take memory, each node's in claim order, and whether each
-#: was claimed since the node's devices were last reported (by ``jobs_held_taking_memory``: its
-#: predicate is repeated here whole, or the planner cannot use it). A job an older server claimed
-#: has no ``claimed_at`` and counts as reported.
-_HELD_TAKING_MEMORY = """
-SELECT j.lease_owner, j.requires::text, j.placement::text,
-       coalesce(j.claimed_at >= n.last_heartbeat_at, n.last_heartbeat_at IS NULL)
-FROM jobs j JOIN nodes n ON n.id = j.lease_owner
-WHERE j.lease_owner = ANY(%(nodes)s::uuid[]) AND j.status = 'running'
-  AND (j.requires ? 'models' OR j.requires ? 'vram_min_mb' OR j.requires ? 'ram_min_mb')
-  AND j.placement IS NOT NULL AND NOT j.id = ANY(%(ending)s::uuid[])
-ORDER BY j.lease_owner, j.claimed_at NULLS FIRST, j.seq
-"""
-_requirements = msgspec.json.Decoder(Requirements)
-_placement = msgspec.json.Decoder(Placement)
-
-
-def any_takes_memory(requirements: Iterable[Requirements]) -> bool:
-    """Whether any of these jobs takes memory where it runs: only then do the nodes' held jobs matter to a claim."""
-    return any(takes_memory(requires) for requires in requirements)
-
-
-async def with_held_jobs_read(
-    conn: psycopg.AsyncConnection, organization_id: UUID, nodes: Sequence[NodeView], models: Mapping[str, RegisteredModel],
-    *, ending: Collection[UUID] = (),
-) -> list[NodeView]:
-    """``nodes`` (of the organization) as a claim must judge them: the jobs each runs that its last report does not
-    show take their memory.
-
-    One indexed read for all of them (see
-    :func:`umbra.domain.placement.with_held_jobs`). ``ending``: jobs whose
-    hold ends in the caller's transaction before its claims (a completion
-    that claims the node's next job), which reserve nothing. ``models`` may
-    leave out models no queued job names: the registry is read for a held
-    job's model it lacks.
+    With ``models`` (the registry, or the part of it a claim read), as a claim
+    judges them: each bounded by the jobs it runs
+    (:func:`with_running_jobs_read`). Without, as reported: blocking judges
+    device totals, and a running job changes none.
     """
-    if not nodes:
-        return []
-    held: dict[UUID, list[HeldJob]] = {}
-    cursor = await conn.execute(_HELD_TAKING_MEMORY, {"nodes": uuid_array([n.id for n in nodes]), "ending": uuid_array(list(ending))})
-    for node_id, requires, placement, since_report in await cursor.fetchall():
-        held.setdefault(node_id, []).append(
-            HeldJob(_requirements.decode(requires), _placement.decode(placement), claimed_since_report=since_report)
+    query = _NODES_AS_REPORTED if models is None else _NODES_AS_CLAIMS_FIND_THEM
+    cursor = await conn.execute(query, (organization_id, node_id, node_id))
+    nodes = [
+        (
+            NodeView(
+                id=nid,
+                name=name,
+                status=effective_status(status, last_seen, now, stale_seconds=stale_seconds),
+                trust_domain=trust_domain,
+                devices=_devices.decode(devices),
+            ),
+            running_jobs(running),
         )
-    if any(slug not in models for jobs in held.values() for job in jobs for slug in job.requires.models):
-        models = await read_models(conn, organization_id)
-    return [with_held_jobs(node, held[node.id], models) if node.id in held else node for node in nodes]
+        for nid, name, status, trust_domain, devices, last_seen, now, running in await cursor.fetchall()
+    ]
+    if models is None:
+        return [node for node, _ in nodes]
+    return await with_running_jobs_read(conn, organization_id, nodes, models)
 
 
 async def read_models(conn: psycopg.AsyncConnection, organization_id: UUID) -> dict[str, RegisteredModel]:

@@ -58,7 +58,7 @@ from umbra.domain.jobs import (
 )  # fmt: skip
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
-from umbra.domain.placement import best_placement
+from umbra.domain.placement import best_placement, takes_memory
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
@@ -67,14 +67,14 @@ from umbra.events.types import (
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
-from .blocked import QUEUED_SHAPES, BlockingJudge, any_takes_memory, hold_capacity, read_models, read_nodes, with_held_jobs_read
+from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, read_nodes
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, check_json_depth, check_shape_size, jobs_by_idempotency_key,
     lock_idempotency_keys,
     record_and_settle, refusing_nul,
     submitted_events,
 )  # fmt: skip
-from .nodes import share_claim_guards
+from .nodes import hold_node_memory, share_claim_guards
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +193,12 @@ def decode_shape(shape: str) -> tuple[str, Requirements]:
     names, when it names any) of each shape once.
     """
     return _shape.decode(shape)
+
+
+def shapes_take_memory(shapes: Sequence[str]) -> bool:
+    """Whether a job of one of the queued ``shapes`` takes memory where it runs (more than
+    :data:`MAX_SHAPES` are not all listed: then one may)."""
+    return len(shapes) > MAX_SHAPES or any(takes_memory(decode_shape(shape)[1]) for shape in shapes)
 
 
 async def queued_shapes(conn: psycopg.AsyncConnection, organization_id: UUID) -> psycopg.AsyncCursor[Any]:
@@ -403,7 +409,11 @@ async def claim(
     async with conn.transaction():
         if not await share_claim_guards(conn, node_id, organization_id):
             return None  # the node or the registry is being changed: read them once that has committed
-        nodes = await read_nodes(conn, organization_id, node_id=node_id, stale_seconds=stale_seconds)
+        shapes = [shape for (shape,) in await (await queued_shapes(conn, organization_id)).fetchall()]
+        models = await models_for_shapes(conn, organization_id, shapes)
+        if shapes_take_memory(shapes):
+            await hold_node_memory(conn, organization_id, node_id)  # then its running jobs are read as the last claim left them
+        nodes = await read_nodes(conn, organization_id, node_id=node_id, stale_seconds=stale_seconds, models=models)
         if not nodes or nodes[0].status != "online" or all(is_busy(d) for d in nodes[0].devices):
             return None
         node = nodes[0]
@@ -414,10 +424,6 @@ async def claim(
             judged[shape] = best_placement(node, requires, models) if takes_kind(kinds, kind) else None
             return judged[shape] is not None
 
-        shapes = [shape for (shape,) in await (await queued_shapes(conn, organization_id)).fetchall()]
-        models = await models_for_shapes(conn, organization_id, shapes)
-        if len(shapes) > MAX_SHAPES or any_takes_memory(decode_shape(shape)[1] for shape in shapes):
-            [node] = await with_held_jobs_read(conn, organization_id, [node], models)  # its jobs since its report take their memory
         scan = ClaimableScan(conn, organization_id, shapes, runnable, kinds=kinds)
         only = scan.only_shape()
         if only is not None and (locked := await lock_first_of_shape(conn, organization_id, only)):

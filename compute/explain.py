@@ -28,13 +28,12 @@ from umbra.domain.explain import Explanation, QueueStanding, competing_ahead, su
 from umbra.domain.explain_text import blocked_summary, placed_summary, queued_summary
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
-from umbra.domain.placement import takes_memory
 from umbra.errors import NotFound
 from umbra.events.types import Requirements
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
-from .blocked import read_models, read_nodes, with_held_jobs_read
+from .blocked import read_models, read_nodes
 from .claims import releases
 
 #: How long a job may stay blocked before the sweeper fails it (the settings default).
@@ -74,14 +73,12 @@ async def explain(
         row = await queue.load(conn, job_id, organization_id)
         if row is None:
             raise NotFound("job_not_found", f"No job {job_id}.")
-        nodes = await read_nodes(conn, organization_id, stale_seconds=stale_seconds)
         now: datetime = (await (await conn.execute(_NOW)).fetchone())[0]  # type: ignore[index]
         if row.status in ("queued", "blocked"):
             models = await read_models(conn, organization_id)
-            if takes_memory(row.requires):  # judged as a claim would judge it: held jobs not yet reported take their memory
-                nodes = await with_held_jobs_read(conn, organization_id, nodes, models)
+            nodes = await read_nodes(conn, organization_id, stale_seconds=stale_seconds, models=models)  # as a claim finds them
             return await _waiting(conn, row, nodes, models, now, blocked_timeout_seconds)
-        return await _placed(conn, row, nodes, now)
+        return await _placed(conn, row, await read_nodes(conn, organization_id, stale_seconds=stale_seconds), now)
 
 
 async def _waiting(

@@ -196,6 +196,37 @@ async def share_claim_guards(conn: psycopg.AsyncConnection, node_id: UUID, organ
     return set(keys) <= set(shared)
 
 
+#: Advisory lock class of a node's memory lock (see ``db.organization_lock_key``).
+NODE_MEMORY_CLASS = 0x756D6D6D
+
+
+def node_memory_key(organization_id: UUID, node_id: UUID) -> int:
+    """The key of a node's memory lock: one per node (see :func:`hold_node_memory`)."""
+    return organization_lock_key(organization_id, b"memory" + node_id.bytes)
+
+
+#: The group commit's form of :func:`hold_node_memory`: takes, of the nodes' locks, those free now and
+#: never waits (a batch serves many agents); returns the ids of the nodes whose lock it took.
+TRY_NODE_MEMORY = (
+    "SELECT coalesce(array_agg(x.id), '{}') FROM unnest(%(ids)s::uuid[], %(keys)s::int[]) AS x(id, key)"
+    f" WHERE pg_try_advisory_xact_lock({NODE_MEMORY_CLASS}, x.key)"
+)
+
+
+async def hold_node_memory(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID) -> None:
+    """Hold the node's memory lock to commit; take it before reading the node's running jobs.
+
+    A claim that places a job that takes memory judges the node's running jobs
+    as committed (:func:`umbra.domain.placement.with_running_jobs`). Two such
+    claims for one node in transactions that overlap (an agent's slots whose
+    claims land in the group commit's two batches, two server processes) would
+    each miss the other's job and could fill one card twice. Holding this lock,
+    a claim reads what the claim before it committed. Claims of jobs that take
+    no memory never take it.
+    """
+    await conn.execute(f"SELECT pg_advisory_xact_lock({NODE_MEMORY_CLASS}, %s)", (node_memory_key(organization_id, node_id),))
+
+
 def capacity_cause(node_id: UUID | None, request_id: str | None) -> dict[str, str]:
     """Metadata for blocked-job re-examination caused by a node or registry change."""
     cause = {"actor": "reexamine", "causation": f"node:{node_id}" if node_id else "models"}

@@ -138,8 +138,8 @@ def after_placement(
     takes, none has. Returns ``node`` itself when the job takes nothing (no
     requirement), so a claim of such jobs costs no second judgement.
 
-    Claims made one after another find the jobs of earlier claims the same
-    way, until a report shows them (:func:`with_held_jobs`).
+    Claims made one after another are bounded by the jobs of earlier claims
+    taken the same way (:func:`with_running_jobs`).
     """
     if not takes_memory(requires):
         return node  # the common no-op job: nothing to take, nothing to look up
@@ -177,54 +177,55 @@ def after_placement(
     )
 
 
+
 @dataclass(frozen=True, slots=True)
-class HeldJob:
-    """A job a node is running that takes memory (:func:`takes_memory`), as a claim for the node finds it."""
+class RunningJob:
+    """A job a node is running that takes memory (:func:`takes_memory`): what it needs, and where it was placed."""
 
     requires: Requirements
     placement: Placement
-    #: Claimed at or after the time the node's devices were last reported (its last recorded beat).
-    claimed_since_report: bool
 
 
-def report_shows(node: NodeView, job: HeldJob) -> bool:
-    """Whether the memory ``node`` last reported already accounts for ``job``.
+def with_running_jobs(node: NodeView, running: Sequence[RunningJob], models: Mapping[str, RegisteredModel]) -> NodeView:
+    """``node`` as a claim must judge it: no device has more free than its running jobs leave of its total.
 
-    Not for a job claimed since the report. Nor for one whose models are not
-    all resident on its device yet: the agent is still loading them, and the
-    memory they will hold is still reported free.
+    A claim judges the memory the node last reported free, and a job claimed
+    since that report is not in it: without this, a claim made after another
+    (two agents on one node, or one agent's next claim before its next beat)
+    found the first job's memory still free, and a 24,000 MB card took two
+    16,000 MB jobs. So each device's free memory is the lesser of two bounds:
+    what the report says, and what the running jobs leave of the device's
+    total, each taking its memory as :func:`after_placement` takes that of an
+    earlier job of one claim (a model's floor once per device, however many
+    jobs share it). Once the report shows a job's memory taken, the report is
+    the lower bound, so nothing is counted twice, and no report, however
+    early, makes a running job's memory free again. Their models are in use (a
+    claim never evicts a model a running job uses) and, if the report does not
+    list them resident, being loaded: a job naming one shares it.
+
+    What it cannot see: memory outside the jobs (a driver's, a desktop's) is
+    in the report only, so until the report shows a new job, the job's need is
+    taken from the device's total rather than from what was free.
     """
-    if job.claimed_since_report:
-        return False
-    device = next((d for d in node.devices if d.label == job.placement.device_id), None)
-    if device is None:
-        return True  # the device is gone from the report: nothing left there to reserve
-    resident = {m.slug for m in device.resident_models}
-    return all(slug in resident for slug in job.requires.models)
-
-
-def with_held_jobs(node: NodeView, held: Sequence[HeldJob], models: Mapping[str, RegisteredModel]) -> NodeView:
-    """``node`` as its next claim must judge it: the memory of the jobs it holds that its report does not show yet taken.
-
-    A claim judges the memory the node last reported free. Without this, a
-    job claimed after another (two agents on one node, or one agent's next
-    claim before its next beat) found the first one's memory still free, and
-    a 24,000 MB card took two 16,000 MB jobs. Each such job takes its memory
-    as :func:`after_placement` takes that of an earlier job of the same claim,
-    in the order they were claimed. The models of every held job are in use
-    on their device whether reported or not: a claim never evicts a model a
-    running job runs on. ``held`` is in claim order.
-
-    What this cannot see: a job that completed since the report, whose model
-    the agent keeps loaded, is not running any more and reserves nothing,
-    though the model's memory is not in the report either; the next beat
-    shows it.
-    """
-    for job in held:
-        if not report_shows(node, job):
-            node = after_placement(node, job.placement, job.requires, models)
-        elif job.requires.models:
-            in_use = {(job.placement.device_id, slug) for slug in job.requires.models}
-            if not in_use <= node.in_use:
-                node = replace(node, in_use=node.in_use | in_use)
-    return node
+    if not running:
+        return node
+    idle = replace(node, devices=tuple(
+        msgspec.structs.replace(d, vram_free_mb=d.vram_total_mb, ram_free_mb=d.ram_total_mb, resident_models=())
+        for d in node.devices
+    ), in_use=frozenset(), loading=frozenset())  # fmt: skip
+    for job in running:
+        idle = after_placement(idle, job.placement, job.requires, models)
+    devices = []
+    loading = set(node.loading)
+    for reported, promised in zip(node.devices, idle.devices):
+        listed = {m.slug for m in reported.resident_models}
+        unlisted = tuple(m for m in promised.resident_models if m.slug not in listed)
+        loading |= {(reported.label, m.slug) for m in unlisted}
+        vram, ram = min(reported.vram_free_mb, promised.vram_free_mb), min(reported.ram_free_mb, promised.ram_free_mb)
+        if (vram, ram) == (reported.vram_free_mb, reported.ram_free_mb) and not unlisted:
+            devices.append(reported)
+        else:
+            devices.append(msgspec.structs.replace(
+                reported, vram_free_mb=vram, ram_free_mb=ram, resident_models=(*reported.resident_models, *unlisted)
+            ))  # fmt: skip
+    return replace(node, devices=tuple(devices), in_use=node.in_use | idle.in_use, loading=frozenset(loading))

@@ -81,9 +81,6 @@ class JobRow:
     updated_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    #: When the job was last claimed: the claim path reserves the memory of a job claimed since its node's
-    #: devices were last reported (:func:`umbra.domain.placement.with_held_jobs`).
-    claimed_at: datetime | None
 
 
 COLUMNS = tuple(f.name for f in fields(JobRow))
@@ -147,7 +144,7 @@ def _submitted(recorded: RecordedEvent, e: JobSubmitted, job_id: UUID) -> JobRow
     return _build((
         job_id, recorded.organization_id, e.kind, "queued", e.requested_by, e.priority, e.requires, e.payload,
         e.project_id, e.lang, 0, e.max_attempts, None, e.parent_job_id, e.idempotency_key, None, None,
-        None, None, None, None, None, 0, position, recorded.version, position, at, at, None, None, None,
+        None, None, None, None, None, 0, position, recorded.version, position, at, at, None, None,
     ))  # fmt: skip
 
 
@@ -178,7 +175,7 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
         case JobClaimed():
             return dict(
                 status="running", attempt=e.attempt, lease_owner=e.node_id, lease_expires_at=e.lease_expires_at,
-                placement=e.placement, started_at=s.started_at or at, claimed_at=at,
+                placement=e.placement, started_at=s.started_at or at,
             )  # fmt: skip
         case JobLeaseRenewed():
             return dict(lease_expires_at=e.lease_expires_at)
@@ -340,7 +337,7 @@ _SQL_TYPES = {
     "priority": "int", "attempt": "int", "max_attempts": "int", "children_total": "int", "version": "int",
     "seq": "bigint", "position": "bigint", "not_before": "timestamptz", "lease_expires_at": "timestamptz",
     "blocked_at": "timestamptz", "created_at": "timestamptz", "updated_at": "timestamptz",
-    "started_at": "timestamptz", "finished_at": "timestamptz", "claimed_at": "timestamptz",
+    "started_at": "timestamptz", "finished_at": "timestamptz",
     "requires": "jsonb", "payload": "jsonb", "result": "jsonb", "placement": "jsonb",
 }  # fmt: skip
 #: Rows travel as one JSON document (msgspec encodes 10,000 rows in milliseconds;
@@ -371,7 +368,6 @@ async def write_rows(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> N
 TRANSITION_COLUMNS = (
     "status", "attempt", "not_before", "lease_owner", "lease_expires_at", "result", "error", "placement",
     "blocked_reason", "blocked_at", "children_total", "version", "position", "updated_at", "started_at", "finished_at",
-    "claimed_at",
 )  # fmt: skip
 #: Sent for each row: the position is not, it is read from the log (below).
 _TRANSITION_KEYS = ("id", *(c for c in TRANSITION_COLUMNS if c != "position"))
@@ -450,8 +446,7 @@ def _copy_line(r: JobRow, memo: dict[Any, str]) -> str:
         f"{N if r.blocked_reason is None else copy_text(r.blocked_reason)}\t"
         f"{N if r.blocked_at is None else _at(r.blocked_at, memo)}\t"
         f"{r.children_total}\t{r.seq}\t{r.version}\t{r.position}\t{_at(r.created_at, memo)}\t{_at(r.updated_at, memo)}\t"
-        f"{N if r.started_at is None else _at(r.started_at, memo)}\t{N if r.finished_at is None else _at(r.finished_at, memo)}\t"
-        f"{N if r.claimed_at is None else _at(r.claimed_at, memo)}\n"
+        f"{N if r.started_at is None else _at(r.started_at, memo)}\t{N if r.finished_at is None else _at(r.finished_at, memo)}\n"
     )
 
 

@@ -1,26 +1,30 @@
-"""A claim judges the memory its node reported, less what the jobs claimed since that report will take.
+"""A claim places no more on a device than the jobs already running there leave of it.
 
-The node's report says what memory is free as the agent last measured it. A
-job claimed after that report is not in it: before, a second claim for the
-same node (two agents on one node, or one agent's claims one after another
+The node's report says what memory was free when the agent last measured it,
+and a job claimed after that is not in it: before, a second claim for the
+same node (two agents on one node, an agent's slots, or one agent's claims
 between two beats) found the first job's memory still free, and one
-24,000 MB card took two 16,000 MB jobs. Now such a job's memory is reserved
-until a report recorded after its claim shows it (for a job naming models:
-once they are resident there), and its models are never evicted for another.
+24,000 MB card took two 16,000 MB jobs. Now each device's free memory is the
+lesser of what the report says and what the node's running jobs leave of the
+device's total, so a job's memory is promised from its claim to its end,
+whenever the report shows it, and never counted twice; claims that judge
+memory for one node take its memory lock, so none misses another's job.
 """
 
 from __future__ import annotations
 
+import anyio
 import msgspec
+import psycopg
 import pytest
 
 from tests.helpers import bearer
-from umbra.compute import batch_commands, claims
+from umbra.compute import batch_commands, claims, jobs
 from umbra.compute.batch_commands import Command
 from umbra.compute.explain import explain
 from umbra.events.types import ResidentModel
 
-from .queue_support import GPU24, add_node, beat, register_model, submit
+from .queue_support import GPU24, add_node, beat, register_model, spec, submit
 
 pytestmark = pytest.mark.anyio
 
@@ -36,23 +40,28 @@ async def claim_in_one_batch(conn, commands):
 
 
 def reported(free: int, *resident: tuple[str, int]):
+    """The one-card node's report: GPU24 (24,576 MB in all) with ``free`` MB free."""
     return msgspec.structs.replace(GPU24, vram_free_mb=free, resident_models=tuple(ResidentModel(slug=s, vram_held_mb=mb) for s, mb in resident))
+
+
+async def count(conn, org_id, status: str) -> int:
+    cursor = await conn.execute("SELECT count(*) FROM jobs WHERE organization_id = %s AND status = %s", (org_id, status))
+    return (await cursor.fetchone())[0]
 
 
 async def test_a_second_claim_before_the_next_report_finds_the_first_jobs_memory_taken(conn, org):
     org_id, _ = org
     node = await add_node(conn, org_id, "one-card", [GPU24])
     first = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
-    second = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
     assert (await claim_one(conn, org_id, node)).job_id == first.id
     assert await claim_one(conn, org_id, node) is None, "the card's 24,000 MB took two 16,000 MB jobs"
     small = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 6000})
     claimed = await claim_one(conn, org_id, node)
-    assert claimed is not None and claimed.job_id == small.id  # the 8,000 MB left still take what fits
-    assert second.id != claimed.job_id
+    assert claimed is not None and claimed.job_id == small.id  # what is left still takes what fits
 
 
-async def test_the_group_commit_reserves_the_memory_of_jobs_claimed_in_an_earlier_batch(conn, org):
+async def test_the_group_commit_bounds_a_claim_by_the_jobs_of_an_earlier_batch(conn, org):
     org_id, _ = org
     node = await add_node(conn, org_id, "one-card", [GPU24])
     for _ in range(2):
@@ -71,9 +80,37 @@ async def test_two_claimers_of_one_node_in_one_batch_share_its_memory(conn, org)
     assert len(staged) == 1, "two claimers of one 24,000 MB card took a 16,000 MB job each in one batch"
 
 
-async def test_a_report_recorded_after_the_claim_accounts_for_the_job_once(conn, org):
-    """Once a report recorded after the claim shows the job's memory taken, the job reserves nothing more:
-    its memory is not counted twice."""
+async def test_claims_for_one_node_in_overlapping_transactions_do_not_both_fill_it(conn, org, db_url):
+    """A batch that has staged a claim and not committed, and a claim for the same node in another transaction
+    (the group commit's two workers, two server processes): the other batch takes nothing this time and looks
+    again in a moment; the single path waits for the memory lock, then finds the first job running."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "one-card", [GPU24])
+    for _ in range(2):
+        await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as second:
+        staged, _ = await batch_commands.stage(conn, [Command("claim", org_id, node)])
+        assert len(staged) == 1
+        other_batch = Command("claim", org_id, node)
+        assert (await batch_commands.stage(second, [other_batch]))[0] == []
+        assert other_batch.guard_held  # its long-poll looks again in a moment
+        await second.rollback()
+        alongside = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: _appended(alongside, claim_one(second, org_id, node)))
+            await anyio.sleep(0.2)  # the single path reaches the lock and waits
+            assert alongside == []
+            await batch_commands.write(conn, staged)
+        assert alongside == [None]
+    assert await count(conn, org_id, "running") == 1
+
+
+async def _appended(results: list, coroutine) -> None:
+    results.append(await coroutine)
+
+
+async def test_a_report_recorded_after_the_claim_shows_the_job_once(conn, org):
+    """Once the report shows a running job's memory taken, it is not taken a second time."""
     org_id, _ = org
     node = await add_node(conn, org_id, "one-card", [GPU24])
     await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
@@ -84,21 +121,49 @@ async def test_a_report_recorded_after_the_claim_accounts_for_the_job_once(conn,
     assert claimed is not None and claimed.job_id == fits.id
 
 
-async def test_a_job_whose_model_is_still_loading_keeps_its_reservation_past_a_later_report(conn, org):
-    """A report recorded after the claim that does not show the job's model resident yet (the agent is still
-    loading it) does not account for the model's memory: the job keeps its reservation."""
+async def test_a_running_model_jobs_memory_is_not_counted_twice_when_no_model_is_listed(conn, org):
+    """``umbra agent`` reports the memory a loaded model takes, not the model: 8,000 MB free of 24,576 with a
+    16,000 MB model job running leaves room for a 7,000 MB job."""
     org_id, _ = org
     await register_model(conn, org_id, "big:16b", vram_min_mb=16000)
     node = await add_node(conn, org_id, "one-card", [GPU24])
     await submit(conn, org_id, kind="infer", requires={"models": ["big:16b"]})
     assert await claim_one(conn, org_id, node) is not None
-    await beat(conn, org_id, node, [reported(22000)])  # recorded (memory moved), the model not resident yet
+    await beat(conn, org_id, node, [reported(8000)])
+    fits = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 7000})
+    claimed = await claim_one(conn, org_id, node)
+    assert claimed is not None and claimed.job_id == fits.id
+
+
+async def test_a_report_measured_before_the_job_took_its_memory_does_not_free_it(conn, org):
+    """A report recorded after a claim may have been measured before the job allocated anything (in
+    ``complete?claim_next`` the completion frees memory, so the next beat moves and is recorded): the job's
+    memory stays promised all the same."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "one-card", [GPU24])
+    first = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 8000})
+    running = await claim_one(conn, org_id, node)
+    await beat(conn, org_id, node, [reported(16000)])
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    staged = await claim_in_one_batch(conn, [Command("complete", org_id, node, first.id, running.attempt, result={},
+                                                     then=Command("claim", org_id, node))])  # fmt: skip
+    assert len(staged) == 2  # the completion, and the next job in the memory it freed
+    await beat(conn, org_id, node, [reported(24000)])  # measured as the first job ended, before the next allocated
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    assert await claim_one(conn, org_id, node) is None, "a second 16,000 MB job was placed on the 24,000 MB card"
+
+
+async def test_a_model_jobs_memory_stays_promised_until_its_job_ends(conn, org):
+    org_id, _ = org
+    await register_model(conn, org_id, "big:16b", vram_min_mb=16000)
+    node = await add_node(conn, org_id, "one-card", [GPU24])
+    await submit(conn, org_id, kind="infer", requires={"models": ["big:16b"]})
+    running = await claim_one(conn, org_id, node)
+    await beat(conn, org_id, node, [reported(22000)])  # recorded (memory moved), the model still loading
     await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
     assert await claim_one(conn, org_id, node) is None
-    await beat(conn, org_id, node, [reported(8000, ("big:16b", 16000))])  # loaded: the report shows it now
-    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 7000})
-    claimed = await claim_one(conn, org_id, node)
-    assert claimed is not None and claimed.row.requires.vram_min_mb == 7000
+    await claims.complete(conn, organization_id=org_id, node_id=node, job_id=running.job_id, attempt=running.attempt, result={})
+    assert await claim_one(conn, org_id, node) is not None  # its job ended: the report's 22,000 MB are free again
 
 
 async def test_a_claim_never_evicts_the_model_a_running_job_of_an_earlier_claim_runs_on(conn, org):
@@ -134,6 +199,22 @@ async def test_a_completion_that_claims_the_next_job_frees_the_memory_of_the_job
     assert done.json()["next_claim"] is not None, f"the completion claimed nothing next: {done.json()}"
 
 
+async def test_a_card_its_running_jobs_fill_is_busy_whatever_else_is_queued(conn, org):
+    """The same node in the same state answers a job with no requirement the same way whether or not a job that
+    takes memory is queued beside it, and ``explain`` says what the claim does."""
+    org_id, _ = org
+    whole = msgspec.structs.replace(GPU24, vram_total_mb=24000)
+    node = await add_node(conn, org_id, "gpu-only", [whole])
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 24000})
+    assert await claim_one(conn, org_id, node) is not None  # the whole card is promised
+    alone = await submit(conn, org_id, kind="echo")
+    assert await claim_one(conn, org_id, node) is None
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 1000})
+    assert await claim_one(conn, org_id, node) is None
+    explained = await explain(conn, org_id, alone.id)
+    assert not explained.eligible and [v.reason for v in explained.ineligible] == ["device_busy"]
+
+
 async def test_explain_judges_the_node_as_a_claim_would(conn, org):
     org_id, _ = org
     node = await add_node(conn, org_id, "one-card", [GPU24])
@@ -143,3 +224,47 @@ async def test_explain_judges_the_node_as_a_claim_would(conn, org):
     explained = await explain(conn, org_id, waiting.id)
     assert not explained.eligible
     assert [v.reason for v in explained.ineligible] == ["vram_insufficient"]
+
+
+async def test_claimers_of_one_node_lock_only_the_rows_it_has_room_for(conn, org, db_url):
+    """The one-shape path locks as many rows as the nodes have room for, each node counted once however many
+    of its claimers wait: a row locked and not handed out would be skipped by a claimer of the other batch in
+    flight, which could then be told nothing is left while a job it can run stays queued."""
+    org_id, _ = org
+    shared = await add_node(conn, org_id, "two-agents", [GPU24])
+    other = await add_node(conn, org_id, "other-card", [GPU24])
+    for _ in range(2):
+        await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as second:
+        staged, _ = await batch_commands.stage(conn, [Command("claim", org_id, shared), Command("claim", org_id, shared)])
+        assert len(staged) == 1
+        late = Command("claim", org_id, other)
+        staged_b, _ = await batch_commands.stage(second, [late])
+        await batch_commands.write(second, staged_b)
+        await batch_commands.write(conn, staged)
+    assert len(staged_b) == 1, f"the other node's claim took nothing (nothing_left={late.nothing_left})"
+    assert await count(conn, org_id, "queued") == 0
+
+
+async def test_a_claimer_whose_node_another_claimer_filled_stops_reading_the_queue(conn, org):
+    """With two shapes queued, a claimer whose node has room for nothing more stops reading pages, also when
+    another claimer of its node filled it."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "two-agents", [GPU24])
+    specs = [spec("infer", requires={"vram_min_mb": mb}) for _ in range(400) for mb in (16000, 12000)]
+    await jobs.submit(conn, org_id, specs, actor="test", batch=True)
+    scans = []
+    real = conn.execute
+
+    async def counting(query, *args, **kwargs):
+        if query is claims.SHAPES_SCAN:
+            scans.append(query)
+        return await real(query, *args, **kwargs)
+
+    conn.execute = counting
+    try:
+        staged = await claim_in_one_batch(conn, [Command("claim", org_id, node), Command("claim", org_id, node)])
+    finally:
+        del conn.execute
+    assert len(staged) == 1
+    assert len(scans) <= 2, f"{len(scans)} pages of the queue read for a node with room for nothing more"

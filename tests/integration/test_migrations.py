@@ -106,29 +106,3 @@ async def test_a_database_migrated_through_0029_gets_the_kind_shapes_function_an
     assert old == ['{"ram_min_mb": 10}']  # requirements, as servers before 0029 decode them
     claimed = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
     assert claimed is not None and claimed.job_id == job.id
-
-
-async def test_0033_gives_running_jobs_the_time_of_their_latest_claim_as_the_fold_does(conn, org):
-    """A database of the version before 0033 has no ``claimed_at``; the migration takes each running job's
-    from its latest ``job.claimed`` in the log, so verify then finds the views equal to a rebuild."""
-    from umbra.compute import claims
-    from umbra.projections.verify import verify
-
-    from .queue_support import CPU64, add_node, submit
-
-    org_id, _ = org
-    node = await add_node(conn, org_id, "box", [CPU64])
-    running, again = await submit(conn, org_id, "echo"), await submit(conn, org_id, "echo")
-    for _ in range(2):
-        assert await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60) is not None
-    assert await claims.release(conn, again.id, node, 1)
-    assert await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60) is not None  # claimed again
-    queued = await submit(conn, org_id, "echo")
-    await conn.execute("ALTER TABLE jobs DROP COLUMN claimed_at")
-    [migration] = [m for m in available_migrations() if m.version == 33]
-    await conn.execute(migration.sql)
-    rows = dict(await (await conn.execute(
-        "SELECT j.id, j.claimed_at = (SELECT max(recorded_at) FROM events WHERE stream = 'job:' || j.id AND type = 'job.claimed')"
-        " FROM jobs j WHERE organization_id = %s", (org_id,))).fetchall())  # fmt: skip
-    assert rows == {running.id: True, again.id: True, queued.id: None}
-    assert await verify(conn, org_id) == []

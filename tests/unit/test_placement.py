@@ -6,7 +6,7 @@ from uuid import uuid4
 
 from umbra.domain.eligibility import NodeView
 from umbra.domain.models import RegisteredModel
-from umbra.domain.placement import HeldJob, after_placement, best_placement, placements, report_shows, with_held_jobs
+from umbra.domain.placement import RunningJob, after_placement, best_placement, placements, with_running_jobs
 from umbra.events.types import Device, Requirements, ResidentModel
 
 MODELS = {"m": RegisteredModel(slug="m", vram_min_mb=4000, vram_preferred_mb=8000, load_seconds=12.5)}
@@ -132,49 +132,65 @@ def test_a_model_a_job_of_the_claim_runs_on_is_never_evicted_for_a_later_one():
     assert best_placement(after, Requirements(models=("n",)), registry).would_evict == ()
 
 
-def held(box: NodeView, requires: Requirements, *, since_report: bool) -> HeldJob:
-    placement = best_placement(box, requires, MODELS)
+
+def running(box: NodeView, requires: Requirements, models=MODELS) -> RunningJob:
+    placement = best_placement(box, requires, models)
     assert placement is not None
-    return HeldJob(requires, placement, claimed_since_report=since_report)
+    return RunningJob(requires, placement)
 
 
-def test_a_job_claimed_since_the_report_takes_its_memory_from_what_the_report_says_is_free():
+def test_a_running_job_not_in_the_report_takes_its_memory_from_the_total():
+    box = node(gpu("g", 1.0, free=20000))  # the report, from before the job was claimed
+    bounded = with_running_jobs(box, [running(box, Requirements(vram_min_mb=16000))], MODELS)
+    assert bounded.devices[0].vram_free_mb == 24000 - 16000
+    assert best_placement(bounded, Requirements(vram_min_mb=16000), MODELS) is None
+
+
+def test_a_running_job_the_report_shows_is_not_counted_twice():
+    claimed_on = node(gpu("g", 1.0, free=20000))
+    shown = node(gpu("g", 1.0, free=4000))  # the report once the job took its 16,000 MB
+    bounded = with_running_jobs(shown, [running(claimed_on, Requirements(vram_min_mb=16000))], MODELS)
+    assert bounded.devices[0].vram_free_mb == 4000
+
+
+def test_a_running_jobs_model_not_listed_resident_is_shared_and_in_use():
     box = node(gpu("g", 1.0, free=20000))
-    job = held(box, Requirements(vram_min_mb=16000), since_report=True)
-    assert not report_shows(box, job)
-    after = with_held_jobs(box, [job], MODELS)
-    assert after.devices[0].vram_free_mb == 4000
-    assert best_placement(after, Requirements(vram_min_mb=16000), MODELS) is None
+    bounded = with_running_jobs(box, [running(box, Requirements(models=("m",)))], MODELS)
+    device = bounded.devices[0]
+    assert device.vram_free_mb == 24000 - 4000 and [(m.slug, m.vram_held_mb) for m in device.resident_models] == [("m", 4000)]
+    assert ("g", "m") in bounded.loading and ("g", "m") in bounded.in_use
+    again = best_placement(bounded, Requirements(models=("m",)), MODELS)
+    assert again is not None and not again.resident and again.estimated_seconds == 12.5  # shares it, waits for its load
 
 
-def test_a_job_the_report_shows_takes_nothing_more():
-    box = node(gpu("g", 1.0, free=4000))  # the report already shows the job's 16,000 MB taken
-    job = held(node(gpu("g", 1.0)), Requirements(vram_min_mb=16000), since_report=False)
-    assert report_shows(box, job)
-    assert with_held_jobs(box, [job], MODELS) is box
+def test_jobs_sharing_a_model_count_its_floor_once():
+    box = node(gpu("g", 1.0, free=20000))
+    job = running(box, Requirements(models=("m",)))
+    bounded = with_running_jobs(box, [job, job, job], MODELS)
+    assert bounded.devices[0].vram_free_mb == 24000 - 4000
 
 
-def test_a_job_whose_models_are_not_resident_yet_is_still_loading_them():
-    before = node(gpu("g", 1.0, free=20000))
-    job = held(before, Requirements(models=("m",)), since_report=False)
-    assert not report_shows(before, job)  # a report after the claim, the model not in it: still loading
-    after = with_held_jobs(before, [job], MODELS)
-    assert after.devices[0].vram_free_mb == 16000 and ("g", "m") in after.loading
-    loaded = node(gpu("g", 1.0, free=12000, resident=[("m", 8000)]))
-    assert report_shows(loaded, job)
-
-
-def test_a_model_a_held_job_runs_on_is_never_evicted_even_once_reported():
+def test_a_model_a_running_job_uses_is_never_evicted():
     box = node(gpu("g", 1.0, free=7000, resident=[("m", 8000)]))
-    job = held(box, Requirements(models=("m",)), since_report=False)
     other = {"n": RegisteredModel(slug="n", vram_min_mb=6000, vram_preferred_mb=12000), **MODELS}
     evicting = best_placement(box, Requirements(models=("n",)), other)
     assert evicting is not None and evicting.would_evict == ("m",)  # with nothing running on m, it makes room
-    beside = best_placement(with_held_jobs(box, [job], other), Requirements(models=("n",)), other)
+    bounded = with_running_jobs(box, [running(box, Requirements(models=("m",)), other)], other)
+    beside = best_placement(bounded, Requirements(models=("n",)), other)
     assert beside is not None and beside.would_evict == ()
 
 
-def test_a_held_job_on_a_device_gone_from_the_report_reserves_nothing():
-    job = held(node(gpu("gone", 1.0)), Requirements(vram_min_mb=16000), since_report=False)
+def test_running_jobs_on_unified_memory_bound_every_such_device_of_the_node():
+    cpu = Device(kind="cpu", label="cpu", ram_total_mb=32000, ram_free_mb=30000)
+    igpu = Device(kind="gpu_integrated", label="i", vram_total_mb=8000, vram_free_mb=8000, ram_total_mb=32000, ram_free_mb=30000)
+    box = node(cpu, igpu)
+    on_cpu = RunningJob(Requirements(ram_min_mb=20000), best_placement(node(cpu), Requirements(ram_min_mb=20000), {}))
+    bounded = with_running_jobs(box, [on_cpu], {})
+    assert [d.ram_free_mb for d in bounded.devices] == [12000, 12000]
+
+
+def test_no_running_job_leaves_the_node_as_reported():
     box = node(gpu("g", 1.0))
-    assert report_shows(box, job) and with_held_jobs(box, [job], MODELS) is box
+    assert with_running_jobs(box, [], MODELS) is box
+    gone = running(node(gpu("gone", 1.0)), Requirements(vram_min_mb=16000))
+    assert with_running_jobs(box, [gone], MODELS).devices == box.devices  # a device the report no longer lists
