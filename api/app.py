@@ -77,6 +77,9 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
             for subscriber in (waiters, log_watch):
                 listener.on_hint(subscriber.on_hint)
                 listener.on_reconnect(subscriber.on_reconnect)
+            listener.on_recheck(waiters.on_recheck)
+            listener.on_everything(waiters.recheck_all)
+            listener.on_everything(log_watch.wake_all)
             app.state.waiters, app.state.log_watch = waiters, log_watch
             # Agents' claims, renewals and completions share transactions; their hints
             # are sent after commit, outside the data transactions.

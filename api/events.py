@@ -80,11 +80,12 @@ node_events = _history(store.node_stream, "node_not_found", "node")
 
 
 def resume_position(request: Request) -> int:
-    """``Last-Event-ID`` (an EventSource reconnecting) wins over ``after``."""
+    """``Last-Event-ID`` (an EventSource reconnecting) wins over ``after``; a malformed ``after`` is refused either way."""
+    after = query_int(request, "after", default=0, minimum=0, maximum=MAX_POSITION)
     last_id = request.headers.get("last-event-id")
     if last_id is not None and last_id.strip():
         return bounded_int(last_id, "Last-Event-ID", minimum=0, maximum=MAX_POSITION)
-    return query_int(request, "after", default=0, minimum=0, maximum=MAX_POSITION)
+    return after
 
 
 async def stream_events(request: Request):

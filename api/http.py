@@ -185,6 +185,21 @@ async def authorized(request: Request, *any_of_scopes: str) -> Principal:
     return _admitted(request, who, any_of_scopes)
 
 
+async def still_authorized(request: Request, who: Principal) -> None:
+    """Refuse (401) a request admitted by :func:`authorized` whose credential was revoked while its body arrived.
+
+    Such a route reads its body with no connection held, however slowly the
+    client sends it; a credential revoked meanwhile must not act, and nothing
+    may be written for it. Call it once the body is read, before the command:
+    one indexed query.
+    """
+    async with request.app.state.services.pool.connection() as conn:
+        live = await credential_is_live(conn, who)
+    if not live:
+        request.app.state.services.token_cache.forget_credential(who.credential_id)
+        raise revoked()
+
+
 async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
     """:func:`authorized` for a route whose command goes through the group commit.
 

@@ -150,13 +150,22 @@ class WaiterHub:
             if not self._hand_token(organization_id, WakeToken("hint")):
                 break
 
+    def on_recheck(self, organization_id: UUID) -> None:
+        """A change some parked claims of the organization must see (a node's credentials revoked): each
+        tries again (a revoked one is then refused), the others go back to waiting."""
+        for waiter in self._waiters.get(organization_id, {}).values():
+            if not waiter.pending:
+                waiter.wake(WakeToken("recheck"))
+
     def on_reconnect(self) -> None:
         """Notifications sent while disconnected are gone: every waiter re-checks."""
         metrics.LISTENER_RECONNECTS.inc()
-        for waiters in self._waiters.values():
-            for waiter in waiters.values():
-                if not waiter.pending:
-                    waiter.wake(WakeToken("recheck"))
+        self.recheck_all()
+
+    def recheck_all(self) -> None:
+        """Every idle waiter tries again: after a reconnect, or a notification naming no organization."""
+        for organization_id in list(self._waiters):
+            self.on_recheck(organization_id)
 
     def stop(self) -> None:
         """The server is stopping: parked long-polls answer 204 now, so agents move on."""

@@ -68,14 +68,14 @@ class LogWatch:
             event.set()
 
     def on_reconnect(self) -> None:
-        self._wake_all()
+        self.wake_all()
 
     def stop(self) -> None:
         """The server is stopping: every stream ends after its current message."""
         self.stopped = True
-        self._wake_all()
+        self.wake_all()
 
-    def _wake_all(self) -> None:
+    def wake_all(self) -> None:
         signals, self._signals = self._signals, {}
         for event in signals.values():
             event.set()
@@ -157,14 +157,24 @@ def jittered(seconds: float) -> float:
     return seconds * random.uniform(0.5, 1.5)
 
 
+#: Characters JSON may carry raw that a client splitting lines as Python's ``str.splitlines`` does (httpx's
+#: ``aiter_lines``) takes for line ends, tearing a ``data:`` line in two; escaped, the JSON is the same.
+_LINE_ENDS_FOR_SOME_CLIENTS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
 def message(data: object, *, event: str | None = None, id: int | None = None) -> bytes:
-    """One SSE message. Compact JSON has no raw newlines, so ``data`` is one line."""
+    """One SSE message. Compact JSON has no raw CR or LF, nor (escaped here) any other character some
+    clients end a line at, so ``data`` is one line."""
     parts = []
     if id is not None:
         parts.append(b"id: %d\n" % id)
     if event is not None:
         parts.append(b"event: " + event.encode() + b"\n")
-    parts.append(b"data: " + _encoder.encode(data) + b"\n\n")
+    encoded = _encoder.encode(data)
+    if b"\xe2\x80" in encoded or b"\xc2\x85" in encoded:
+        for raw, escaped in _LINE_ENDS_FOR_SOME_CLIENTS:
+            encoded = encoded.replace(raw, escaped)
+    parts.append(b"data: " + encoded + b"\n\n")
     return b"".join(parts)
 
 

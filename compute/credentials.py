@@ -20,6 +20,7 @@ from uuid import UUID, uuid4
 import anyio
 import psycopg
 
+from umbra.events import store
 from umbra.events.types import Event, NodeCredentialRevoked
 from umbra.projections.nodes import NodeState
 from umbra.security import hash_secret, new_token
@@ -94,5 +95,7 @@ async def revoke_node(
 
     state, events = await change_node(conn, organization_id, node_id, decide, actor, request_id)
     revoked = [e.credential_id for e in events if isinstance(e, NodeCredentialRevoked)]
+    if revoked:
+        await store.ask_recheck(conn, organization_id)  # its parked long-polls are refused now, not at their deadline
     log.info("node credentials revoked", extra={"action": "node_revoked", "node_id": str(node_id), "count": len(revoked)})
     return state, revoked

@@ -72,7 +72,7 @@ OVERLAP_MIN_COMMANDS = 16
 #: jobs/s for a single in-process agent, measured).
 MIN_TICK_SECONDS = 0.02
 
-_NOTIFY = "SELECT pg_notify(%s, payload) FROM unnest(%s::text[]) AS payload"
+_NOTIFY = "SELECT pg_notify(%s, %s)"
 
 
 class HintNotifier:
@@ -103,10 +103,16 @@ class HintNotifier:
             await self._ready.wait()
             self._ready = anyio.Event()
             pending, self._pending = self._pending, {}
-            payloads = store.hint_payloads((org, position, claimable) for org, (position, claimable) in pending.items())
+            fitted = store.first_hint_payload(pending)
+            if fitted is None:
+                continue
+            payload, rest = fitted
+            if rest:  # more organizations than one payload names: the rest go in the next tick, not in a second one
+                store.merge_hints(self._pending, ((org, position, claimable) for org, (position, claimable) in rest.items()))
+                self._ready.set()
             try:
                 async with self._pool.connection() as conn:
-                    await conn.execute(_NOTIFY, (store.LOG_CHANNEL, payloads))
+                    await conn.execute(_NOTIFY, (store.LOG_CHANNEL, payload))
                 self.ticks += 1
             except Exception as exc:  # hints are hints: listeners also poll
                 log.warning("hints not sent", extra={"action": "hints_not_sent", "error": str(exc)[:200]})

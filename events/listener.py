@@ -20,7 +20,7 @@ from uuid import UUID
 import anyio
 import psycopg
 
-from .store import LOG_CHANNEL, parse_hints
+from .store import EVERYTHING, LOG_CHANNEL, RECHECK_CHANNEL, parse_hints
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ PROBE_SECONDS = 5.0
 
 HintCallback = Callable[[UUID, int, int], None]
 ReconnectCallback = Callable[[], None]
+RecheckCallback = Callable[[UUID], None]
 
 
 class LogListener:
@@ -50,6 +51,8 @@ class LogListener:
         self._probe = probe_seconds
         self._hint_subscribers: list[HintCallback] = []
         self._reconnect_subscribers: list[ReconnectCallback] = []
+        self._recheck_subscribers: list[RecheckCallback] = []
+        self._everything_subscribers: list[ReconnectCallback] = []
         self._ignore = ignore_backend_pids or (lambda: set())
         self.connected = anyio.Event()
         self.reconnects = 0
@@ -61,8 +64,30 @@ class LogListener:
     def on_reconnect(self, callback: ReconnectCallback) -> None:
         self._reconnect_subscribers.append(callback)
 
-    def _dispatch(self, payload: str, sender_pid: int) -> None:
+    def on_everything(self, callback: ReconnectCallback) -> None:
+        """``callback()`` for a notification naming no organization (:data:`~umbra.events.store.EVERYTHING`):
+        more moved than one can name, so everything is to be re-checked, as after a reconnect."""
+        self._everything_subscribers.append(callback)
+
+    def on_recheck(self, callback: RecheckCallback) -> None:
+        """``callback(organization_id)`` for each :data:`~umbra.events.store.RECHECK_CHANNEL` notification."""
+        self._recheck_subscribers.append(callback)
+
+    def _dispatch(self, payload: str, sender_pid: int, channel: str = LOG_CHANNEL) -> None:
         if sender_pid in self._ignore():
+            return
+        if channel == RECHECK_CHANNEL:
+            try:
+                organization_id = UUID(hex=payload)
+            except ValueError:
+                log.warning("ignored malformed notification", extra={"action": "bad_hint"})
+                return
+            for recheck in self._recheck_subscribers:
+                recheck(organization_id)
+            return
+        if payload == EVERYTHING:
+            for callback in self._everything_subscribers:
+                callback()
             return
         hints = parse_hints(payload)
         if hints is None:
@@ -81,7 +106,7 @@ class LogListener:
                 async with await psycopg.AsyncConnection.connect(
                     self._url, autocommit=True, application_name=APPLICATION_NAME, **CONNECTION_OPTIONS
                 ) as conn:
-                    await conn.execute(f"LISTEN {LOG_CHANNEL}")
+                    await conn.execute(f"LISTEN {LOG_CHANNEL}; LISTEN {RECHECK_CHANNEL}")
                     self.backend_pid = conn.info.backend_pid
                     if self.connected.is_set():
                         self.connected = anyio.Event()
@@ -99,7 +124,7 @@ class LogListener:
                         got_any = False
                         async for note in conn.notifies(timeout=self._idle_check):
                             got_any = True
-                            self._dispatch(note.payload, note.pid)
+                            self._dispatch(note.payload, note.pid, note.channel)
                         if not got_any:
                             with anyio.fail_after(self._probe):
                                 await conn.execute("SELECT 1")  # prove the connection on idle

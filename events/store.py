@@ -42,6 +42,9 @@ from .types import Event, UnknownEvent, decode_event, encode_event
 LOG_LOCK_KEY = 0x756D6272616C6F67
 #: The notification channel for "the log advanced" hints.
 LOG_CHANNEL = "umbra_log"
+#: The notification channel for "every parked claim of this organization, try again now": a change
+#: that refuses some of them (a node's credentials revoked) makes no work to hint at.
+RECHECK_CHANNEL = "umbra_recheck"
 
 
 class RecordedEvent(msgspec.Struct, frozen=True):
@@ -494,30 +497,34 @@ def merge_hints(merged: dict[UUID, list[int]], hints: Iterable[tuple[UUID, int, 
     return merged
 
 
-def hint_payloads(hints: Iterable[tuple[UUID, int, int]]) -> list[str]:
-    """Coalesced hints as NOTIFY payloads: one, unless more organizations changed than one can carry.
+#: The payload of a transaction whose hints name more organizations than one payload can carry: every
+#: listener re-checks everything, as after a reconnect (:meth:`LogListener.on_reconnect
+#: <umbra.events.listener.LogListener.on_reconnect>`), rather than the transaction sending several.
+EVERYTHING = "*"
 
-    ``hints`` are ``(organization_id, position, claimable)``; per organization
-    the highest position and the summed claimable count are kept, and the
-    organizations' hints share a payload, separated by ``;``. A transaction
-    that touched several organizations (a sweep, a group commit's batch) so
-    sends one notification, not one per organization: each is a message every
-    listener of the cluster must read.
+
+def first_hint_payload(merged: dict[UUID, list[int]]) -> tuple[str, dict[UUID, list[int]]] | None:
+    """Merged hints (:func:`merge_hints`) as one NOTIFY payload, as many organizations as fit, and those left
+    over; ``None`` when there is nothing to send.
+
+    The organizations' hints share a payload, separated by ``;``, so a
+    transaction that touched several organizations (a sweep, a group
+    commit's batch) sends one notification, not one per organization: each
+    is a message every listener of the cluster must read.
     """
-    merged = merge_hints({}, hints)
-    payloads: list[str] = []
+    if not merged:
+        return None
     pieces: list[str] = []
     size = 0
-    for org, (position, claimable) in merged.items():
-        piece = hint_payload(org, position, claimable)
-        if pieces and size + 1 + len(piece) > MAX_HINT_PAYLOAD:
-            payloads.append(";".join(pieces))
-            pieces, size = [], 0
+    rest: dict[UUID, list[int]] = {}
+    for org, slot in merged.items():
+        piece = hint_payload(org, *slot)
+        if rest or (pieces and size + 1 + len(piece) > MAX_HINT_PAYLOAD):
+            rest[org] = slot
+            continue
         size += len(piece) + (1 if pieces else 0)
         pieces.append(piece)
-    if pieces:
-        payloads.append(";".join(pieces))
-    return payloads
+    return ";".join(pieces), rest
 
 
 def parse_hints(payload: str) -> list[tuple[UUID, int, int]] | None:
@@ -532,24 +539,42 @@ def parse_hints(payload: str) -> list[tuple[UUID, int, int]] | None:
         return None
 
 
+async def ask_recheck(conn: psycopg.AsyncConnection, organization_id: UUID) -> None:
+    """Have every parked claim of the organization try again once the transaction commits (:data:`RECHECK_CHANNEL`).
+
+    A long-poll tries again only when work may have come; a revoked node's
+    long-poll would otherwise answer "nothing yet" at its deadline, up to a
+    minute after the revocation, and its agent carry on as if paired. Tried
+    again, its claim is refused 401 at once.
+    """
+    await conn.execute("SELECT pg_notify(%s, %s)", (RECHECK_CHANNEL, organization_id.hex))
+
+
 async def publish(
     conn: psycopg.AsyncConnection, hints: Iterable[tuple[UUID, int, int]]
 ) -> None:
-    """Send the transaction's hints, coalesced (:func:`hint_payloads`): one NOTIFY as a rule."""
-    for payload in hint_payloads(hints):
-        await conn.execute("SELECT pg_notify(%s, %s)", (LOG_CHANNEL, payload))
+    """Send the transaction's hints, coalesced: one NOTIFY at most (:func:`first_hint_payload`), or
+    :data:`EVERYTHING` when they name more organizations than one payload can carry (a sweep across
+    every tenant): rare, and cheaper than a notification per 140 organizations for every listener."""
+    fitted = first_hint_payload(merge_hints({}, hints))
+    if fitted is not None:
+        payload, rest = fitted
+        await conn.execute("SELECT pg_notify(%s, %s)", (LOG_CHANNEL, EVERYTHING if rest else payload))
 
 
 __all__ = [
     "LOG_CHANNEL",
+    "RECHECK_CHANNEL",
+    "ask_recheck",
     "PendingAppend",
     "RecordedEvent",
     "append",
     "append_many",
     "appending",
     "head_position",
+    "EVERYTHING",
+    "first_hint_payload",
     "hint_payload",
-    "hint_payloads",
     "merge_hints",
     "job_stream",
     "node_stream",

@@ -18,9 +18,10 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 from datetime import datetime
-from typing import Any, Iterable
+from typing import Any, AsyncIterator, Iterable
 from uuid import UUID
 
 import anyio
@@ -91,6 +92,30 @@ class SseParser:
         return None
 
 
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an event stream, as SSE ends them: at CR LF, CR or LF, and nowhere else.
+
+    Not ``httpx``'s ``aiter_lines``, which also ends a line at U+2028, U+0085
+    and the like (``str.splitlines``): JSON may carry those raw, and a
+    ``data:`` line torn at one is two lines of broken JSON.
+    """
+    pending = b""
+    for_cr = False  # the last chunk ended in CR: a LF starting this one ends nothing more
+    async for chunk in chunks:
+        if for_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        for_cr = chunk.endswith(b"\r")
+        pieces = _LINE_END.split(pending + chunk)
+        pending = pieces.pop()
+        for piece in pieces:
+            yield piece.decode("utf-8", errors="replace")
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
 # -- tail ------------------------------------------------------------------------
 
 
@@ -128,8 +153,8 @@ async def _follow(client: httpx.AsyncClient, after: int, as_json: bool) -> None:
                     await response.aread()
                     raise_for_error(response)
                 failures = 0
-                async for line in response.aiter_lines():
-                    message = parser.feed(line.rstrip("\r\n"))
+                async for line in sse_lines(response.aiter_bytes()):
+                    message = parser.feed(line)
                     if message is None:
                         continue
                     if message[0] == "error":  # the stream's last word (its credential was revoked)

@@ -6,6 +6,8 @@ one batch; ``GroupCommit.batches`` and ``fallbacks`` say how they ran.
 
 from __future__ import annotations
 
+import uuid
+
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable
 
@@ -14,6 +16,7 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
+from tests.helpers import eventually
 from umbra.compute import claims
 from umbra.compute.group_commit import OVERLAP_MIN_COMMANDS, GroupCommit, HintNotifier
 from umbra.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
@@ -197,6 +200,25 @@ async def test_hints_of_a_batch_are_sent_after_it_commits(db_url, conn, org):
                 if hints[-1][1] >= claimed.job["position"]:
                     break
     assert hints[-1] == (org_id, claimed.job["position"], 0)
+
+
+async def test_hints_for_more_organizations_than_one_payload_names_go_out_a_payload_a_tick(db_url):
+    """The notifier sends one notification per transaction: the organizations one payload cannot name go in
+    the next tick, none lost."""
+    hints = [(uuid.UUID(int=n), 1000 + n, 1) for n in range(1, 301)]
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
+        await listener.execute(f"LISTEN {store.LOG_CHANNEL}")
+        async with group_commit(db_url) as (_, notifier, tg):
+            await tg.start(notifier.run)
+            notifier.hint(hints)
+            received = []
+            async for note in listener.notifies(timeout=5):
+                received.append(store.parse_hints(note.payload))
+                if sum(map(len, received)) >= len(hints):
+                    break
+            assert len(received) > 1
+            await eventually(lambda: _now(notifier.ticks == len(received)))  # a notification a tick
+    assert sorted(hint for payload in received for hint in payload) == hints
 
 
 async def test_a_claim_says_when_the_organization_has_nothing_queued(db_url, conn, org):
@@ -538,3 +560,7 @@ async def test_a_rollback_on_the_batchs_connection_costs_the_next_batch_no_fallb
             assert (await claim()).job_id == second
             tg.cancel_scope.cancel()
     assert group.fallbacks == 0
+
+
+async def _now(value):
+    return value

@@ -13,8 +13,9 @@ import psycopg
 import pytest
 
 from tests.conftest import LiveServer, free_port
-from tests.helpers import eventually
+from tests.helpers import bearer, eventually
 from umbra.api import sse
+from umbra.cli_events import _follow
 from umbra.compute.accounts import create_organization
 from umbra.events import store
 from umbra.events.types import JobSubmitted, NodeDraining
@@ -296,3 +297,53 @@ async def test_an_open_stream_waits_out_a_database_outage_and_resumes_without_a_
                 async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as again:
                     after = await _append(again, org_id, 2)
                 assert [int(m["id"]) for m in await reader.take(2)] == after
+
+
+async def test_tail_follow_prints_every_event_even_when_a_payload_holds_a_unicode_line_separator(
+    conn, org, client, live_server, capsys
+):
+    """`umbra events tail --follow` prints every event, one whose payload holds U+2028 or U+0085 included:
+    JSON may carry them, and a client that ends lines where ``str.splitlines`` does (httpx's ``aiter_lines``)
+    tore the ``data:`` line in two, and the CLI died on it, again on every restart from before it."""
+    org_id, key = org
+    for payload in ({"note": "first"}, {"note": "line\u2028separator\u0085next"}, {"note": "last"}):
+        response = await client.post("/v1/jobs", json={"kind": "echo", "payload": payload}, headers=bearer(key))
+        assert response.status_code == 201, response.text
+    logged = [r.position for r in await store.read_log(conn, organization_id=org_id)]
+    capsys.readouterr()
+    failure: BaseException | None = None
+    async with httpx.AsyncClient(base_url=live_server.url, headers=bearer(key), timeout=httpx.Timeout(10, read=None)) as http:
+        with anyio.move_on_after(4):
+            try:
+                await _follow(http, 0, True)
+            except Exception as exc:  # noqa: BLE001 - what the CLI would die of
+                failure = exc
+    printed = [json.loads(line)["position"] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert failure is None, f"tail --follow died: {failure!r}"
+    assert printed == logged
+
+
+async def test_event_stream_refuses_a_malformed_after_even_when_last_event_id_is_sent(org, live_server):
+    """A malformed ``after`` is 422 naming it, also when ``Last-Event-ID`` (which wins) is sent."""
+    _, key = org
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=10) as http:
+        async with http.stream(
+            "GET", "/v1/events/stream", params={"after": "abc"}, headers={**bearer(key), "Last-Event-ID": "3"}
+        ) as response:
+            status = response.status_code
+            body = (await response.aread()) if status != 200 else b""
+    assert status == 422, "a malformed `after` was accepted and a stream opened"
+    assert b'"field":"after"' in body
+
+
+async def test_one_transaction_sends_at_most_one_notification_on_the_log_channel(conn, db_url):
+    """At most one notification per transaction, however many organizations it touched: past what one
+    payload can name, it names none (``EVERYTHING``) and every listener re-checks."""
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
+        await listener.execute(f"LISTEN {store.LOG_CHANNEL}")
+        async with conn.transaction():
+            await store.publish(conn, [(uuid.uuid4(), 1000 + i, 0) for i in range(200)])
+        received = [note async for note in listener.notifies(timeout=2.0)]
+    sizes = [len(note.payload.encode()) for note in received]
+    assert len(received) == 1, f"one transaction sent {len(received)} notifications of {sizes} bytes"
+    assert received[0].payload == store.EVERYTHING

@@ -133,6 +133,27 @@ async def test_reconnect_makes_every_waiter_recheck():
         tg.cancel_scope.cancel()
 
 
+async def test_a_recheck_wakes_every_waiter_of_its_organization_only():
+    """A change that refuses some parked claims (a node's credentials revoked) sends no work: every waiter of
+    the organization tries again, a waiter of another organization does not."""
+    hub = WaiterHub(poll_seconds=60)
+    queue = Queue()
+    other = uuid.uuid4()
+    async with anyio.create_task_group() as tg:
+        for i, org in enumerate((ORG, ORG, other)):
+
+            async def run(i=i, org=org):
+                await hub.wait_for(org, queue.attempt_for(f"w{i}", {"cpu"}), timeout=5)
+
+            tg.start_soon(run)
+        await _park(hub, 2)
+        await eventually(lambda: _async(hub.waiting(other) == 1 and queue.attempts.get("w2") == 1))
+        hub.on_recheck(ORG)
+        await eventually(lambda: _async(queue.attempts.get("w0") == 2 and queue.attempts.get("w1") == 2))
+        assert queue.attempts["w2"] == 1
+        tg.cancel_scope.cancel()
+
+
 async def test_timeout_answers_none_and_unregisters():
     hub = WaiterHub(poll_seconds=60)
     queue = Queue()
