@@ -335,23 +335,24 @@ async def _bounded_by_running_jobs(
     """The waiting claimers of one organization, each node bounded by the jobs it runs
     (:func:`umbra.domain.placement.with_running_jobs`), less those of a node left wholly busy.
 
-    When a queued job takes memory, a claimer's node must be judged against
-    what the claims before it committed: the batch takes the nodes' memory
-    locks (:func:`umbra.compute.nodes.hold_node_memory`), never waiting, and
+    When a queued job a claimer may take takes memory, its node must be
+    judged against what the claims before it committed: the batch takes those
+    nodes' memory locks (:func:`umbra.compute.nodes.hold_node_memory`), never waiting, and
     reads their running jobs again once it holds them. A claimer whose node's
     lock another transaction holds takes nothing this time and looks again in
     a moment, as when a change holds its claim guard.
     """
     node_ids = list(dict.fromkeys(node.id for _, node in waiting))
-    if shapes_take_memory(shapes):
-        keys = "{" + ",".join(str(node_memory_key(org, node_id)) for node_id in node_ids) + "}"
-        [[(held,)], fresh] = await run_together(conn, [(_NODE_MEMORY, {"ids": uuid_array(node_ids), "keys": keys}),
-                                                       (_RUNNING, {"ids": uuid_array(node_ids)})])  # fmt: skip
+    judging = list(dict.fromkeys(node.id for command, node in waiting if shapes_take_memory(shapes, command.kinds)))
+    if judging:
+        keys = "{" + ",".join(str(node_memory_key(org, node_id)) for node_id in judging) + "}"
+        [[(held,)], fresh] = await run_together(conn, [(_NODE_MEMORY, {"ids": uuid_array(judging), "keys": keys}),
+                                                       (_RUNNING, {"ids": uuid_array(judging)})])  # fmt: skip
         for command, node in waiting:
-            if node.id not in held:
+            if node.id in judging and node.id not in held:
                 command.guard_held = True
-        node_ids = [node_id for node_id in node_ids if node_id in held]
-        running = dict(fresh)
+        node_ids = [node_id for node_id in node_ids if node_id not in judging or node_id in held]
+        running = {**running, **dict(fresh)}
     nodes = {node.id: node for _, node in waiting}
     bounded = await with_running_jobs_read(conn, org, [(nodes[n], running_jobs(running[n], ending)) for n in node_ids], models)
     views = dict(zip(node_ids, bounded))
@@ -397,6 +398,17 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                 return wanted  # takes nothing: every one fits
             view, fits = after, fits + 1
         return fits
+
+    def fitting(node_id: UUID, ids: list[UUID], shape_of: Mapping[UUID, str]) -> list[UUID]:
+        """Of ``ids`` (in claim order), those the node has room for together, each placed before the next."""
+        view, fit = node_views[node_id], []
+        for job_id in ids:
+            _, requires = decode_shape(shape_of[job_id])
+            placed = best_placement(view, requires, models)
+            if placed is not None:
+                view = after_placement(view, placed, requires, models)
+                fit.append(job_id)
+        return fit
 
     def claimed(command: Command, node: NodeView, row: JobRow, now: datetime, placement: Placement, shape: str) -> None:
         """Stage the claim; the memory the job takes on its device is not there for the command's next job."""
@@ -451,11 +463,18 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             by_shape.setdefault(shape, []).append(job_id)
         wanted: list[UUID] = []
         order = {job_id: index for index, job_id in enumerate(shape_of)}
+        taking_memory = {shape for shape in by_shape if takes_memory(decode_shape(shape)[1])}
         for command, node in waiting:
-            eligible = [ids[:want] for shape, ids in by_shape.items() if placement_for(command, shape) is not None]
-            if eligible:
+            shapes_here = [shape for shape in by_shape if placement_for(command, shape) is not None]
+            if shapes_here:
                 saw_eligible.add(id(command))
-            wanted += eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
+            eligible = [by_shape[shape][:want] for shape in shapes_here]
+            ids = eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
+            if taking_memory.intersection(shapes_here):
+                # No more rows than the node has room for (its claimers want the same first ones): a row locked
+                # and not handed out is skipped by the other batch in flight until this one commits.
+                ids = fitting(node.id, ids, shape_of)
+            wanted += ids
         wanted = [job_id for job_id in wanted if job_id not in locked_here]
         if wanted:
             locked = await lock_queued(conn, org, list(dict.fromkeys(wanted)))

@@ -41,6 +41,7 @@ job's stream says who ended that attempt, read only then
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -183,6 +184,7 @@ ScanRow = tuple[UUID, int, int, str]
 _shape = msgspec.json.Decoder(tuple[str, Requirements])
 
 
+@functools.lru_cache(maxsize=4096)
 def decode_shape(shape: str) -> tuple[str, Requirements]:
     """A queue shape's job kind and requirements.
 
@@ -190,15 +192,18 @@ def decode_shape(shape: str) -> tuple[str, Requirements]:
     (migrations/0029): one string, so it is a dictionary key and an element of
     a ``text[]`` parameter, and SQL splits it again. Claimers judge the
     requirements (eligibility and placement) and the kind (the kinds a claim
-    names, when it names any) of each shape once.
+    names, when it names any) of each shape once; the decoded shape is cached (both are immutable), for
+    the group commit asks for it per claimer and page.
     """
     return _shape.decode(shape)
 
 
-def shapes_take_memory(shapes: Sequence[str]) -> bool:
-    """Whether a job of one of the queued ``shapes`` takes memory where it runs (more than
-    :data:`MAX_SHAPES` are not all listed: then one may)."""
-    return len(shapes) > MAX_SHAPES or any(takes_memory(decode_shape(shape)[1]) for shape in shapes)
+def shapes_take_memory(shapes: Sequence[str], kinds: frozenset[str] | None = None) -> bool:
+    """Whether a job of one of the queued ``shapes`` that a claim taking ``kinds`` may take takes memory where
+    it runs (more than :data:`MAX_SHAPES` are not all listed: then one may)."""
+    if len(shapes) > MAX_SHAPES:
+        return True
+    return any(takes_memory(requires) and takes_kind(kinds, kind) for kind, requires in map(decode_shape, shapes))
 
 
 async def queued_shapes(conn: psycopg.AsyncConnection, organization_id: UUID) -> psycopg.AsyncCursor[Any]:
@@ -411,7 +416,7 @@ async def claim(
             return None  # the node or the registry is being changed: read them once that has committed
         shapes = [shape for (shape,) in await (await queued_shapes(conn, organization_id)).fetchall()]
         models = await models_for_shapes(conn, organization_id, shapes)
-        if shapes_take_memory(shapes):
+        if shapes_take_memory(shapes, kinds):
             await hold_node_memory(conn, organization_id, node_id)  # then its running jobs are read as the last claim left them
         nodes = await read_nodes(conn, organization_id, node_id=node_id, stale_seconds=stale_seconds, models=models)
         if not nodes or nodes[0].status != "online" or all(is_busy(d) for d in nodes[0].devices):

@@ -186,6 +186,19 @@ class RunningJob:
     placement: Placement
 
 
+def _without_jobs(node: NodeView) -> tuple[Device, ...]:
+    """The node's devices with nothing running: their totals, less what the models they list resident hold
+    (on unified memory, what those of every such device of the node hold)."""
+    in_system_ram = sum(m.vram_held_mb for d in node.devices if d.kind in UNIFIED_MEMORY_KINDS for m in d.resident_models)
+    return tuple(
+        msgspec.structs.replace(
+            d, vram_free_mb=max(0, d.vram_total_mb - sum(m.vram_held_mb for m in d.resident_models)),
+            ram_free_mb=max(0, d.ram_total_mb - (in_system_ram if d.kind in UNIFIED_MEMORY_KINDS else 0)),
+        )  # fmt: skip
+        for d in node.devices
+    )
+
+
 def with_running_jobs(node: NodeView, running: Sequence[RunningJob], models: Mapping[str, RegisteredModel]) -> NodeView:
     """``node`` as a claim must judge it: no device has more free than its running jobs leave of its total.
 
@@ -203,16 +216,17 @@ def with_running_jobs(node: NodeView, running: Sequence[RunningJob], models: Map
     claim never evicts a model a running job uses) and, if the report does not
     list them resident, being loaded: a job naming one shares it.
 
-    What it cannot see: memory outside the jobs (a driver's, a desktop's) is
-    in the report only, so until the report shows a new job, the job's need is
-    taken from the device's total rather than from what was free.
+    The models the report lists resident hold their memory in the second
+    bound too (a job may share one, or evict it as its claim said). What it
+    cannot see: other memory outside the jobs (a driver's, a desktop's) is in
+    the report only, so until the report shows a new job, the job's need is
+    taken from the device's total less the listed models rather than from
+    what was free; and a cancelled job is not running, though its agent
+    learns of it only at its next renewal and a handler may run on after.
     """
     if not running:
         return node
-    idle = replace(node, devices=tuple(
-        msgspec.structs.replace(d, vram_free_mb=d.vram_total_mb, ram_free_mb=d.ram_total_mb, resident_models=())
-        for d in node.devices
-    ), in_use=frozenset(), loading=frozenset())  # fmt: skip
+    idle = replace(node, devices=_without_jobs(node), in_use=frozenset(), loading=frozenset())
     for job in running:
         idle = after_placement(idle, job.placement, job.requires, models)
     devices = []

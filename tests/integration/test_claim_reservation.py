@@ -24,7 +24,7 @@ from umbra.compute.batch_commands import Command
 from umbra.compute.explain import explain
 from umbra.events.types import ResidentModel
 
-from .queue_support import GPU24, add_node, beat, register_model, spec, submit
+from .queue_support import CPU64, GPU24, add_node, beat, register_model, spec, submit
 
 pytestmark = pytest.mark.anyio
 
@@ -268,3 +268,65 @@ async def test_a_claimer_whose_node_another_claimer_filled_stops_reading_the_que
         del conn.execute
     assert len(staged) == 1
     assert len(scans) <= 2, f"{len(scans)} pages of the queue read for a node with room for nothing more"
+
+
+async def test_a_warm_model_the_report_lists_is_not_free_memory_for_the_next_claim(conn, org):
+    """The models the report lists resident hold their memory in the running jobs' bound too: with a warm n
+    holding 8,000 MB of the 24,576 MB card, two jobs of 16,000 and 8,000 MB claimed one after the other are
+    not both placed beside it, as one claim of both would not."""
+    org_id, _ = org
+    await register_model(conn, org_id, "n", vram_min_mb=8000)
+    warm = msgspec.structs.replace(GPU24, vram_free_mb=16000, resident_models=(ResidentModel(slug="n", vram_held_mb=8000),))
+    node = await add_node(conn, org_id, "warm-card", [warm])
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 8000})
+
+    # One claim of both: the second does not fit beside the first and n.
+    staged, _ = await batch_commands.stage(conn, [Command("claim", org_id, node, count=2)])
+    assert len(staged) == 1
+    await conn.rollback()
+
+    first = await claim_one(conn, org_id, node)
+    assert first is not None
+    second = await claim_one(conn, org_id, node)
+    assert second is None or "n" in second.placed.would_evict, (
+        f"a second claim placed {second.row.requires} on the card beside the 16,000 MB job and the warm model n "
+        f"it does not evict ({second.placed})"
+    )
+
+
+async def test_claimers_of_one_node_reading_pages_lock_only_the_rows_it_has_room_for(conn, org, db_url):
+    """As above with two shapes queued (the page path): the claimers of a node with room for one job lock one
+    row, so the other batch in flight finds the other."""
+    org_id, _ = org
+    shared = await add_node(conn, org_id, "two-agents", [GPU24], trust_domain="lab")
+    other = await add_node(conn, org_id, "other-card", [GPU24])
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000, "trust_domains": ["lab"]})
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 15000})
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as second:
+        staged, _ = await batch_commands.stage(conn, [Command("claim", org_id, shared), Command("claim", org_id, shared)])
+        assert len(staged) == 1
+        late = Command("claim", org_id, other)
+        staged_b, _ = await batch_commands.stage(second, [late])
+        await batch_commands.write(second, staged_b)
+        await batch_commands.write(conn, staged)
+    assert len(staged_b) == 1, "the other node's claim took nothing: the row it could run was locked and not handed out"
+
+
+async def test_a_claim_of_kinds_whose_jobs_take_no_memory_is_not_stopped_by_the_memory_lock(conn, org, db_url):
+    """Only a claim that may take a job that takes memory takes its node's memory lock: the slots of an agent
+    that takes only ``echo`` claim side by side in the group commit's two batches, whatever else is queued."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "cpu-box", [CPU64])
+    for _ in range(2):
+        await submit(conn, org_id, kind="echo")
+    await submit(conn, org_id, kind="infer", requires={"ram_min_mb": 1000})
+    echo = frozenset({"echo"})
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as second:
+        staged, _ = await batch_commands.stage(conn, [Command("claim", org_id, node, kinds=echo)])
+        assert len(staged) == 1
+        slot = Command("claim", org_id, node, kinds=echo)
+        staged_b, _ = await batch_commands.stage(second, [slot])
+        await batch_commands.write(second, staged_b)
+        await batch_commands.write(conn, staged)
+    assert len(staged_b) == 1, f"the second slot's echo claim took nothing (guard_held={slot.guard_held})"

@@ -189,6 +189,15 @@ def test_running_jobs_on_unified_memory_bound_every_such_device_of_the_node():
     assert [d.ram_free_mb for d in bounded.devices] == [12000, 12000]
 
 
+def test_models_the_report_lists_hold_their_memory_in_the_running_jobs_bound():
+    box = node(gpu("g", 1.0, free=8000, resident=[("m", 8000)]))  # 24,000 in all: 8,000 held by m, 8,000 by a job
+    before = node(gpu("g", 1.0, free=16000, resident=[("m", 8000)]))
+    bounded = with_running_jobs(box, [running(before, Requirements(vram_min_mb=8000))], MODELS)
+    assert bounded.devices[0].vram_free_mb == 8000  # the report: 24,000 - 8,000 (m) - 8,000 (the job)
+    stale = with_running_jobs(before, [running(before, Requirements(vram_min_mb=8000))], MODELS)
+    assert stale.devices[0].vram_free_mb == 8000  # the bound, before the report shows the job
+
+
 def test_no_running_job_leaves_the_node_as_reported():
     box = node(gpu("g", 1.0))
     assert with_running_jobs(box, [], MODELS) is box
