@@ -44,6 +44,17 @@ def reported(free: int, *resident: tuple[str, int]):
     return msgspec.structs.replace(GPU24, vram_free_mb=free, resident_models=tuple(ResidentModel(slug=s, vram_held_mb=mb) for s, mb in resident))
 
 
+async def in_two_batches(conn, db_url, first: list[Command], second: list[Command]) -> tuple[list, list]:
+    """Stage ``first`` on ``conn`` and, before it commits, ``second`` on another connection (the group commit's
+    two batches in flight); then commit both. Returns what each staged."""
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as other:
+        staged_a, _ = await batch_commands.stage(conn, first)
+        staged_b, _ = await batch_commands.stage(other, second)
+        await batch_commands.write(other, staged_b)
+        await batch_commands.write(conn, staged_a)
+    return staged_a, staged_b
+
+
 async def count(conn, org_id, status: str) -> int:
     cursor = await conn.execute("SELECT count(*) FROM jobs WHERE organization_id = %s AND status = %s", (org_id, status))
     return (await cursor.fetchone())[0]
@@ -235,13 +246,9 @@ async def test_claimers_of_one_node_lock_only_the_rows_it_has_room_for(conn, org
     other = await add_node(conn, org_id, "other-card", [GPU24])
     for _ in range(2):
         await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as second:
-        staged, _ = await batch_commands.stage(conn, [Command("claim", org_id, shared), Command("claim", org_id, shared)])
-        assert len(staged) == 1
-        late = Command("claim", org_id, other)
-        staged_b, _ = await batch_commands.stage(second, [late])
-        await batch_commands.write(second, staged_b)
-        await batch_commands.write(conn, staged)
+    late = Command("claim", org_id, other)
+    staged, staged_b = await in_two_batches(conn, db_url, [Command("claim", org_id, shared), Command("claim", org_id, shared)], [late])
+    assert len(staged) == 1
     assert len(staged_b) == 1, f"the other node's claim took nothing (nothing_left={late.nothing_left})"
     assert await count(conn, org_id, "queued") == 0
 
@@ -303,13 +310,9 @@ async def test_claimers_of_one_node_reading_pages_lock_only_the_rows_it_has_room
     other = await add_node(conn, org_id, "other-card", [GPU24])
     await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000, "trust_domains": ["lab"]})
     await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 15000})
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as second:
-        staged, _ = await batch_commands.stage(conn, [Command("claim", org_id, shared), Command("claim", org_id, shared)])
-        assert len(staged) == 1
-        late = Command("claim", org_id, other)
-        staged_b, _ = await batch_commands.stage(second, [late])
-        await batch_commands.write(second, staged_b)
-        await batch_commands.write(conn, staged)
+    late = Command("claim", org_id, other)
+    staged, staged_b = await in_two_batches(conn, db_url, [Command("claim", org_id, shared), Command("claim", org_id, shared)], [late])
+    assert len(staged) == 1
     assert len(staged_b) == 1, "the other node's claim took nothing: the row it could run was locked and not handed out"
 
 
@@ -322,11 +325,7 @@ async def test_a_claim_of_kinds_whose_jobs_take_no_memory_is_not_stopped_by_the_
         await submit(conn, org_id, kind="echo")
     await submit(conn, org_id, kind="infer", requires={"ram_min_mb": 1000})
     echo = frozenset({"echo"})
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as second:
-        staged, _ = await batch_commands.stage(conn, [Command("claim", org_id, node, kinds=echo)])
-        assert len(staged) == 1
-        slot = Command("claim", org_id, node, kinds=echo)
-        staged_b, _ = await batch_commands.stage(second, [slot])
-        await batch_commands.write(second, staged_b)
-        await batch_commands.write(conn, staged)
+    slot = Command("claim", org_id, node, kinds=echo)
+    staged, staged_b = await in_two_batches(conn, db_url, [Command("claim", org_id, node, kinds=echo)], [slot])
+    assert len(staged) == 1
     assert len(staged_b) == 1, f"the second slot's echo claim took nothing (guard_held={slot.guard_held})"
