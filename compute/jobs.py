@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
+import random
 import re
 from typing import Annotated, Any, Iterator, Mapping, Sequence
 from uuid import UUID
 
+import anyio
 import msgspec
 import psycopg
 from msgspec import Meta
@@ -37,6 +40,8 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
 from .blocked import BlockingJudge
+
+log = logging.getLogger(__name__)
 
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
 Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -406,18 +411,38 @@ async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: U
     tree is read again, and if it grew, the locks are given back and the
     cancel starts over: locking the new children after their parent would
     break the lock order.
+
+    A group commit's batch locks the jobs it names by id, whatever their
+    depth, so a batch completing a child and a grandchild of the tree while
+    it is cancelled can take them in the other order; PostgreSQL then ends
+    one of the two with a deadlock. The batch runs its commands again one by
+    one; the cancel, given back its locks, starts over too (a few times,
+    after a short random pause), rather than answer 500 for an ordinary
+    cancel.
     """
+    deadlocks = 0
     while True:
-        async with conn.transaction():
-            row = await queue.load(conn, job_id, organization_id)
-            if row is None:
-                raise NotFound("job_not_found", f"No job {job_id}.")
-            decide_cancel(status=row.status, by=actor)  # refuse early, before taking locks
-            descendants = [queue.from_db(r) for r in await (await conn.execute(_OPEN_DESCENDANTS, {"root": job_id})).fetchall()]
-            row = await queue.load(conn, job_id, organization_id, lock=True)
-            assert row is not None
-            if await _open_descendant_ids(conn, job_id) <= {d.id for d in descendants}:
-                return await _cancel_locked(conn, organization_id, row, descendants, actor, request_id)
+        try:
+            async with conn.transaction():
+                row = await queue.load(conn, job_id, organization_id)
+                if row is None:
+                    raise NotFound("job_not_found", f"No job {job_id}.")
+                decide_cancel(status=row.status, by=actor)  # refuse early, before taking locks
+                descendants = [queue.from_db(r) for r in await (await conn.execute(_OPEN_DESCENDANTS, {"root": job_id})).fetchall()]
+                row = await queue.load(conn, job_id, organization_id, lock=True)
+                assert row is not None
+                if await _open_descendant_ids(conn, job_id) <= {d.id for d in descendants}:
+                    return await _cancel_locked(conn, organization_id, row, descendants, actor, request_id)
+        except psycopg.errors.DeadlockDetected:
+            deadlocks += 1
+            if deadlocks > DEADLOCK_RETRIES:
+                raise
+            log.info("cancel deadlocked; starting over", extra={"action": "cancel_deadlock", "job_id": str(job_id)})
+            await anyio.sleep(random.uniform(0.005, 0.05) * deadlocks)
+
+
+#: How many times a cancel starts over after a deadlock before it gives up (:func:`cancel`).
+DEADLOCK_RETRIES = 5
 
 
 async def _open_descendant_ids(conn: psycopg.AsyncConnection, job_id: UUID) -> set[UUID]:

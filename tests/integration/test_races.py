@@ -19,19 +19,23 @@ The listener's reconnection is covered where its subscribers live
 from __future__ import annotations
 
 import anyio
+import msgspec
 import psycopg
 import pytest
 
 from bench.double_claims import Mix, audit_log, audit_streams, run
 from umbra.compute import claims, jobs
+from umbra.compute.claims import ChildRequest
+from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
 from umbra.compute.sweeper import sweep_once
 from umbra.errors import Conflict
 from umbra.events import store
+from umbra.projections import jobs as queue
 from umbra.settings import load_settings
 
-from tests.helpers import until_done_or_waiting
+from tests.helpers import bearer, until_done_or_waiting
 
-from .queue_support import CPU64, add_node, set_clock, spec
+from .queue_support import CPU64, add_node, beat, set_clock, spec, submit
 
 pytestmark = pytest.mark.anyio
 
@@ -172,3 +176,83 @@ async def test_a_cancel_that_waited_for_a_decomposition_ends_the_children_it_mad
     assert {(await jobs.get_job(conn, org_id, c.id)).status for c in children} == {"cancelled"}
     assert await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60) is None
 
+
+async def _paired(conn, org_id, name):
+    issued = await issue_pairing_code(conn, org_id, name)
+    redeemed = await redeem_pairing_code(conn, code=issued.code, name=name, source=f"test:{name}", devices=[CPU64])
+    await beat(conn, org_id, redeemed.node_id, [CPU64])
+    return redeemed.node_id, redeemed.credential
+
+
+def _child(kind="part", **fields) -> ChildRequest:
+    return msgspec.convert({"kind": kind, **fields}, ChildRequest)
+
+
+async def _claim_every(conn, org_id, node) -> list:
+    got = []
+    while (c := await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)) is not None:
+        got.append(c)
+    return got
+
+
+_WAITERS = """
+SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+WHERE NOT l.granted AND a.datname = current_database()
+"""
+
+
+async def _lock_waiters(conn) -> int:
+    return (await (await conn.execute(_WAITERS)).fetchone())[0]
+
+
+async def test_cancelling_a_parent_while_its_children_complete_is_not_a_server_error(client, conn, org, db_url):
+    """A cancel locks the tree deepest first; a batch of completions locks its rows by id. When a batch holds a
+    shallow child (the smaller id) and wants a deeper one the cancel holds, PostgreSQL ends one of the two with a
+    deadlock; when that is the cancel, it starts over rather than answer 500 for an ordinary cancel."""
+    org_id, api_key = org
+    node, credential = await _paired(conn, org_id, "a")
+    root = await submit(conn, org_id, priority=0)
+    [got] = await _claim_every(conn, org_id, node)
+    level1 = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=root.id, attempt=got.attempt,
+                                       children=[_child(priority=1) for _ in range(11)])
+    container, leaves = level1[0], level1[1:]
+    await _claim_every(conn, org_id, node)
+    level2 = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=container.id, attempt=1,
+                                       children=[_child(priority=2) for _ in range(10)])
+    await _claim_every(conn, org_id, node)
+    shallow = min(leaf.id for leaf in leaves)  # a child of the root, and the first of the batch's rows by id
+    deep = max(g.id for g in level2)  # a grandchild, which the cancel locks first
+    assert shallow < deep
+    between = None
+    while between is None:  # a job outside the tree whose id falls between them
+        others, _ = await jobs.submit(conn, org_id, [spec(priority=3) for _ in range(20)], actor="t", batch=True)
+        between = next((o.id for o in others if shallow < o.id < deep), None)
+    await _claim_every(conn, org_id, node)
+
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as t3:
+        answers: dict = {}
+
+        async def complete() -> None:
+            answers["complete"] = await client.post("/v1/agent/complete", headers=bearer(credential), json={
+                "results": [{"job_id": str(j), "attempt": 1, "result": {}} for j in (shallow, between, deep)]})
+
+        async def cancel() -> None:
+            answers["cancel"] = await client.post(f"/v1/jobs/{root.id}/cancel", headers=bearer(api_key))
+
+        async with anyio.create_task_group() as tg:
+            async with t3.transaction():
+                await t3.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (between,))
+                tg.start_soon(complete)  # locks `shallow`, then waits for `between`
+                with anyio.fail_after(10):
+                    while await _lock_waiters(conn) < 1:
+                        await anyio.sleep(0.01)
+                tg.start_soon(cancel)  # locks `deep` (and the other grandchildren), then waits for `shallow`
+                with anyio.fail_after(10):
+                    while await _lock_waiters(conn) < 2:
+                        await anyio.sleep(0.01)
+                await anyio.sleep(0.3)
+            # `between` is free: the batch takes it and waits for `deep`, which the cancel holds.
+    cancelled = answers["cancel"]
+    assert cancelled.status_code == 200, f"{cancelled.status_code} {cancelled.text[:300]}"
+    assert cancelled.json()["status"] == "cancelled"
+    assert (await queue.load(conn, root.id, org_id)).status == "cancelled"
