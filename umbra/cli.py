@@ -44,12 +44,10 @@ def _with_database(fn, *, migrating: bool = True):
     """
 
     def run(args) -> int:
-        from .db import connect, resolve_database
+        from .db import connect, database
         from .migrate import migrate, pending_migrations
 
-        settings = load_settings()
-        url, embedded = resolve_database(settings)
-        try:
+        with database(load_settings()) as url:
             async def main():
                 if migrating:
                     await migrate(url)
@@ -60,9 +58,6 @@ def _with_database(fn, *, migrating: bool = True):
                     return await fn(conn, args)
 
             return anyio.run(main) or 0
-        finally:
-            if embedded is not None:
-                embedded.stop()
 
     return run
 
@@ -71,16 +66,11 @@ def _with_database(fn, *, migrating: bool = True):
 
 
 def cmd_migrate(args) -> int:
-    from .db import resolve_database
+    from .db import database
     from .migrate import migrate
 
-    settings = load_settings()
-    url, embedded = resolve_database(settings)
-    try:
+    with database(load_settings()) as url:
         applied = anyio.run(migrate, url)
-    finally:
-        if embedded is not None:
-            embedded.stop()
     print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else "; schema is current"))
     return 0
 
@@ -143,7 +133,7 @@ async def _create_project(conn, args) -> int:
 def cmd_serve(args) -> int:
     from .api.app import create_app
     from .api.server import serve
-    from .db import resolve_database
+    from .db import database
     from .embedded import install_exit_on_sigterm
     from .logs import configure_logging
     from .migrate import migrate
@@ -152,18 +142,15 @@ def cmd_serve(args) -> int:
     configure_logging(settings.log_level)
     host = args.host or settings.host
     port = args.port if args.port is not None else settings.port
-    url, embedded = resolve_database(settings)
-    install_exit_on_sigterm()
     app = None
-    try:
-        anyio.run(migrate, url)
-        app = create_app(settings, url)
-        serve(app, host=host, port=port)  # ends SSE streams and long-polls on shutdown
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if embedded is not None:
-            embedded.stop()
+    with database(settings) as url:
+        install_exit_on_sigterm()  # a server asked to stop has stopped: status 0
+        try:
+            anyio.run(migrate, url)
+            app = create_app(settings, url)
+            serve(app, host=host, port=port)  # ends SSE streams and long-polls on shutdown
+        except KeyboardInterrupt:
+            pass
     failure = getattr(app.state, "failure", None) if app is not None else None
     if failure:  # a background task failed and stopped the server: a supervisor should restart it
         print(f"umbra serve: error: {failure}", file=sys.stderr)

