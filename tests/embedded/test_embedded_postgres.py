@@ -22,10 +22,11 @@ pytestmark = pytest.mark.slow
 
 def _postmasters_for(pgdata) -> list[psutil.Process]:
     found = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if proc.info["name"] in ("postgres", "postmaster") and str(pgdata) in " ".join(cmd):
+            if proc.info["name"] in ("postgres", "postmaster") and proc.info["status"] != psutil.STATUS_ZOMBIE \
+                    and str(pgdata) in " ".join(cmd):  # fmt: skip
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

@@ -20,30 +20,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import psycopg
 import pytest
 
 from umbra.embedded import _import_pgserver, start_embedded
 
+from .test_embedded_postgres import _postmasters_for, _wait_ready
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (another user, or the package's root-only code path)")
-
-
-def _postmasters_for(pgdata) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["name", "cmdline", "status"]):
-        try:
-            cmd = proc.info["cmdline"] or []
-            if proc.info["name"] in ("postgres", "postmaster") and proc.info["status"] != psutil.STATUS_ZOMBIE \
-                    and str(pgdata) in " ".join(cmd):  # fmt: skip
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
 
 
 def _force_stop(pgdata: Path) -> None:
@@ -72,20 +60,6 @@ def _umbra_env(data_dir: Path, port: int | None = None) -> dict[str, str]:
     if port is not None:
         env["UMBRA_PORT"] = str(port)
     return env
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"serve exited early with {proc.returncode}")
-        try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("serve never became ready")
 
 
 # -- a stale postmaster.pid naming another PostgreSQL --------------------------------------------------------
