@@ -29,7 +29,7 @@ from umbra.errors import InvalidRequest, Unauthenticated, UmbraError
 from umbra.projections import jobs as queue
 
 from .agent import MAX_JOBS_PER_REQUEST, release_unheard
-from .http import authorized, batch_principal, json_response, path_uuid, read_json, request_id, still_authorized
+from .http import acting_as, authorized, batch_principal, json_response, path_uuid, read_json, request_id
 from .params import KIND_QUERY, query_bool, query_int, query_kinds
 from .routing import endpoint
 
@@ -182,8 +182,7 @@ async def fail(request: Request) -> Response:
     who = await authorized(request, "compute:complete")
     job_id = path_uuid(request, code="job_not_found")
     body = await read_json(request, FailRequest)  # read with no connection held
-    await still_authorized(request, who)  # not revoked while the body arrived
-    async with request.app.state.services.pool.connection() as conn:
+    async with acting_as(request, who) as conn:  # not revoked while the body arrived
         row = await claims.fail(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                 attempt=body.attempt, error=body.error, retry=body.retry,
                                 request_id=request_id(request))  # fmt: skip
@@ -194,8 +193,7 @@ async def children(request: Request) -> Response:
     who = await authorized(request, "compute:complete")
     job_id = path_uuid(request, code="job_not_found")
     body = await read_json(request, ChildrenRequest, items="children")  # read with no connection held
-    await still_authorized(request, who)  # not revoked while the body arrived
-    async with request.app.state.services.pool.connection() as conn:
+    async with acting_as(request, who) as conn:  # not revoked while the body arrived
         rows = await claims.add_children(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                          attempt=body.attempt, children=body.children,
                                          request_id=request_id(request))  # fmt: skip

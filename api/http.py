@@ -182,20 +182,30 @@ async def authorized(request: Request, *any_of_scopes: str) -> Principal:
     """
     services = request.app.state.services
     who = await authenticate(services.pool, bearer_token(request), services.token_cache)
+    request.state.revocation_deferred = True  # a refusal of the body is 401 if the credential was revoked meanwhile
     return _admitted(request, who, any_of_scopes)
 
 
-async def still_authorized(request: Request, who: Principal) -> None:
-    """Refuse (401) a request admitted by :func:`authorized` whose credential was revoked while its body arrived.
+@asynccontextmanager
+async def acting_as(request: Request, who: Principal) -> AsyncIterator[psycopg.AsyncConnection]:
+    """A pooled connection in a transaction for the command of a route admitted by :func:`authorized`, its
+    credential checked in that transaction before the command and again after it (401 if revoked, and
+    nothing written).
 
     Such a route reads its body with no connection held, however slowly the
-    client sends it; a credential revoked meanwhile must not act, and nothing
-    may be written for it. Call it once the body is read, before the command:
-    one indexed query.
+    client sends it, and its command may wait on locks (an idempotency key,
+    the capacity lock): a credential revoked meanwhile must not act. The
+    command's own transaction runs inside this one, so its writes commit
+    only if the credential was still live once it was done.
     """
-    async with request.app.state.services.pool.connection() as conn:
-        live = await credential_is_live(conn, who)
-    if not live:
+    async with request.app.state.services.pool.connection() as conn, conn.transaction():
+        await _still_live(request, conn, who)
+        yield conn
+        await _still_live(request, conn, who)
+
+
+async def _still_live(request: Request, conn: psycopg.AsyncConnection, who: Principal) -> None:
+    if not await credential_is_live(conn, who):
         request.app.state.services.token_cache.forget_credential(who.credential_id)
         raise revoked()
 

@@ -11,7 +11,7 @@ from umbra.compute.jobs import BatchRequest, JobRequest
 from umbra.errors import InvalidRequest, NotFound
 from umbra.projections import jobs as queue
 
-from .http import authenticated, authorized, json_response, path_uuid, read_json, request_id, still_authorized
+from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
 from .params import query_int
 from .routing import endpoint
 
@@ -23,8 +23,7 @@ MAX_LIMIT = 1000
 async def submit_job(request: Request) -> Response:
     who = await authorized(request, "jobs:write")
     spec = await read_json(request, JobRequest)  # read with no connection held
-    await still_authorized(request, who)  # not revoked while the body arrived
-    async with request.app.state.services.pool.connection() as conn:
+    async with acting_as(request, who) as conn:  # not revoked while the body arrived
         rows, created = await jobs.submit(conn, who.organization_id, [spec], actor=who.actor, batch=False,
                                           request_id=request_id(request))  # fmt: skip
     return json_response(queue.job_out(rows[0]), status=201 if created else 200)
@@ -33,8 +32,7 @@ async def submit_job(request: Request) -> Response:
 async def submit_batch(request: Request) -> Response:
     who = await authorized(request, "jobs:write")
     batch = await read_json(request, BatchRequest, items="jobs")  # read with no connection held
-    await still_authorized(request, who)  # not revoked while the body arrived
-    async with request.app.state.services.pool.connection() as conn:
+    async with acting_as(request, who) as conn:  # not revoked while the body arrived
         rows, _ = await jobs.submit(conn, who.organization_id, batch.jobs, actor=who.actor, batch=True,
                                     request_id=request_id(request))  # fmt: skip
     # 201 even when every key was known: only the single submission answers a repeat with 200 (API.md).

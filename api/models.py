@@ -12,7 +12,7 @@ from umbra.compute import models
 from umbra.domain.device_reports import Megabytes, Word
 from umbra.domain.models import RegisteredModel
 
-from .http import authenticated, authorized, json_response, read_json, request_id, still_authorized
+from .http import acting_as, authenticated, authorized, json_response, read_json, request_id
 from .nodes import rfc3339
 from .routing import endpoint
 
@@ -70,8 +70,7 @@ async def put_model(request: Request):
     slug = request.path_params["slug"]
     who = await authorized(request, "nodes:admin")
     body = await read_json(request, ModelRequest)  # read with no connection held
-    await still_authorized(request, who)  # not revoked while the body arrived
-    async with request.app.state.services.pool.connection() as conn:
+    async with acting_as(request, who) as conn:  # not revoked while the body arrived
         spec = RegisteredModel(
             slug=slug,
             kind=body.kind,

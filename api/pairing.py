@@ -19,7 +19,7 @@ from umbra.compute.auth import NODE_SCOPES
 from umbra.domain.device_reports import Label, Word
 from umbra.errors import InvalidRequest
 
-from .http import authorized, client_address, json_response, read_json, still_authorized
+from .http import authorized, client_address, json_response, read_json
 from .http import request_id
 from .nodes import Devices, rfc3339, to_devices
 from .routing import endpoint
@@ -58,7 +58,6 @@ class RedeemOut(msgspec.Struct, kw_only=True):
 async def create_pairing(request: Request):
     who = await authorized(request, "nodes:admin")
     body = await read_json(request, PairingRequest)  # read with no connection held
-    await still_authorized(request, who)  # not revoked while the body arrived
     issued = await pairing.issue_pairing_code(
         request.app.state.services.pool,  # borrowed around the hash, not held across it
         who.organization_id,
@@ -66,6 +65,7 @@ async def create_pairing(request: Request):
         trust_domain=body.trust_domain,
         locality=body.locality,
         ttl_seconds=body.ttl_seconds,
+        issuer=who,  # not revoked while the body arrived, nor while the code was hashed
     )
     out = PairingOut(code=issued.code, node_name=issued.node_name, expires_at=rfc3339(issued.expires_at), pairing_id=issued.id)
     return json_response(out, status=201, headers={"Cache-Control": "no-store"})

