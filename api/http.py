@@ -224,11 +224,11 @@ async def batch_principal(request: Request, *any_of_scopes: str) -> Principal:
 
 
 async def refusal_after_deferred_revocation(request: Request, refusal: UmbraError) -> UmbraError:
-    """The refusal to answer a request admitted by :func:`batch_principal`: 401 if its credential has been
-    revoked meanwhile, else ``refusal``.
+    """The refusal to answer a request admitted by :func:`batch_principal` or :func:`authorized`: 401 if its
+    credential has been revoked meanwhile, else ``refusal``.
 
-    Such a request's revocation is checked by its batch, but a refusal of its path, query or body
-    comes before any batch: without this, a revoked credential would learn which of its ids and
+    Such a request's revocation is checked by its batch (or :func:`acting_as`), but a refusal of its
+    path, query or body comes before that: without this, a revoked credential would learn which of its ids and
     values the route would take, when the credential must come first. Only refusals pay the query.
     """
     who = getattr(request.state, "principal", None)

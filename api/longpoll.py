@@ -22,7 +22,9 @@ every ``poll_fallback_seconds`` (jittered): one indexed query finds the
 organizations that have a claimable-looking job, and each gets one *poll*
 token. A poll token that leads to a claim spawns another (there may be more
 work), so a round costs at most one attempt per waiter plus one per job. After a
-listener reconnect every waiter re-checks once.
+listener reconnect, or a notification naming no organization (``*``: more moved
+than one can name), every waiter re-checks once; after an ``umbra_recheck``
+(a node's credentials revoked), every waiter of that organization.
 
 A waiter clears its wake flag *before* each attempt, so a hint that arrives
 while it is claiming makes it try again rather than being lost.
@@ -73,15 +75,16 @@ NOTHING_QUEUED = _NothingQueued()
 
 
 class _LookAgainSoon:
-    """What an attempt returns when a change that was committing kept it from looking (the claim guard)."""
+    """What an attempt returns when something committing kept it from looking (a change holding the claim
+    guard, another claim holding the node's memory lock)."""
 
     def __repr__(self) -> str:
         return "LOOK_AGAIN_SOON"
 
 
 #: An attempt's answer meaning "could not look yet": the waiter passes its token on and tries
-#: again after :data:`LOOK_AGAIN_SECONDS` (longer if stopped again) of its own accord, for the change that stopped it (a
-#: heartbeat, a drain, a registry update) sends no notification that would wake it.
+#: again after :data:`LOOK_AGAIN_SECONDS` (longer if stopped again) of its own accord, for what stopped it (a
+#: heartbeat, a drain, a registry update, another claim for the node) sends no notification that would wake it.
 LOOK_AGAIN_SOON = _LookAgainSoon()
 
 #: How long a waiter stopped by a committing change first waits before it looks again: such changes
@@ -97,7 +100,7 @@ class WakeToken:
     __slots__ = ("kind", "created", "tried", "attempts")
 
     def __init__(self, kind: str) -> None:
-        #: "hint" (a notification), "poll" (the safety poll) or "recheck" (reconnect).
+        #: "hint" (a notification), "poll" (the safety poll) or "recheck" (a reconnect, ``*``, ``umbra_recheck``).
         self.kind = kind
         self.created = time.monotonic()
         self.tried: set[int] = set()

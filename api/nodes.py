@@ -102,7 +102,7 @@ def node_out(view: nodes.NodeView) -> NodeOut:
         last_heartbeat_at=rfc3339(view.last_seen_at),
         agent_version=s.agent_version,
         agent_started_at=rfc3339(s.agent_started_at),
-        devices=[{**msgspec.to_builtins(d), "busy": is_busy(d)} for d in s.devices],
+        devices=[{**msgspec.to_builtins(d), "busy": is_busy(judged)} for d, judged in zip(s.devices, view.judged_devices)],
         schedulable=view.schedulable,
         created_at=rfc3339(s.created_at),
         updated_at=rfc3339(s.updated_at),

@@ -121,8 +121,10 @@ async def stream_projections(request: Request):
 
 
 def _node_key(node: dict[str, Any]) -> tuple:
-    """What makes a node worth re-sending: any folded change, or its effective reading."""
-    return (node["updated_at"], node["status"], node["schedulable"], node["last_heartbeat_at"] is None)
+    """What makes a node worth re-sending: any folded change, or its effective reading (its devices' ``busy``
+    included, which its running jobs move)."""
+    return (node["updated_at"], node["status"], node["schedulable"], node["last_heartbeat_at"] is None,
+            tuple(device["busy"] for device in node["devices"]))  # fmt: skip
 
 
 def _view_reader(organization_id: UUID, views: tuple[str, ...], stale: float) -> StreamRead:

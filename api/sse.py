@@ -4,8 +4,9 @@ Streams never trust a notification's payload: a hint only says "re-read from
 your last position". :class:`LogWatch` turns hints into one ``anyio.Event`` per
 organization, replaced each time it fires; a stream takes the current event
 *before* it reads the database, so a hint that lands during the read is not
-lost. After a listener reconnect every stream is woken to re-read, and a
-jittered safety poll covers notifications that never came.
+lost. After a listener reconnect, or a notification naming no organization
+(``*``), every stream is woken to re-read, and a jittered safety poll covers
+notifications that never came.
 
 :func:`sse_stream` wraps a stream body (an async generator of ready-made
 messages) with what every stream needs: heartbeat comments so proxies and

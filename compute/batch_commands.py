@@ -33,7 +33,6 @@ from datetime import datetime, timedelta
 from typing import Any, Collection, Mapping, Sequence
 from uuid import UUID
 
-import msgspec
 import psycopg
 
 from umbra.db import PreparedStatement, begin_with, commit_with, run_together, uuid_array
@@ -43,12 +42,12 @@ from umbra.domain.node_status import effective_status
 from umbra.domain.placement import after_placement, best_placement, takes_memory
 from umbra.errors import NotFound, UmbraError
 from umbra.events import store
-from umbra.events.types import Device, Event, JobClaimed, JobCompleted, JobLeaseRenewed, Placement
+from umbra.events.types import Event, JobClaimed, JobCompleted, JobLeaseRenewed, Placement
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .auth import live_node_credentials, revoked
-from .blocked import RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
+from .blocked import LATEST_DEVICES, decode_devices, RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
 from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
     models_for_shapes, node_metadata, shapes_take_memory,
@@ -80,7 +79,8 @@ class Command:
     #: organization had no queued, due job, or every one it could run was just taken by others.
     nothing_left: bool = False
     #: Set on a claim left out because a change of its node or organization held the claim guard
-    #: (:func:`umbra.compute.nodes.guard_against_claims`): the change is committing, so the claimer
+    #: (:func:`umbra.compute.nodes.guard_against_claims`), or another claim for its node held the node's
+    #: memory lock (:func:`umbra.compute.nodes.hold_node_memory`): that is committing, so the claimer
     #: should look again in a moment rather than wait for the next wake.
     guard_held: bool = False
     #: A claim for the same node to run in the same transaction once this command succeeds (a completion
@@ -116,7 +116,7 @@ class _Staged:
 _LIVE_COLUMN = "(SELECT array_agg(id) FROM node_credentials WHERE id = ANY(%(credentials)s) AND revoked_at IS NULL)"
 _LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE"
 _NODES_QUERY = f"""
-SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, n.devices::text, l.last_seen_at, umbra_now(),
+SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(),
        {RUNNING_TAKING_MEMORY}, {_LIVE_COLUMN}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.id = ANY(%(ids)s)
@@ -135,7 +135,6 @@ _NODE_MEMORY = PreparedStatement("umbra_batch_node_memory", TRY_NODE_MEMORY)
 _RUNNING = PreparedStatement("umbra_batch_running", f"SELECT n.id, {RUNNING_TAKING_MEMORY} FROM nodes n WHERE n.id = ANY(%(ids)s::uuid[])")
 #: Every prepared statement a batch may run, prepared together on each connection (see ``db.begin_with``).
 _FAMILY = (_HELD, _GUARDS, _NODES, _SHAPES, _NODE_MEMORY, _RUNNING, store.APPEND_AT, queue.TRANSITIONS)
-_devices = msgspec.json.Decoder(tuple[Device, ...])
 
 
 async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> tuple[list[_Staged], list[Command]]:
@@ -314,7 +313,7 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> tu
     and each node's running jobs that take memory (the :data:`RUNNING_TAKING_MEMORY` column)."""
     stale = {c.node_id: c.stale_seconds for c in claimers}
     nodes = {
-        nid: (org, NodeView(id=nid, name=name, trust_domain=trust, devices=_devices.decode(devices),
+        nid: (org, NodeView(id=nid, name=name, trust_domain=trust, devices=decode_devices(devices),
                             status=effective_status(status, last_seen, now, stale_seconds=stale[nid])))
         for nid, org, name, status, trust, devices, last_seen, now, _running in records
         if nid in stale  # a refused claimer's node was read with the others

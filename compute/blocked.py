@@ -46,8 +46,8 @@ from umbra.projections import jobs as queue
 
 log = logging.getLogger(__name__)
 
-#: A node's running jobs that take memory, as JSON ``[[id, requires, placement], ...]`` in claim
-#: order (NULL: none), by ``jobs_held_taking_memory``, whose predicate is repeated here whole, or the
+#: A node's running jobs that take memory, as JSON ``[[id, requires, placement], ...]`` in
+#: submission order (``seq``; NULL: none), by ``jobs_held_taking_memory``, whose predicate is repeated here whole, or the
 #: planner cannot use it. A column of the nodes' reads that judge claims (``n`` is the node's row).
 RUNNING_TAKING_MEMORY = """(
     SELECT json_agg(json_build_array(j.id, j.requires, j.placement) ORDER BY j.seq)::text FROM jobs j
@@ -55,15 +55,20 @@ RUNNING_TAKING_MEMORY = """(
       AND (j.requires ? 'models' OR j.requires ? 'vram_min_mb' OR j.requires ? 'ram_min_mb')
       AND j.placement IS NOT NULL
 )"""
-_NODES = """
-SELECT n.id, n.name, n.status, n.trust_domain, n.devices::text, l.last_seen_at, umbra_now(), {running}
+#: A node's devices as it last reported them (``node_liveness.devices``, every beat), else as last folded:
+#: a move of free memory within the heartbeat's tolerance records no event. ``n`` is the node's row and ``l``
+#: its liveness row.
+LATEST_DEVICES = "coalesce(l.devices, n.devices)::text"
+_NODES = f"""
+SELECT n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {{running}}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.organization_id = %s AND (%s::uuid IS NULL OR n.id = %s)
 ORDER BY n.name
 """
 _NODES_AS_REPORTED = _NODES.format(running="NULL")
 _NODES_AS_CLAIMS_FIND_THEM = _NODES.format(running=RUNNING_TAKING_MEMORY)
-_devices = msgspec.json.Decoder(tuple[Device, ...])
+#: A JSON device set (a node row's, a report's) as the structs eligibility judges.
+decode_devices = msgspec.json.Decoder(tuple[Device, ...]).decode
 _running = msgspec.json.Decoder(list[tuple[UUID, Requirements, Placement]])
 
 
@@ -114,7 +119,7 @@ async def read_nodes(
                 name=name,
                 status=effective_status(status, last_seen, now, stale_seconds=stale_seconds),
                 trust_domain=trust_domain,
-                devices=_devices.decode(devices),
+                devices=decode_devices(devices),
             ),
             running_jobs(running),
         )
@@ -188,7 +193,7 @@ class BlockingJudge:
 #: The organization's distinct queued shapes (each the JSON text of ``[kind, requirements]``),
 #: at most ``limit``: a skip scan of ``jobs_by_shape`` (each step is one descent to the first
 #: entry past the previous shape), so the cost follows the number of shapes, not of jobs. The
-#: SQL is a function (migrations/0025, 0029) because it must be planned with sorting disabled.
+#: SQL is a function (migrations/0025, 0029, 0031) because it must be planned with sorting disabled.
 QUEUED_SHAPES = "SELECT umbra_queued_kind_shapes(%(org)s, %(limit)s)"
 #: The distinct requirements among those shapes (jsonb text): blocking judges requirements only.
 _QUEUED_REQUIREMENTS = "SELECT DISTINCT (shape::jsonb->1)::text FROM umbra_queued_kind_shapes(%(org)s, %(limit)s) AS shape"

@@ -169,8 +169,9 @@ class GroupCommit:
         every one this node could run was just taken. A long-poll then wakes
         nobody else for it; ``None`` means there is work this node cannot run.
         ``busy`` is answered when the claim took nothing because a change of
-        its node or of the organization's registry was committing: looking
-        again in a moment may find work, and no notification will say so.
+        its node or of the organization's registry, or another claim for the
+        node holding its memory lock, was committing: looking again in a
+        moment may find work, and no notification will say so.
         """
         claimed = await self.claim_many(node_id=node_id, organization_id=organization_id, count=1,
                                         lease_seconds=lease_seconds, stale_seconds=stale_seconds, empty=empty,
@@ -185,7 +186,7 @@ class GroupCommit:
         """Up to ``count`` jobs for one node in one claim: a non-empty list of
         :class:`~umbra.compute.claims.ClaimResult` in claim order, or ``None``
         (``empty`` when nothing but other claimers stood in the way, ``busy``
-        when a change held the claim guard), as :meth:`claim`."""
+        when a change held the claim guard or another claim the node's memory lock), as :meth:`claim`."""
         command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
                           credential_id=credential_id, count=count, request_id=request_id, kinds=kinds)  # fmt: skip
         await self._call(command)

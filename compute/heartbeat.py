@@ -12,9 +12,10 @@ import logging
 from dataclasses import dataclass
 from uuid import UUID
 
+import msgspec
 import psycopg
 
-from umbra.domain.heartbeat import HeartbeatReport, decide_heartbeat
+from umbra.domain.heartbeat import HeartbeatReport, decide_heartbeat, normalize_devices
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.events import store
 from umbra.projections import nodes as projection
@@ -49,11 +50,12 @@ class HeartbeatResult:
 _BEAT = f"""
 WITH before AS (SELECT last_seen_at FROM node_liveness WHERE node_id = %(node)s),
 seen AS (
-    INSERT INTO node_liveness (node_id, last_seen_at)
-    SELECT id, umbra_now() FROM nodes WHERE id = %(node)s AND organization_id = %(org)s
+    INSERT INTO node_liveness (node_id, last_seen_at, devices)
+    SELECT id, umbra_now(), %(devices)s::jsonb FROM nodes WHERE id = %(node)s AND organization_id = %(org)s
       AND (%(credential)s::uuid IS NULL
            OR EXISTS (SELECT 1 FROM node_credentials WHERE id = %(credential)s::uuid AND revoked_at IS NULL))
-    ON CONFLICT (node_id) DO UPDATE SET last_seen_at = EXCLUDED.last_seen_at
+    ON CONFLICT (node_id) DO UPDATE SET last_seen_at = EXCLUDED.last_seen_at,
+                                        devices = coalesce(EXCLUDED.devices, node_liveness.devices)
     RETURNING last_seen_at
 )
 SELECT {projection.COLUMNS}, seen.last_seen_at, umbra_now(), (SELECT last_seen_at FROM before)
@@ -81,7 +83,11 @@ async def heartbeat(
     revocation and answer ``retired`` (its agent would take that for a retirement and exit 0). One
     that commits after that first statement is seen under the row's lock, before any event.
     """
-    row = await (await conn.execute(_BEAT, {"node": node_id, "org": organization_id, "credential": credential_id})).fetchone()
+    # The devices as reported, kept at every beat (migration 0034): a move of free memory within the tolerance
+    # records no event, and claims judge these.
+    devices = None if report.devices is None else msgspec.json.encode(normalize_devices(report.devices)).decode()
+    row = await (await conn.execute(_BEAT, {"node": node_id, "org": organization_id, "credential": credential_id,
+                                            "devices": devices})).fetchone()  # fmt: skip
     if row is None:  # nothing written: no such node, or (asked only then) a credential revoked since it authenticated
         if credential_id is not None and not await live_node_credentials(conn, [credential_id]):
             raise revoked()

@@ -8,6 +8,7 @@ projection row, decide with a pure rule, append, fold, write, publish once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -17,6 +18,7 @@ from uuid import UUID
 import psycopg
 
 from umbra.db import organization_lock_key
+from umbra.domain.eligibility import NodeView as EligibilityView
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.domain.nodes import after_went_offline, check_drain, check_retire, is_schedulable
 from umbra.errors import NotFound
@@ -25,7 +27,7 @@ from umbra.events.types import Device, Event, NodeDraining, NodeRetired, NodeWen
 from umbra.projections import nodes as projection
 from umbra.projections.nodes import NodeState
 
-from .blocked import hold_capacity, reexamine_waiting_jobs
+from .blocked import RUNNING_TAKING_MEMORY, decode_devices, hold_capacity, reexamine_waiting_jobs, running_jobs, with_running_jobs_read
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ class NodeView:
     #: When the node was last heard from (``node_liveness``), None if never.
     last_seen_at: datetime | None
     schedulable: bool
+    #: The devices as a claim judges them: each bounded by the node's running jobs
+    #: (:func:`umbra.domain.placement.with_running_jobs`), which ``busy`` and ``schedulable`` follow.
+    judged_devices: tuple[Device, ...] = ()
 
     @property
     def id(self) -> UUID:
@@ -72,18 +77,34 @@ def node_not_found(node_id: UUID) -> NotFound:
 
 
 _VIEW = f"""
-SELECT {projection.COLUMNS}, l.last_seen_at, umbra_now()
+SELECT {projection.COLUMNS}, l.last_seen_at, umbra_now(), {RUNNING_TAKING_MEMORY}, l.devices::text
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE (%(node)s::uuid IS NULL OR n.id = %(node)s) AND (%(org)s::uuid IS NULL OR n.organization_id = %(org)s)
 ORDER BY n.name, n.id
 """
 
 
-def _view(row: tuple, stale_seconds: int) -> NodeView:
-    state = projection.from_row(row)
-    last_seen_at, now = row[projection.WIDTH:]
-    status = effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds)
-    return NodeView(state, status, last_seen_at, is_schedulable(status, state.devices))
+async def _views(conn: psycopg.AsyncConnection, rows: Sequence[tuple], stale_seconds: int) -> list[NodeView]:
+    """The rows of :data:`_VIEW` as views, each node's devices bounded by its running jobs as a claim bounds them,
+    so that ``busy`` and ``schedulable`` say what a claim would find (the registry is read only when a running
+    job names a model)."""
+    read = []
+    for row in rows:
+        state = projection.from_row(row)
+        last_seen_at, now, running, reported = row[projection.WIDTH:]
+        if reported is not None:  # as last reported, every beat (migration 0034), not as last folded
+            state = dataclasses.replace(state, devices=decode_devices(reported))
+        status = effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds)
+        judged = EligibilityView(id=state.id, name=state.name, status=status, trust_domain=state.trust_domain, devices=state.devices)
+        read.append((state, status, last_seen_at, judged, running_jobs(running)))
+    bounded: dict[UUID, EligibilityView] = {}
+    for organization_id in {state.organization_id for state, *_ in read}:
+        mine = [(judged, running) for state, _, _, judged, running in read if state.organization_id == organization_id]
+        bounded.update((view.id, view) for view in await with_running_jobs_read(conn, organization_id, mine, {}))
+    return [
+        NodeView(state, status, last_seen_at, is_schedulable(status, bounded[state.id].devices), bounded[state.id].devices)
+        for state, status, last_seen_at, _, _ in read
+    ]
 
 
 async def load_schedulable_view(
@@ -95,7 +116,7 @@ async def load_schedulable_view(
     offline, draining and retired ones to say why they were passed over.
     """
     rows = await (await conn.execute(_VIEW, {"node": None, "org": organization_id})).fetchall()
-    return [_view(row, stale_seconds) for row in rows]
+    return await _views(conn, rows, stale_seconds)
 
 
 async def node_view(
@@ -107,7 +128,7 @@ async def node_view(
 ) -> NodeView | None:
     """One node, or None; pass ``organization_id`` whenever a caller's tenant is known."""
     row = await (await conn.execute(_VIEW, {"node": node_id, "org": organization_id})).fetchone()
-    return None if row is None else _view(row, stale_seconds)
+    return None if row is None else (await _views(conn, [row], stale_seconds))[0]
 
 
 async def append_node_events(

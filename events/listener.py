@@ -1,7 +1,9 @@
 """One LISTEN connection per process, fanning hints out to in-process subscribers.
 
-Notifications are hints: they carry an organization, a position and a count of
-newly claimable jobs, never data. Subscribers re-read the database. Because a
+Notifications are hints: on ``umbra_log`` they carry an organization, a position
+and a count of newly claimable jobs (``*`` when more organizations moved than
+one payload can name), on ``umbra_recheck`` an organization whose parked claims
+must try again; never data. Subscribers re-read the database. Because a
 notification sent while we were disconnected is gone for good, every reconnect
 calls ``on_reconnect`` subscribers so they re-check from their last position.
 
@@ -42,7 +44,7 @@ RecheckCallback = Callable[[UUID], None]
 
 
 class LogListener:
-    """Listens on :data:`LOG_CHANNEL` and calls subscribers synchronously."""
+    """Listens on :data:`LOG_CHANNEL` and :data:`RECHECK_CHANNEL` and calls subscribers synchronously."""
 
     def __init__(self, url: str, *, idle_check_seconds: float = 5.0, probe_seconds: float = PROBE_SECONDS,
                  ignore_backend_pids: Callable[[], set[int]] | None = None) -> None:  # fmt: skip

@@ -528,7 +528,7 @@ def first_hint_payload(merged: dict[UUID, list[int]]) -> tuple[str, dict[UUID, l
 
 
 def parse_hints(payload: str) -> list[tuple[UUID, int, int]] | None:
-    """The hints of one payload (see :func:`hint_payloads`); ``None`` when any is malformed."""
+    """The hints of one payload (see :func:`first_hint_payload`); ``None`` when any is malformed."""
     try:
         hints = []
         for piece in payload.split(";"):

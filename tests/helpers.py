@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import time
-from typing import Awaitable, Callable, TypeVar
+from contextlib import contextmanager
+from typing import Awaitable, Callable, Iterator, TypeVar
 
 import anyio
 
@@ -21,6 +23,18 @@ async def eventually(check: Callable[[], Awaitable[T]], *, timeout: float = 10.0
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
         await anyio.sleep(interval)
+
+
+@contextmanager
+def sighup_at_default() -> Iterator[None]:
+    """Within the block, SIGHUP at its default, as a terminal's session has it, whatever the test run's own
+    disposition (under ``nohup`` it is ignored): for this process, and for the processes started in the block,
+    which inherit it."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def bearer(token: str) -> dict[str, str]:

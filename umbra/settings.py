@@ -24,8 +24,8 @@ class SettingsError(ValueError):
 
 
 def _default_data_dir() -> Path:
-    # As root the embedded server chmods every ancestor of its data dir o+rx;
-    # under /var/lib that touches nothing private (it would open up /root).
+    # As root the embedded server chmods every ancestor of its data dir o+rx: under /var/lib that opens
+    # nothing private (those of its binaries, in .venv, are opened too: see umbra.embedded, trap 3).
     if os.geteuid() == 0:
         return Path("/var/lib/umbra")
     # XDG's location on every POSIX system, macOS included: platformdirs' macOS answer,

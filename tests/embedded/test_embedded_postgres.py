@@ -15,6 +15,7 @@ import psutil
 import psycopg
 import pytest
 
+from tests.helpers import sighup_at_default
 from umbra.embedded import _HANDLE_STARTS, _prune_dead_handles, _record_handle, start_embedded
 
 pytestmark = pytest.mark.slow
@@ -80,7 +81,8 @@ def test_serve_on_embedded_database_leaves_no_postgres_behind(tmp_path, stop_sig
     env.update({"UMBRA_DATA_DIR": str(tmp_path / "data"), "UMBRA_PORT": str(port), "LANG": "xx_YY.UTF-8"})
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "umbra.cli", "serve"], env=env, stderr=log_file)
+        with sighup_at_default():  # serve takes SIGHUP as from a closed terminal
+            proc = subprocess.Popen([sys.executable, "-m", "umbra.cli", "serve"], env=env, stderr=log_file)
     try:
         _wait_ready(f"http://127.0.0.1:{port}", proc)
         assert _postmasters_for(tmp_path / "data" / "pg")

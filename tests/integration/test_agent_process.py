@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import eventually
+from tests.helpers import eventually, sighup_at_default
 from umbra.agent.client import AgentClient
 from umbra.agent.credentials import CredentialFile, StoredCredential
 from umbra.agent.devices import parse_device_spec
@@ -67,7 +67,8 @@ async def agent_process(*args: str, pythonpath: Path | None = None):
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "umbra.cli", "agent", "--claim-wait", "2", "--device", DEVICE, *args]
-    process = await anyio.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    with sighup_at_default():  # the agent takes SIGHUP as from a closed terminal
+        process = await anyio.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
     wrapper = AgentProcess(process)
     async with process, anyio.create_task_group() as tg:
         tg.start_soon(wrapper._drain, process.stdout, "stdout")

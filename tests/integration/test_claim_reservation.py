@@ -22,6 +22,8 @@ from tests.helpers import bearer
 from umbra.compute import batch_commands, claims, jobs
 from umbra.compute.batch_commands import Command
 from umbra.compute.explain import explain
+from umbra.compute.nodes import node_view
+from umbra.domain.eligibility import is_busy
 from umbra.events.types import ResidentModel
 
 from .queue_support import CPU64, GPU24, add_node, beat, register_model, spec, submit
@@ -329,3 +331,18 @@ async def test_a_claim_of_kinds_whose_jobs_take_no_memory_is_not_stopped_by_the_
     staged, staged_b = await in_two_batches(conn, db_url, [Command("claim", org_id, node, kinds=echo)], [slot])
     assert len(staged) == 1
     assert len(staged_b) == 1, f"the second slot's echo claim took nothing (guard_held={slot.guard_held})"
+
+
+async def test_a_node_whose_running_jobs_fill_its_only_device_is_not_schedulable(conn, org):
+    """A node whose running jobs fill its only GPU is not schedulable, and its device reads busy: the node view
+    says what a claim finds."""
+    org_id, _ = org
+    node_id = await add_node(conn, org_id, "gpu-box", [msgspec.structs.replace(GPU24, vram_total_mb=24576, vram_free_mb=24576)])
+    for _ in range(3):
+        await submit(conn, org_id, requires={"vram_min_mb": 12288})
+    for _ in range(2):
+        assert await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60) is not None
+    # The claim path finds the card full: it takes nothing more.
+    assert await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60) is None
+    view = await node_view(conn, node_id, organization_id=org_id)
+    assert view.schedulable is False and all(is_busy(d) for d in view.judged_devices)

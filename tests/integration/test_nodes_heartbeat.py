@@ -5,9 +5,11 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import anyio
+import msgspec
 import psycopg
 import pytest
 
+from umbra.compute import claims
 from umbra.compute.heartbeat import heartbeat
 from umbra.compute.nodes import drain_node, mark_stale_nodes_offline, node_view, retire_node
 from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
@@ -15,9 +17,9 @@ from umbra.domain.heartbeat import HeartbeatReport
 from umbra.events import store
 from umbra.events.types import Device, ResidentModel
 
-from tests.helpers import until_done_or_waiting
+from tests.helpers import bearer, until_done_or_waiting
 
-from .queue_support import CPU64, GPU24, add_node
+from .queue_support import CPU64, GPU24, add_node, submit
 
 pytestmark = pytest.mark.anyio
 
@@ -257,3 +259,36 @@ async def test_a_beat_authenticated_before_its_node_was_revoked_is_refused_and_n
                             credential_id=credential_id)  # fmt: skip
     assert await store.read_stream(conn, store.node_stream(node_id)) == before
     assert await (await conn.execute(seen, (node_id,))).fetchone() == seen_before  # refused: nothing written
+
+
+_GPU_JSON = {"kind": "gpu_discrete", "label": "gpu0", "vram_total_mb": 24576, "vram_free_mb": 24000, "ram_total_mb": 0,
+             "ram_free_mb": 0, "throughput_factor": 1.0, "accelerators": ["cuda"], "resident_models": []}
+
+
+async def test_a_heartbeat_replaces_the_device_set_free_memory_included(client, org):
+    """A heartbeat replaces the device set: one reporting 300 MB less free VRAM (within the tolerance that
+    records no event) is what the node view shows afterwards."""
+    _, key = org
+    issued = (await client.post("/v1/pairings", json={"name": "gpu-box"}, headers=bearer(key))).json()
+    redeemed = (await client.post("/v1/pairings/redeem", json={"code": issued["code"], "name": "gpu-box",
+                                                               "agent_version": "1", "devices": [_GPU_JSON]})).json()
+    node_id, credential = redeemed["node_id"], redeemed["credential"]
+    assert (await client.post("/v1/agent/heartbeat", json={"devices": [_GPU_JSON], "agent_version": "1"},
+                              headers=bearer(credential))).status_code == 200
+    lower = {**_GPU_JSON, "vram_free_mb": 23700}
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": [lower], "agent_version": "1"}, headers=bearer(credential))
+    assert beat.status_code == 200
+    node = (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()
+    assert node["devices"][0]["vram_free_mb"] == 23700
+
+
+async def test_a_job_is_not_claimed_onto_vram_the_last_beat_said_was_not_free(conn, org):
+    """A claim judges the memory the node last reported free, also when the beat moved it too little to be
+    recorded: the last beat said 23,700 MB free, so a job needing 23,900 MB is not placed there."""
+    org_id, _ = org
+    node_id = await add_node(conn, org_id, "gpu-box", [GPU])
+    lower = msgspec.structs.replace(GPU, vram_free_mb=23700)
+    await heartbeat(conn, org_id, node_id, HeartbeatReport(devices=(lower,)), event_interval_seconds=300)
+    await submit(conn, org_id, requires={"vram_min_mb": 23900})
+    claimed = await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60)
+    assert claimed is None, claimed.placed if claimed else None

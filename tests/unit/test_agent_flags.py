@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import sighup_at_default
+
 from umbra.agent.cli import stop_signals
 from umbra.agent.runner import AgentConfig
 from umbra.cli import build_parser
@@ -136,7 +138,8 @@ def test_the_agent_loop_refuses_a_grace_that_is_not_a_duration(grace):
 
 def test_sighup_stops_the_agent_as_sigterm_and_sigint_do():
     """A closed terminal or SSH session stops the agent gracefully instead of killing it mid-job."""
-    assert {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} <= set(stop_signals())
+    with sighup_at_default():
+        assert {signal.SIGTERM, signal.SIGINT, signal.SIGHUP} <= set(stop_signals())
 
 
 def test_a_sighup_ignored_as_under_nohup_stays_ignored():
