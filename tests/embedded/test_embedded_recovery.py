@@ -485,3 +485,28 @@ def test_the_stale_pidfile_check_does_not_remove_the_pidfile_of_a_start_in_betwe
         for proc in holder:
             _end_holder(proc)
         _force_stop(pgdata)
+
+
+# -- the server's log ------------------------------------------------------------------------------------------
+
+
+def test_a_log_past_its_size_is_moved_aside_at_the_next_start_and_a_running_servers_is_left(tmp_path, monkeypatch):
+    """``pg_ctl -l`` appends to the data dir's log at every start: one past ``LOG_ROTATE_BYTES`` becomes
+    ``log.1`` when a server is started, never while one runs (it writes on to the file it opened)."""
+    monkeypatch.setattr(embedded, "LOG_ROTATE_BYTES", 1000)
+    pgdata = tmp_path / "pg"
+    server = start_embedded(pgdata)
+    try:
+        (pgdata / "log").write_bytes(b"x" * 2000)
+        embedded._rotate_log(pgdata)  # a server runs: left alone
+        assert (pgdata / "log").stat().st_size == 2000 and not (pgdata / "log.1").exists()
+    finally:
+        server.stop()
+        _force_stop(pgdata)
+    server = start_embedded(pgdata)
+    try:
+        assert (pgdata / "log.1").stat().st_size >= 2000
+        assert (pgdata / "log").stat().st_size < 2000  # this start's lines only
+    finally:
+        server.stop()
+        _force_stop(pgdata)
