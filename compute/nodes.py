@@ -44,7 +44,7 @@ class NodeView:
     schedulable: bool
     #: The devices as a claim judges them: each bounded by the node's running jobs
     #: (:func:`umbra.domain.placement.with_running_jobs`), which ``busy`` and ``schedulable`` follow.
-    judged_devices: tuple[Device, ...] = ()
+    judged_devices: tuple[Device, ...]
 
     @property
     def id(self) -> UUID:

@@ -53,6 +53,7 @@ import msgspec
 from umbra.events.types import Device, Requirements
 
 from .models import RegisteredModel
+from .nodes import is_busy
 
 #: Every reason a device can be ineligible, as the explain view reports them.
 REASONS = (
@@ -135,10 +136,6 @@ def required_accelerators(requires: Requirements, models: Mapping[str, Registere
 
 def missing_models(requires: Requirements, models: Mapping[str, RegisteredModel]) -> tuple[str, ...]:
     return tuple(slug for slug in requires.models if slug not in models)
-
-
-def is_busy(device: Device) -> bool:
-    return device.kind != "cpu" and device.vram_free_mb <= 0
 
 
 def takes_kind(kinds: Collection[str] | None, kind: str) -> bool:

@@ -106,18 +106,25 @@ def test_stale_pidfile_naming_another_postgres_is_neither_adopted_nor_killed(tmp
 # -- a stale postmaster.pid cut short (killed during start-up, power loss) -----------------------------------
 
 
-def test_a_short_stale_pidfile_does_not_block_every_later_start(tmp_path):
-    """A postmaster killed while it wrote postmaster.pid (it writes it in steps) leaves a short file naming a
-    dead PID: PostgreSQL would remove it and start, and so does the embedded path (the package's parser
-    refused it on every start)."""
-    pgdata = tmp_path / "pg"
+def _as_a_crash_leaves_it(pgdata: Path) -> tuple[list[str], int]:
+    """The lines of the postmaster.pid a server of ``pgdata`` wrote (the server stopped since), and a PID no
+    process has: what a killed postmaster leaves behind once its PID is free."""
     server = start_embedded(pgdata)
     left_behind = (pgdata / "postmaster.pid").read_text().split("\n")
     server.stop()
     dead = subprocess.Popen(["true"])
     dead.wait()
+    return left_behind, dead.pid
+
+
+def test_a_short_stale_pidfile_does_not_block_every_later_start(tmp_path):
+    """A postmaster killed while it wrote postmaster.pid (it writes it in steps) leaves a short file naming a
+    dead PID: PostgreSQL would remove it and start, and so does the embedded path (the package's parser
+    refused it on every start)."""
+    pgdata = tmp_path / "pg"
+    left_behind, dead = _as_a_crash_leaves_it(pgdata)
     # What CreateLockFile writes first (pid, data dir, start time, port, an empty socket-dir line).
-    (pgdata / "postmaster.pid").write_text("\n".join([str(dead.pid), *left_behind[1:4], ""]) + "\n")
+    (pgdata / "postmaster.pid").write_text("\n".join([str(dead), *left_behind[1:4], ""]) + "\n")
     try:
         server = start_embedded(pgdata)
     except AssertionError as exc:
@@ -439,25 +446,21 @@ def test_the_stale_pidfile_check_does_not_remove_the_pidfile_of_a_start_in_betwe
     package's start lock, so B, pausing in its check, never removes the file of a postmaster A started in
     between (B's start would fail, and A's postmaster shut itself down once its lock file was gone)."""
     pgdata = tmp_path / "pg"
-    first = start_embedded(pgdata)
-    left_behind = (pgdata / "postmaster.pid").read_text().split("\n")
-    first.stop()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    (pgdata / "postmaster.pid").write_text("\n".join([str(dead.pid), *left_behind[1:]]))
+    left_behind, dead = _as_a_crash_leaves_it(pgdata)
+    (pgdata / "postmaster.pid").write_text("\n".join([str(dead), *left_behind[1:]]))
 
     real_process = psutil.Process
     holder: list[subprocess.Popen] = []
 
     def paused_process(pid=None):
-        if pid == dead.pid and not holder:  # B has read the stale file; A starts now
+        if pid == dead and not holder:  # B has read the stale file; A starts now
             proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(pgdata)], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
             holder.append(proc)
             deadline = time.monotonic() + 8  # A waits while B holds the start lock
             while time.monotonic() < deadline and proc.poll() is None:
                 if (pgdata / "postmaster.pid").exists() and \
-                        (pgdata / "postmaster.pid").read_text().split("\n", 1)[0] != str(dead.pid):  # fmt: skip
+                        (pgdata / "postmaster.pid").read_text().split("\n", 1)[0] != str(dead):  # fmt: skip
                     time.sleep(1.0)  # let A reach ready
                     break
                 time.sleep(0.1)
