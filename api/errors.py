@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from umbra.db import DATABASE_AWAY, database_away
+from umbra.db import DATABASE_AWAY, LOCK_WAIT_SECONDS, database_away, lock_wait_ended
 from umbra.errors import DatabaseUnavailable, UmbraError
 
 from .http import json_response, refusal_after_deferred_revocation, request_id
@@ -60,6 +60,10 @@ async def data_error(request: Request, exc: Exception) -> Response:
     )
 
 
+LOCKED_MESSAGE = (f"A row or lock this request needs was held elsewhere for more than {LOCK_WAIT_SECONDS} s; "
+                  "nothing was changed; try again shortly.")
+
+
 async def database_unavailable(request: Request, exc: Exception) -> Response:
     """The database could not be reached or ended the connection (a restart, a failover, a pool
     with no free connection in time): the caller should try again. Any other operational error (a
@@ -70,7 +74,14 @@ async def database_unavailable(request: Request, exc: Exception) -> Response:
     when the connection broke during its ``COMMIT``: a completion, a failure or a decomposition
     sent again by its node is answered as the repeat it is (:mod:`umbra.domain.jobs`), and a claim
     that did commit is released.
+
+    A lock waited for longer than ``LOCK_WAIT_SECONDS`` is answered so too: its holder (another
+    transaction held open) will let go.
     """
+    if lock_wait_ended(exc):
+        log.warning("lock wait ended", extra={"action": "lock_wait_ended", "path": request.url.path,
+                                              "request_id": request_id(request)})  # fmt: skip
+        return await umbra_error(request, DatabaseUnavailable(LOCKED_MESSAGE))
     if not database_away(exc):
         return await unexpected_error(request, exc)
     log.warning("database unavailable", extra={"action": "database_unavailable", "path": request.url.path,

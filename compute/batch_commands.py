@@ -52,7 +52,7 @@ from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
     models_for_shapes, node_metadata, shapes_take_memory,
 )  # fmt: skip
-from .jobs import settle_parents
+from .jobs import LOCK_FREE_PARENTS, settle_parents
 from .nodes import SHARE_CLAIM_GUARDS, TRY_NODE_MEMORY, guard_key, node_memory_key
 
 
@@ -84,8 +84,17 @@ class Command:
     #: should look again in a moment rather than wait for the next wake.
     guard_held: bool = False
     #: A claim for the same node to run in the same transaction once this command succeeds (a completion
-    #: that asks for the node's next job): staged after it, never when it is refused or deferred.
+    #: that asks for the node's next job): staged after it, never when it is refused, deferred or repeated.
     then: Command | None = None
+    #: Set on a completion sent again (its answer was lost): answered with the first result, recording
+    #: nothing. Its chained claim is not made: a second job would be leased to an agent that never hears
+    #: of the first (see :func:`umbra.compute.claims.claimed_with`).
+    repeated: bool = False
+    #: Set on a renewal or completion whose row the batch did not get: another transaction holds its lock
+    #: (or there is no such job). It is run alone, beside the batches (``GroupCommit``), and waits for
+    #: that lock there, for at most the pool's ``lock_timeout``: one row locked elsewhere (an operator's
+    #: open transaction, a cancel of a large tree) never stalls every agent's batch behind it.
+    locked_elsewhere: bool = False
     #: Jobs a claim takes at most (an agent that runs several at once); it gets fewer when fewer are free.
     count: int = 1
     #: Set by the batch on a claim: every job it took, in claim order (``outcome`` is the first).
@@ -114,7 +123,9 @@ class _Staged:
 #: The batch's live credentials (of those its commands authenticated with), as one more column
 #: of its first reads: the revocation check costs no statement of its own.
 _LIVE_COLUMN = "(SELECT array_agg(id) FROM node_credentials WHERE id = ANY(%(credentials)s) AND revoked_at IS NULL)"
-_LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE"
+#: The held rows, locked; a row another transaction holds is skipped and its command run alone, outside the
+#: batch (see ``Command.locked_elsewhere``).
+_LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE SKIP LOCKED"
 _NODES_QUERY = f"""
 SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(),
        {RUNNING_TAKING_MEMORY}, {_LIVE_COLUMN}
@@ -175,7 +186,9 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     deferred: list[Command] = []
     if held:
         staged += _stage_held([r[:-1] for r in held_records], held, deferred)
-        unstaged = {id(c.then) for c in held if c.then is not None and (c.error is not None or c in deferred)}
+        staged = await _parents_free(conn, staged)
+        unstaged = {id(c.then) for c in held
+                    if c.then is not None and (c.error is not None or c in deferred or c.repeated or c.locked_elsewhere)}
         claimers = [c for c in claimers if id(c) not in unstaged]
     if claimers:
         # A node (or organization) whose guard a change holds is left out: its claimers take nothing this time.
@@ -230,8 +243,13 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
     if not staged:
         await conn.execute("COMMIT")  # only reads (and refusals): ends the transaction, releases the locks
         return []
+    # A completion's metadata names the job its chained claim took (``next_claim``): a completion sent
+    # again is answered with that job (claims.claimed_with), and an auditor sees what one request did.
+    chained = {id(s.command): str(s.state.id) for s in staged if s.command.kind == "claim"}
     batch = [store.PendingAppend(store.job_stream(s.state.id), s.state.version, [s.event], s.state.organization_id,
-                                 s.command.metadata) for s in staged]  # fmt: skip
+                                 s.command.metadata if id(s.command.then) not in chained else
+                                 {**s.command.metadata, "next_claim": chained[id(s.command.then)]})
+             for s in staged]  # fmt: skip
     last: dict[UUID, int] = {}
     children = [item for item in staged if item.state.parent_job_id]
     append, recorded = store.append_statement(batch, recorded_at=staged[0].at)
@@ -291,10 +309,13 @@ def _stage_held(records: Sequence[Any], held: Sequence[Command], deferred: list[
             continue
         seen.add(command.job_id)
         row = rows.get(command.job_id)
+        if row is None:
+            command.locked_elsewhere = True
+            continue
         if command.kind == "complete" and row is not None and row.organization_id == command.organization_id and \
                 repeats_completion(status=row.status, lease_owner=row.lease_owner, attempt=row.attempt,
                                    node_id=command.node_id, claimed_attempt=command.attempt):  # fmt: skip
-            command.outcome = row
+            command.outcome, command.repeated = row, True
             continue
         try:
             event = decide_held(command, row, now)  # type: ignore[arg-type]
@@ -303,6 +324,29 @@ def _stage_held(records: Sequence[Any], held: Sequence[Command], deferred: list[
             continue
         staged.append(_Staged(command, row, event, now))  # type: ignore[arg-type]
     return staged
+
+
+async def _parents_free(conn: psycopg.AsyncConnection, staged: list[_Staged]) -> list[_Staged]:
+    """Lock the parents of the children this batch completes, before its append; a completion whose parent
+    another transaction holds is set aside (``locked_elsewhere``) and run alone beside the batches.
+
+    Settling a parent locks it after the append, which holds the log's
+    ordering lock until commit: waiting there for a parent held elsewhere,
+    the batch held up every writer of the log.
+    """
+    settling = [item for item in staged if item.state.parent_job_id is not None and isinstance(item.event, JobCompleted)]
+    if not settling:
+        return staged
+    parents = list({item.state.parent_job_id for item in settling})
+    free = {parent for (parent,) in await (await conn.execute(LOCK_FREE_PARENTS, (parents,))).fetchall()}
+    held_elsewhere = {id(item) for item in settling if item.state.parent_job_id not in free}
+    kept = []
+    for item in staged:
+        if id(item) in held_elsewhere:
+            item.command.locked_elsewhere = True
+        else:
+            kept.append(item)
+    return kept
 
 
 # -- claims ------------------------------------------------------------------------------

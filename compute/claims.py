@@ -16,9 +16,12 @@ index (a skip scan of ``jobs_by_shape``: one descent per shape), judges them,
 and merges the heads of the shapes the node can run, so the cost of a claim
 follows the number of shapes, not the depth of the queue or the work in front
 that the node cannot run. An organization with more than :data:`MAX_SHAPES`
-shapes falls back to a bounded walk of ``jobs_claimable`` in claim order:
-pages of :data:`SCAN_PAGE` rows, at most :data:`MAX_SCAN_PAGES` of them, every
-page after the first excluding (in SQL) the shapes already found ineligible.
+shapes is first walked in claim order by ``jobs_claimable``: pages of
+:data:`SCAN_PAGE` rows, every page after the first excluding (in SQL) the
+shapes already found ineligible. Past :data:`WALK_PAGES` pages the shapes are
+listed again, up to :data:`MANY_SHAPES`, and read on from there by their
+heads; only with more than that does the walk go on, to
+:data:`MAX_SCAN_PAGES` pages.
 
 The job's state then changes only through the fold: ``job.claimed`` (attempt
 incremented, lease set from the database clock, the placement recorded) is
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, AsyncIterator, Callable, Collection, Mapping, Sequence
 from uuid import UUID, uuid4
@@ -83,9 +86,19 @@ log = logging.getLogger(__name__)
 SCAN_PAGE = 100
 #: Pages scanned per claim before giving up (the next claim scans afresh).
 MAX_SCAN_PAGES = 20
-#: Distinct queued shapes (kind and requirements) an organization may have for a claim to judge them
-#: all and read only the heads of the eligible ones; with more, it walks the queue in order.
+#: Distinct queued shapes (kind and requirements) the first read of a claim lists: with no more, it judges
+#: them all and reads only the heads of the eligible ones (see :data:`MANY_SHAPES` for more).
 MAX_SHAPES = 64
+#: Past :data:`MAX_SHAPES`, a claim walks the queue in claim order for :data:`WALK_PAGES` pages (cheap
+#: when work it can run is near the front), then lists the shapes again, up to this many, and reads on
+#: from there as with few: the cost follows the number of shapes (a skip-scan step each, some 10 µs), not
+#: the rows in front. Walking on instead stepped over every row of every shape the node cannot run, and
+#: a node behind 2,000 rows of distinct shapes it cannot run was never answered a job it could. Only
+#: past this many shapes does the walk go on, to :data:`MAX_SCAN_PAGES` pages.
+MANY_SHAPES = 10_000
+WALK_PAGES = 2
+#: Rows of one page of many shapes' heads at most, shared out among the eligible shapes.
+MANY_SHAPES_PAGE = 1_000
 #: Rows per page of the shape scan, shared out among the eligible shapes (at least
 #: :data:`MIN_SHAPE_ROWS` each): the more shapes a node can run, the fewer rows of each.
 SHAPE_PAGE = 16
@@ -238,8 +251,11 @@ class ClaimableScan:
     With at most :data:`MAX_SHAPES` queued shapes, all are judged up front and
     each page merges the heads of the accepted shapes (``per_shape`` rows each,
     by default :data:`SHAPE_PAGE` shared among them): a page ends at the earliest point where a shape could have more rows,
-    so the merge is exactly claim order. With more shapes, the pages walk
-    ``jobs_claimable`` in claim order and shapes are judged as they appear.
+    so the merge is exactly claim order. With more, the first pages walk
+    ``jobs_claimable`` in claim order, judging shapes as they appear; a claimer
+    that reads past :data:`WALK_PAGES` of them has the shapes listed again (up
+    to :data:`MANY_SHAPES`, ``per_shape`` bounded so a page holds about
+    :data:`MANY_SHAPES_PAGE` rows) and reads on from there by shape heads.
     """
 
     def __init__(self, conn: psycopg.AsyncConnection, organization_id: UUID, shapes: Sequence[str],
@@ -280,14 +296,26 @@ class ClaimableScan:
     async def pages(self) -> AsyncIterator[list[ScanRow]]:
         if not self._shapes:
             return
+        after, listed_again = _FIRST, False
         if len(self._shapes) > MAX_SHAPES:
-            async for page in self._ordered_pages():
+            walk = _Walk()
+            async for page in self._ordered_pages(walk, WALK_PAGES):
                 yield page
-            return
+            if walk.ended:
+                return
+            shapes = [shape for (shape,) in await (await self._conn.execute(
+                QUEUED_SHAPES, {"org": self._org, "limit": MANY_SHAPES + 1})).fetchall()]  # fmt: skip
+            if len(shapes) > MANY_SHAPES:
+                async for page in self._ordered_pages(walk, MAX_SCAN_PAGES - WALK_PAGES):
+                    yield page
+                return
+            self._shapes, self._accepted = shapes, [shape for shape in shapes if walk.judge(shape, self._runnable)]
+            after, listed_again = walk.after, True
         accepted = self._judged()
-        every_shape = len(accepted) == len(self._shapes)
+        every_shape = not listed_again and len(accepted) == len(self._shapes)
         per_shape = self._per_shape or max(MIN_SHAPE_ROWS, SHAPE_PAGE // max(1, len(accepted)))
-        after = _FIRST
+        if listed_again:
+            per_shape = min(per_shape, max(MIN_SHAPE_ROWS, MANY_SHAPES_PAGE // max(1, len(accepted))))
         for scanned in range(MAX_SCAN_PAGES):
             if not accepted:
                 return
@@ -300,27 +328,41 @@ class ClaimableScan:
                 yield page
                 after = (page[-1][1], page[-1][2])
 
-    async def _ordered_pages(self) -> AsyncIterator[list[ScanRow]]:
-        judged: dict[str, bool] = {}
-        skip: list[str] = []
-        after = _FIRST
-        for scanned in range(MAX_SCAN_PAGES):
-            params = {"org": self._org, "priority": after[0], "seq": after[1], "skip": skip, "limit": SCAN_PAGE,
-                      "kinds": self._kinds}  # fmt: skip
+    async def _ordered_pages(self, walk: _Walk, pages: int) -> AsyncIterator[list[ScanRow]]:
+        """Up to ``pages`` more pages of the walk in claim order, from where ``walk`` stands."""
+        for _ in range(pages):
+            params = {"org": self._org, "priority": walk.after[0], "seq": walk.after[1], "skip": walk.skip,
+                      "limit": SCAN_PAGE, "kinds": self._kinds}  # fmt: skip
             rows: list[ScanRow] = await (await self._conn.execute(CLAIMABLE_SCAN, params)).fetchall()
-            if not scanned and not rows and self._kinds is None:
+            if walk.after == _FIRST and not rows and self._kinds is None:
                 self.nothing_due = True
-            for row in rows:
-                if row[3] not in judged:
-                    judged[row[3]] = self._runnable(row[3])
-                    if not judged[row[3]]:
-                        skip.append(row[3])
-            page = [row for row in rows if judged[row[3]]]
+            page = [row for row in rows if walk.judge(row[3], self._runnable)]
+            if len(rows) < SCAN_PAGE:
+                walk.ended = True
+            else:
+                walk.after = (rows[-1][1], rows[-1][2])
             if page:
                 yield page
-            if len(rows) < SCAN_PAGE:
+            if walk.ended:
                 return
-            after = (rows[-1][1], rows[-1][2])
+
+
+@dataclass
+class _Walk:
+    """Where a walk of the queue in claim order stands: past ``after``, each shape met judged once, the
+    ones the claimer cannot run skipped in SQL from the next page on; ``ended`` once the queue's end is read."""
+
+    after: tuple[int, int] = _FIRST
+    judged: dict[str, bool] = field(default_factory=dict)
+    skip: list[str] = field(default_factory=list)
+    ended: bool = False
+
+    def judge(self, shape: str, runnable: Callable[[str], bool]) -> bool:
+        if shape not in self.judged:
+            self.judged[shape] = runnable(shape)
+            if not self.judged[shape]:
+                self.skip.append(shape)
+        return self.judged[shape]
 
 
 async def lock_first_of_shape(conn: psycopg.AsyncConnection, organization_id: UUID, shape: str, *,
@@ -570,20 +612,53 @@ async def complete(
     request_id: str | None = None,
 ) -> JobRow:
     """The holder finished: the job completes and, if it was the last open child, its parent settles."""
+    row, _ = await record_completion(conn, organization_id=organization_id, node_id=node_id, job_id=job_id,
+                                     attempt=attempt, result=result, request_id=request_id)  # fmt: skip
+    return row
+
+
+async def record_completion(
+    conn: psycopg.AsyncConnection, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
+    request_id: str | None = None,
+) -> tuple[JobRow, bool]:
+    """:func:`complete`, and whether this call recorded it: ``False`` for a completion sent again, answered
+    with the first result (see :func:`umbra.domain.jobs.repeats_completion`), which must claim nothing more."""
     with refusing_nul():
-        return await _complete(conn, organization_id, node_id, job_id, attempt, result, request_id)
+        async with conn.transaction():
+            row, _ = await _held(conn, organization_id, job_id, node_id, attempt, repeated_completion_ok=True)
+            if row.status == "complete":  # a repeat: the first result stands
+                return row, False
+            changes = [Change(row.id, organization_id, row, [JobCompleted(attempt=attempt, result=result)])]
+            [done], position = await record_and_settle(conn, changes, metadata=node_metadata(node_id, request_id))
+            await store.publish(conn, [(organization_id, position, 0)])
+        return done, True
 
 
-async def _complete(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
-                    request_id: str | None) -> JobRow:  # fmt: skip
-    async with conn.transaction():
-        row, _ = await _held(conn, organization_id, job_id, node_id, attempt, repeated_completion_ok=True)
-        if row.status == "complete":  # a repeat (see domain.jobs.repeats_completion): the first result stands
-            return row
-        changes = [Change(row.id, organization_id, row, [JobCompleted(attempt=attempt, result=result)])]
-        [done], position = await record_and_settle(conn, changes, metadata=node_metadata(node_id, request_id))
-        await store.publish(conn, [(organization_id, position, 0)])
-    return done
+_CLAIMED_WITH = f"""
+SELECT {queue.SELECT_LIST} FROM jobs
+WHERE (id, organization_id, updated_at) = (
+        SELECT (metadata->>'next_claim')::uuid, organization_id, recorded_at FROM events
+        WHERE stream = %(stream)s AND type = 'job.completed')
+  AND status = 'running' AND lease_owner = %(node)s
+"""
+
+
+async def claimed_with(conn: psycopg.AsyncConnection, completed: JobRow, node_id: UUID) -> ClaimResult | None:
+    """The claim made in the same transaction as ``completed``'s completion (``complete?claim_next``), while
+    it stands untouched: the job still runs under ``node_id`` and has not changed since (its row's last
+    change is that transaction's). ``None`` when the completion chained no claim, or the claim has ended.
+
+    For a completion sent again because its answer was lost: that answer named this job, which is
+    leased to the node, and the agent never heard of it. Answering it again lets the agent run it; a
+    new claim would leave it to wait out its lease, an attempt spent, and fail it for good when that
+    was its last. The completion's event names it (``next_claim`` in its metadata).
+    """
+    cur = await conn.execute(_CLAIMED_WITH, {"stream": store.job_stream(completed.id), "node": node_id})
+    record = await cur.fetchone()
+    if record is None:
+        return None
+    row = queue.from_db(record)
+    return ClaimResult(row, row.placement) if row.placement is not None else None
 
 
 async def fail(

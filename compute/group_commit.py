@@ -143,6 +143,7 @@ class GroupCommit:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
+            self._beside = tg
             for _ in range(self._workers):
                 tg.start_soon(self._worker)
             task_status.started()
@@ -240,13 +241,20 @@ class GroupCommit:
         Returns the completed row and a :class:`~umbra.compute.claims.ClaimResult`, or ``None``
         when nothing this node may take is queued (the claim never waits). The claim is made only
         if the completion is accepted: a refused completion raises as :meth:`complete` does and
-        claims nothing. An agent that reports a job and asks for the next one in one request
-        costs one transaction, one commit flush and one request per job instead of two.
+        claims nothing. A completion sent again (its answer lost) claims nothing either: it is
+        answered with the job its first request claimed, while that claim stands untouched
+        (:func:`umbra.compute.claims.claimed_with`), else ``None``. An agent that reports a job
+        and asks for the next one in one request costs one transaction, one commit flush and one
+        request per job instead of two.
         """
         follow = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
                          credential_id=credential_id, request_id=request_id, kinds=kinds)  # fmt: skip
-        row = await self._call(Command("complete", organization_id, node_id, job_id, attempt, result=result,
-                                       credential_id=credential_id, then=follow, request_id=request_id))  # fmt: skip
+        completion = Command("complete", organization_id, node_id, job_id, attempt, result=result,
+                             credential_id=credential_id, then=follow, request_id=request_id)  # fmt: skip
+        row = await self._call(completion)
+        if completion.repeated:
+            async with self._pool.connection() as conn:
+                return row, await claims.claimed_with(conn, row, node_id)
         return row, follow.outcome if follow.error is None else None
 
     def _enqueue(self, command: Command) -> anyio.Event:
@@ -282,8 +290,23 @@ class GroupCommit:
                 if item in deferred:
                     self._queue.append(item)
                     self._ready.set()
+                elif item[0].locked_elsewhere:
+                    self._beside.start_soon(self._run_beside, item)
                 else:
                     item[1].set()
+
+    async def _run_beside(self, item: tuple[Command, anyio.Event]) -> None:
+        """A command whose row another transaction holds, run alone while the batches go on: it waits for
+        that lock (for at most the pool's ``lock_timeout``, then fails ``database_unavailable``)."""
+        command, done = item
+        command.locked_elsewhere = False
+        try:
+            with anyio.CancelScope(shield=True):  # as a batch: a command is answered once it is done
+                await self._alone(command)
+                if command.then is not None and command.error is None and not command.repeated:
+                    await self._alone(command.then)
+        finally:
+            done.set()
 
     async def _execute(self, batch: list[tuple[Command, anyio.Event]]) -> list[tuple[Command, anyio.Event]]:
         commands = [command for command, _ in batch]
@@ -316,16 +339,18 @@ class GroupCommit:
                 for each in (command, command.then):
                     if each is not None:
                         each.outcome, each.error, each.nothing_left, each.guard_held = None, None, False, False
+                        each.repeated = each.locked_elsewhere = False
                         each.claims.clear()
                 await self._alone(command)
-                if command.then is not None and command.error is None:
+                if command.then is not None and command.error is None and not command.repeated:
                     await self._alone(command.then)
             return []
         batch_commands.answer(staged)
+        answered = len(commands) - len(deferred) - sum(c.locked_elsewhere for c in commands)
         self.batches += 1
-        self.commands += len(commands) - len(deferred)
+        self.commands += answered
         metrics.GROUP_COMMIT_BATCH_SECONDS.observe(time.perf_counter() - started)
-        metrics.GROUP_COMMIT_BATCH_COMMANDS.observe(len(commands) - len(deferred))
+        metrics.GROUP_COMMIT_BATCH_COMMANDS.observe(answered)
         self._notifier.hint(hints)
         return [item for item in batch if item[0] in deferred]
 
@@ -345,6 +370,7 @@ class GroupCommit:
                 if each is not None:
                     # One error each: one exception raised in every request's task would grow its traceback.
                     each.outcome, each.error = None, DatabaseUnavailable()
+                    each.locked_elsewhere = False
                     each.claims.clear()
 
     async def _release_claims_if_committed(self, staged: list) -> None:
@@ -403,10 +429,11 @@ class GroupCommit:
                         request_id=command.request_id,
                     )  # fmt: skip
                 else:
-                    command.outcome = await claims.complete(
+                    command.outcome, recorded = await claims.record_completion(
                         conn, organization_id=command.organization_id, node_id=command.node_id,
                         job_id=command.job_id, attempt=command.attempt, result=command.result,
                         request_id=command.request_id,
                     )  # fmt: skip
+                    command.repeated = not recorded
         except Exception as exc:
             command.error = exc

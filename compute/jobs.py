@@ -371,10 +371,25 @@ async def settle_parents(
     return settled
 
 
+#: The parents of jobs a command changes, locked in id order (after the children, as every command does).
+_LOCK_PARENTS = "SELECT id FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE"
+#: The same, taking only those no other transaction holds now: the group commit's batch waits on none.
+LOCK_FREE_PARENTS = "SELECT id FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE SKIP LOCKED"
+
+
 async def record_and_settle(
     conn: psycopg.AsyncConnection, changes: Sequence[Change], *, metadata: Mapping[str, Any] | None = None
 ) -> tuple[list[JobRow], int]:
-    """:func:`record`, then settle parents of whatever ended; returns the rows and the last position."""
+    """:func:`record`, then settle parents of whatever ended; returns the rows and the last position.
+
+    The changed jobs' parents are locked before the append: the append takes
+    the log's ordering lock until commit, and a parent another transaction
+    holds (an operator's open transaction) would otherwise be waited for with
+    every other writer of the log waiting behind it.
+    """
+    parents = sorted({c.state.parent_job_id for c in changes if c.state is not None and c.state.parent_job_id}, key=str)
+    if parents:
+        await conn.execute(_LOCK_PARENTS, (parents,))
     rows = await queue.record(conn, changes, metadata=metadata)
     settled = await settle_parents(conn, rows, metadata=metadata)
     return rows, max(r.position for r in [*rows, *settled])
@@ -412,13 +427,13 @@ async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: U
     cancel starts over: locking the new children after their parent would
     break the lock order.
 
-    A group commit's batch locks the jobs it names by id, whatever their
-    depth, so a batch completing a child and a grandchild of the tree while
-    it is cancelled can take them in the other order; PostgreSQL then ends
-    one of the two with a deadlock. The batch runs its commands again one by
-    one; the cancel, given back its locks, starts over too (a few times,
-    after a short random pause), rather than answer 500 for an ordinary
-    cancel.
+    Another transaction may hold some of the tree's rows and ask for others
+    in another order (several blocked jobs re-examined by id, an operator's
+    own transaction; a group commit's batch skips rows held elsewhere, so it
+    never waits on the tree's). PostgreSQL then ends one of the two with a
+    deadlock; when that is the cancel, it is given back its locks and starts
+    over (a few times, after a short random pause), rather than answer 500
+    for an ordinary cancel.
     """
     deadlocks = 0
     while True:

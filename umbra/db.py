@@ -245,10 +245,26 @@ async def borrowed(db: Database) -> AsyncIterator[psycopg.AsyncConnection]:
         yield db
 
 
+#: How long a statement on a pooled connection waits for a lock (a row, an advisory lock) before it fails
+#: (``LockNotAvailable``, answered 503 ``database_unavailable``: try again). Every lock the service takes
+#: is held for one short transaction; one held longer is someone else's (an operator's open transaction),
+#: and without a bound a request waited for it for as long, holding its pooled connection, and a stopping
+#: server waited with it.
+LOCK_WAIT_SECONDS = 5
+
+
 async def _configure(conn: psycopg.AsyncConnection) -> None:
-    """A pooled connection: the service role, and timestamps read in UTC (:func:`in_utc`)."""
+    """A pooled connection: the service role, timestamps read in UTC (:func:`in_utc`), lock waits bounded
+    (:data:`LOCK_WAIT_SECONDS`)."""
     await in_utc(conn)
+    await conn.execute(f"SET lock_timeout = '{LOCK_WAIT_SECONDS}s'")
     await assume_service_role(conn)
+
+
+def lock_wait_ended(exc: BaseException) -> bool:
+    """Whether ``exc`` is a lock wait that ran out (:data:`LOCK_WAIT_SECONDS`): the lock's holder will let go,
+    so "try again" is the right answer, as for a database that is away."""
+    return isinstance(exc, psycopg.errors.LockNotAvailable)
 
 
 async def in_utc(conn: psycopg.AsyncConnection) -> None:

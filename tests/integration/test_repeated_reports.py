@@ -1,8 +1,11 @@
-"""A failure or a decomposition sent again by its holder (it did not hear the answer) is answered as the
-first one was, and recorded once; anything that is not such a repeat is still refused, changing nothing."""
+"""A failure, a decomposition or a completion with its next claim, sent again by its holder (it did not hear
+the answer), is answered as the first one was, and recorded once; anything that is not such a repeat is still
+refused, changing nothing."""
 
 from __future__ import annotations
 
+import anyio
+import httpx
 import pytest
 
 from tests.helpers import bearer
@@ -226,3 +229,96 @@ async def test_children_with_idempotency_keys_sent_again_are_made_once_and_a_can
     recorded = await events(client, api_key, parent.id)
     await refused(await client.post(path, headers=bearer(credential), json=body))
     assert await children_of(conn, parent.id) == 2 and await events(client, api_key, parent.id) == recorded
+
+
+# -- a completion that claimed the node's next job, sent again ------------------------------------------------
+
+
+async def running_on(conn, node_id) -> list[str]:
+    rows = await (await conn.execute("SELECT id::text FROM jobs WHERE status = 'running' AND lease_owner = %s ORDER BY id",
+                                     (node_id,))).fetchall()  # fmt: skip
+    return [r[0] for r in rows]
+
+
+async def log_length(conn) -> int:
+    return (await (await conn.execute("SELECT count(*) FROM events")).fetchone())[0]
+
+
+async def test_a_completion_with_its_next_claim_sent_again_is_answered_with_that_claim_and_records_nothing(client, conn, org):
+    """``complete?claim_next=true`` completed A and claimed B; the answer was lost and the agent sends the
+    request again. It is answered with A and with B again, recording nothing: a second claim (C) would
+    leave B leased to a node that never heard of it, an attempt spent when its lease ran out (with one
+    attempt, B failed without having run). The completion's event names the job its request claimed."""
+    org_id, api_key = org
+    node, credential = await paired(conn, org_id, "a")
+    a = await submit(conn, org_id)
+    b = await submit(conn, org_id, max_attempts=1)
+    await submit(conn, org_id)
+    attempt = await claim(client, credential, a.id)
+    path = f"/v1/agent/jobs/{a.id}/complete?claim_next=true"
+    first = await client.post(path, headers=bearer(credential), json={"attempt": attempt, "result": {"ok": 1}})
+    assert first.status_code == 200 and first.json()["next_claim"]["job"]["id"] == str(b.id), first.text
+    recorded = await log_length(conn)
+    again = await client.post(path, headers=bearer(credential), json={"attempt": attempt, "result": {"ok": 2}})
+    assert again.status_code == 200, again.text
+    assert again.json() == first.json()  # the first result stands, and the first claim is answered again
+    assert await log_length(conn) == recorded
+    assert await running_on(conn, node) == [str(b.id)]
+    completed = [e for e in await events(client, api_key, a.id) if e["type"] == "job.completed"]
+    assert completed[0]["metadata"]["next_claim"] == str(b.id)
+
+
+async def test_a_completion_sent_again_once_its_claim_ended_or_when_it_claimed_nothing_claims_nothing(client, conn, org):
+    """The claim the first request made is answered again only while it stands untouched. Once its lease
+    ran out (requeued by the sweeper), or when the first request found nothing to claim, the repeat
+    answers ``next_claim: null`` and records nothing: the agent long-polls as usual."""
+    org_id, _ = org
+    node, credential = await paired(conn, org_id, "a")
+    a, b = await submit(conn, org_id), await submit(conn, org_id)
+    attempt = await claim(client, credential, a.id)
+    path = f"/v1/agent/jobs/{a.id}/complete?claim_next=true"
+    first = await client.post(path, headers=bearer(credential), json={"attempt": attempt, "result": {}})
+    assert first.json()["next_claim"]["job"]["id"] == str(b.id), first.text
+    await set_clock(conn, SETTINGS.lease_seconds + 5)
+    await sweep_once(conn, SETTINGS, reexamine=False)  # B's lease ran out: requeued
+    await beat(conn, org_id, node, [CPU64])
+    recorded = await log_length(conn)
+    again = await client.post(path, headers=bearer(credential), json={"attempt": attempt, "result": {}})
+    assert again.status_code == 200 and again.json()["next_claim"] is None, again.text
+    assert await log_length(conn) == recorded and await running_on(conn, node) == []
+
+    lone = await submit(conn, org_id, kind="other")
+    attempt = (await client.post("/v1/agent/claim?wait=0&kind=other", headers=bearer(credential))).json()["job"]["attempt"]
+    path = f"/v1/agent/jobs/{lone.id}/complete?claim_next=true&kind=other"
+    first = await client.post(path, headers=bearer(credential), json={"attempt": attempt, "result": {}})
+    assert first.status_code == 200 and first.json()["next_claim"] is None, first.text
+    await submit(conn, org_id, kind="other")
+    recorded = await log_length(conn)
+    again = await client.post(path, headers=bearer(credential), json={"attempt": attempt, "result": {}})
+    assert again.status_code == 200 and again.json()["next_claim"] is None, again.text
+    assert await log_length(conn) == recorded
+
+
+async def test_a_completion_with_its_next_claim_sent_twice_at_once_leases_one_job(live_server, conn, org):
+    """A client that timed out sends the request again while the first is still in flight: one
+    completion, one job claimed, and both answers name it."""
+    org_id, _ = org
+    node, credential = await paired(conn, org_id, "a")
+    a = await submit(conn, org_id)
+    for _ in range(3):
+        await submit(conn, org_id)
+    answers: list[httpx.Response] = []
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as http:
+        attempt = await claim(http, credential, a.id)
+
+        async def send() -> None:
+            answers.append(await http.post(f"/v1/agent/jobs/{a.id}/complete?claim_next=true", headers=bearer(credential),
+                                           json={"attempt": attempt, "result": {}}))  # fmt: skip
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(send)
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    held = await running_on(conn, node)
+    assert len(held) == 1, f"one completion sent twice left {len(held)} jobs leased to the node"
+    assert [r.json()["next_claim"]["job"]["id"] for r in answers] == held * 2
