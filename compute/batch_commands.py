@@ -52,7 +52,7 @@ from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
     models_for_shapes, node_metadata, shapes_take_memory,
 )  # fmt: skip
-from .jobs import LOCK_FREE_PARENTS, settle_parents
+from .jobs import LOCK_FREE_ANCESTORS, settle_parents
 from .nodes import SHARE_CLAIM_GUARDS, TRY_NODE_MEMORY, guard_key, node_memory_key
 
 
@@ -327,22 +327,22 @@ def _stage_held(records: Sequence[Any], held: Sequence[Command], deferred: list[
 
 
 async def _parents_free(conn: psycopg.AsyncConnection, staged: list[_Staged]) -> list[_Staged]:
-    """Lock the parents of the children this batch completes, before its append; a completion whose parent
-    another transaction holds is set aside (``locked_elsewhere``) and run alone beside the batches.
+    """Lock the ancestors of the children this batch completes, before its append; a completion one of
+    whose ancestors another transaction holds is set aside (``locked_elsewhere``) and run alone beside the
+    batches.
 
-    Settling a parent locks it after the append, which holds the log's
-    ordering lock until commit: waiting there for a parent held elsewhere,
-    the batch held up every writer of the log.
+    Settling a parent (and its parent, up the chain) locks it after the
+    append, which holds the log's ordering lock until commit: waiting there
+    for an ancestor held elsewhere, the batch held up every writer of the log.
     """
     settling = [item for item in staged if item.state.parent_job_id is not None and isinstance(item.event, JobCompleted)]
     if not settling:
         return staged
-    parents = list({item.state.parent_job_id for item in settling})
-    free = {parent for (parent,) in await (await conn.execute(LOCK_FREE_PARENTS, (parents,))).fetchall()}
-    held_elsewhere = {id(item) for item in settling if item.state.parent_job_id not in free}
+    children = [item.state.id for item in settling]
+    held_elsewhere = {child for (child,) in await (await conn.execute(LOCK_FREE_ANCESTORS, {"children": children})).fetchall()}
     kept = []
     for item in staged:
-        if id(item) in held_elsewhere:
+        if item.state.id in held_elsewhere and isinstance(item.event, JobCompleted):
             item.command.locked_elsewhere = True
         else:
             kept.append(item)
@@ -504,23 +504,29 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         for job_id, _priority, _seq, shape in page:
             shape_of[job_id] = shape
             by_shape.setdefault(shape, []).append(job_id)
-        wanted: list[UUID] = []
         order = {job_id: index for index, job_id in enumerate(shape_of)}
         taking_memory = {shape for shape in by_shape if takes_memory(decode_shape(shape)[1])}
-        for command, node in waiting:
-            shapes_here = [shape for shape in by_shape if placement_for(command, shape) is not None]
-            if shapes_here:
-                saw_eligible.add(id(command))
-            eligible = [by_shape[shape][:want] for shape in shapes_here]
-            ids = eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
-            if taking_memory.intersection(shapes_here):
-                # No more rows than the node has room for (its claimers want the same first ones): a row locked
-                # and not handed out is skipped by the other batch in flight until this one commits.
-                ids = fitting(node.id, ids, shape_of)
-            wanted += ids
-        wanted = [job_id for job_id in wanted if job_id not in locked_here]
-        if wanted:
-            locked = await lock_queued(conn, org, list(dict.fromkeys(wanted)))
+        tried = set(locked_here)  # rows of this page asked for already: taken, or held by another claimer
+        # Each claimer asks for its first untried eligible rows; those others hold are skipped, and the rest of
+        # the page is asked for in turn before the next page (its free rows come first in claim order).
+        while waiting:
+            wanted: list[UUID] = []
+            for command, node in waiting:
+                shapes_here = [shape for shape in by_shape if placement_for(command, shape) is not None]
+                if shapes_here:
+                    saw_eligible.add(id(command))
+                eligible = [[j for j in by_shape[shape] if j not in tried][:want] for shape in shapes_here]
+                ids = eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
+                if taking_memory.intersection(shapes_here):
+                    # No more rows than the node has room for (its claimers want the same first ones): a row locked
+                    # and not handed out is skipped by the other batch in flight until this one commits.
+                    ids = fitting(node.id, ids, shape_of)
+                wanted += ids
+            wanted = list(dict.fromkeys(job_id for job_id in wanted if job_id not in tried))
+            if not wanted:
+                break
+            tried.update(wanted)
+            locked = await lock_queued(conn, org, wanted)
             free = [(queue.from_db(r), r[-1]) for r in locked]
             for command, node in list(waiting):
                 taken = []
@@ -528,6 +534,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                     placement = placement_for(command, shape_of[row.id])
                     if placement is not None:
                         claimed(command, node, row, now, placement, shape_of[row.id])
+                        locked_here.add(row.id)
                         taken.append(index)
                         left[id(command)] -= 1
                         if not left[id(command)] or id(command) in full:

@@ -140,6 +140,9 @@ class GroupCommit:
         self.commands = 0
         self.fallbacks = 0
         self._running = 0  # batches in flight
+        #: Commands run alone beside the batches at once, each holding a pooled connection while it
+        #: waits for a row held elsewhere: a quarter of the pool, so the batches always find one.
+        self._beside_limit = anyio.CapacityLimiter(max(1, pool.max_size // 4))
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
@@ -243,7 +246,8 @@ class GroupCommit:
         if the completion is accepted: a refused completion raises as :meth:`complete` does and
         claims nothing. A completion sent again (its answer lost) claims nothing either: it is
         answered with the job its first request claimed, while that claim stands untouched
-        (:func:`umbra.compute.claims.claimed_with`), else ``None``. An agent that reports a job
+        (:func:`umbra.compute.claims.claimed_with`), else ``None``. Nor does one that could not go
+        in a batch (its row held elsewhere, or the batch rolled back): see :meth:`_run_beside`. An agent that reports a job
         and asks for the next one in one request costs one transaction, one commit flush and one
         request per job instead of two.
         """
@@ -297,14 +301,19 @@ class GroupCommit:
 
     async def _run_beside(self, item: tuple[Command, anyio.Event]) -> None:
         """A command whose row another transaction holds, run alone while the batches go on: it waits for
-        that lock (for at most the pool's ``lock_timeout``, then fails ``database_unavailable``)."""
+        that lock (for at most the pool's ``lock_timeout``, then fails ``database_unavailable``).
+
+        A completion run alone (here, or in a batch that rolled back) makes no chained claim: the claim
+        would be a transaction of its own, which its completion's event could not name, so the same
+        request sent again could not be answered with it (``claims.claimed_with``) and the job would
+        wait out its lease. ``next_claim`` is then ``null``, and the agent long-polls as usual.
+        """
         command, done = item
         command.locked_elsewhere = False
         try:
-            with anyio.CancelScope(shield=True):  # as a batch: a command is answered once it is done
-                await self._alone(command)
-                if command.then is not None and command.error is None and not command.repeated:
-                    await self._alone(command.then)
+            async with self._beside_limit:
+                with anyio.CancelScope(shield=True):  # as a batch: a command is answered once it is done
+                    await self._alone(command)
         finally:
             done.set()
 
@@ -341,9 +350,7 @@ class GroupCommit:
                         each.outcome, each.error, each.nothing_left, each.guard_held = None, None, False, False
                         each.repeated = each.locked_elsewhere = False
                         each.claims.clear()
-                await self._alone(command)
-                if command.then is not None and command.error is None and not command.repeated:
-                    await self._alone(command.then)
+                await self._alone(command)  # a completion alone claims nothing (see _run_beside)
             return []
         batch_commands.answer(staged)
         answered = len(commands) - len(deferred) - sum(c.locked_elsewhere for c in commands)

@@ -30,7 +30,7 @@ import psycopg
 from msgspec import Meta
 
 from umbra.compute.accounts import project_exists
-from umbra.db import organization_lock_key
+from umbra.db import organization_lock_key, unbounded_wait
 from umbra.domain.jobs import decide_cancel
 from umbra.domain.settlement import settle
 from umbra.errors import InvalidRequest, NotFound
@@ -226,7 +226,7 @@ IDEMPOTENCY_LOCK_CLASS = 0x756D696B
 #: Locks per organization the keys are spread over: a transaction takes at most this many, however
 #: many keys it names (PostgreSQL's lock table is shared and sized for about 64 locks a connection).
 IDEMPOTENCY_LOCKS = 16
-_LOCK_KEYS = f"SELECT count(pg_advisory_xact_lock({IDEMPOTENCY_LOCK_CLASS}, k)) FROM unnest(%s::int[]) AS k"
+_LOCK_KEYS = unbounded_wait(f"SELECT count(pg_advisory_xact_lock({IDEMPOTENCY_LOCK_CLASS}, k)) FROM unnest(%s::int[]) AS k")
 
 
 async def lock_idempotency_keys(conn: psycopg.AsyncConnection, organization_id: UUID, keys: Sequence[str]) -> None:
@@ -371,10 +371,21 @@ async def settle_parents(
     return settled
 
 
-#: The parents of jobs a command changes, locked in id order (after the children, as every command does).
-_LOCK_PARENTS = "SELECT id FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE"
-#: The same, taking only those no other transaction holds now: the group commit's batch waits on none.
-LOCK_FREE_PARENTS = "SELECT id FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE SKIP LOCKED"
+#: Every ancestor (parent, its parent, ...) of the given child jobs, as (child, ancestor): a settlement may
+#: climb the whole chain.
+_ANCESTORS = """
+WITH RECURSIVE up(child, id) AS (
+    SELECT c.id, c.parent_job_id FROM jobs c WHERE c.id = ANY(%(children)s::uuid[]) AND c.parent_job_id IS NOT NULL
+    UNION
+    SELECT up.child, j.parent_job_id FROM jobs j JOIN up ON j.id = up.id WHERE j.parent_job_id IS NOT NULL
+)"""
+#: The ancestors of jobs a command changes, locked in id order (after the children, as every command does).
+_LOCK_ANCESTORS = f"{_ANCESTORS}\nSELECT id FROM jobs WHERE id IN (SELECT id FROM up) ORDER BY id FOR UPDATE"
+#: The same, taking only those no other transaction holds now (the group commit's batch waits on none):
+#: answers the children one of whose ancestors another transaction holds.
+LOCK_FREE_ANCESTORS = f"""{_ANCESTORS},
+free AS (SELECT id FROM jobs WHERE id IN (SELECT id FROM up) ORDER BY id FOR UPDATE SKIP LOCKED)
+SELECT DISTINCT up.child FROM up WHERE up.id NOT IN (SELECT id FROM free)"""
 
 
 async def record_and_settle(
@@ -382,14 +393,15 @@ async def record_and_settle(
 ) -> tuple[list[JobRow], int]:
     """:func:`record`, then settle parents of whatever ended; returns the rows and the last position.
 
-    The changed jobs' parents are locked before the append: the append takes
-    the log's ordering lock until commit, and a parent another transaction
-    holds (an operator's open transaction) would otherwise be waited for with
-    every other writer of the log waiting behind it.
+    The changed jobs' ancestors are locked before the append: the append
+    takes the log's ordering lock until commit, and a settlement climbing to
+    an ancestor another transaction holds (an operator's open transaction)
+    would otherwise wait for it with every other writer of the log waiting
+    behind.
     """
-    parents = sorted({c.state.parent_job_id for c in changes if c.state is not None and c.state.parent_job_id}, key=str)
-    if parents:
-        await conn.execute(_LOCK_PARENTS, (parents,))
+    children = [c.job_id for c in changes if c.state is not None and c.state.parent_job_id]
+    if children:
+        await conn.execute(_LOCK_ANCESTORS, {"children": children})
     rows = await queue.record(conn, changes, metadata=metadata)
     settled = await settle_parents(conn, rows, metadata=metadata)
     return rows, max(r.position for r in [*rows, *settled])

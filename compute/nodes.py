@@ -17,7 +17,7 @@ from uuid import UUID
 
 import psycopg
 
-from umbra.db import organization_lock_key
+from umbra.db import organization_lock_key, unbounded_wait
 from umbra.domain.eligibility import NodeView as EligibilityView
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.domain.nodes import after_went_offline, check_drain, check_retire, is_schedulable
@@ -184,6 +184,9 @@ def guard_key(organization_id: UUID, node_id: UUID | None = None) -> int:
     return organization_lock_key(organization_id, b"organization" if node_id is None else bytes([node_id.int % NODE_GUARDS]))
 
 
+_HOLD_GUARD = unbounded_wait("SELECT pg_advisory_xact_lock(%s, %s)")
+
+
 async def guard_against_claims(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID | None = None) -> None:
     """Hold a claim guard to commit: the node's, or (with no node) every claim of the organization's.
 
@@ -207,7 +210,7 @@ async def guard_against_claims(conn: psycopg.AsyncConnection, organization_id: U
     advisory lock, kept in memory: locking the node's row ``FOR SHARE``
     instead would write that row at every claim.
     """
-    await conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (CLAIM_GUARD_CLASS, guard_key(organization_id, node_id)))
+    await conn.execute(_HOLD_GUARD, (CLAIM_GUARD_CLASS, guard_key(organization_id, node_id)))
 
 
 async def share_claim_guards(conn: psycopg.AsyncConnection, node_id: UUID, organization_id: UUID) -> bool:
@@ -234,6 +237,9 @@ TRY_NODE_MEMORY = (
 )
 
 
+_HOLD_NODE_MEMORY = unbounded_wait(f"SELECT pg_advisory_xact_lock({NODE_MEMORY_CLASS}, %s)")
+
+
 async def hold_node_memory(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID) -> None:
     """Hold the node's memory lock to commit; take it before reading the node's running jobs.
 
@@ -245,7 +251,7 @@ async def hold_node_memory(conn: psycopg.AsyncConnection, organization_id: UUID,
     a claim reads what the claim before it committed. Claims of jobs that take
     no memory never take it.
     """
-    await conn.execute(f"SELECT pg_advisory_xact_lock({NODE_MEMORY_CLASS}, %s)", (node_memory_key(organization_id, node_id),))
+    await conn.execute(_HOLD_NODE_MEMORY, (node_memory_key(organization_id, node_id),))
 
 
 def capacity_cause(node_id: UUID | None, request_id: str | None) -> dict[str, str]:

@@ -39,7 +39,7 @@ from umbra.domain.heartbeat import normalize_devices
 from umbra.errors import Conflict, InvalidRequest, RateLimited, Unauthenticated
 from umbra.events import store
 from umbra.events.types import Device, NodeCreated, NodePaired
-from umbra.db import Database, borrowed
+from umbra.db import Database, borrowed, unbounded_wait
 from umbra.security import hash_secret_salted
 
 from .auth import Principal, credential_is_live, revoked
@@ -94,6 +94,8 @@ class IssuedCode:
     expires_at: datetime
 
 
+#: One pairing code's digits at a time (their hash): the check that none waits under them, then the insert.
+_HOLD_CODE = unbounded_wait("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))")
 _LIVE = """
 SELECT id, node_name FROM pairing_codes
 WHERE code_hash = %s AND redeemed_at IS NULL AND expires_at > umbra_now()
@@ -152,7 +154,7 @@ async def issue_pairing_code(
         async with borrowed(db) as conn, conn.transaction():
             if issuer is not None and not await credential_is_live(conn, issuer):
                 raise revoked()
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (code_hash,))
+            await conn.execute(_HOLD_CODE, (code_hash,))
             if await (await conn.execute(_LIVE, (code_hash,))).fetchone() is not None:
                 continue  # those digits are waiting for another node: draw again
             row = await (

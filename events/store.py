@@ -33,7 +33,7 @@ import msgspec
 import psycopg
 
 from umbra import metrics
-from umbra.db import PreparedStatement
+from umbra.db import PreparedStatement, unbounded_wait
 from umbra.errors import ConcurrencyConflict
 
 from .types import Event, UnknownEvent, decode_event, encode_event
@@ -98,12 +98,17 @@ def node_stream(node_id: UUID) -> str:
 #: gap test can detect a missing guard turns it off.
 ORDERING_GUARD = True
 
+#: The ordering lock, waited for however long it takes (:func:`umbra.db.unbounded_wait`): only appends
+#: hold it, each until its commit, and under a burst of large submissions the queue for it may be longer
+#: than a pooled connection's bound on lock waits, which is meant for rows held elsewhere.
+_ORDERING_LOCK = unbounded_wait("SELECT pg_advisory_xact_lock(%(lock)s)")
+
 #: The one INSERT of an append: small batches through :func:`append_many`, and the group
 #: commit's batches through :func:`append_statement`, which gives the events' time (the
 #: transaction's ``umbra_now()``, read earlier) so that it can fold them before appending. Without
 #: a given time, the column's default is what ``coalesce`` stores.
-_APPEND_GUARDED = """
-WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s))
+_APPEND_GUARDED = f"""
+WITH ordering_guard AS ({_ORDERING_LOCK})
 INSERT INTO events (stream, version, type, organization_id, data, metadata, recorded_at)
 SELECT r.stream,
        -- A stream not at its expected version gets a NULL version: the statement fails, and the
@@ -122,7 +127,7 @@ ORDER BY r.n
 RETURNING position, recorded_at
 """
 _APPEND_UNGUARDED = _APPEND_GUARDED.replace(
-    "WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s))\n", ""
+    f"WITH ordering_guard AS ({_ORDERING_LOCK})\n", ""
 ).replace("FROM ordering_guard,\n", "FROM ")
 
 
@@ -146,15 +151,15 @@ COPY_MIN_EVENTS = 256
 # same ordering lock (taken here and held to commit), one nextval per event, and
 # the transaction's clock, which is what the recorded_at default would have
 # stored. The expected-version probe is the INSERT path's, per existing stream.
-_RESERVE_GUARDED = """
-WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s)),
+_RESERVE_GUARDED = f"""
+WITH ordering_guard AS ({_ORDERING_LOCK}),
      reserved AS (SELECT nextval('events_position_seq') AS p FROM ordering_guard, generate_series(1, %(n)s))
 SELECT (SELECT array_agg(p ORDER BY p) FROM reserved), umbra_now(), umbra_now()::text,
        (SELECT count(*) FROM unnest(%(streams)s::text[], %(versions)s::int[]) AS x(stream, version)
         WHERE (SELECT true FROM events e WHERE e.stream = x.stream AND e.version = x.version LIMIT 1) IS NULL)
 """
 _RESERVE_UNGUARDED = _RESERVE_GUARDED.replace(
-    "WITH ordering_guard AS (SELECT pg_advisory_xact_lock(%(lock)s)),\n     reserved", "WITH reserved"
+    f"WITH ordering_guard AS ({_ORDERING_LOCK}),\n     reserved", "WITH reserved"
 ).replace("FROM ordering_guard, generate_series", "FROM generate_series")
 _COPY = "COPY events (position, stream, version, type, organization_id, data, metadata, recorded_at) FROM STDIN"
 #: Rows per chunk handed to COPY: PostgreSQL inserts one chunk while the next is built.

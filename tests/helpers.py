@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from contextlib import contextmanager
 from typing import Awaitable, Callable, Iterator, TypeVar
 
 import anyio
+import psycopg
 
 T = TypeVar("T")
 
@@ -59,3 +61,22 @@ async def until_done_or_waiting(conn, done: Callable[[], bool], *, timeout: floa
     with anyio.move_on_after(timeout):
         while not done() and not await waiting_on_a_lock(conn):
             await anyio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def lock_held_for_a_second(db_url: str, lock_sql: str, params: tuple = ()):
+    """``(waiter, holder)``: a connection whose lock waits are bounded at 300 ms, and another session that
+    holds ``lock_sql``'s lock for one second from now (in its open transaction) before it lets go."""
+    async with await psycopg.AsyncConnection.connect(db_url) as holder, \
+            await psycopg.AsyncConnection.connect(db_url) as waiter:  # fmt: skip
+        await waiter.execute("SET lock_timeout = '300ms'")
+        await waiter.commit()
+        await holder.execute(lock_sql, params)
+
+        async def release_later() -> None:
+            await anyio.sleep(1.0)
+            await holder.commit()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_later)
+            yield waiter, holder

@@ -261,6 +261,23 @@ async def _configure(conn: psycopg.AsyncConnection) -> None:
     await assume_service_role(conn)
 
 
+def unbounded_wait(lock_select: str) -> str:
+    """``lock_select`` (a SELECT taking the service's own advisory locks) waiting however long it takes,
+    the transaction's lock bound (:data:`LOCK_WAIT_SECONDS`) put back once they are held.
+
+    Only the service's own short transactions take its advisory locks (the
+    log's order, idempotency keys, a fleet change, a node's claims and
+    memory, a pairing code): their queue is work, not something held
+    elsewhere, and under a burst of large submissions it may be longer than
+    the bound. The bound is lifted in a subquery the planner cannot fold into
+    the lock's own (``OFFSET 0``), so it is lifted before the lock is waited
+    for, and set back in the outer select, once the lock is held.
+    """
+    return ("SELECT set_config('lock_timeout', bound.was, true) "
+            "FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '0', true) OFFSET 0) AS bound, "
+            f"LATERAL ({lock_select} OFFSET 0) AS held")
+
+
 def lock_wait_ended(exc: BaseException) -> bool:
     """Whether ``exc`` is a lock wait that ran out (:data:`LOCK_WAIT_SECONDS`): the lock's holder will let go,
     so "try again" is the right answer, as for a database that is away."""

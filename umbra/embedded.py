@@ -51,7 +51,8 @@ traps, each handled here or in ``umbra.db``:
    postmaster went on recovering, and every start until it was done failed on
    the assertion. :func:`start_embedded` waits for a postmaster of its data
    dir that is still starting, up to :data:`RECOVERY_SECONDS`, before it
-   adopts it (see :func:`_await_ready`).
+   adopts it (see :func:`_await_ready`). A standby (``standby.signal``) never
+   gets ready, and the package waited for it without end: it is refused.
 """
 
 from __future__ import annotations
@@ -279,8 +280,8 @@ def _await_ready(pgdata: Path, timeout: float | None = None) -> bool:
     ``postmaster.pid`` until it accepts connections; the package neither waits
     long enough for that nor adopts it meanwhile (trap 9). Raises
     ``TimeoutError`` naming the server's log if it is still starting after
-    ``timeout`` (:data:`RECOVERY_SECONDS`): a standby with ``hot_standby`` off
-    says ``starting`` for good.
+    ``timeout`` (:data:`RECOVERY_SECONDS`). A standby never gets ready: it is
+    refused before this (:func:`_refuse_a_standby`).
     """
     pid = _starting_postmaster(pgdata)
     if pid is None:
@@ -295,6 +296,25 @@ def _await_ready(pgdata: Path, timeout: float | None = None) -> bool:
                                f"see its log, {pgdata / 'log'}")  # fmt: skip
         time.sleep(_READY_POLL_SECONDS)
     return True
+
+
+def _refuse_a_standby(pgdata: Path) -> None:
+    """Refuse a data dir set up as a standby (``standby.signal``, as ``pg_basebackup -R`` leaves it): its
+    postmaster says ``standby`` for good and never takes writes; the package waited for it without end,
+    or failed on a bare assertion."""
+    if (pgdata / "standby.signal").exists():
+        raise RuntimeError(f"the data dir {str(pgdata)!r} is a standby (standby.signal): the embedded database "
+                           f"must take writes; promote it (remove standby.signal) or set UMBRA_DATABASE_URL "
+                           f"to its primary")  # fmt: skip
+
+
+def _live_postmaster(pgdata: Path) -> bool:
+    """Whether ``postmaster.pid`` names this data dir's live postmaster now (whatever its status)."""
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().split("\n")
+        return _postmaster_of(int(lines[0]), pgdata, lines)
+    except (OSError, ValueError):
+        return False
 
 
 #: What the data dir may be made of: the package hands it to a shell (``pg_ctl -o "-k <dir>"``) unquoted,
@@ -347,6 +367,7 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
     if (problem := unembeddable(pgdata)) is not None:
         raise ValueError(f"the data dir {problem}: {str(pgdata)!r}")
     pgdata = pgdata.expanduser().resolve()  # as the package uses it
+    _refuse_a_standby(pgdata)
     pgserver = _import_pgserver()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     if pgdata.exists():
@@ -360,7 +381,8 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
         try:
             server = pgserver.get_server(pgdata, cleanup_mode=cleanup_mode)
         except (subprocess.SubprocessError, AssertionError):
-            if not _await_ready(pgdata):
+            # Still recovering, or done just after the package gave up on it: either way, adopted.
+            if not _await_ready(pgdata) and not _live_postmaster(pgdata):
                 raise
             if (failed := pgserver.PostgresServer._instances.pop(pgdata, None)) is not None:
                 atexit.unregister(failed._cleanup)  # the failed start left its half-made server, and its exit hook

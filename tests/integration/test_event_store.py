@@ -10,6 +10,7 @@ import msgspec
 import psycopg
 import pytest
 
+from tests.helpers import lock_held_for_a_second
 from umbra.db import PreparedStatement, begin_with, commit_with
 from umbra.errors import ConcurrencyConflict
 from umbra.events import store
@@ -271,3 +272,16 @@ async def test_gap_test_detects_a_missing_ordering_guard(db_url, org, append_pat
             assert set(full) - set(seen), "the unguarded tailer lost events"
             return
     pytest.fail("five rounds without the ordering guard never lost an event; the gap test is too weak")
+
+
+async def test_an_append_waits_for_the_ordering_lock_past_the_connections_lock_timeout(db_url, org, append_path):
+    """A pooled connection bounds its lock waits (``lock_timeout``, for rows held elsewhere), but the log's
+    ordering lock is only ever held by appends, one after another: under a burst of large submissions the
+    queue for it may be longer than that bound, and an append is never refused for it. Rows locked after
+    the append in the same transaction are still the connection's business; before it, the bound holds."""
+    org_id, _ = org
+    async with lock_held_for_a_second(db_url, "SELECT pg_advisory_xact_lock(%s)", (store.LOG_LOCK_KEY,)) as (appender, _):
+        with anyio.fail_after(10):
+            recorded = await store.append(appender, f"job:{uuid.uuid4()}", 0, [_submitted()], organization_id=org_id)
+            await appender.commit()
+    assert recorded[0].position > 0

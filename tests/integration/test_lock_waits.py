@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import bearer
+from tests.helpers import bearer, lock_held_for_a_second
 from tests.integration.test_longpoll import online_node, submit_job
 from umbra.db import LOCK_WAIT_SECONDS
 
@@ -191,6 +191,140 @@ async def test_a_childs_completion_whose_parent_is_held_elsewhere_holds_up_no_ot
             assert again.status_code == 200 and again.json()["status"] == "complete", again.text
             settled = await client.get(f"/v1/jobs/{parent}", headers=bearer(key))
     assert settled.json()["status"] == "complete", settled.text
+
+
+async def test_a_grandchilds_completion_whose_grandparent_is_held_elsewhere_holds_up_no_other_writer(live_server, conn, org, db_url):
+    """A grandchild's completion settles its parent, which settles the grandparent: every ancestor is
+    locked before the append, not only the parent, so a submission is answered while another session
+    holds the grandparent's row."""
+    from umbra.compute import claims
+    from umbra.compute.claims import ChildRequest
+
+    from .test_repeated_reports import claim, paired
+    from .queue_support import submit
+
+    org_id, key = org
+    node, credential = await paired(conn, org_id, "a")
+    grand = await submit(conn, org_id)
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as http:
+        await claim(http, credential, grand.id)
+        [parent] = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=grand.id, attempt=1,
+                                             children=[ChildRequest(kind="part")])  # fmt: skip
+        await claim(http, credential, parent.id)
+        [child] = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=1,
+                                            children=[ChildRequest(kind="part")])  # fmt: skip
+        await claim(http, credential, child.id)
+
+        def complete():
+            return http.post(f"/v1/agent/jobs/{child.id}/complete", json={"attempt": 1, "result": {}}, headers=bearer(credential))
+
+        answers: dict = {}
+        async with row_locked(db_url, grand.id), anyio.create_task_group() as tg:
+
+            async def completion():
+                answers["complete"] = await timed(complete, ANSWERED_WITHIN + 5)
+
+            tg.start_soon(completion)
+            await anyio.sleep(0.5)
+            submitted, took = await timed(lambda: http.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key)), 3)
+        assert submitted is not None and submitted.status_code == 201, f"a submission waited {took:.1f} s"
+        retry_later(answers["complete"][0])
+        again = await complete()
+        assert again.status_code == 200, again.text
+        settled = (await http.get(f"/v1/jobs/{grand.id}", headers=bearer(key))).json()
+    assert settled["status"] == "complete", settled
+
+
+async def test_commands_waiting_for_rows_held_elsewhere_leave_the_pool_to_everyone_else(conn, org, db_url):
+    """Another session holds the rows of the twelve jobs an agent runs. Its renewals, set aside by the
+    batches, wait for their rows a few at a time (a quarter of the pool), each holding a connection:
+    an agent of another organization is answered its job at once, and the renewals all land once the
+    rows are let go."""
+    from umbra.compute.accounts import create_organization
+
+    from .test_repeated_reports import paired
+    from .queue_support import submit
+
+    org_id, _ = org
+    other_id, _ = await create_organization(conn, "other")
+    running = 12
+    with LiveServer(db_url, UMBRA_POLL_FALLBACK_SECONDS="30") as server:
+        node, credential = await paired(conn, org_id, "busy")
+        _, other_cred = await paired(conn, other_id, "elsewhere")
+        for _ in range(running):
+            await submit(conn, org_id)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            taken = await http.post(f"/v1/agent/claim?wait=0&max={running}", headers=bearer(credential))
+            jobs = [c["job"] for c in taken.json()["claims"]]
+            assert len(jobs) == running, taken.text
+            other_job = await submit(conn, other_id)
+            renewed: list = []
+            async with await psycopg.AsyncConnection.connect(db_url) as locker:
+                await locker.execute("SELECT 1 FROM jobs WHERE lease_owner = %s FOR UPDATE", (node,))
+                async with anyio.create_task_group() as tg:
+
+                    async def renew(job) -> None:
+                        renewed.append(await http.post(f"/v1/agent/jobs/{job['id']}/renew", json={"attempt": job["attempt"]},
+                                                       headers=bearer(credential)))  # fmt: skip
+
+                    for job in jobs:
+                        tg.start_soon(renew, job)
+                    await anyio.sleep(0.7)  # every renewal is set aside by now
+                    elsewhere, took = await timed(lambda: http.post("/v1/agent/claim?wait=0", headers=bearer(other_cred)), 15)
+                    await locker.rollback()
+            answers = renewed
+    assert elsewhere is not None and elsewhere.status_code == 200 and took < 2, f"{elsewhere} after {took:.1f} s"
+    assert elsewhere.json()["job"]["id"] == str(other_job.id)
+    assert [a.status_code for a in answers] == [200] * running, [a.text for a in answers if a.status_code != 200]
+
+
+async def test_a_completion_made_beside_the_batches_claims_nothing_next(live_server, conn, org, db_url):
+    """``complete?claim_next`` whose row another session held for a moment is made alone, beside the
+    batches: it claims nothing (``next_claim: null``), since a claim in a transaction of its own could
+    not be answered again to the same request sent again, and nothing is left leased to the node. The
+    agent long-polls and gets the next job."""
+    from .test_repeated_reports import claim, paired, running_on
+    from .queue_support import submit
+
+    org_id, _ = org
+    node, credential = await paired(conn, org_id, "a")
+    a = await submit(conn, org_id)
+    b = await submit(conn, org_id)
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as http:
+        attempt = await claim(http, credential, a.id)
+        path = f"/v1/agent/jobs/{a.id}/complete?claim_next=true"
+        answers: list = []
+        async def send() -> None:
+            answers.append(await http.post(path, headers=bearer(credential), json={"attempt": attempt, "result": {}}))
+
+        async with anyio.create_task_group() as tg:
+            async with row_locked(db_url, a.id):
+                tg.start_soon(send)
+                await anyio.sleep(1.0)  # the batch set it aside: it waits for A's row
+        [first] = answers
+        assert first.status_code == 200 and first.json()["status"] == "complete", first.text
+        assert first.json()["next_claim"] is None and await running_on(conn, node) == []
+        again = await http.post(path, headers=bearer(credential), json={"attempt": attempt, "result": {}})
+        assert again.status_code == 200 and again.json()["next_claim"] is None, again.text
+        await claim(http, credential, b.id)  # asserts it claims B
+
+
+async def test_the_services_own_locks_are_waited_for_past_the_bound_which_then_holds_again(db_url):
+    """An advisory lock of the service's (the log's order, idempotency keys, a fleet change, a node's
+    claims) is only held by its own short transactions, and under a burst of large submissions the
+    queue for it may be longer than the bound: it is waited for however long it takes. Once it is held,
+    the bound holds again for the rest of the transaction: a row held elsewhere is still given up on."""
+    from umbra.db import unbounded_wait
+
+    async with lock_held_for_a_second(db_url, "SELECT pg_advisory_xact_lock(7, 7)") as (waiter, holder):
+        with anyio.fail_after(10):
+            await waiter.execute(unbounded_wait("SELECT pg_advisory_xact_lock(%s, %s)"), (7, 7))
+        assert (await (await waiter.execute("SHOW lock_timeout")).fetchone())[0] == "300ms"
+        await holder.execute("SELECT pg_advisory_xact_lock(8, 8)")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            await waiter.execute("SELECT pg_advisory_xact_lock(8, 8)")  # the bound is back in this transaction
+        await waiter.rollback()
+        await holder.rollback()
 
 
 @pytest.fixture
