@@ -119,6 +119,21 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 # -- tail ------------------------------------------------------------------------
 
 
+#: Characters a terminal acts on rather than shows: C0 and C1 controls (ANSI escapes among them), line and
+#: paragraph separators, and the bidirectional overrides that reorder what is shown.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on written as its escape (``\\x1b``, ``\\u202e``).
+
+    What the CLI prints as text comes from the service, and some of it from a
+    node or a submitter: a node named with an ANSI escape or a newline would
+    otherwise rewrite or forge lines on an operator's terminal.
+    """
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
 def format_event(event: dict[str, Any], as_json: bool) -> str:
     if as_json:
         return json.dumps(event, separators=(",", ":"))
@@ -269,7 +284,7 @@ def cmd_replay(args) -> int:
         print()
         for key, value in state.items():
             shown = "—" if value is None else json.dumps(value) if isinstance(value, (dict, list)) else value
-            print(f"{key:>17}: {shown}")
+            print(printable(f"{key:>17}: {shown}"))
         return 0
 
     return anyio.run(main)

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from .cli_events import SERVER_HELP, _client, _get_json
+from .cli_events import SERVER_HELP, _client, _get_json, printable
 
 
 def _where(entry: dict[str, Any]) -> str:
@@ -64,7 +64,7 @@ def cmd_explain(args) -> int:
         if args.json:
             print(json.dumps(body))
         else:
-            print("\n".join(format_explanation(body)))
+            print("\n".join(printable(line) for line in format_explanation(body)))
         return 0
 
     return anyio.run(main)

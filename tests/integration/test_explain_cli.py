@@ -77,3 +77,20 @@ async def test_a_blocked_job_prints_its_reason_and_every_refusal(cli, conn, org)
     assert out.splitlines()[0].startswith("Blocked because no registered device could ever run it: needs 40000 MB VRAM")
     assert out.splitlines()[-1].split() == ["gpu-box/gpu0", "vram_insufficient", "(needs", "40000", "MB,", "has", "24000", "MB)"]
     assert "eligible, best first:" not in out
+
+
+async def test_names_a_terminal_would_act_on_are_printed_escaped(cli, conn, org):
+    """A node's name is the node's to choose: one holding an ANSI escape, a newline and a bidirectional
+    override is printed with those written as escapes, so it can neither clear the operator's screen,
+    forge a line of its own, nor reorder what is shown. ``--json`` is JSON as ever."""
+    org_id, key = org
+    name = "evil\x1b[2J\nforged: eligible\u202e"
+    await add_node(conn, org_id, name, [CPU8])
+    job = await submit(conn, org_id)
+    status, out, err = await cli("jobs", "explain", str(job.id), key=key)
+    assert status == 0, err
+    assert "\x1b" not in out and "\u202e" not in out
+    assert not any(line.startswith("forged") for line in out.splitlines())
+    assert "evil\\x1b[2J\\nforged: eligible\\u202e/cpu" in out
+    status, out, _ = await cli("jobs", "explain", str(job.id), "--json", key=key)
+    assert json.loads(out)["eligible"][0]["node_name"] == name
