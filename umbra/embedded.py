@@ -51,8 +51,10 @@ traps, each handled here or in ``umbra.db``:
    postmaster went on recovering, and every start until it was done failed on
    the assertion. :func:`start_embedded` waits for a postmaster of its data
    dir that is still starting, up to :data:`RECOVERY_SECONDS`, before it
-   adopts it (see :func:`_await_ready`). A standby (``standby.signal``) never
-   gets ready, and the package waited for it without end: it is refused.
+   adopts it (see :func:`_await_ready`), and then until it takes writes (one
+   restoring archived WAL says ``ready`` once it takes reads). A standby
+   (``standby.signal``) never gets ready, and the package waited for it
+   without end: it is refused.
 """
 
 from __future__ import annotations
@@ -298,6 +300,25 @@ def _await_ready(pgdata: Path, timeout: float | None = None) -> bool:
     return True
 
 
+def _await_writable(url: str, pgdata: Path, timeout: float | None = None) -> None:
+    """Wait until the server at ``url`` takes writes, after a recovery: one restoring archived WAL says
+    ``ready`` as soon as it takes reads, before it ends (migrations would then be refused)."""
+    import psycopg
+
+    timeout = RECOVERY_SECONDS if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+                if not conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]:  # type: ignore[index]
+                    return
+        except psycopg.OperationalError:
+            pass  # still refusing connections
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the embedded server was still recovering after {timeout:.0f} s; see its log, {pgdata / 'log'}")
+        time.sleep(_READY_POLL_SECONDS)
+
+
 def _refuse_a_standby(pgdata: Path) -> None:
     """Refuse a data dir set up as a standby (``standby.signal``, as ``pg_basebackup -R`` leaves it): its
     postmaster says ``standby`` for good and never takes writes; the package waited for it without end,
@@ -376,17 +397,20 @@ def start_embedded(pgdata: Path, *, delete_on_stop: bool = False) -> EmbeddedPos
         _rotate_log(pgdata)
     opened = _modes_opened_as_root(pgdata, pgserver)
     cleanup_mode = "delete" if delete_on_stop else "stop"
-    _await_ready(pgdata)
+    recovered = _await_ready(pgdata)
     with _c_locale():
         try:
             server = pgserver.get_server(pgdata, cleanup_mode=cleanup_mode)
         except (subprocess.SubprocessError, AssertionError):
             # Still recovering, or done just after the package gave up on it: either way, adopted.
-            if not _await_ready(pgdata) and not _live_postmaster(pgdata):
+            recovered = _await_ready(pgdata) or _live_postmaster(pgdata)
+            if not recovered:
                 raise
             if (failed := pgserver.PostgresServer._instances.pop(pgdata, None)) is not None:
                 atexit.unregister(failed._cleanup)  # the failed start left its half-made server, and its exit hook
             server = pgserver.get_server(pgdata, cleanup_mode=cleanup_mode)
+    if recovered:
+        _await_writable(server.get_uri(), pgdata)
     if opened is not None and (changed := opened()):
         log.warning(f"as root, the embedded server opened directories to other users (o+rx) so its user can reach "
                     f"them: {', '.join(changed)}", extra={"action": "embedded_opened_directories", "directories": changed})  # fmt: skip
