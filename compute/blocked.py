@@ -35,7 +35,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
-from umbra.db import organization_lock_key, unbounded_wait
+from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.eligibility import NodeView, blocking_reason
 from umbra.domain.models import RegisteredModel
 from umbra.domain.placement import RunningJob, with_running_jobs
@@ -162,8 +162,8 @@ async def hold_capacity(conn: psycopg.AsyncConnection, organization_id: UUID, *,
     await conn.execute(_HOLD_CAPACITY if exclusive else _SHARE_CAPACITY, (CAPACITY_LOCK_CLASS, key))
 
 
-_HOLD_CAPACITY = unbounded_wait("SELECT pg_advisory_xact_lock(%s, %s)")
-_SHARE_CAPACITY = unbounded_wait("SELECT pg_advisory_xact_lock_shared(%s, %s)")
+_HOLD_CAPACITY = service_lock_wait("SELECT pg_advisory_xact_lock(%s, %s)")
+_SHARE_CAPACITY = service_lock_wait("SELECT pg_advisory_xact_lock_shared(%s, %s)")
 
 
 class BlockingJudge:

@@ -30,7 +30,7 @@ import psycopg
 from msgspec import Meta
 
 from umbra.compute.accounts import project_exists
-from umbra.db import organization_lock_key, unbounded_wait
+from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.jobs import decide_cancel
 from umbra.domain.settlement import settle
 from umbra.errors import InvalidRequest, NotFound
@@ -226,7 +226,7 @@ IDEMPOTENCY_LOCK_CLASS = 0x756D696B
 #: Locks per organization the keys are spread over: a transaction takes at most this many, however
 #: many keys it names (PostgreSQL's lock table is shared and sized for about 64 locks a connection).
 IDEMPOTENCY_LOCKS = 16
-_LOCK_KEYS = unbounded_wait(f"SELECT count(pg_advisory_xact_lock({IDEMPOTENCY_LOCK_CLASS}, k)) FROM unnest(%s::int[]) AS k")
+_LOCK_KEYS = service_lock_wait(f"SELECT count(pg_advisory_xact_lock({IDEMPOTENCY_LOCK_CLASS}, k)) FROM unnest(%s::int[]) AS k")
 
 
 async def lock_idempotency_keys(conn: psycopg.AsyncConnection, organization_id: UUID, keys: Sequence[str]) -> None:

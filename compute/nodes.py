@@ -17,7 +17,7 @@ from uuid import UUID
 
 import psycopg
 
-from umbra.db import organization_lock_key, unbounded_wait
+from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.eligibility import NodeView as EligibilityView
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.domain.nodes import after_went_offline, check_drain, check_retire, is_schedulable
@@ -184,7 +184,7 @@ def guard_key(organization_id: UUID, node_id: UUID | None = None) -> int:
     return organization_lock_key(organization_id, b"organization" if node_id is None else bytes([node_id.int % NODE_GUARDS]))
 
 
-_HOLD_GUARD = unbounded_wait("SELECT pg_advisory_xact_lock(%s, %s)")
+_HOLD_GUARD = service_lock_wait("SELECT pg_advisory_xact_lock(%s, %s)")
 
 
 async def guard_against_claims(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID | None = None) -> None:
@@ -237,7 +237,7 @@ TRY_NODE_MEMORY = (
 )
 
 
-_HOLD_NODE_MEMORY = unbounded_wait(f"SELECT pg_advisory_xact_lock({NODE_MEMORY_CLASS}, %s)")
+_HOLD_NODE_MEMORY = service_lock_wait(f"SELECT pg_advisory_xact_lock({NODE_MEMORY_CLASS}, %s)")
 
 
 async def hold_node_memory(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID) -> None:

@@ -39,7 +39,7 @@ from umbra.domain.heartbeat import normalize_devices
 from umbra.errors import Conflict, InvalidRequest, RateLimited, Unauthenticated
 from umbra.events import store
 from umbra.events.types import Device, NodeCreated, NodePaired
-from umbra.db import Database, borrowed, unbounded_wait
+from umbra.db import Database, borrowed, service_lock_wait
 from umbra.security import hash_secret_salted
 
 from .auth import Principal, credential_is_live, revoked
@@ -95,7 +95,7 @@ class IssuedCode:
 
 
 #: One pairing code's digits at a time (their hash): the check that none waits under them, then the insert.
-_HOLD_CODE = unbounded_wait("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))")
+_HOLD_CODE = service_lock_wait("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))")
 _LIVE = """
 SELECT id, node_name FROM pairing_codes
 WHERE code_hash = %s AND redeemed_at IS NULL AND expires_at > umbra_now()

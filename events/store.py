@@ -33,7 +33,7 @@ import msgspec
 import psycopg
 
 from umbra import metrics
-from umbra.db import PreparedStatement, unbounded_wait
+from umbra.db import PreparedStatement, service_lock_wait
 from umbra.errors import ConcurrencyConflict
 
 from .types import Event, UnknownEvent, decode_event, encode_event
@@ -98,10 +98,10 @@ def node_stream(node_id: UUID) -> str:
 #: gap test can detect a missing guard turns it off.
 ORDERING_GUARD = True
 
-#: The ordering lock, waited for however long it takes (:func:`umbra.db.unbounded_wait`): only appends
-#: hold it, each until its commit, and under a burst of large submissions the queue for it may be longer
-#: than a pooled connection's bound on lock waits, which is meant for rows held elsewhere.
-_ORDERING_LOCK = unbounded_wait("SELECT pg_advisory_xact_lock(%(lock)s)")
+#: The ordering lock, waited for as the service's own locks are (:func:`umbra.db.service_lock_wait`): only
+#: appends hold it, each until its commit, and under a burst of large submissions the queue for it is
+#: longer than a pooled connection's bound on lock waits, which is meant for rows held elsewhere.
+_ORDERING_LOCK = service_lock_wait("SELECT pg_advisory_xact_lock(%(lock)s)")
 
 #: The one INSERT of an append: small batches through :func:`append_many`, and the group
 #: commit's batches through :func:`append_statement`, which gives the events' time (the

@@ -261,21 +261,29 @@ async def _configure(conn: psycopg.AsyncConnection) -> None:
     await assume_service_role(conn)
 
 
-def unbounded_wait(lock_select: str) -> str:
-    """``lock_select`` (a SELECT taking the service's own advisory locks) waiting however long it takes,
-    the transaction's lock bound (:data:`LOCK_WAIT_SECONDS`) put back once they are held.
+#: How long a statement waits for one of the service's own advisory locks (see :func:`service_lock_wait`).
+SERVICE_LOCK_WAIT_SECONDS = 30
 
-    Only the service's own short transactions take its advisory locks (the
-    log's order, idempotency keys, a fleet change, a node's claims and
-    memory, a pairing code): their queue is work, not something held
-    elsewhere, and under a burst of large submissions it may be longer than
-    the bound. The bound is lifted in a subquery the planner cannot fold into
-    the lock's own (``OFFSET 0``), so it is lifted before the lock is waited
-    for, and set back in the outer select, once the lock is held.
+
+def service_lock_wait(lock_select: str) -> str:
+    """``lock_select`` (a SELECT taking the service's own advisory locks) waiting up to
+    :data:`SERVICE_LOCK_WAIT_SECONDS`, the transaction's bound (:data:`LOCK_WAIT_SECONDS`) put back once
+    they are held.
+
+    Only the service's own transactions take its advisory locks (the log's
+    order, idempotency keys, a fleet change, a node's claims and memory, a
+    pairing code), and under a burst of large submissions their queue is
+    longer than the bound for rows: a 10,000-job batch holds the log's order
+    for about a second. Still bounded: some holders go on to wait for a row
+    held elsewhere (a decomposition its parent's, a fleet change its node's),
+    and a queue behind several of them would otherwise grow by a row's bound
+    each. The bound is changed in a subquery the planner cannot fold into
+    the lock's own (``OFFSET 0``), so before the lock is waited for, and set
+    back in the outer select, once it is held.
     """
     return ("SELECT set_config('lock_timeout', bound.was, true) "
-            "FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '0', true) OFFSET 0) AS bound, "
-            f"LATERAL ({lock_select} OFFSET 0) AS held")
+            f"FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '{SERVICE_LOCK_WAIT_SECONDS}s', true) "
+            f"OFFSET 0) AS bound, LATERAL ({lock_select} OFFSET 0) AS held")
 
 
 def lock_wait_ended(exc: BaseException) -> bool:

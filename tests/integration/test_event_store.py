@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from tests.helpers import lock_held_for_a_second
-from umbra.db import PreparedStatement, begin_with, commit_with
+from umbra.db import PreparedStatement, begin_with, commit_with, run_together
 from umbra.errors import ConcurrencyConflict
 from umbra.events import store
 from umbra.events.types import JobCancelled, JobSubmitted, NodeDraining
@@ -285,3 +285,33 @@ async def test_an_append_waits_for_the_ordering_lock_past_the_connections_lock_t
             recorded = await store.append(appender, f"job:{uuid.uuid4()}", 0, [_submitted()], organization_id=org_id)
             await appender.commit()
     assert recorded[0].position > 0
+
+
+async def test_the_batch_append_waits_past_the_bound_with_a_generic_plan_and_sets_it_back(db_url, org):
+    """The group commit's append (a statement prepared once per connection, run with a generic plan)
+    waits for the ordering lock past a 300 ms bound, and the bound is back once it holds it: the plan
+    keeps the setting's subquery before the lock, whatever the planner guesses."""
+    org_id, _ = org
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as holder, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as writer:  # fmt: skip
+        for _ in range(6):  # past the plan cache's custom-plan tries, though a generic plan is forced anyway
+            await writer.execute("BEGIN")
+            await writer.execute("SELECT set_config('plan_cache_mode', 'force_generic_plan', true), "
+                                 "set_config('lock_timeout', '300ms', true)")  # fmt: skip
+            await holder.execute("BEGIN")
+            await holder.execute("SELECT pg_advisory_xact_lock(%s)", (store.LOG_LOCK_KEY,))
+            now = (await (await writer.execute("SELECT umbra_now()")).fetchone())[0]
+            statement, _ = store.append_statement([store.PendingAppend(f"job:{uuid.uuid4()}", 0, [_submitted()], org_id)],
+                                                  recorded_at=now)  # fmt: skip
+            async with anyio.create_task_group() as tg:
+
+                async def release() -> None:
+                    await anyio.sleep(0.6)
+                    await holder.execute("COMMIT")
+
+                tg.start_soon(release)
+                with anyio.fail_after(10):
+                    [positions] = await run_together(writer, [statement])
+            bound = (await (await writer.execute("SELECT current_setting('lock_timeout')")).fetchone())[0]
+            await writer.execute("COMMIT")
+            assert len(positions) == 1 and bound == "300ms"

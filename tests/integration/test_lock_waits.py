@@ -309,20 +309,28 @@ async def test_a_completion_made_beside_the_batches_claims_nothing_next(live_ser
         await claim(http, credential, b.id)  # asserts it claims B
 
 
-async def test_the_services_own_locks_are_waited_for_past_the_bound_which_then_holds_again(db_url):
+async def test_the_services_own_locks_are_waited_for_past_the_bound_which_then_holds_again(db_url, monkeypatch):
     """An advisory lock of the service's (the log's order, idempotency keys, a fleet change, a node's
-    claims) is only held by its own short transactions, and under a burst of large submissions the
-    queue for it may be longer than the bound: it is waited for however long it takes. Once it is held,
-    the bound holds again for the rest of the transaction: a row held elsewhere is still given up on."""
-    from umbra.db import unbounded_wait
+    claims) is only taken by its own transactions, and under a burst of large submissions the queue for
+    it is longer than the bound for rows: it is waited for up to ``SERVICE_LOCK_WAIT_SECONDS``, then
+    given up on too. Once it is held, the bound holds again for the rest of the transaction: a row
+    held elsewhere is still given up on."""
+    from umbra import db
+    from umbra.db import service_lock_wait
 
     async with lock_held_for_a_second(db_url, "SELECT pg_advisory_xact_lock(7, 7)") as (waiter, holder):
         with anyio.fail_after(10):
-            await waiter.execute(unbounded_wait("SELECT pg_advisory_xact_lock(%s, %s)"), (7, 7))
+            await waiter.execute(service_lock_wait("SELECT pg_advisory_xact_lock(%s, %s)"), (7, 7))
         assert (await (await waiter.execute("SHOW lock_timeout")).fetchone())[0] == "300ms"
         await holder.execute("SELECT pg_advisory_xact_lock(8, 8)")
         with pytest.raises(psycopg.errors.LockNotAvailable):
             await waiter.execute("SELECT pg_advisory_xact_lock(8, 8)")  # the bound is back in this transaction
+        await waiter.rollback()
+        monkeypatch.setattr(db, "SERVICE_LOCK_WAIT_SECONDS", 1)
+        started = time.monotonic()
+        with pytest.raises(psycopg.errors.LockNotAvailable):  # still bounded, at its own bound
+            await waiter.execute(db.service_lock_wait("SELECT pg_advisory_xact_lock(%s, %s)"), (8, 8))
+        assert 0.9 <= time.monotonic() - started < 5
         await waiter.rollback()
         await holder.rollback()
 
