@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from umbra.db import DATABASE_AWAY, LOCK_WAIT_SECONDS, database_away, lock_wait_ended
+from umbra.db import DATABASE_AWAY, LOCK_WAIT_SECONDS, SERVICE_LOCK_WAIT_SECONDS, database_away, lock_wait_ended
 from umbra.errors import DatabaseUnavailable, UmbraError
 
 from .http import json_response, refusal_after_deferred_revocation, request_id
@@ -60,7 +60,8 @@ async def data_error(request: Request, exc: Exception) -> Response:
     )
 
 
-LOCKED_MESSAGE = (f"A row or lock this request needs was held elsewhere for more than {LOCK_WAIT_SECONDS} s; "
+LOCKED_MESSAGE = (f"A row this request needs was held by another transaction for more than {LOCK_WAIT_SECONDS} s, "
+                  f"or one of the server's own locks was queued for more than {SERVICE_LOCK_WAIT_SECONDS} s; "
                   "nothing was changed; try again shortly.")
 
 
@@ -75,8 +76,8 @@ async def database_unavailable(request: Request, exc: Exception) -> Response:
     sent again by its node is answered as the repeat it is (:mod:`umbra.domain.jobs`), and a claim
     that did commit is released.
 
-    A lock waited for longer than ``LOCK_WAIT_SECONDS`` is answered so too: its holder (another
-    transaction held open) will let go.
+    A lock waited for past its bound (``LOCK_WAIT_SECONDS`` for a row, ``SERVICE_LOCK_WAIT_SECONDS``
+    for the server's own locks) is answered so too: its holder will let go.
     """
     if lock_wait_ended(exc):
         log.warning("lock wait ended", extra={"action": "lock_wait_ended", "path": request.url.path,
