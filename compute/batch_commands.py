@@ -186,7 +186,7 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
     deferred: list[Command] = []
     if held:
         staged += _stage_held([r[:-1] for r in held_records], held, deferred)
-        staged = await _parents_free(conn, staged)
+        staged = await _ancestors_free(conn, staged)
         unstaged = {id(c.then) for c in held
                     if c.then is not None and (c.error is not None or c in deferred or c.repeated or c.locked_elsewhere)}
         claimers = [c for c in claimers if id(c) not in unstaged]
@@ -326,7 +326,7 @@ def _stage_held(records: Sequence[Any], held: Sequence[Command], deferred: list[
     return staged
 
 
-async def _parents_free(conn: psycopg.AsyncConnection, staged: list[_Staged]) -> list[_Staged]:
+async def _ancestors_free(conn: psycopg.AsyncConnection, staged: list[_Staged]) -> list[_Staged]:
     """Lock the ancestors of the children this batch completes, before its append; a completion one of
     whose ancestors another transaction holds is set aside (``locked_elsewhere``) and run alone beside the
     batches.

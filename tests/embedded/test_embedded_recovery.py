@@ -201,17 +201,24 @@ def test_a_data_dir_too_long_for_its_socket_is_refused_before_anything_starts(tm
 # -- shell metacharacters in the data dir --------------------------------------------------------------------
 
 
+def _migrate_in(data: Path) -> tuple[subprocess.CompletedProcess, bool]:
+    """``umbra migrate`` on the embedded database in ``data``: what it did, and whether it was refused in one
+    line (a configuration error, exit 2)."""
+    result = subprocess.run([sys.executable, "-m", "umbra.cli", "migrate"], env=_umbra_env(data),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    refused_plainly = result.returncode == 2 and "configuration error" in result.stderr \
+        and len(result.stderr.strip().splitlines()) == 1  # fmt: skip
+    return result, refused_plainly
+
+
 @pytest.mark.parametrize("name", ["o'brien", "umbra$prod"])
 def test_a_data_dir_with_shell_metacharacters_works_or_is_refused_plainly(tmp_path, name):
     """pg_ctl hands ``-o '-k <dir>'`` to /bin/sh: a data dir with an apostrophe or a ``$`` is refused in one
     line (a configuration error, exit 2), as one with a space, rather than failing on a dump of the package's
     log."""
     data = tmp_path / name / "data"
-    result = subprocess.run([sys.executable, "-m", "umbra.cli", "migrate"], env=_umbra_env(data),
-                            capture_output=True, text=True, timeout=90)  # fmt: skip
     try:
-        refused_plainly = result.returncode == 2 and "configuration error" in result.stderr \
-            and len(result.stderr.strip().splitlines()) == 1  # fmt: skip
+        result, refused_plainly = _migrate_in(data)
         assert result.returncode == 0 or refused_plainly, (result.returncode, result.stderr[-600:])
     finally:
         _force_stop(data / "pg")
@@ -413,11 +420,8 @@ def test_a_data_dir_with_a_comma_or_an_equals_sign_is_refused_plainly(tmp_path, 
     """A comma splits PostgreSQL's ``-k`` list of socket directories, and ``=`` makes the package's ``?host=``
     URL one libpq refuses: such a data dir is refused in one line, as one with a space."""
     data = tmp_path / name / "data"
-    result = subprocess.run([sys.executable, "-m", "umbra.cli", "migrate"], env=_umbra_env(data),
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
     try:
-        refused_plainly = result.returncode == 2 and "configuration error" in result.stderr \
-            and len(result.stderr.strip().splitlines()) == 1  # fmt: skip
+        result, refused_plainly = _migrate_in(data)
         assert refused_plainly, (result.returncode, result.stderr.strip()[-400:])
     finally:
         _force_stop(data / "pg")
