@@ -21,6 +21,7 @@ from . import agent, agent_jobs, dashboard, events, explain, health, jobs, metri
 from .errors import HANDLERS
 from .longpoll import WaiterHub
 from .middleware import RequestContext
+from .routing import matching_whole_path
 from .services import Services
 from .sse import LogWatch
 
@@ -35,7 +36,7 @@ ROUTE_MODULES = [agent, agent_jobs, health, events, metrics, openapi, pairing, n
 
 
 def all_routes():
-    return [route for module in ROUTE_MODULES for route in module.routes]
+    return [matching_whole_path(route) for module in ROUTE_MODULES for route in module.routes]
 
 
 def _essential(app: Starlette, name: str, run: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from umbra.compute.auth import Principal, authenticate, authenticated_connection, credential_is_live, revoked
 from umbra.db import DATABASE_AWAY
-from umbra.compute.jobs import MAX_JSON_DEPTH, TOO_DEEP, TOO_DEEP_FIELD
+from umbra.compute.jobs import MAX_JSON_DEPTH, NOT_BLANK, TOO_DEEP, TOO_DEEP_FIELD
 from umbra.errors import InvalidRequest, NotFound, UmbraError
 
 from .items import item_at
@@ -100,7 +100,8 @@ async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False,
             field = f"{field}.{deep.group(1)}" if field else deep.group(1)
         item = _ITEM.match(field or "") if items else None
         extra = {"index": int(item.group(2))} if item and item.group(1) == items else {}
-        raise InvalidRequest(f"Invalid request: {exc}", field=field, **extra) from None
+        message = str(exc).replace(_BLANK_NAME, "a `str` that is not blank (whitespace only)")
+        raise InvalidRequest(f"Invalid request: {message}", field=field, **extra) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Malformed JSON: {exc}") from None
     except RecursionError:  # deeper than the free-form fields' own check could look
@@ -120,6 +121,8 @@ def _nul_offset(body: bytes) -> int | None:
 
 
 _ITEM = re.compile(r"^(\w+)\[(\d+)\]")
+#: How msgspec words a blank name's refusal (:data:`umbra.compute.jobs.NOT_BLANK`), said plainly instead.
+_BLANK_NAME = f"`str` matching regex {NOT_BLANK!r}"
 
 
 def _item_refusal(message: str, items: str | None, index: int | None) -> InvalidRequest:

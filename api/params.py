@@ -6,8 +6,10 @@ import re
 
 from starlette.requests import Request
 
-from umbra.compute.jobs import MAX_NAMED_KINDS, NAME_LENGTH
+from umbra.compute.jobs import MAX_NAMED_KINDS, NAME_LENGTH, NOT_BLANK
 from umbra.errors import InvalidRequest
+
+_NAMED = re.compile(NOT_BLANK)
 
 
 def query_int(request: Request, name: str, *, default: int, minimum: int, maximum: int) -> int:
@@ -83,6 +85,8 @@ def query_kinds(request: Request) -> frozenset[str] | None:
     bad = next((v for v in values if not 1 <= len(v) <= NAME_LENGTH), None)
     if bad is not None:
         raise InvalidRequest(f"each kind must be 1 to {NAME_LENGTH} characters, got {len(bad)}.", field="kind")
+    if not all(_NAMED.search(v) for v in values):
+        raise InvalidRequest("a kind may not be blank (whitespace only).", field="kind")
     return frozenset(values)
 
 

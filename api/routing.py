@@ -21,6 +21,7 @@ one without the scope 403, whatever else its request holds.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -51,6 +52,20 @@ class EndpointInfo:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+def matching_whole_path(route: Any) -> Any:
+    """``route``, matching only a path that ends where its pattern does.
+
+    Starlette ends a route's pattern with ``$``, which also matches before a
+    path's last newline: ``PUT /v1/models/gemma%0A`` reached the route as
+    ``gemma``, and changed a model the client did not name. With ``\\Z`` such a
+    path matches no route (404).
+    """
+    pattern = getattr(route, "path_regex", None)
+    if pattern is not None and pattern.pattern.endswith("$"):
+        route.path_regex = re.compile(pattern.pattern[:-1] + r"\Z")
+    return route
 
 
 def endpoint(

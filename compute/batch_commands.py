@@ -103,6 +103,13 @@ class Command:
     request_id: str | None = None
     #: The job kinds a claim takes (the agent's handlers); ``None``: every kind.
     kinds: frozenset[str] | None = None
+    #: On the claim of a report of several results (``POST /v1/agent/complete?claim_next=N``): the
+    #: completions it came with. It is made in their batch, and the event of the first of them that
+    #: records names the jobs it took (``next_claims``). It is not made when one of them repeats a
+    #: recorded completion (that report's answer was lost: it is answered with the claims the first
+    #: made, :func:`umbra.compute.claims.claimed_with_report`) or had to run alone (its transaction could
+    #: not name them); it waits with them when one of them waits for the next batch.
+    reporting: tuple[Command, ...] = ()
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -189,6 +196,12 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
         staged = await _ancestors_free(conn, staged)
         unstaged = {id(c.then) for c in held
                     if c.then is not None and (c.error is not None or c in deferred or c.repeated or c.locked_elsewhere)}
+        for claimer in claimers:
+            if any(r in deferred for r in claimer.reporting):
+                deferred.append(claimer)
+                unstaged.add(id(claimer))
+            elif any(r.repeated or r.locked_elsewhere for r in claimer.reporting):
+                unstaged.add(id(claimer))
         claimers = [c for c in claimers if id(c) not in unstaged]
     if claimers:
         # A node (or organization) whose guard a change holds is left out: its claimers take nothing this time.
@@ -243,12 +256,9 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
     if not staged:
         await conn.execute("COMMIT")  # only reads (and refusals): ends the transaction, releases the locks
         return []
-    # A completion's metadata names the job its chained claim took (``next_claim``): a completion sent
-    # again is answered with that job (claims.claimed_with), and an auditor sees what one request did.
-    chained = {id(s.command): str(s.state.id) for s in staged if s.command.kind == "claim"}
+    links = _claims_named(staged)
     batch = [store.PendingAppend(store.job_stream(s.state.id), s.state.version, [s.event], s.state.organization_id,
-                                 s.command.metadata if id(s.command.then) not in chained else
-                                 {**s.command.metadata, "next_claim": chained[id(s.command.then)]})
+                                 s.command.metadata if id(s.command) not in links else {**s.command.metadata, **links[id(s.command)]})
              for s in staged]  # fmt: skip
     last: dict[UUID, int] = {}
     children = [item for item in staged if item.state.parent_job_id]
@@ -269,6 +279,36 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
         assert row is not None
         last[row.organization_id] = max(last.get(row.organization_id, 0), row.position)
     return [(org, position, 0) for org, position in last.items()]
+
+
+def _claims_named(staged: Sequence[_Staged]) -> dict[int, dict[str, Any]]:
+    """What a completion's event says of the claims made with it, by completion command.
+
+    A completion that chains a claim (``complete?claim_next=true``) names the job it took
+    (``next_claim``); of a report of several results, the first completion recorded names every job
+    the report's claim took (``next_claims``, in claim order). A completion or report sent again is
+    answered with those jobs (:func:`umbra.compute.claims.claimed_with`, ``claimed_with_report``), and
+    an auditor sees what one request did.
+    """
+    taken: dict[int, list[str]] = {}
+    claims: list[Command] = []
+    for item in staged:
+        if item.command.kind == "claim":
+            if id(item.command) not in taken:
+                claims.append(item.command)
+            taken.setdefault(id(item.command), []).append(str(item.state.id))
+    if not claims:
+        return {}
+    links: dict[int, dict[str, Any]] = {}
+    recorded = {id(item.command): item.command for item in staged if item.command.kind == "complete"}
+    for command in recorded.values():
+        if command.then is not None and id(command.then) in taken:
+            links[id(command)] = {"next_claim": taken[id(command.then)][0]}
+    for claim in claims:
+        carrier = next((r for r in claim.reporting if id(r) in recorded), None)
+        if carrier is not None:
+            links[id(carrier)] = {"next_claims": taken[id(claim)]}
+    return links
 
 
 def answer(staged: Sequence[_Staged]) -> None:

@@ -661,6 +661,32 @@ async def claimed_with(conn: psycopg.AsyncConnection, completed: JobRow, node_id
     return ClaimResult(row, row.placement) if row.placement is not None else None
 
 
+_CLAIMED_WITH_REPORT = f"""
+SELECT {queue.SELECT_LIST} FROM (
+    SELECT metadata->'next_claims' AS claimed, organization_id AS made_in, recorded_at AS made_at FROM events
+    WHERE stream = ANY(%(streams)s) AND type = 'job.completed' AND metadata ? 'next_claims'
+) report
+CROSS JOIN LATERAL jsonb_array_elements_text(report.claimed) WITH ORDINALITY AS taken(claim_id, ord)
+JOIN jobs ON jobs.id = taken.claim_id::uuid AND jobs.organization_id = report.made_in AND jobs.updated_at = report.made_at
+WHERE jobs.status = 'running' AND jobs.lease_owner = %(node)s
+ORDER BY report.made_at, taken.ord
+"""
+
+
+async def claimed_with_report(conn: psycopg.AsyncConnection, repeated: Sequence[JobRow], node_id: UUID) -> list[ClaimResult]:
+    """The jobs claimed with a report of several results (``POST /v1/agent/complete?claim_next=N``) whose
+    completions ``repeated`` repeat, in claim order, those still leased to ``node_id`` untouched since.
+
+    :func:`claimed_with` for a report: its first recorded completion's event names the jobs its claim
+    took (``next_claims``), and a job whose row has changed since that transaction (renewed, released,
+    expired, cancelled) is not answered again.
+    """
+    streams = [store.job_stream(row.id) for row in repeated]
+    cur = await conn.execute(_CLAIMED_WITH_REPORT, {"streams": streams, "node": node_id})
+    taken = [queue.from_db(record) for record in await cur.fetchall()]
+    return [ClaimResult(row, row.placement) for row in taken if row.placement is not None]
+
+
 async def fail(
     conn: psycopg.AsyncConnection,
     *,

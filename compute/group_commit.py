@@ -208,22 +208,39 @@ class GroupCommit:
 
         ``results`` holds (job id, attempt, result). Returns each completion's
         row or its refusal (in order), and the jobs claimed. The commands are
-        queued together, so they share a batch unless it fills up; the claim
-        is made whatever the completions' answers (the agent's slots are free
-        either way).
+        queued together and the claim goes in its completions' batch. It is
+        made whatever their answers (the agent's slots are free either way),
+        with two exceptions (see ``Command.reporting``):
+
+        - a report one of whose results repeats a recorded completion (the
+          report sent again, its answer lost) claims nothing new: it is
+          answered with the jobs its first request claimed, those still
+          leased to the node untouched (:func:`umbra.compute.claims.claimed_with_report`).
+          A new claim would leave those to wait out their leases, an attempt
+          spent each;
+        - a report one of whose completions ran alone (its row held by another
+          transaction, or its batch rolled back) claims nothing: a claim of
+          its own transaction could not be named by the report's events, so it
+          could not be answered again. The agent long-polls as usual.
         """
         completions = [Command("complete", organization_id, node_id, job_id, attempt, result=result,
                                credential_id=credential_id, request_id=request_id)
                        for job_id, attempt, result in results]  # fmt: skip
         follow = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
-                         credential_id=credential_id, count=claim_next, request_id=request_id,
-                         kinds=kinds) if claim_next else None  # fmt: skip
+                         credential_id=credential_id, count=claim_next, request_id=request_id, kinds=kinds,
+                         reporting=tuple(completions)) if claim_next else None  # fmt: skip
         done = [self._enqueue(command) for command in (*completions, *([follow] if follow else []))]
         for event in done:
             if not event.is_set():  # a set anyio Event's wait() still yields to the loop: ten times per report
                 await event.wait()
         answers = [c.error if c.error is not None else c.outcome for c in completions]
-        return answers, list(follow.claims) if follow is not None and follow.error is None else []
+        if follow is None or follow.error is not None:
+            return answers, []
+        repeated = [c.outcome for c in completions if c.repeated]
+        if repeated:
+            async with self._pool.connection() as conn:
+                return answers, await claims.claimed_with_report(conn, repeated, node_id)
+        return answers, list(follow.claims)
 
     async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int,
                     credential_id: UUID | None = None, request_id: str | None = None) -> JobRow:  # fmt: skip
@@ -350,7 +367,8 @@ class GroupCommit:
                         each.outcome, each.error, each.nothing_left, each.guard_held = None, None, False, False
                         each.repeated = each.locked_elsewhere = False
                         each.claims.clear()
-                await self._alone(command)  # a completion alone claims nothing (see _run_beside)
+                if not command.reporting:  # a completion alone claims nothing (see _run_beside), a report neither
+                    await self._alone(command)
             return []
         batch_commands.answer(staged)
         answered = len(commands) - len(deferred) - sum(c.locked_elsewhere for c in commands)

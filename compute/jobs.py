@@ -47,7 +47,10 @@ Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
 Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 #: Characters a name (a job kind, a model, a trust domain, an accelerator) may have.
 NAME_LENGTH = 200
-Name = Annotated[str, Meta(min_length=1, max_length=NAME_LENGTH)]
+#: A name holds some character other than whitespace: a kind of spaces reads as no kind in every listing,
+#: and a model kind or a node's name of spaces is refused likewise.
+NOT_BLANK = r"\S"
+Name = Annotated[str, Meta(min_length=1, max_length=NAME_LENGTH, pattern=NOT_BLANK)]
 #: Job kinds a claim or a heartbeat may name at most.
 MAX_NAMED_KINDS = 100
 #: The job kinds an agent takes, as a heartbeat reports them (a claim names them in its query).

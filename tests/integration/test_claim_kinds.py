@@ -230,7 +230,7 @@ async def _true(value):
 
 @pytest.mark.parametrize("path,also", [("/v1/agent/claim", {"wait": 0}), ("/v1/agent/complete", {"claim_next": 1}),
                                        ("/v1/agent/complete", {})])  # a malformed parameter is refused, used or not
-@pytest.mark.parametrize("kinds,why", [([""], "1 to 200"), (["x" * 201], "1 to 200"),
+@pytest.mark.parametrize("kinds,why", [([""], "1 to 200"), (["x" * 201], "1 to 200"), (["echo", " \t"], "blank"),
                                        ([f"k{i}" for i in range(101)], "at most 100")])  # fmt: skip
 async def test_a_bad_kind_is_refused_naming_the_parameter_and_claims_nothing(conn, org, server, path, also, kinds, why):
     org_id, _ = org

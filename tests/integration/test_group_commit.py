@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from tests.helpers import eventually
+from tests.helpers import eventually, lock_held_for_a_second
 from umbra.compute import claims
 from umbra.compute.group_commit import OVERLAP_MIN_COMMANDS, GroupCommit, HintNotifier
 from umbra.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
@@ -607,3 +607,82 @@ async def test_a_completion_sent_again_claims_nothing_in_a_batch_or_one_by_one(d
     assert row.status == "complete" and claimed is None
     status = (await (await conn.execute("SELECT status FROM jobs WHERE id = %s", (queued,))).fetchone())[0]
     assert status == "queued"
+
+
+def report(group: GroupCommit, org_id, node_id, job_ids, claim_next: int):
+    """A report of several results (each at attempt 1) that claims up to ``claim_next`` jobs."""
+    return lambda: group.complete_many(organization_id=org_id, node_id=node_id, results=[(j, 1, {}) for j in job_ids],
+                                       claim_next=claim_next)  # fmt: skip
+
+
+async def one_node_holding(conn, org_id, count: int):
+    """Node ``a`` holding ``count`` jobs (attempt 1), and one more job queued: ``(a, held, queued)``."""
+    node = await add_node(conn, org_id, "a", [CPU64])
+    held = [(await submit(conn, org_id)).id for _ in range(count)]
+    for _ in held:
+        await claim_now(conn, org_id, node)
+    return node, held, (await submit(conn, org_id)).id
+
+
+async def status_of(conn, job_id) -> str:
+    return (await (await conn.execute("SELECT status FROM jobs WHERE id = %s", (job_id,))).fetchone())[0]
+
+
+async def test_a_report_whose_completion_waits_in_the_next_batch_takes_its_claim_there(db_url, conn, org):
+    """A renewal of the same job in the batch puts the report's completion off to the next batch; its
+    claim goes with it, and that completion's event names what it claimed."""
+    org_id, _ = org
+    node, [held], queued = await one_node_holding(conn, org_id, 1)
+    async with group_commit(db_url) as (group, _, tg):
+        renewed, (answers, claimed) = await in_one_batch(group, tg, [
+            lambda: group.renew(organization_id=org_id, node_id=node, job_id=held, attempt=1, lease_seconds=60),
+            report(group, org_id, node, [held], 1),
+        ])  # fmt: skip
+    assert renewed.status == "running" and answers[0].status == "complete"
+    assert [c.job_id for c in claimed] == [queued] and group.batches == 2
+    metadata = (await (await conn.execute("SELECT metadata FROM events WHERE stream = %s AND type = 'job.completed'",
+                                          (store.job_stream(held),))).fetchone())[0]  # fmt: skip
+    assert metadata["next_claims"] == [str(queued)]
+
+
+async def test_a_report_sent_twice_in_one_batch_claims_once_and_both_copies_answer_it(db_url, conn, org):
+    org_id, _ = org
+    node, held, queued = await one_node_holding(conn, org_id, 2)
+    more = (await submit(conn, org_id)).id
+    async with group_commit(db_url) as (group, _, tg):
+        first, second = await in_one_batch(group, tg, [report(group, org_id, node, held, 2), report(group, org_id, node, held, 2)])
+    assert [row.status for row in first[0]] == [row.status for row in second[0]] == ["complete", "complete"]
+    assert [c.job_id for c in first[1]] == [c.job_id for c in second[1]] == [queued, more]
+    running = await (await conn.execute("SELECT count(*) FROM jobs WHERE status = 'running'")).fetchone()
+    assert running[0] == 2
+    assert await verify(conn) == []
+
+
+async def test_a_report_with_a_completion_run_alone_beside_the_batches_claims_nothing(db_url, conn, org):
+    """A completion of the report whose row another transaction holds runs alone, beside the batches: the
+    report's claim, which its events could not name, is not made; the job stays queued for the agent's
+    long-poll."""
+    org_id, _ = org
+    node, held, queued = await one_node_holding(conn, org_id, 2)
+    async with lock_held_for_a_second(db_url, "SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (held[1],)):
+        async with group_commit(db_url) as (group, _, tg):
+            [(answers, claimed)] = await in_one_batch(group, tg, [report(group, org_id, node, held, 1)])
+    assert [row.status for row in answers] == ["complete", "complete"] and claimed == []
+    assert await status_of(conn, queued) == "queued"
+    assert await verify(conn) == []
+
+
+async def test_a_report_in_a_batch_that_rolled_back_claims_nothing(db_url, conn, org):
+    """Run one by one, the report's completion is its own transaction, which could not name a claim."""
+    org_id, _ = org
+    a, b, job_a, job_b = await two_held_jobs(conn, org_id)
+    queued = (await submit(conn, org_id)).id
+    async with group_commit(db_url) as (group, _, tg):
+        (answers, claimed), bad = await in_one_batch(group, tg, [
+            report(group, org_id, a, [job_a], 1),
+            lambda: group.complete(organization_id=org_id, node_id=b, job_id=job_b, attempt=1, result={"bad": "\u0000"}),
+        ])  # fmt: skip
+    assert group.fallbacks == 1 and isinstance(bad, InvalidRequest)
+    assert answers[0].status == "complete" and claimed == []
+    assert await status_of(conn, queued) == "queued"
+    assert await verify(conn) == []

@@ -154,6 +154,9 @@ async def test_refused_requests_write_nothing(client, conn, org):
         ("PUT", "/v1/models/gemma4:26b", {"kind": "llm"}, key, 422, "invalid_request"),
         ("PUT", "/v1/models/gemma4:26b", {"vram_min_mb": 16000, "vram_preferred_mb": 8000}, key, 422, "invalid_request"),
         ("PUT", "/v1/models/-bad", {"vram_min_mb": 1}, key, 422, "invalid_request"),
+        # A path's last newline is part of it: no route takes it for the model the slug names before it.
+        ("PUT", "/v1/models/gemma4:26b%0A", {"vram_min_mb": 1}, key, 404, "not_found"),
+        ("POST", f"/v1/nodes/{node_id}/drain%0A", None, key, 404, "not_found"),
     ]
     for method, path, body, token, status, code in attempts:
         answer = await client.request(method, path, json=body, headers=bearer(token) if token else {})

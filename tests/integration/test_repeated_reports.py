@@ -322,3 +322,92 @@ async def test_a_completion_with_its_next_claim_sent_twice_at_once_leases_one_jo
     held = await running_on(conn, node)
     assert len(held) == 1, f"one completion sent twice left {len(held)} jobs leased to the node"
     assert [r.json()["next_claim"]["job"]["id"] for r in answers] == held * 2
+
+
+# -- a report of several results that claimed the node's next jobs, sent again -----------------------------
+
+
+async def report(client, credential, held: dict, claim_next: int):
+    """``POST /v1/agent/complete?claim_next=N`` reporting every job of ``held`` (job id → attempt)."""
+    body = {"results": [{"job_id": str(job_id), "attempt": attempt, "result": {}} for job_id, attempt in held.items()]}
+    return await client.post(f"/v1/agent/complete?claim_next={claim_next}", headers=bearer(credential), json=body)
+
+
+async def claim_several(client, credential, count: int) -> dict:
+    claimed = await client.post(f"/v1/agent/claim?wait=0&max={count}", headers=bearer(credential))
+    assert claimed.status_code == 200, claimed.text
+    return {c["job"]["id"]: c["job"]["attempt"] for c in claimed.json()["claims"]}
+
+
+def next_claims(response) -> list[str]:
+    assert response.status_code == 200, response.text
+    return [c["job"]["id"] for c in response.json()["next_claims"]]
+
+
+async def test_a_report_with_its_next_claims_sent_again_is_answered_with_those_claims_and_records_nothing(client, conn, org):
+    """A report of two results claimed C and D (``claim_next=2``); the answer was lost and the agent sends
+    it again. It is answered as the first was, C and D included, and records nothing: two more claims
+    would leave C and D leased to a node that never heard of them, each losing an attempt (D, with one,
+    failing without having run). The first completion's event names the jobs its report claimed."""
+    org_id, api_key = org
+    node, credential = await paired(conn, org_id, "a")
+    a, b = await submit(conn, org_id), await submit(conn, org_id)
+    c, d = await submit(conn, org_id), await submit(conn, org_id, max_attempts=1)
+    await submit(conn, org_id)
+    held = await claim_several(client, credential, 2)
+    assert set(held) == {str(a.id), str(b.id)}
+    first = await report(client, credential, held, 2)
+    assert next_claims(first) == [str(c.id), str(d.id)]
+    recorded = await log_length(conn)
+    again = await report(client, credential, held, 2)
+    assert again.json() == first.json()
+    assert await log_length(conn) == recorded
+    assert await running_on(conn, node) == sorted([str(c.id), str(d.id)])
+    completed = [e for e in await events(client, api_key, a.id) if e["type"] == "job.completed"]
+    assert completed[0]["metadata"]["next_claims"] == [str(c.id), str(d.id)]
+
+
+async def test_a_report_sent_again_answers_only_the_claims_still_untouched_and_claims_nothing_new(client, conn, org):
+    """Only the claims the first report made that stand untouched are answered again: a job the node
+    renewed since (so its agent heard of it) or completed is not. A report that repeats one recorded
+    completion among new ones lands the new ones and claims nothing new either: its first answer was
+    lost, so the claims it made are the ones the agent has not heard of."""
+    org_id, _ = org
+    node, credential = await paired(conn, org_id, "a")
+    a, b, c, d = [await submit(conn, org_id) for _ in range(4)]
+    left = await submit(conn, org_id)
+    held = await claim_several(client, credential, 2)
+    first = await report(client, credential, held, 2)
+    claimed = {job["job"]["id"]: job["job"]["attempt"] for job in first.json()["next_claims"]}
+    assert list(claimed) == [str(c.id), str(d.id)]
+    renewed = await client.post(f"/v1/agent/jobs/{c.id}/renew", headers=bearer(credential), json={"attempt": claimed[str(c.id)]})
+    assert renewed.status_code == 200, renewed.text
+    assert next_claims(await report(client, credential, held, 2)) == [str(d.id)]
+
+    mixed = await report(client, credential, {str(a.id): held[str(a.id)], str(d.id): claimed[str(d.id)]}, 2)
+    assert [r["status"] for r in mixed.json()["results"]] == [200, 200] and next_claims(mixed) == []
+    assert await running_on(conn, node) == [str(c.id)]
+    status = (await (await conn.execute("SELECT status FROM jobs WHERE id = %s", (left.id,))).fetchone())[0]
+    assert status == "queued"
+
+
+async def test_a_report_with_its_next_claims_sent_twice_at_once_leases_only_its_claims(live_server, conn, org):
+    """Two copies of one report in flight at once (in one batch, or in two overlapping): one completion
+    each, two jobs claimed in all, and both answers name them."""
+    org_id, _ = org
+    node, credential = await paired(conn, org_id, "a")
+    for _ in range(6):
+        await submit(conn, org_id)
+    answers: list[httpx.Response] = []
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as http:
+        held = await claim_several(http, credential, 2)
+
+        async def send() -> None:
+            answers.append(await report(http, credential, held, 2))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(send)
+    claimed = await running_on(conn, node)
+    assert len(claimed) == 2, f"one report sent twice left {len(claimed)} jobs leased to the node"
+    assert [sorted(next_claims(r)) for r in answers] == [claimed, claimed]

@@ -88,5 +88,6 @@ async def test_a_second_stop_leaves_at_once_without_waiting_for_the_beat_or_sign
 def test_a_claim_names_the_kinds_the_server_takes_or_none():
     assert claim_kinds(["echo", "sleep"]) == ["echo", "sleep"]
     assert claim_kinds(["echo", "x" * 201]) == ["echo"]  # no job can have that kind
+    assert claim_kinds(["echo", " ", "\t\u3000"]) == ["echo"]  # nor a blank one
     assert claim_kinds([f"k{i}" for i in range(101)]) == []  # too many to name: every kind
     assert claim_kinds(["渲染" * 90 + f"-{i}" for i in range(40)]) == []  # too long for a request line

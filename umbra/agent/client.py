@@ -124,19 +124,19 @@ def _devices_json(devices: Sequence[Device]) -> list[Any]:
 
 
 #: What the server takes as the kinds a claim or a heartbeat names (docs/API.md): at most 100 kinds of 1
-#: to 200 characters, and a request line of 16 KiB at most in all (the HTTP server's limit).
+#: to 200 characters, not all whitespace, and a request line of 16 KiB at most in all (the HTTP server's limit).
 MAX_NAMED_KINDS, MAX_KIND_LENGTH, MAX_KINDS_QUERY = 100, 200, 8_000
 
 
 def claim_kinds(handler_kinds: Sequence[str]) -> list[str]:
     """The kinds this agent names when it claims: its handlers' kinds, as the server takes them.
 
-    A handler registered under a name no job can have (over 200 characters)
-    is left out. When the rest are too many to name (over 100, or too long for
+    A handler registered under a name no job can have (over 200 characters,
+    or blank) is left out. When the rest are too many to name (over 100, or too long for
     a request line), the agent names none: it claims every kind, and a job it
     has no handler for fails, as an agent that names no kinds does.
     """
-    kinds = [kind for kind in handler_kinds if 1 <= len(kind) <= MAX_KIND_LENGTH]
+    kinds = [kind for kind in handler_kinds if 1 <= len(kind) <= MAX_KIND_LENGTH and not kind.isspace()]
     if len(kinds) > MAX_NAMED_KINDS or sum(len(quote(kind, safe="")) + 6 for kind in kinds) > MAX_KINDS_QUERY:
         return []
     return kinds
