@@ -49,11 +49,22 @@ log = logging.getLogger(__name__)
 #: A node's running jobs that take memory, as JSON ``[[id, requires, placement], ...]`` in
 #: submission order (``seq``; NULL: none), by ``jobs_held_taking_memory``, whose predicate is repeated here whole, or the
 #: planner cannot use it. A column of the nodes' reads that judge claims (``n`` is the node's row).
+#:
+#: With them, the jobs cancelled while they ran there since the node last reported its devices
+#: (``jobs_cancelled_taking_memory``, migration 0035): such a job's handler runs on until its agent hears of
+#: the cancel at its next renewal, and its memory with it. The node's next report shows what it still holds.
 RUNNING_TAKING_MEMORY = """(
-    SELECT json_agg(json_build_array(j.id, j.requires, j.placement) ORDER BY j.seq)::text FROM jobs j
-    WHERE j.lease_owner = n.id AND j.status = 'running'
-      AND (j.requires ? 'models' OR j.requires ? 'vram_min_mb' OR j.requires ? 'ram_min_mb')
-      AND j.placement IS NOT NULL
+    SELECT json_agg(json_build_array(j.id, j.requires, j.placement) ORDER BY j.seq)::text FROM (
+        SELECT id, requires, placement, seq FROM jobs
+        WHERE lease_owner = n.id AND status = 'running'
+          AND (requires ? 'models' OR requires ? 'vram_min_mb' OR requires ? 'ram_min_mb')
+          AND placement IS NOT NULL
+        UNION ALL
+        SELECT id, requires, placement, seq FROM jobs
+        WHERE lease_owner = n.id AND status = 'cancelled' AND placement IS NOT NULL
+          AND (requires ? 'models' OR requires ? 'vram_min_mb' OR requires ? 'ram_min_mb')
+          AND finished_at > (SELECT coalesce(reported_at, last_seen_at) FROM node_liveness WHERE node_id = n.id)
+    ) j
 )"""
 #: A node's devices as it last reported them (``node_liveness.devices``, every beat), else as last folded:
 #: a move of free memory within the heartbeat's tolerance records no event. ``n`` is the node's row and ``l``

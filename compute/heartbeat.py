@@ -50,12 +50,14 @@ class HeartbeatResult:
 _BEAT = f"""
 WITH before AS (SELECT last_seen_at FROM node_liveness WHERE node_id = %(node)s),
 seen AS (
-    INSERT INTO node_liveness (node_id, last_seen_at, devices)
-    SELECT id, umbra_now(), %(devices)s::jsonb FROM nodes WHERE id = %(node)s AND organization_id = %(org)s
+    INSERT INTO node_liveness (node_id, last_seen_at, devices, reported_at)
+    SELECT id, umbra_now(), %(devices)s::jsonb, CASE WHEN %(devices)s::jsonb IS NULL THEN NULL ELSE umbra_now() END FROM nodes WHERE id = %(node)s AND organization_id = %(org)s
       AND (%(credential)s::uuid IS NULL
            OR EXISTS (SELECT 1 FROM node_credentials WHERE id = %(credential)s::uuid AND revoked_at IS NULL))
     ON CONFLICT (node_id) DO UPDATE SET last_seen_at = EXCLUDED.last_seen_at,
-                                        devices = coalesce(EXCLUDED.devices, node_liveness.devices)
+                                        devices = coalesce(EXCLUDED.devices, node_liveness.devices),
+                                        reported_at = CASE WHEN EXCLUDED.devices IS NULL THEN node_liveness.reported_at
+                                                           ELSE EXCLUDED.last_seen_at END
     RETURNING last_seen_at
 )
 SELECT {projection.COLUMNS}, seen.last_seen_at, umbra_now(), (SELECT last_seen_at FROM before)

@@ -22,8 +22,10 @@ from tests.helpers import bearer
 from umbra.compute import batch_commands, claims, jobs
 from umbra.compute.batch_commands import Command
 from umbra.compute.explain import explain
+from umbra.compute.heartbeat import heartbeat
 from umbra.compute.nodes import node_view
 from umbra.domain.eligibility import is_busy
+from umbra.domain.heartbeat import HeartbeatReport
 from umbra.events.types import ResidentModel
 
 from .queue_support import CPU64, GPU24, add_node, beat, register_model, spec, submit
@@ -346,3 +348,41 @@ async def test_a_node_whose_running_jobs_fill_its_only_device_is_not_schedulable
     assert await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60) is None
     view = await node_view(conn, node_id, organization_id=org_id)
     assert view.schedulable is False and all(is_busy(d) for d in view.judged_devices)
+
+
+async def test_a_job_cancelled_while_it_ran_holds_its_memory_until_the_node_next_reports(conn, org):
+    """A cancelled job's handler runs on until its agent hears of the cancel (its next renewal) and stops:
+    until the node next reports its devices, the job's memory stays promised, to claims and to ``explain``
+    alike. A beat without devices says nothing of memory; the next report says what is still held."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "one-card", [GPU24])
+    first = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    assert (await claim_one(conn, org_id, node)).job_id == first.id
+    await jobs.cancel(conn, org_id, first.id, actor="test")
+    waiting = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    assert await claim_one(conn, org_id, node) is None, "a 16,000 MB job went on a card the cancelled job still fills"
+    assert await claim_in_one_batch(conn, [Command("claim", org_id, node)]) == []
+    verdicts = (await explain(conn, org_id, waiting.id)).ineligible
+    assert [v.reason for v in verdicts] == ["vram_insufficient"]
+    await heartbeat(conn, org_id, node, HeartbeatReport(agent_version="2"), event_interval_seconds=300)
+    assert await claim_one(conn, org_id, node) is None
+    await beat(conn, org_id, node, [reported(8000)])  # the handler still holds its memory
+    assert await claim_one(conn, org_id, node) is None  # the report says so
+    await beat(conn, org_id, node, [reported(24000)])  # it stopped
+    claimed = await claim_one(conn, org_id, node)
+    assert claimed is not None and claimed.job_id == waiting.id
+
+
+async def test_a_job_cancelled_before_it_was_claimed_or_after_it_decomposed_holds_no_memory(conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "one-card", [GPU24])
+    never_ran = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000}, priority=1)
+    await jobs.cancel(conn, org_id, never_ran.id, actor="test")
+    parent = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000}, priority=2)
+    running = await claim_one(conn, org_id, node)
+    assert running.job_id == parent.id
+    await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=running.attempt,
+                              children=[spec("child", requires={"vram_min_mb": 16000})])  # fmt: skip
+    await jobs.cancel(conn, org_id, parent.id, actor="test")  # the parent's handler ended when it decomposed
+    await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    assert await claim_one(conn, org_id, node) is not None
