@@ -29,6 +29,7 @@ from umbra import metrics
 from umbra.compute import claims
 from umbra.compute.claims import SCAN_PAGE
 from umbra.errors import Forbidden
+from umbra.projections.jobs import JobRow
 
 from .http import batch_principal, json_response, request_id
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
@@ -41,6 +42,17 @@ MAX_WAIT_SECONDS = 60
 DEFAULT_WAIT_SECONDS = 30
 #: Most jobs one claim may take (``max``), and one batch report may carry.
 MAX_JOBS_PER_REQUEST = SCAN_PAGE
+#: The header of a claim's or a renewal's answer saying how many seconds of lease it leaves, at least, when
+#: it is sent (:func:`umbra.compute.claims.lease_left`): measured on the server's own clock, so the agent reads
+#: it against none (``umbra.agent.client.lease_left``). A header, so that every answer's body stays the
+#: contract's. The claims of one answer were made in one transaction: the first's is said for all.
+LEASE_LEFT_HEADER = "Umbra-Lease-Seconds"
+
+
+def lease_left_header(row: JobRow, asked_at: float | None) -> dict[str, str]:
+    """:data:`LEASE_LEFT_HEADER` for an answer granting ``row``'s lease (none for a job holding no lease)."""
+    left = claims.lease_left(row, asked_at)
+    return {} if left is None else {LEASE_LEFT_HEADER: f"{left:.3f}"}
 
 
 class ClaimOut(msgspec.Struct, kw_only=True):
@@ -117,9 +129,10 @@ async def claim(request: Request) -> Response:
         return Response(status_code=204)
     metrics.CLAIM_WAIT.labels(outcome="claimed").observe(elapsed)
     metrics.CLAIMS.labels(trigger="same_claim").inc(len(result) - 1)  # the hub counted the first
+    headers = lease_left_header(result[0].row, result[0].asked_at)
     if most == 1:
-        return json_response(result[0].to_json())
-    return json_response({**result[0].to_json(), "claims": [claimed.to_json() for claimed in result]})
+        return json_response(result[0].to_json(), headers=headers)
+    return json_response({**result[0].to_json(), "claims": [claimed.to_json() for claimed in result]}, headers=headers)
 
 
 async def release_unheard(services, results: Sequence[claims.ClaimResult], node_id: UUID, request_id: str | None) -> None:

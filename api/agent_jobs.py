@@ -13,6 +13,7 @@ the credential, never from the request.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 from uuid import UUID
 
@@ -28,7 +29,7 @@ from umbra.compute.jobs import check_json_depth
 from umbra.errors import InvalidRequest, Unauthenticated, UmbraError
 from umbra.projections import jobs as queue
 
-from .agent import MAX_JOBS_PER_REQUEST, release_unheard
+from .agent import MAX_JOBS_PER_REQUEST, lease_left_header, release_unheard
 from .http import acting_as, authorized, batch_principal, json_response, path_uuid, read_json, request_id
 from .params import KIND_QUERY, query_bool, query_int, query_kinds
 from .routing import endpoint
@@ -80,11 +81,13 @@ async def renew(request: Request) -> Response:
     who = await batch_principal(request, "compute:claim", "compute:complete")
     job_id = path_uuid(request, code="job_not_found")
     body = await read_json(request, RenewRequest)
+    asked_at = time.monotonic()  # before the renewal's transaction: the lease left is measured from here
     row = await request.app.state.group_commit.renew(
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
         lease_seconds=services.settings.lease_seconds, credential_id=who.credential_id, request_id=request_id(request),
     )  # fmt: skip
-    return json_response({"lease_expires_at": queue.timestamp(row.lease_expires_at), "attempt": row.attempt})
+    return json_response({"lease_expires_at": queue.timestamp(row.lease_expires_at), "attempt": row.attempt},
+                         headers=lease_left_header(row, asked_at))
 
 
 async def complete(request: Request) -> Response:
@@ -122,7 +125,8 @@ async def complete(request: Request) -> Response:
             claimed = None
         else:
             metrics.CLAIMS.labels(trigger="completion").inc()
-    return json_response({**queue.to_json(row), "next_claim": claimed.to_json() if claimed is not None else None})
+    return json_response({**queue.to_json(row), "next_claim": claimed.to_json() if claimed is not None else None},
+                         headers=lease_left_header(claimed.row, claimed.asked_at) if claimed is not None else None)
 
 
 async def complete_many(request: Request) -> Response:
@@ -163,7 +167,8 @@ async def complete_many(request: Request) -> Response:
         raise failure
     metrics.CLAIMS.labels(trigger="completion").inc(len(claimed))
     return json_response({"results": [_reported(item.job_id, answer) for item, answer in zip(body.results, answers)],
-                          "next_claims": [claim.to_json() for claim in claimed]})  # fmt: skip
+                          "next_claims": [claim.to_json() for claim in claimed]},
+                         headers=lease_left_header(claimed[0].row, claimed[0].asked_at) if claimed else None)  # fmt: skip
 
 
 def _unexpected(answer: Any) -> bool:

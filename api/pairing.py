@@ -27,8 +27,8 @@ from .routing import endpoint
 
 class PairingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: Label
-    trust_domain: Word = "local"
-    locality: Annotated[str, Meta(max_length=200)] | None = None
+    trust_domain: Annotated[str, Meta(min_length=1, max_length=pairing.TRUST_DOMAIN_MAX_LENGTH)] = "local"
+    locality: Annotated[str, Meta(max_length=pairing.LOCALITY_MAX_LENGTH)] | None = None
     ttl_seconds: Annotated[int, Meta(ge=pairing.TTL_MIN_SECONDS, le=pairing.TTL_MAX_SECONDS)] = pairing.TTL_DEFAULT_SECONDS
 
 

@@ -78,16 +78,23 @@ RETURNING revoked_at
 """
 
 
+#: What stands for a key's secret where only its prefix is shown (list-keys prints ``uk_<prefix>_…``),
+#: as typed or pasted: a key named so is named by its prefix.
+ELIDED_SECRET = ("…", "...")
+
+
 async def api_key_named(conn: psycopg.AsyncConnection, organization_id: UUID, name: str) -> UUID:
     """The id of the organization's key ``name`` names: its id, its prefix (``uk_<prefix>``, what
-    create-key printed, or the bare prefix) or the whole token. Refused when nothing, or more than one
-    key, matches."""
+    create-key printed, ``uk_<prefix>_…``, what list-keys prints, or the bare prefix) or the whole token.
+    Refused when nothing, or more than one key, matches."""
     try:
         return UUID(name)
     except ValueError:
         pass
     name = name.strip()
     parts = name.split("_", 2)
+    if len(parts) == 3 and parts[2] in ELIDED_SECRET:
+        parts = parts[:2]
     prefix = parts[1] if len(parts) >= 2 and parts[0] == API_KEY_KIND else parts[0]
     rows = await (await conn.execute(_KEYS_BY_PREFIX, (organization_id, prefix))).fetchall()
     if len(parts) == 3:  # the whole key: it names only the key it verifies against, not any sharing its prefix

@@ -52,7 +52,7 @@ from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
     models_for_shapes, node_metadata, shapes_take_memory,
 )  # fmt: skip
-from .jobs import LOCK_FREE_ANCESTORS, settle_parents
+from .jobs import ancestors_held_elsewhere, settle_parents
 from .nodes import SHARE_CLAIM_GUARDS, TRY_NODE_MEMORY, guard_key, node_memory_key
 
 
@@ -110,6 +110,9 @@ class Command:
     #: made, :func:`umbra.compute.claims.claimed_with_report`) or had to run alone (its transaction could
     #: not name them); it waits with them when one of them waits for the next batch.
     reporting: tuple[Command, ...] = ()
+    #: When the command was queued (``time.monotonic``): before its transaction began, so a lease it is
+    #: granted is measured from here (``claims.ClaimResult.asked_at``).
+    asked_at: float | None = None
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -317,7 +320,7 @@ def answer(staged: Sequence[_Staged]) -> None:
         row = item.row
         assert row is not None
         if item.command.kind == "claim":
-            item.command.claims.append(ClaimResult(row, item.placement))  # type: ignore[arg-type]
+            item.command.claims.append(ClaimResult(row, item.placement, asked_at=item.command.asked_at))  # type: ignore[arg-type]
             item.command.outcome = item.command.claims[0]
         else:
             item.command.outcome = row
@@ -378,8 +381,7 @@ async def _ancestors_free(conn: psycopg.AsyncConnection, staged: list[_Staged]) 
     settling = [item for item in staged if item.state.parent_job_id is not None and isinstance(item.event, JobCompleted)]
     if not settling:
         return staged
-    children = [item.state.id for item in settling]
-    held_elsewhere = {child for (child,) in await (await conn.execute(LOCK_FREE_ANCESTORS, {"children": children})).fetchall()}
+    held_elsewhere = await ancestors_held_elsewhere(conn, [item.state.id for item in settling])
     kept = []
     for item in staged:
         if item.state.id in held_elsewhere and isinstance(item.event, JobCompleted):

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, AsyncIterator, Callable, Collection, Mapping, Sequence
@@ -413,6 +414,10 @@ class ClaimResult:
 
     row: JobRow
     placed: Placement
+    #: The server's monotonic clock (``time.monotonic``) no later than the claim's own time, from which the
+    #: lease was granted: the lease left when the answer is sent is measured from it (:func:`lease_left`).
+    #: ``None``: not known, and the whole lease granted is said.
+    asked_at: float | None = None
 
     @property
     def job_id(self) -> UUID:
@@ -437,6 +442,23 @@ class ClaimResult:
     def to_json(self) -> dict[str, Any]:
         """The claim response, for the JSON encoder (the Job as a :class:`~umbra.projections.jobs.JobOut`)."""
         return {"job": queue.job_out(self.row), "placement": self.placed, "lease_expires_at": self.lease_expires_at}
+
+
+def lease_left(row: JobRow, asked_at: float | None) -> float | None:
+    """Seconds of the holder's lease left now, at least: the lease granted at its claim or renewal (the row's
+    last change), less the time since ``asked_at`` (the server's monotonic clock, no later than that change;
+    ``None``: the whole lease granted). ``None`` when the job holds no lease. The claims one answer carries
+    were made in one transaction, from one ``asked_at``: the first says it for all.
+
+    Neither the database's clock nor the app server's is read against the other: ``lease_expires_at`` less
+    the ``Date`` of the answer told an agent nothing true when the two disagreed, and an agent whose server's
+    clock ran behind the database's renewed after its lease had run out (``umbra.agent.client.lease_left``).
+    """
+    if row.lease_expires_at is None:
+        return None
+    granted = (row.lease_expires_at - row.updated_at).total_seconds()
+    spent = 0.0 if asked_at is None else time.monotonic() - asked_at
+    return round(max(0.0, granted - spent), 3)
 
 
 async def claim(
@@ -635,7 +657,7 @@ async def record_completion(
 
 
 _CLAIMED_WITH = f"""
-SELECT {queue.SELECT_LIST} FROM jobs
+SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
 WHERE (id, organization_id, updated_at) = (
         SELECT (metadata->>'next_claim')::uuid, organization_id, recorded_at FROM events
         WHERE stream = %(stream)s AND type = 'job.completed')
@@ -657,12 +679,20 @@ async def claimed_with(conn: psycopg.AsyncConnection, completed: JobRow, node_id
     record = await cur.fetchone()
     if record is None:
         return None
-    row = queue.from_db(record)
-    return ClaimResult(row, row.placement) if row.placement is not None else None
+    return _claimed_earlier(record)
+
+
+def _claimed_earlier(record: Sequence[Any]) -> ClaimResult | None:
+    """A claim made by an earlier request, read with the database's clock (the last column): its lease was
+    granted that long before now."""
+    row, now = queue.from_db(record), record[-1]
+    if row.placement is None:
+        return None
+    return ClaimResult(row, row.placement, asked_at=time.monotonic() - (now - row.updated_at).total_seconds())
 
 
 _CLAIMED_WITH_REPORT = f"""
-SELECT {queue.SELECT_LIST} FROM (
+SELECT {queue.SELECT_LIST}, umbra_now() FROM (
     SELECT metadata->'next_claims' AS claimed, organization_id AS made_in, recorded_at AS made_at FROM events
     WHERE stream = ANY(%(streams)s) AND type = 'job.completed' AND metadata ? 'next_claims'
 ) report
@@ -683,8 +713,7 @@ async def claimed_with_report(conn: psycopg.AsyncConnection, repeated: Sequence[
     """
     streams = [store.job_stream(row.id) for row in repeated]
     cur = await conn.execute(_CLAIMED_WITH_REPORT, {"streams": streams, "node": node_id})
-    taken = [queue.from_db(record) for record in await cur.fetchall()]
-    return [ClaimResult(row, row.placement) for row in taken if row.placement is not None]
+    return [claim for claim in map(_claimed_earlier, await cur.fetchall()) if claim is not None]
 
 
 async def fail(

@@ -26,6 +26,7 @@ one small transaction at a time, after the data they point at is visible.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -279,6 +280,9 @@ class GroupCommit:
         return row, follow.outcome if follow.error is None else None
 
     def _enqueue(self, command: Command) -> anyio.Event:
+        command.asked_at = time.monotonic()
+        if command.then is not None:
+            command.then.asked_at = command.asked_at
         done = anyio.Event()
         self._queue.append((command, done))
         self._ready.set()
@@ -445,7 +449,7 @@ class GroupCommit:
                             break
                         if claimed is None:
                             break
-                        command.claims.append(claimed)
+                        command.claims.append(dataclasses.replace(claimed, asked_at=command.asked_at))
                     command.outcome = command.claims[0] if command.claims else None
                 elif command.kind == "renew":
                     command.outcome = await claims.renew(

@@ -384,11 +384,26 @@ WITH RECURSIVE up(child, id) AS (
 )"""
 #: The ancestors of jobs a command changes, locked in id order (after the children, as every command does).
 _LOCK_ANCESTORS = f"{_ANCESTORS}\nSELECT id FROM jobs WHERE id IN (SELECT id FROM up) ORDER BY id FOR UPDATE"
-#: The same, taking only those no other transaction holds now (the group commit's batch waits on none):
-#: answers the children one of whose ancestors another transaction holds.
-LOCK_FREE_ANCESTORS = f"""{_ANCESTORS},
+#: The same, taking only those no other transaction holds now: answers the children one of whose ancestors
+#: another transaction holds.
+_LOCK_FREE_ANCESTORS = f"""{_ANCESTORS},
 free AS (SELECT id FROM jobs WHERE id IN (SELECT id FROM up) ORDER BY id FOR UPDATE SKIP LOCKED)
 SELECT DISTINCT up.child FROM up WHERE up.id NOT IN (SELECT id FROM free)"""
+
+
+async def ancestors_held_elsewhere(conn: psycopg.AsyncConnection, children: Sequence[UUID]) -> set[UUID]:
+    """Lock the ancestors of ``children`` that no other transaction holds; returns the children one of whose
+    ancestors another transaction holds.
+
+    For the writers that must not wait behind one row (the group commit's batch, the sweeper): a change of
+    such a child is left for later, or run alone, since settling its parent would wait for that row after
+    the append, holding the log's ordering lock (see :func:`record_and_settle`). The others' ancestors are
+    then held, so ``record_and_settle`` waits for none of them.
+    """
+    if not children:
+        return set()
+    cur = await conn.execute(_LOCK_FREE_ANCESTORS, {"children": list(children)})
+    return {child for (child,) in await cur.fetchall()}
 
 
 async def record_and_settle(

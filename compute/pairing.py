@@ -75,8 +75,13 @@ def _invalid() -> Unauthenticated:
 def _name_taken(name: str) -> Conflict:
     return Conflict(
         "node_name_taken",
-        f"A node named {name!r} already exists in this organization; pair under another name or retire and rename.",
+        f"A node named {name!r} already exists in this organization, and a node's name stays taken (a retired "
+        "node keeps its own); choose another name.",
     )
+
+
+#: Longest trust domain and locality of a node, in characters: the bounds ``POST /v1/pairings`` decodes with.
+TRUST_DOMAIN_MAX_LENGTH, LOCALITY_MAX_LENGTH = 100, 200
 
 
 def check_node_name(name: str) -> str:
@@ -84,6 +89,37 @@ def check_node_name(name: str) -> str:
     if not name or len(name) > 200:
         raise InvalidRequest("name must be 1..200 characters.", field="name")
     return name
+
+
+def check_trust_domain(trust_domain: str) -> str:
+    if not 1 <= len(trust_domain) <= TRUST_DOMAIN_MAX_LENGTH:
+        raise InvalidRequest(f"trust_domain must be 1..{TRUST_DOMAIN_MAX_LENGTH} characters.", field="trust_domain")
+    return trust_domain
+
+
+def check_locality(locality: str | None) -> str | None:
+    if locality is not None and len(locality) > LOCALITY_MAX_LENGTH:
+        raise InvalidRequest(f"locality must be at most {LOCALITY_MAX_LENGTH} characters.", field="locality")
+    return locality
+
+
+def check_ttl(ttl_seconds: int) -> int:
+    if not TTL_MIN_SECONDS <= ttl_seconds <= TTL_MAX_SECONDS:
+        raise InvalidRequest(
+            f"ttl_seconds must be between {TTL_MIN_SECONDS} and {TTL_MAX_SECONDS}.", field="ttl_seconds"
+        )
+    return ttl_seconds
+
+
+async def require_name_free(conn: psycopg.AsyncConnection, organization_id: UUID, name: str) -> None:
+    """Refuse ``name`` when a node of the organization holds it, retired or not: a code issued for it could
+    never be redeemed (redemption refuses it with ``node_name_taken``)."""
+    name = check_node_name(name)
+    if await (await conn.execute(_NAME_HELD, (organization_id, name))).fetchone() is not None:
+        raise _name_taken(name)
+
+
+_NAME_HELD = "SELECT 1 FROM nodes WHERE organization_id = %s AND name = %s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +175,15 @@ async def issue_pairing_code(
     coincidence of six digits. Issuers of the same digits serialise on them (a
     transaction-scoped advisory lock on the hash) between the check and the
     insert.
+
+    The name, trust domain, locality and lifetime are checked here, with the
+    bounds the API decodes them with, so the command line refuses what the
+    API refuses.
     """
     name = check_node_name(name)
-    if not TTL_MIN_SECONDS <= ttl_seconds <= TTL_MAX_SECONDS:
-        raise InvalidRequest(
-            f"ttl_seconds must be between {TTL_MIN_SECONDS} and {TTL_MAX_SECONDS}.", field="ttl_seconds"
-        )
+    check_trust_domain(trust_domain)
+    check_locality(locality)
+    check_ttl(ttl_seconds)
     code_id = uuid4()
     async with borrowed(db) as conn:
         salt = await _salt(conn)
@@ -270,9 +309,7 @@ async def redeem_pairing_code(
                 raise _invalid()
             organization_id, node_name, trust_domain, locality = spent
             await hold_capacity(conn, organization_id, exclusive=True)
-            taken = await (
-                await conn.execute("SELECT 1 FROM nodes WHERE organization_id = %s AND name = %s", (organization_id, node_name))
-            ).fetchone()
+            taken = await (await conn.execute(_NAME_HELD, (organization_id, node_name))).fetchone()
             if taken is not None:
                 raise _name_taken(node_name)
             node_id = uuid4()

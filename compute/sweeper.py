@@ -51,7 +51,7 @@ from umbra.settings import Settings
 from . import pairing, statistics
 from .blocked import reexamine_waiting_jobs
 from .claims import releases
-from .jobs import record_and_settle
+from .jobs import ancestors_held_elsewhere, record_and_settle
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ async def sweep_once(
 
 async def _expire_leases(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport) -> int:
     async with conn.transaction():
-        records = await (await conn.execute(_EXPIRED, (SWEEP_BATCH,))).fetchall()
+        records = await _settling_free(conn, await (await conn.execute(_EXPIRED, (SWEEP_BATCH,))).fetchall())
         if not records:
             return 0
         changes = []
@@ -176,7 +176,8 @@ async def _expire_leases(conn: psycopg.AsyncConnection, settings: Settings, repo
 
 async def _fail_blocked(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport) -> int:
     async with conn.transaction():
-        records = await (await conn.execute(_BLOCKED_TOO_LONG, (settings.blocked_timeout_seconds, SWEEP_BATCH))).fetchall()
+        found = await (await conn.execute(_BLOCKED_TOO_LONG, (settings.blocked_timeout_seconds, SWEEP_BATCH))).fetchall()
+        records = await _settling_free(conn, found)
         if not records:
             return 0
         changes = []
@@ -187,6 +188,19 @@ async def _fail_blocked(conn: psycopg.AsyncConnection, settings: Settings, repor
         report.blocked_failed += len(rows)
         await store.publish(conn, _hints(rows, lambda r: False))
     return len(records)
+
+
+_PARENT = queue.COLUMNS.index("parent_job_id")
+
+
+async def _settling_free(conn: psycopg.AsyncConnection, records: list[Any]) -> list[Any]:
+    """The records (jobs' rows, locked) to end this tick: those of a child whose ancestor another transaction
+    holds (an operator's open transaction) are left for a later tick, when it has let go. Waiting for that
+    row, the sweeper held every other organization's expired leases and timeouts, and the nodes going
+    offline, behind it."""
+    children = [record[0] for record in records if record[_PARENT] is not None]
+    held = await ancestors_held_elsewhere(conn, children)
+    return [record for record in records if record[0] not in held]
 
 
 def _hints(rows: list[queue.JobRow], claimable: Callable[[queue.JobRow], bool]) -> list[tuple[UUID, int, int]]:

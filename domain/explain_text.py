@@ -214,6 +214,8 @@ def placed_summary(
             return f"Failed for good after {ran} (of up to {max_attempts}){on}: {said}"
         return f"Failed after attempt {of_max}{on}: {said}"
     if status == "cancelled":
+        if children is not None:  # its open children were cancelled with it: all have ended now
+            return f"Cancelled as a container of {_count(children[0], 'child', 'children')}; those still open were cancelled with it."
         if where:
             return f"Cancelled while running on {where}."
         if attempt:

@@ -32,7 +32,7 @@ def diff_rows(view: str, rebuilt: Sequence[Mapping[str, Any]], live: Sequence[Ma
             out.append({"view": view, "id": str(row_id), "field": None, "rebuilt": left is not None, "live": right is not None})
             continue
         for name in sorted(set(left) | set(right)):
-            if left.get(name) != right.get(name):
+            if not jobs.same_value(left.get(name), right.get(name)):
                 out.append({"view": view, "id": str(row_id), "field": name,
                             "rebuilt": repr(left.get(name)), "live": repr(right.get(name))})  # fmt: skip
     return out

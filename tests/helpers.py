@@ -1,11 +1,15 @@
-"""Small test utilities: waiting on conditions without sleeping in assertions."""
+"""Small test utilities: waiting on conditions without sleeping in assertions, running ``umbra``."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Awaitable, Callable, Iterator, TypeVar
 
 import anyio
@@ -80,3 +84,15 @@ async def lock_held_for_a_second(db_url: str, lock_sql: str, params: tuple = ())
         async with anyio.create_task_group() as tg:
             tg.start_soon(release_later)
             yield waiter, holder
+
+
+#: The source checkout: ``python -m umbra.cli`` runs from here.
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_umbra(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``umbra ARGV`` as a process, with this environment but no UMBRA_API_KEY or UMBRA_SERVER, updated by ``env``."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("UMBRA_API_KEY", "UMBRA_SERVER")}
+    environment.update(env or {})
+    return subprocess.run([sys.executable, "-m", "umbra.cli", *argv], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from typing import Callable
 from uuid import UUID
@@ -15,6 +17,10 @@ import anyio
 
 from .errors import UmbraError
 from .settings import SettingsError, load_settings
+
+#: Named, not ``__name__``: run as ``python -m umbra.cli`` this module is ``__main__``, outside the ``umbra``
+#: logger tree that ``serve`` writes as JSON.
+log = logging.getLogger("umbra.cli")
 
 #: Subcommand registrars: each adds its parsers to the subparsers object.
 Registrar = Callable[[argparse._SubParsersAction], None]
@@ -65,13 +71,29 @@ def _with_database(fn, *, migrating: bool = True):
 # -- bootstrap -----------------------------------------------------------------
 
 
+async def _migrate(url: str) -> tuple[list[str], list[str]]:
+    """Apply the pending migrations; returns those applied and those the database holds that this release
+    does not ship (a newer release migrated it)."""
+    from .db import connect
+    from .migrate import migrate, migrations_ahead
+
+    applied = await migrate(url)
+    async with await connect(url) as conn:
+        return applied, await migrations_ahead(conn)
+
+
 def cmd_migrate(args) -> int:
     from .db import database
-    from .migrate import migrate
 
     with database(load_settings()) as url:
-        applied = anyio.run(migrate, url)
-    print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else "; schema is current"))
+        applied, ahead = anyio.run(_migrate, url)
+    said = [f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else "")]
+    if ahead:  # not refused: servers of this release may run against it while a newer one rolls out
+        said.append(f"the schema is ahead of this release: a newer release applied {len(ahead)} migration(s) "
+                    f"this one does not ship ({', '.join(ahead)})")  # fmt: skip
+    elif not applied:
+        said.append("schema is current")
+    print("; ".join(said))
     return 0
 
 
@@ -136,7 +158,6 @@ def cmd_serve(args) -> int:
     from .db import database
     from .embedded import install_exit_on_sigterm
     from .logs import configure_logging
-    from .migrate import migrate
 
     settings = load_settings()
     configure_logging(settings.log_level)
@@ -146,7 +167,10 @@ def cmd_serve(args) -> int:
     with database(settings) as url:
         install_exit_on_sigterm()  # a server asked to stop has stopped: status 0
         try:
-            anyio.run(migrate, url)
+            _, ahead = anyio.run(_migrate, url)
+            if ahead:  # a newer release migrated the database: served all the same, as during a rolling upgrade
+                log.warning("the schema is ahead of this release",
+                            extra={"action": "schema_ahead_of_release", "migrations": ",".join(ahead)})
             app = create_app(settings, url)
             serve(app, host=host, port=port)  # ends SSE streams and long-polls on shutdown
         except KeyboardInterrupt:
@@ -278,27 +302,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit status: 0 done, 2 a refused argument or configuration, 130 Ctrl-C, and for a
+    refusal or an error the command's ``failure_status`` (1; ``verify`` keeps 1 for drift and fails with 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    failed = getattr(args, "failure_status", 1)
+    status = 0
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that closed the pipe is met here, not at the interpreter's exit
+        return status
     except SettingsError as exc:
         print(f"umbra: configuration error: {exc}", file=sys.stderr)
         return 2
     except UmbraError as exc:
         print(f"umbra: {exc.code}: {exc.message}", file=sys.stderr)
-        return 1
+        return failed
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # one line, no traceback
         from .db import database_away
 
         exc = _leaf(exc)
+        if isinstance(exc, BrokenPipeError):  # the reader has what it wanted: done, quietly, as cat(1) and grep(1) are
+            detach_stdout()
+            return status  # a verdict given before (verify's drift) stands
         if database_away(exc):
             print(f"umbra: database_unavailable: {_first_line(exc)}", file=sys.stderr)
         else:
             print(f"umbra: error: {type(exc).__name__}: {_first_line(exc)}{_server_of(exc)}", file=sys.stderr)
-        return 1
+        return failed
+
+
+def detach_stdout() -> None:
+    """Point stdout at /dev/null once its reader has closed it (``umbra events tail | head -1``), so what is
+    still buffered is flushed there at exit instead of failing again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout without a descriptor (captured): it has no pipe to lose
+        pass
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -3,13 +3,17 @@
 They talk to the database directly (like ``create-org``) and call the same
 commands as the HTTP API, so a node drained from the shell records the same
 ``node.draining`` event, attributed to ``cli``. The pairing code is printed
-once and is never logged.
+once and is never logged. ``pairing-code`` also refuses a name a node already
+holds: the code would be refused at redemption (``POST /v1/pairings`` issues it
+all the same, as the contract says), and an operator at a shell would only
+find out on the node.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 
 #: The actor recorded in events these commands append.
 CLI_ACTOR = "cli"
@@ -26,10 +30,11 @@ def _admin_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
 
 async def _pairing_code(conn, args) -> int:
     from umbra.compute.accounts import require_organization
-    from umbra.compute.pairing import issue_pairing_code
+    from umbra.compute.pairing import issue_pairing_code, require_name_free
 
     async with conn.transaction():
         await require_organization(conn, args.org)
+        await require_name_free(conn, args.org, args.name)  # else the code could never be redeemed
         issued = await issue_pairing_code(
             conn, args.org, args.name, trust_domain=args.trust_domain, locality=args.locality, ttl_seconds=args.ttl
         )
@@ -38,8 +43,28 @@ async def _pairing_code(conn, args) -> int:
         print(json.dumps({"code": issued.code, "node_name": issued.node_name, "expires_at": expires}))
     else:
         print(f"pairing code for {issued.node_name}: {issued.code} (single use, expires {expires})")
-        print(f"on the node: umbra agent --server URL --name {issued.node_name} --code {issued.code}")
+        print(f"on the node: umbra agent --server URL --name {shlex.quote(issued.node_name)} --code {issued.code}")
     return 0
+
+
+def _pairing_checked(check: str, convert=str):
+    """An argparse ``type``: ``convert`` the text, then check it with :mod:`umbra.compute.pairing`'s ``check``,
+    the check :func:`~umbra.compute.pairing.issue_pairing_code` makes, so a value it refuses is refused as an
+    argument (exit 2) before the database is opened. Imported when an argument is parsed, not when any
+    command's parser is built."""
+
+    def parse(text: str):
+        from umbra.compute import pairing
+        from umbra.errors import InvalidRequest
+
+        try:
+            return getattr(pairing, check)(convert(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        except InvalidRequest as refused:
+            raise argparse.ArgumentTypeError(refused.message) from None
+
+    return parse
 
 
 def _node_json(state) -> dict:
@@ -48,6 +73,7 @@ def _node_json(state) -> dict:
 
 def _node_command(name: str):
     async def run(conn, args) -> int:
+        from umbra.cli_events import printable
         from umbra.compute import credentials, nodes
 
         if name == "drain":
@@ -61,9 +87,9 @@ def _node_command(name: str):
             out = {**_node_json(state), "revoked_credentials": [str(c) for c in revoked]}
         if args.json:
             print(json.dumps(out))
-        else:
+        else:  # the name is the node's: it may hold what a terminal would act on
             for key, value in out.items():
-                print(f"{key}: {','.join(value) if isinstance(value, list) else value}")
+                print(printable(f"{key}: {','.join(value) if isinstance(value, list) else value}"))
         return 0
 
     return run
@@ -84,13 +110,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pairing-code",
         help="issue a single-use pairing code for a named node",
         description="Issue a six-digit, single-use pairing code bound to a node name. "
-        "It is shown once; the node is created when an agent redeems it.",
+        "It is shown once; the node is created when an agent redeems it. A node's name stays taken, "
+        "retired nodes' too: a machine paired again is paired under a new name.",
     )
     p.add_argument("--org", type=_uuid, required=True, help="organization id")
-    p.add_argument("--name", required=True, help="the node name the code is bound to")
-    p.add_argument("--ttl", type=int, default=600, help="lifetime in seconds, 60..1800 (default 600)")
-    p.add_argument("--trust-domain", default="local", help="trust domain of the node (default local)")
-    p.add_argument("--locality", default=None, help="where the node is (free text)")
+    p.add_argument("--name", type=_pairing_checked("check_node_name"), required=True,
+                   help="the node name the code is bound to, 1..200 characters, one no node holds (retired or not)")
+    p.add_argument("--ttl", type=_pairing_checked("check_ttl", int), default=600,
+                   help="lifetime in seconds, 60..1800 (default 600)")
+    p.add_argument("--trust-domain", type=_pairing_checked("check_trust_domain"), default="local",
+                   help="trust domain of the node, 1..100 characters (default local)")
+    p.add_argument("--locality", type=_pairing_checked("check_locality"), default=None,
+                   help="where the node is (free text, at most 200 characters)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_with_database(_pairing_code))
 

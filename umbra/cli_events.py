@@ -329,13 +329,18 @@ async def _verify(conn, args) -> int:
         differences = await verify(conn, args.org)
         tg.cancel_scope.cancel()
     elapsed = anyio.current_time() - started
-    if args.json:
-        print(json.dumps({"ok": not differences, "differences": differences}))
-    else:
-        for difference in differences:
-            print(format_difference(difference))
-        verdict = f"{len(differences)} difference(s)" if differences else "views match the log"
-        print(f"{verdict} ({events} events, {elapsed:.1f}s)")
+    try:
+        if args.json:
+            print(json.dumps({"ok": not differences, "differences": differences}))
+        else:
+            for difference in differences:
+                print(format_difference(difference))
+            verdict = f"{len(differences)} difference(s)" if differences else "views match the log"
+            print(f"{verdict} ({events} events, {elapsed:.1f}s)")
+    except BrokenPipeError:  # `umbra verify | head`: the reader stopped reading, and the status is still the verdict
+        from umbra.cli import detach_stdout
+
+        detach_stdout()
     return 1 if differences else 0
 
 
@@ -373,8 +378,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "verify",
         help="rebuild the projections from the log and diff them against the live tables",
         description="Rebuild the queue and node views from the event log (on the database directly) and "
-        "compare them row by row with the live tables. Exits 1 when anything differs.",
+        "compare them row by row with the live tables. Exits 1 when anything differs, 2 when it could not "
+        "compare (the database unreachable or behind this version, an unknown --org).",
     )
     p.add_argument("--org", type=_uuid, default=None, help="only this organization (default: all)")
     p.add_argument("--json", action="store_true", help='print {"ok", "differences"} as JSON')
-    p.set_defaults(func=_with_database(_verify, migrating=False))
+    # 1 means drift alone (as for diff(1)), so `umbra verify || alert "views drifted"` never alerts for an outage
+    p.set_defaults(func=_with_database(_verify, migrating=False), failure_status=2)

@@ -82,3 +82,18 @@ async def pending_migrations(conn: psycopg.AsyncConnection) -> list[str]:
     if exists and exists[0]:
         done = {row[0] for row in await (await conn.execute("SELECT version FROM schema_migrations")).fetchall()}
     return [m.name for m in available_migrations() if m.version not in done]
+
+
+async def migrations_ahead(conn: psycopg.AsyncConnection) -> list[str]:
+    """Names of migrations the database has applied that this release does not ship, oldest first.
+
+    A newer release migrated the database: during a rolling upgrade servers of
+    the previous release still run against it (a migration keeps what they use,
+    see 0032), so this is said, not refused.
+    """
+    exists = await (await conn.execute("SELECT to_regclass('schema_migrations') IS NOT NULL")).fetchone()
+    if not (exists and exists[0]):
+        return []
+    shipped = {m.version for m in available_migrations()}
+    rows = await (await conn.execute("SELECT version, name FROM schema_migrations ORDER BY version")).fetchall()
+    return [name for version, name in rows if version not in shipped]

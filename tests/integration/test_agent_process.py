@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -130,6 +131,25 @@ async def test_pairs_into_a_private_file_and_sigterm_finishes_the_current_job(se
     assert stored["node_id"] == node["id"] and stored["server"] == server.url
     assert stored["credential"] not in agent.stderr.decode() + agent.stdout.decode(), "the credential is never logged"
     assert code not in agent.stderr.decode()
+
+
+async def test_the_credential_and_the_pairing_code_never_reach_the_agents_output_even_at_debug(server, api, tmp_path):
+    """An agent's output goes to terminals and log collectors: pairing, running a job and stopping at DEBUG,
+    neither the credential (kept in its 0600 file alone) nor the pairing code it redeemed is ever printed."""
+    credential_file = tmp_path / "credential.json"
+    code = await _code(api, "quiet-box")
+    job_id = await _submit(api, "echo", {"hello": 1})
+    async with agent_process("--server", server.url, "--code", code, "--name", "quiet-box",
+                             "--credential-file", str(credential_file), "--log-level", "debug") as agent:
+        await eventually(lambda: _job(api, job_id, "complete"), timeout=30)
+        agent.process.send_signal(signal.SIGTERM)
+        assert await agent.wait() == 0, agent.stderr.decode()[-500:]
+    credential = json.loads(credential_file.read_text())["credential"]
+    assert stat.S_IMODE(credential_file.stat().st_mode) == 0o600
+    text = (agent.stdout + agent.stderr).decode()
+    assert "job_finished" in text and "paired as quiet-box" in text
+    assert credential.split("_", 2)[2] not in text and credential not in text
+    assert not re.search(rf"(?<![0-9]){code}(?![0-9])", text), "the pairing code reached the agent's output"
 
 
 async def test_a_restart_reuses_the_credential_and_gives_a_job_back_after_the_grace_period(server, api, tmp_path):

@@ -8,6 +8,7 @@ interleaved so positions between a job's own events are checked too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from uuid import UUID
 
@@ -16,10 +17,14 @@ import httpx
 import pytest
 
 from umbra.cli import main
-from umbra.compute import claims
+from umbra.compute import claims, jobs
 from umbra.compute.accounts import create_organization
+from umbra.compute.sweeper import sweep_once
+from umbra.events import store
+from umbra.projections import jobs as queue
 
 from .queue_support import CPU64, add_node, set_clock, submit
+from .test_sweeper import SETTINGS, claim
 from tests.helpers import bearer
 
 pytestmark = pytest.mark.anyio
@@ -112,6 +117,28 @@ async def test_every_position_of_a_decomposition_for_the_parent_and_each_child(c
     assert [s["status"] for s in timeline.states[str(parent.id)]] == ["queued", "running", "running", "partial"]
     assert timeline.states[str(parent.id)][-1]["error"] == "1 of 2 children failed"
     assert await timeline.check_every_position() > 10
+
+
+async def test_as_of_the_head_equals_the_live_job_after_sweeper_driven_transitions(conn, org):
+    """A fold of the job's events up to the head equals its row, timestamps included, for jobs moved by
+    time alone: a lease expired and requeued, a lease expired on the last attempt, a blocked timeout."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    requeued = await submit(conn, org_id, max_attempts=3)
+    spent = await submit(conn, org_id, max_attempts=1)
+    blocked = await submit(conn, org_id, requires={"accelerators": ["rocm"]})
+    await claim(conn, org_id, node, lease_seconds=5)
+    await claim(conn, org_id, node, lease_seconds=5)
+    await set_clock(conn, 10)
+    settings = dataclasses.replace(SETTINGS, blocked_timeout_seconds=5)
+    report = await sweep_once(conn, settings, reexamine=False)
+    assert (report.leases_requeued, report.leases_failed, report.blocked_failed) == (1, 1, 1)
+    head = await store.head_position(conn)
+    for job in (requeued, spent, blocked):
+        live = await jobs.get_job(conn, org_id, job.id)
+        folded = await jobs.get_job(conn, org_id, job.id, as_of=head)
+        assert queue.to_json(folded) == queue.to_json(live)
+    assert (await jobs.get_job(conn, org_id, spent.id)).status == "failed"
 
 
 async def test_as_of_refuses_bad_positions_and_other_organizations(client, conn, org):

@@ -1,46 +1,24 @@
-"""``umbra events tail|replay`` over HTTP and ``umbra verify`` on the database."""
+"""``umbra events tail|replay`` and ``umbra jobs explain`` over HTTP, and ``umbra verify`` on the database."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import uuid
 import subprocess
 import sys
-from pathlib import Path
 
 import anyio
 import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.helpers import eventually
-from umbra.cli import main
+from tests.helpers import ROOT, eventually, run_umbra
 
 pytestmark = pytest.mark.anyio
 
-ROOT = Path(__file__).resolve().parents[2]
 CPU = {"kind": "cpu", "label": "cpu0", "ram_total_mb": 8192, "ram_free_mb": 8000}
-
-
-@pytest.fixture
-def cli(db_url, monkeypatch, capsys):
-    monkeypatch.setenv("UMBRA_DATABASE_URL", db_url)
-    monkeypatch.delenv("UMBRA_API_KEY", raising=False)
-
-    async def run(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        status = await anyio.to_thread.run_sync(main, list(argv))
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return run
-
-
-@pytest.fixture
-async def api(live_server, org):
-    async with httpx.AsyncClient(base_url=live_server.url, headers={"Authorization": f"Bearer {org[1]}"}) as client:
-        yield client
 
 
 async def submit(api, kind: str = "echo", **payload) -> dict:
@@ -192,6 +170,40 @@ async def test_verify_passes_on_a_consistent_database_and_reports_a_tampered_row
     assert [(d["view"], d["id"], d["field"]) for d in report["differences"]] == [("queue", job["id"], "priority")]
 
 
+def test_verify_exits_2_when_it_could_not_compare_and_1_only_for_drift(db_url):
+    """``umbra verify`` exits 1 only when the views differ from the log (as diff(1) does), so
+    ``umbra verify || alert "views drifted"`` never alerts for an outage: a database it cannot reach, an
+    organization that does not exist, exit 2, saying why in one line."""
+    unreachable = f"postgresql://nobody@127.0.0.1:{free_port()}/x"
+    done = run_umbra("verify", env={"UMBRA_DATABASE_URL": unreachable})
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.startswith("umbra: database_unavailable:") and done.stderr.count("\n") == 1, done.stderr
+    done = run_umbra("verify", "--org", str(uuid.uuid4()), env={"UMBRA_DATABASE_URL": db_url})
+    assert done.returncode == 2 and done.stderr.startswith("umbra: organization_not_found:"), done.stderr
+
+
+@pytest.mark.parametrize("drifted", [False, True], ids=["matching", "drifted"])
+async def test_verify_into_a_pipe_its_reader_closed_still_exits_with_its_verdict(api, conn, db_url, drifted):
+    """``umbra verify | head``: a reader that stops reading does not turn drifted views into success, nor a
+    clean audit into an error; stderr says nothing of the pipe."""
+    job = await submit(api)
+    if drifted:
+        await conn.execute("UPDATE jobs SET priority = 7 WHERE id = %s", (job["id"],))
+
+    def verify_into_a_closed_pipe() -> tuple[int, str]:
+        env = {k: v for k, v in os.environ.items() if k != "UMBRA_API_KEY"} | {"UMBRA_DATABASE_URL": db_url}
+        process = subprocess.Popen([sys.executable, "-m", "umbra.cli", "verify"], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        process.stdout.close()  # the reader is gone before verify says a word
+        with process.stderr:
+            err = process.stderr.read().decode()
+        return process.wait(timeout=60), err
+
+    status, err = await anyio.to_thread.run_sync(verify_into_a_closed_pipe)
+    assert status == (1 if drifted else 0), (status, err)
+    assert [line.split(":")[0] for line in err.splitlines()] == ["umbra verify"], err
+
+
 async def test_verify_shows_progress_while_a_long_rebuild_runs(cli, monkeypatch):
     import umbra.cli_events as cli_events
     import umbra.projections.verify as verifying
@@ -225,3 +237,68 @@ def test_tail_follow_against_an_unreachable_server_fails_like_tail_does():
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"still retrying after 20 s; stderr: {exc.stderr!r}") from None
     assert follow.returncode != 0 and "ConnectError" in follow.stderr
+
+
+async def test_http_clients_say_a_refused_server_and_a_wrong_key_in_one_line(cli, live_server, org):
+    """``events tail|replay`` and ``jobs explain``: nothing listening is one line naming the server; a wrong
+    key is ``umbra: unauthenticated: ...``; no key says to pass --api-key or set UMBRA_API_KEY. Each exits 1,
+    and none repeats the key."""
+    some_id = str(uuid.uuid4())
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    for command in (["events", "tail"], ["events", "replay", some_id], ["jobs", "explain", some_id]):
+        status, out, err = await cli(*command, "--server", nowhere, "--api-key", org[1])
+        assert status == 1 and err.count("\n") == 1 and nowhere in err and "Traceback" not in err, (command, err)
+        assert org[1] not in err, "the key was echoed"
+        status, _, err = await cli(*command, "--server", live_server.url, "--api-key", "uk_0123456789_wrong")
+        assert status == 1 and err.startswith("umbra: unauthenticated:") and err.count("\n") == 1, (command, err)
+        status, _, err = await cli(*command, "--server", live_server.url)
+        assert status == 1 and "UMBRA_API_KEY" in err and err.count("\n") == 1, (command, err)
+
+
+def _tail(live_server, api_key: str, *flags: str, **popen) -> subprocess.Popen:
+    """``umbra events tail FLAGS`` as a process, its stdout and stderr piped."""
+    env = {k: v for k, v in os.environ.items() if k != "UMBRA_API_KEY"}
+    return subprocess.Popen([sys.executable, "-m", "umbra.cli", "events", "tail", *flags, "--server", live_server.url,
+                             "--api-key", api_key], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            **popen)  # fmt: skip
+
+
+async def test_tail_into_a_pipe_its_reader_closed_ends_quietly(api, live_server, org):
+    """``umbra events tail | head -1``: once the reader has what it wanted and closes the pipe, tail ends as
+    cat(1) or grep(1) would, exit 0 and nothing on stderr, so ``set -o pipefail`` sees no failure."""
+    jobs = [{"kind": "echo", "payload": {"pad": "p" * 900, "i": i}} for i in range(100)]
+    for _ in range(3):  # > 300 kB of output: well past a pipe's buffer
+        assert (await api.post("/v1/jobs/batch", json={"jobs": jobs})).status_code == 201
+
+    def tail_into_head() -> tuple[int, str]:
+        process = _tail(live_server, org[1])
+        process.stdout.readline()
+        process.stdout.close()  # head -1 has its line
+        status = process.wait(timeout=60)
+        with process.stderr:
+            return status, process.stderr.read().decode()
+
+    status, err = await anyio.to_thread.run_sync(tail_into_head)
+    assert (status, err) == (0, "")
+
+
+async def test_ctrl_c_ends_tail_follow_with_130_and_no_traceback(api, live_server, org):
+    """``events tail --follow`` runs until Ctrl-C: SIGINT ends it with exit 130, as a shell reports an
+    interrupted command, and no traceback."""
+    await submit(api)
+
+    def follow_then_interrupt() -> tuple[int, str]:
+        process = _tail(live_server, org[1], "--follow",
+                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+        try:
+            process.stdout.readline()  # streaming: the job's event is printed
+            process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=20)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+        return process.returncode, err.decode()
+
+    status, err = await anyio.to_thread.run_sync(follow_then_interrupt)
+    assert status == 130 and "Traceback" not in err, (status, err)

@@ -106,3 +106,31 @@ async def test_a_database_migrated_through_0029_gets_the_kind_shapes_function_an
     assert old == ['{"ram_min_mb": 10}']  # requirements, as servers before 0029 decode them
     claimed = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
     assert claimed is not None and claimed.job_id == job.id
+
+
+async def test_containers_split_before_0036_are_placed_nowhere_as_today_s_fold_leaves_them(conn, org):
+    """Until 0036 a container (a job split into children) kept its claim's placement, as if it still ran on
+    the node that split it; the migration brings those rows in line with today's fold, so verify finds them
+    equal to a rebuild, and leaves every other job's placement alone."""
+    from umbra.compute import claims
+    from umbra.projections.verify import verify
+
+    from .queue_support import CPU64, add_node, spec, submit
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    parent = await submit(conn, org_id, "split")
+    running = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
+    await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=running.attempt,
+                              children=[spec("part")])  # fmt: skip
+    child = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
+    placed = "SELECT placement IS NOT NULL FROM jobs WHERE id = %s"
+    assert (await (await conn.execute(placed, (parent.id,))).fetchone())[0] is False
+    # The row as the fold of old left it.
+    await conn.execute("UPDATE jobs SET placement = (SELECT placement FROM jobs WHERE id = %s) WHERE id = %s",
+                       (child.job_id, parent.id))  # fmt: skip
+    assert any(d.get("id") == str(parent.id) for d in await verify(conn, org_id))
+    [migration] = [m for m in available_migrations() if m.version == 36]
+    await conn.execute(migration.sql)
+    assert await verify(conn, org_id) == []
+    assert (await (await conn.execute(placed, (child.job_id,))).fetchone())[0] is True

@@ -1,5 +1,6 @@
-"""Operations: `umbra serve` as a process (its listen address, its logs, /metrics at start) and `umbra verify`
-run by an auditor's read-only role."""
+"""Operations: `umbra serve` and `umbra migrate` as processes (the listen address, the logs, /metrics at start,
+a database that is away, misconfigured or ahead of this release) and `umbra verify` run by an auditor's
+read-only role."""
 
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ import psycopg
 from psycopg import conninfo, sql
 
 from tests.conftest import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, run_umbra
 
 
 @contextlib.contextmanager
@@ -134,3 +134,54 @@ def test_verify_refuses_a_database_behind_this_version_without_migrating_it(db_u
     assert done.returncode != 0 and "migrations_pending" in done.stderr and "umbra migrate" in done.stderr, done.stderr
     with psycopg.connect(db_url, autocommit=True) as admin:
         assert admin.execute("SELECT count(*) FROM schema_migrations WHERE version = %s", (last,)).fetchone() == (0,)
+
+
+def test_a_database_that_refuses_connections_is_one_line_per_command_without_its_password():
+    """`migrate`, `admin create-org`, `verify` and `serve` against a database nothing answers at: one line
+    `umbra: database_unavailable: ...` on stderr, no traceback, the URL's password not repeated; exit 1
+    (`verify` 2, keeping 1 for drifted views)."""
+    url = f"postgresql://nobody:S3CRETPW@127.0.0.1:{free_port()}/x"
+    for argv, status in ((["migrate"], 1), (["admin", "create-org", "acme"], 1), (["verify"], 2),
+                         (["serve", "--port", str(free_port())], 1)):  # fmt: skip
+        done = run_umbra(*argv, env={"UMBRA_DATABASE_URL": url})
+        assert done.returncode == status, (argv, done.returncode, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("umbra: database_unavailable:"), (argv, done.stderr)
+        assert "S3CRETPW" not in done.stderr + done.stdout and "Traceback" not in done.stderr
+
+
+def test_serve_on_a_busy_port_says_so_and_fails(db_url):
+    """`umbra serve --port P` with P taken exits non-zero at once, saying the address is in use in a JSON
+    log line, with no traceback, and does not hang."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = run_umbra("serve", "--port", str(taken.getsockname()[1]), env={"UMBRA_DATABASE_URL": db_url})
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    said = [json.loads(line) for line in done.stderr.splitlines() if "address already in use" in line]
+    assert said and said[0]["level"] == "error", done.stderr
+
+
+def test_a_database_a_newer_release_migrated_is_said_to_be_ahead_and_still_served(db_url):
+    """A database holding migrations this release does not ship (a newer release migrated it: a rolling
+    upgrade under way, or a rollback) is not "current": `umbra migrate` says the schema is ahead, naming
+    them, and exits 0; `umbra serve` logs a warning naming them and serves all the same (servers of the
+    previous release run against the newer schema during a rolling upgrade), /readyz included."""
+    with psycopg.connect(db_url, autocommit=True) as admin:
+        admin.execute("INSERT INTO schema_migrations (version, name) VALUES (9999, '9999_from_a_newer_release.sql')")
+    done = run_umbra("migrate", env={"UMBRA_DATABASE_URL": db_url})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("applied 0 migration(s); the schema is ahead of this release:"), done.stdout
+    assert "9999_from_a_newer_release.sql" in done.stdout and "current" not in done.stdout
+    with serve(db_url) as (_process, port, log):
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert ready.status_code == 200, ready.text
+    warnings = [r for r in records if r.get("action") == "schema_ahead_of_release"]
+    assert [(r["level"], r["migrations"]) for r in warnings] == [("warning", "9999_from_a_newer_release.sql")]
+
+
+def test_migrate_on_a_current_database_says_so(db_url):
+    """What `umbra migrate` says once nothing is left to apply, and nothing is ahead."""
+    done = run_umbra("migrate", env={"UMBRA_DATABASE_URL": db_url})
+    assert (done.returncode, done.stdout) == (0, "applied 0 migration(s); schema is current\n"), done.stderr

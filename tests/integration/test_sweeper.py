@@ -10,7 +10,10 @@ import psycopg
 import pytest
 
 from umbra.compute import claims, jobs, sweeper
+from umbra.compute.accounts import create_organization
+from umbra.compute.claims import ChildRequest
 from umbra.compute.sweeper import SWEEPER_LOCK_KEY, sweep_once
+from umbra.db import connect
 from umbra.events import store
 from umbra.projections import jobs as queue
 from umbra.settings import load_settings
@@ -223,8 +226,6 @@ async def test_a_tick_analyses_the_queue_once_it_has_outgrown_its_statistics(con
 
 async def test_a_sweep_that_changes_several_organizations_sends_one_notification(db_url, conn, org):
     """At most one NOTIFY per channel per transaction: every organization's hint rides in it."""
-    from umbra.compute.accounts import create_organization
-
     other, _ = await create_organization(conn, "globex")
     expected = {}
     for org_id, name in ((org[0], "a"), (other, "b")):
@@ -259,3 +260,36 @@ async def test_a_released_claim_is_not_charged_when_a_lease_expires(conn, org):
     await set_clock(conn, 31 + SETTINGS.lease_expired_delay_seconds + 31)
     assert ((report := await sweep_once(conn, SETTINGS)).leases_requeued, report.leases_failed) == (0, 1)
     assert (await queue.load(conn, job.id, org_id)).status == "failed"
+
+
+async def test_an_expired_child_whose_container_is_held_elsewhere_waits_for_a_later_tick(db_url, conn, org):
+    """A row another session holds (an operator's open ``BEGIN; SELECT ... FOR UPDATE``) holds up only what
+    needs it: an expired child whose container is held is left as it was for a later tick, and the same tick
+    recovers every other expired lease (another organization's here) without waiting for that row. Once the
+    holder lets go, the next tick expires the child."""
+    org_id, _ = org
+    a = await add_node(conn, org_id, "a", [CPU64])
+    parent = await submit(conn, org_id, "p")
+    got = await claim(conn, org_id, a)
+    (k,) = await claims.add_children(conn, organization_id=org_id, node_id=a, job_id=parent.id, attempt=got.attempt,
+                                     children=[ChildRequest(kind="part")])  # fmt: skip
+    assert (await claim(conn, org_id, a, lease_seconds=5)).job_id == k.id
+    other_org, _ = await create_organization(conn, "other")
+    b = await add_node(conn, other_org, "b", [CPU64])
+    unrelated = await submit(conn, other_org, "u")
+    assert (await claim(conn, other_org, b, lease_seconds=6)).job_id == unrelated.id
+    async with await psycopg.AsyncConnection.connect(db_url) as operator, await connect(db_url) as own:
+        await operator.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (parent.id,))  # its transaction left open
+        await set_clock(own, 30)  # the sweeper's own connection, as compute.sweeper.run has it
+        with anyio.fail_after(8):
+            held = await sweep_once(own, SETTINGS, reexamine=False)
+        assert held.leases_requeued == 1
+        assert (await queue.load(conn, unrelated.id, other_org)).status == "queued"
+        child = await queue.load(conn, k.id, org_id)
+        assert (child.status, child.lease_owner) == ("running", a)
+        await operator.rollback()
+        with anyio.fail_after(8):
+            released = await sweep_once(own, SETTINGS, reexamine=False)
+    assert released.leases_requeued == 1
+    child = await queue.load(conn, k.id, org_id)
+    assert (child.status, child.lease_owner, child.attempt) == ("queued", None, 1)

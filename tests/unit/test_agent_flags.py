@@ -1,5 +1,6 @@
 """``umbra agent``'s flags: a value the agent cannot use is refused at start with a clear error
-naming the flag, never accepted and found out later (no database, no server)."""
+naming the flag (exit 2, as every refused argument), never accepted and found out later (no
+database, no server)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_devices_the_server_accepts_are_kept_in_order():
     assert _parse().device == [], "no --device: discovery (and the default list is never appended to)"
 
 
-# -- --heartbeat / --grace -----------------------------------------------------------------
+# -- --heartbeat, --grace, --claim-wait, --concurrency, --log-level -----------------------------
 
 def _agent(*argv: str, tmp_path: Path) -> subprocess.CompletedProcess:
     """``umbra agent ARGV`` as a process, with no credential: it stops at start either way."""
@@ -102,22 +103,39 @@ def _agent(*argv: str, tmp_path: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("argv", [("--heartbeat", "0"), ("--heartbeat", "-3"), ("--heartbeat", "nan"),
                                   ("--heartbeat", "0.5"), ("--heartbeat", "301"), ("--heartbeat", "inf"),
-                                  ("--grace", "-1"), ("--grace", "nan"), ("--grace", "3601")],
+                                  ("--grace", "-1"), ("--grace", "nan"), ("--grace", "3601"),
+                                  ("--claim-wait", "-1"), ("--claim-wait", "99"), ("--concurrency", "0"),
+                                  ("--concurrency", "65"), ("--concurrency", "x"), ("--concurrency", "1.5"),
+                                  ("--log-level", "bogus")],
                          ids=lambda argv: "=".join(argv).removeprefix("--"))
-def test_heartbeat_and_grace_out_of_range_are_refused_naming_the_flag(argv, tmp_path):
-    """With --heartbeat 0 a failed beat was retried at once, hammering a server that is down; the ranges
-    are the ones --help gives (heartbeat 1..300 s, grace 0..3600 s)."""
-    done = _agent(*argv, tmp_path=tmp_path)
-    assert done.returncode == 1
-    assert done.stderr.startswith(f"umbra: invalid_request: {argv[0]} must be between"), done.stderr
+def test_a_flag_out_of_its_range_is_refused_as_an_argument_naming_it(argv, capsys):
+    """A value out of the range --help gives (heartbeat 1..300 s, grace 0..3600 s, claim wait 0..60 s,
+    concurrency 1..64, a log level) exits 2 with one line naming the flag, as every refused argument does,
+    so a wrapper tells a mistyped flag from a refusal by the server (exit 1). With --heartbeat 0 a failed
+    beat would be retried at once, hammering a server that is down."""
+    err = _refused(capsys, *argv)
+    assert err.startswith(f"umbra: invalid_request: umbra agent: argument {argv[0]}: ") and err.count("\n") == 1, err
+    assert err.rstrip().endswith("(see umbra agent --help)"), err
 
 
-def test_heartbeat_and_grace_at_their_bounds_are_accepted(tmp_path):
+def test_a_flag_out_of_its_range_exits_2_from_the_command_too(tmp_path):
+    """The same refusal from ``umbra agent`` as a process: exit 2, one line, before any credential is read."""
+    done = _agent("--concurrency", "0", tmp_path=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("umbra: invalid_request: umbra agent: argument --concurrency: must be between 1 and 64")
+
+
+def test_flags_at_their_bounds_are_accepted(tmp_path):
     """Past the range checks, the agent stops only for want of a credential."""
-    done = _agent("--heartbeat", "1", "--grace", "0", tmp_path=tmp_path)
+    done = _agent("--heartbeat", "1", "--grace", "0", "--claim-wait", "0", "--concurrency", "1", tmp_path=tmp_path)
     assert done.returncode == 1 and done.stderr.startswith("umbra: credential_file:"), done.stderr
-    done = _agent("--heartbeat", "300", "--grace", "3600", tmp_path=tmp_path)
+    done = _agent("--heartbeat", "300", "--grace", "3600", "--claim-wait", "60", "--concurrency", "64",
+                  "--log-level", "debug", tmp_path=tmp_path)  # fmt: skip
     assert done.returncode == 1 and done.stderr.startswith("umbra: credential_file:"), done.stderr
+
+
+def test_the_log_level_is_taken_in_any_case():
+    assert _parse("--log-level", "warning").log_level == "WARNING" and _parse().log_level == "INFO"
 
 
 @pytest.mark.parametrize("heartbeat", [0.0, -1.0, math.nan, math.inf])

@@ -20,6 +20,15 @@ def test_the_backoff_schedule_doubles_from_five_seconds_and_caps_at_ten_minutes(
     assert backoff_seconds(0) == 5
 
 
+def test_the_backoff_is_the_formula_for_every_attempt_and_never_overflows():
+    """``min(5 s × 2^(attempt−1), 600 s)`` for attempts 1..100 and far beyond; no huge ints, no error."""
+    for attempt in range(1, 101):
+        assert backoff_seconds(attempt) == min(5 * 2 ** (attempt - 1), 600)
+    for attempt in (10**6, 2**63, 10**100):
+        assert backoff_seconds(attempt) == 600
+    assert backoff_seconds(0) == backoff_seconds(-5) == 5
+
+
 def test_retry_only_while_attempts_remain_and_only_when_asked():
     assert should_retry(retry_requested=True, attempt=2, max_attempts=3)
     assert not should_retry(retry_requested=True, attempt=3, max_attempts=3)

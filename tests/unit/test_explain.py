@@ -234,6 +234,9 @@ def test_placed_and_finished_sentences_name_the_recorded_placement():
         "Failed without running: no_eligible_device: nope."
     )
     assert placed_summary(status="cancelled", attempt=0, lease_seconds_left=None, **unplaced) == "Cancelled before it ran."
+    assert placed_summary(status="cancelled", attempt=1, lease_seconds_left=None, **{**container, "placement": None}) == (
+        "Cancelled as a container of 5 children; those still open were cancelled with it."
+    )  # a container runs on no node: never "cancelled while running on" the node that split it
     assert placed_summary(status="partial", attempt=1, lease_seconds_left=None,
                           **{**container, "error": "1 of 5 children failed"}) == "Partial: 1 of 5 children failed."  # fmt: skip
     with pytest.raises(ValueError):

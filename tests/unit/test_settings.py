@@ -95,13 +95,16 @@ def test_a_stale_threshold_not_above_the_heartbeat_interval_is_refused(interval,
         load_settings({"UMBRA_HEARTBEAT_INTERVAL_SECONDS": interval, "UMBRA_HEARTBEAT_STALE_SECONDS": stale})
 
 
+@pytest.mark.parametrize("url", ["postgresql//umbra:Hunter2-s3cret@db.internal/umbra", "mysql://root:Hunter2-s3cret@db/x"],
+                         ids=["no-colon", "not-postgresql"])
 @pytest.mark.parametrize("command", [["migrate"], ["verify"], ["admin", "create-org", "x", "--json"]])
-def test_a_malformed_database_url_is_named_and_its_password_never_printed(command):
-    """A mistyped UMBRA_DATABASE_URL ("postgresql//" without the colon) stops the command naming the variable;
-    libpq's own message would echo it whole, password and all, to stderr and whatever collects it."""
-    env = {**os.environ, "UMBRA_DATABASE_URL": "postgresql//umbra:Hunter2-s3cret@db.internal/umbra"}
+def test_a_malformed_database_url_is_named_and_its_password_never_printed(command, url):
+    """A mistyped UMBRA_DATABASE_URL ("postgresql//" without the colon) or another database's stops the command
+    with one line naming the variable, exit 2 as every configuration error; libpq's own message would echo it
+    whole, password and all, to stderr and whatever collects it."""
+    env = {**os.environ, "UMBRA_DATABASE_URL": url}
     done = subprocess.run([sys.executable, "-m", "umbra.cli", *command], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert done.returncode != 0
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "Hunter2-s3cret" not in done.stderr + done.stdout, done.stderr
-    assert "UMBRA_DATABASE_URL" in done.stderr, done.stderr
+    assert done.stderr.startswith("umbra: configuration error: UMBRA_DATABASE_URL"), done.stderr

@@ -51,6 +51,26 @@ MAX_CONCURRENCY = 64
 HEARTBEAT_RANGE = (1.0, 300.0)
 #: --grace bounds, seconds: a stop still ends within the hour (a supervisor's stop timeout is shorter).
 GRACE_RANGE = (0.0, 3600.0)
+#: --claim-wait bounds, seconds: the longest long-poll the server holds (API.md: ``wait`` 0..60).
+CLAIM_WAIT_RANGE = (0.0, 60.0)
+#: --log-level choices, taken in any case.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _within(low: float, high: float, number=float, unit: str = " seconds"):
+    """An argparse ``type``: a ``number`` from ``low`` to ``high``, refused as an argument otherwise (exit 2,
+    like any mistyped flag). NaN is refused too: every comparison with it is false."""
+
+    def parse(text: str):
+        try:
+            value = number(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {'whole ' if number is int else ''}number: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}{unit}, not {text}")
+        return value
+
+    return parse
 
 
 def _device(text: str):
@@ -94,13 +114,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                         " as the server checks it: no unknown fields, a non-empty label of its own, no negative MB)")
     p.add_argument("--handler", type=_handler_spec, action="append", default=[], metavar="KIND=MODULE:FUNC",
                    help="add or replace the handler for a job kind (repeatable)")
-    p.add_argument("--grace", type=float, default=30.0,
+    p.add_argument("--grace", type=_within(*GRACE_RANGE), default=30.0,
                    help="seconds a running job may continue after SIGTERM, SIGINT or SIGHUP, 0..3600 (default 30)")
-    p.add_argument("--claim-wait", type=float, default=30.0, help="long-poll seconds per claim request, 0..60 (default 30)")
-    p.add_argument("--concurrency", type=int, default=1, help="jobs run at once, 1..64 (default 1)")
-    p.add_argument("--heartbeat", type=float, default=10.0,
+    p.add_argument("--claim-wait", type=_within(*CLAIM_WAIT_RANGE), default=30.0,
+                   help="long-poll seconds per claim request, 0..60 (default 30)")
+    p.add_argument("--concurrency", type=_within(1, MAX_CONCURRENCY, int, unit=""), default=1,
+                   help=f"jobs run at once, 1..{MAX_CONCURRENCY} (default 1)")
+    p.add_argument("--heartbeat", type=_within(*HEARTBEAT_RANGE), default=10.0,
                    help="heartbeat seconds until the server names an interval, 1..300 (default 10)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+                   help=f"{', '.join(LOG_LEVELS)} (default INFO)")
     p.set_defaults(func=run_agent)
 
 
@@ -108,15 +131,7 @@ def run_agent(args) -> int:
     from umbra.logs import configure_logging
     from umbra.settings import load_settings
 
-    configure_logging(args.log_level.upper())
-    if not 0 <= args.claim_wait <= 60:
-        raise InvalidRequest("--claim-wait must be between 0 and 60 seconds.")
-    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
-        raise InvalidRequest(f"--concurrency must be between 1 and {MAX_CONCURRENCY}.")
-    if not HEARTBEAT_RANGE[0] <= args.heartbeat <= HEARTBEAT_RANGE[1]:  # NaN too: every comparison is false
-        raise InvalidRequest(f"--heartbeat must be between {HEARTBEAT_RANGE[0]:g} and {HEARTBEAT_RANGE[1]:g} seconds.")
-    if not GRACE_RANGE[0] <= args.grace <= GRACE_RANGE[1]:
-        raise InvalidRequest(f"--grace must be between {GRACE_RANGE[0]:g} and {GRACE_RANGE[1]:g} seconds.")
+    configure_logging(args.log_level)
     store = CredentialFile(args.credential_file) if args.credential_file else CredentialFile.default(load_settings().data_dir)
     registry = HandlerRegistry.default()
     for kind, target in args.handler:

@@ -10,6 +10,7 @@ on message text. Transport failures (refused connection, timeout) surface as
 from __future__ import annotations
 
 import email.utils
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
@@ -44,8 +45,7 @@ class Claim:
     job: dict[str, Any]
     placement: dict[str, Any]
     lease_expires_at: datetime
-    #: Lease length as the server sees it (expiry minus the server's Date
-    #: header), so a skewed local clock does not shorten the renew cadence.
+    #: Seconds of lease left when the answer came (see :func:`lease_left`).
     lease_seconds: float
 
     @property
@@ -86,13 +86,33 @@ def _claim(body: dict[str, Any], response: httpx.Response) -> Claim:
         job=body["job"],
         placement=body.get("placement") or {},
         lease_expires_at=expires,
-        lease_seconds=seconds_until(expires, response),
+        lease_seconds=lease_left(body, response),
     )
 
 
-def seconds_until(expires_at: datetime, response: httpx.Response) -> float:
-    """Seconds from the server's "now" (its Date header) to ``expires_at``."""
-    return max(0.0, (expires_at - _server_now(response)).total_seconds())
+#: The header in which the server says how many seconds of lease a claim's or a renewal's answer leaves
+#: (``umbra.api.agent.LEASE_LEFT_HEADER``; the agent imports nothing of the server's).
+LEASE_LEFT_HEADER = "Umbra-Lease-Seconds"
+
+
+def lease_left(body: dict[str, Any], response: httpx.Response) -> float:
+    """Seconds of lease left when a claim's or a renewal's answer was sent.
+
+    The server says so itself (:data:`LEASE_LEFT_HEADER`), measured on its own clock
+    from before the lease was granted: no clock is read against another. The
+    lease ends by the database's clock, which neither this machine's clock
+    nor the app server's need agree with; read against the answer's ``Date``
+    (the app server's clock), an agent whose server ran 10 s behind the
+    database believed it had 13 s of a 3 s lease, and renewed too late. A
+    server that does not say gets that reading, never this machine's clock.
+    """
+    try:
+        said = float(response.headers.get(LEASE_LEFT_HEADER, "nan"))
+    except ValueError:
+        said = math.nan
+    if math.isfinite(said) and said >= 0:
+        return said
+    return max(0.0, (parse_time(body["lease_expires_at"]) - _server_now(response)).total_seconds())
 
 
 #: The code of a 4xx/5xx answer without the server's error body (a proxy's page, say).
@@ -213,7 +233,7 @@ class AgentClient:
     async def renew(self, job_id: str, attempt: int) -> float:
         """Extend the lease; returns its new length in seconds (server clock)."""
         response = await self._post(f"/v1/agent/jobs/{job_id}/renew", {"attempt": attempt})
-        return seconds_until(parse_time(response.json()["lease_expires_at"]), response)
+        return lease_left(response.json(), response)
 
     async def complete(self, job_id: str, attempt: int, result: Any) -> dict[str, Any]:
         return (await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result})).json()
