@@ -12,7 +12,7 @@ from umbra.errors import InvalidRequest, NotFound
 from umbra.projections import jobs as queue
 
 from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
-from .params import query_int
+from .params import query_int, query_value
 from .routing import endpoint
 
 #: Page size bounds for ``GET /v1/jobs``.
@@ -41,7 +41,8 @@ async def submit_batch(request: Request) -> Response:
 
 async def list_jobs(request: Request) -> Response:
     async with authenticated(request, "jobs:read") as (who, conn):
-        statuses = jobs.parse_statuses(request.query_params.get("status"))
+        # A list, comma-separated or repeated (``?status=queued&status=running``, as HTTP libraries send one).
+        statuses = jobs.parse_statuses(",".join(request.query_params.getlist("status")) or None)
         limit = query_int(request, "limit", default=DEFAULT_LIMIT, minimum=1, maximum=MAX_LIMIT)
         after = query_int(request, "after", default=0, minimum=0, maximum=2**63 - 1)
         rows, cursor = await jobs.list_jobs(conn, who.organization_id, statuses=statuses, limit=limit, after=after)
@@ -51,7 +52,7 @@ async def list_jobs(request: Request) -> Response:
 async def get_job(request: Request) -> Response:
     async with authenticated(request, "jobs:read", "compute:read") as (who, conn):
         job_id = path_uuid(request, code="job_not_found")
-        as_of = request.query_params.get("as_of")
+        as_of = query_value(request, "as_of")
         if as_of is not None and not as_of.strip():
             raise InvalidRequest("as_of must be a log position (an integer >= 0).", field="as_of")
         position = None if as_of is None else query_int(request, "as_of", default=0, minimum=0, maximum=2**63 - 1)

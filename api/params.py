@@ -12,8 +12,21 @@ from umbra.errors import InvalidRequest
 _NAMED = re.compile(NOT_BLANK)
 
 
+def query_value(request: Request, name: str) -> str | None:
+    """The one value of a single-valued parameter (``None``: absent); given twice, it is refused naming it.
+
+    Starlette's ``get`` answers the last of repeated values: ``?limit=5&limit=500`` read as 500, and a
+    client that meant a list (``?status=queued&status=running``, what HTTP libraries send for a list)
+    was answered for its last item alone, with no error.
+    """
+    values = request.query_params.getlist(name)
+    if len(values) > 1:
+        raise InvalidRequest(f"{name} may be given once, got {len(values)} values.", field=name)
+    return values[0] if values else None
+
+
 def query_int(request: Request, name: str, *, default: int, minimum: int, maximum: int) -> int:
-    raw = request.query_params.get(name)
+    raw = query_value(request, name)
     if raw is None or raw == "":
         return default
     return bounded_int(raw, name, minimum=minimum, maximum=maximum)
@@ -24,7 +37,7 @@ _TRUE, _FALSE = ("true", "1"), ("false", "0")
 
 def query_bool(request: Request, name: str, *, default: bool) -> bool:
     """``true``/``1`` or ``false``/``0``; anything else is refused, naming the parameter."""
-    raw = request.query_params.get(name)
+    raw = query_value(request, name)
     if raw is None or raw == "":
         return default
     word = raw.strip().lower()
@@ -58,8 +71,8 @@ def bounded_int(raw: str, name: str, *, minimum: int, maximum: int) -> int:
 
 
 def query_list(request: Request, name: str, *, allowed: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
-    """A comma-separated list of known words; an unknown word is refused, naming it."""
-    raw = request.query_params.get(name)
+    """A comma-separated list of known words, the parameter repeated or not; an unknown word is refused, naming it."""
+    raw = ",".join(request.query_params.getlist(name)) or None
     if raw is None or not raw.strip():
         return default
     words = tuple(dict.fromkeys(w.strip() for w in raw.split(",") if w.strip()))

@@ -119,6 +119,19 @@ async def heartbeat(
     return HeartbeatResult(node_id, status, decision.event is not None, decision.changes_capacity)
 
 
+_ANY_QUEUED = "SELECT EXISTS (SELECT 1 FROM jobs WHERE organization_id = %s AND status = 'queued')"
+
+
+async def _room_for_queued(conn: psycopg.AsyncConnection, organization_id: UUID, decision) -> int:
+    """The claimable count of the beat's hint: 1 when it changes what the node could run (memory freed, a model
+    loaded, devices) while jobs are queued, so a parked claim looks again now. A job that did not fit the memory
+    the node last reported is not blocked (the device's total fits it): no other event says it fits now, and the
+    node's long-poll waited for the safety poll."""
+    if not decision.changes_capacity:
+        return 0
+    return 1 if (await (await conn.execute(_ANY_QUEUED, (organization_id,))).fetchone())[0] else 0
+
+
 async def _refuse_if_revoked(conn: psycopg.AsyncConnection, state, credential_id: UUID | None) -> None:
     """Under the row's lock: a revocation makes the node retired, and then only the beat's own credential tells."""
     if credential_id is not None and state.status == "retired" and not await live_node_credentials(conn, [credential_id]):
@@ -150,7 +163,7 @@ async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id:
         state, recorded = await append_node_events(conn, locked, [decision.event], node_id=node_id,
                                                    organization_id=organization_id, actor=f"node:{node_id}",
                                                    request_id=request_id)  # fmt: skip
-        hints = [(organization_id, recorded[-1].position, 0)]
+        hints = [(organization_id, recorded[-1].position, await _room_for_queued(conn, organization_id, decision))]
         if _changes_devices(decision):
             reexamined = await reexamine_waiting_jobs(conn, organization_id, publish=False,
                                                       metadata=capacity_cause(node_id, request_id))  # fmt: skip

@@ -1,10 +1,14 @@
-"""Shared set-up for the queue tests: nodes made through the real pairing and heartbeat paths."""
+"""Shared set-up for the queue tests: nodes made through the real pairing and heartbeat paths, directly or
+over HTTP, and a node's claim and completion over HTTP."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 from uuid import UUID
 
+import msgspec
+
+from tests.helpers import bearer
 from umbra.compute import jobs
 from umbra.compute.heartbeat import heartbeat
 from umbra.compute.jobs import JobRequest
@@ -16,6 +20,8 @@ GPU24 = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free
                ram_free_mb=0, accelerators=("cuda",), throughput_factor=10.0)  # fmt: skip
 CPU64 = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=60000, throughput_factor=1.0)
 CPU8 = Device(kind="cpu", label="cpu", ram_total_mb=8192, ram_free_mb=6000, throughput_factor=1.0)
+#: CPU64 as a request body carries it (pairing, heartbeats).
+CPU64_JSON = msgspec.to_builtins(CPU64)
 
 
 async def add_node(
@@ -34,8 +40,6 @@ async def beat(conn, org_id: UUID, node_id: UUID, devices: Sequence[Device]):
 
 
 def spec(kind: str = "echo", **fields: Any) -> JobRequest:
-    import msgspec
-
     return msgspec.convert({"kind": kind, **fields}, JobRequest)
 
 
@@ -56,4 +60,32 @@ async def set_clock(conn, seconds: float) -> None:
     await conn.execute("SELECT set_config('umbra.clock_offset', %s, false)", (f"{seconds} seconds",))
 
 
-__all__ = ["CPU64", "CPU8", "GPU24", "ResidentModel", "add_node", "beat", "register_model", "set_clock", "spec", "submit"]
+async def http_pair(client, key: str, name: str = "box") -> tuple[str, str]:
+    """``(node_id, credential)`` of a node paired and heartbeated online through the routes, with one CPU64."""
+    devices = [CPU64_JSON]
+    issued = await client.post("/v1/pairings", json={"name": name}, headers=bearer(key))
+    redeemed = await client.post("/v1/pairings/redeem", json={"code": issued.json()["code"], "name": name,
+                                                              "agent_version": "1", "devices": devices})  # fmt: skip
+    node_id, credential = redeemed.json()["node_id"], redeemed.json()["credential"]
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": devices, "agent_version": "1"}, headers=bearer(credential))
+    assert beat.status_code == 200, beat.text
+    return node_id, credential
+
+
+async def http_claim(client, credential: str) -> dict:
+    """The job the node claims now (``wait=0``); there must be one."""
+    claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
+    assert claimed.status_code == 200, (claimed.status_code, claimed.text)
+    return claimed.json()["job"]
+
+
+async def http_complete(client, credential: str, job: dict) -> dict:
+    """Complete the claimed ``job`` with an empty result; returns the completed job."""
+    done = await client.post(f"/v1/agent/jobs/{job['id']}/complete", json={"attempt": job["attempt"], "result": {}},
+                             headers=bearer(credential))  # fmt: skip
+    assert done.status_code == 200, done.text
+    return done.json()
+
+
+__all__ = ["CPU64", "CPU64_JSON", "CPU8", "GPU24", "ResidentModel", "add_node", "beat", "http_claim", "http_complete", "http_pair",
+           "register_model", "set_clock", "spec", "submit"]  # fmt: skip

@@ -1,5 +1,6 @@
 """The reference agent against a live server: pairing, heartbeats, claiming,
-renewing, completing, failing, decomposing, and being cancelled or revoked.
+renewing, completing, failing, decomposing, being cancelled or revoked, and
+answers lost on their way back to it.
 
 The agent runs in-process here (its loop is plain anyio); the signal and
 credential-file behaviour of the ``umbra agent`` process is in
@@ -9,7 +10,9 @@ credential-file behaviour of the ``umbra agent`` process is in
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import datetime, timezone
+from typing import Callable
 
 import anyio
 import httpx
@@ -48,11 +51,36 @@ async def pair(server, api, name: str, devices=(CPU, GPU)) -> dict:
         return await client.redeem(code=code, name=name, agent_version="test-1", devices=list(devices))
 
 
+class LoseAnswers(httpx.AsyncBaseTransport):
+    """The real transport, except that the answers to the requests ``lose`` picks are read and then lost:
+    the server handled the request, the agent gets a transport error (a connection broken after the
+    server answered, or a proxy dropping the answer)."""
+
+    def __init__(self, lose: Callable[[httpx.Request], bool], times: int = 1) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.lose = lose
+        self.left = times
+        self.lost: list[str] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if self.left > 0 and self.lose(request):
+            self.left -= 1
+            await response.aread()
+            await response.aclose()
+            self.lost.append(str(request.url))
+            raise httpx.ReadError("connection reset after the server answered", request=request)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 @contextlib.asynccontextmanager
-async def running_agent(server, credential: str, handlers=None, devices=(CPU, GPU), **config):
+async def running_agent(server, credential: str, handlers=None, devices=(CPU, GPU), transport=None, **config):
     registry = HandlerRegistry({**BUILTINS, **(handlers or {})})
     settings = {"agent_version": "test-1", "claim_wait_seconds": 2.0, "grace_seconds": 5.0, **config}
-    async with AgentClient(server.url, credential) as client:
+    async with AgentClient(server.url, credential, transport=transport) as client:
         agent = Agent(client, registry, lambda: list(devices), AgentConfig(**settings))
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)
@@ -460,3 +488,131 @@ async def test_a_drained_or_retired_nodes_beat_and_claim_are_not_refused(server,
                                       agent_started_at=datetime.now(timezone.utc))
         assert answer["status"] == {"drain": "draining", "retire": "retired"}[verb]
         assert await node.claim(0) is None
+
+
+async def test_a_completion_whose_answer_was_lost_is_sent_again_and_answered_as_the_first(server, api):
+    """The server recorded the completion; the agent, not hearing so, sends it again and is answered 200
+    as the first time: the job is complete with the handler's result, its history holds one
+    ``job.completed``, and the agent counts the job complete (not lost, not unreported)."""
+    paired = await pair(server, api, "box-resend")
+    transport = LoseAnswers(lambda request: request.url.path.endswith("/complete"))
+    async with running_agent(server, paired["credential"], transport=transport) as agent:
+        job = await submit(api, "echo", {"frame": 7})
+        done = await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=15)
+        await eventually(lambda: _true_if(bool(agent.outcomes)), timeout=10)
+    assert transport.lost
+    assert done["status"] == "complete" and done["result"] == {"frame": 7} and done["attempt"] == 1
+    assert (await event_types(api, job["id"])).count("job.completed") == 1
+    assert [(o.job_id, o.status) for o in agent.outcomes] == [(job["id"], "complete")]
+
+
+async def test_a_completion_sent_again_runs_the_job_its_lost_answer_had_claimed(server, api):
+    """``complete?claim_next=true`` completed A and claimed B for this node in the same transaction, and its
+    answer was lost. The agent sends the completion again the same way, and the server answers it with the
+    claim it already made: the agent runs B at once, instead of B waiting out its lease on a node that
+    does not know of it (and, on its last attempt, failing without ever having run)."""
+    paired = await pair(server, api, "box-lost-answer")
+    first = await submit(api, "echo", {"n": "A"}, priority=1)
+    second = await submit(api, "echo", {"n": "B"}, priority=2, max_attempts=1)
+    transport = LoseAnswers(lambda request: request.url.path.endswith(f"/{first['id']}/complete")
+                            and request.url.params.get("claim_next") == "true")  # fmt: skip
+    async with running_agent(server, paired["credential"], transport=transport):
+        done_a = await eventually(lambda: job_in(api, first["id"], "complete", "failed"), timeout=15)
+        done_b = await eventually(lambda: job_in(api, second["id"], "complete", "failed"), timeout=20)
+    assert transport.lost, "the first completion's answer was lost"
+    assert done_a["status"] == "complete" and done_a["result"] == {"n": "A"}
+    assert (done_b["status"], done_b["result"], done_b["error"]) == ("complete", {"n": "B"}, None), done_b
+
+
+async def test_a_handler_error_naming_a_file_that_is_not_utf8_fails_the_job_and_the_agent_runs_on(server, api):
+    """A message holding a lone surrogate (a file name ``os.fsdecode`` made of bytes that are not UTF-8)
+    cannot be sent as JSON as it is: it is made storable, as a NUL is, and the job fails with it. Ending the
+    agent instead would leave the job to its lease, to run and end the next agent that takes it."""
+    name = os.fsdecode(b"clip-\xff.mp4")  # "clip-\udcff.mp4"
+
+    def broken(claim):
+        raise RuntimeError(f"cannot open {name}")
+
+    paired = await pair(server, api, "box-surrogate")
+    async with running_agent(server, paired["credential"], {"decode": broken}):
+        job = await submit(api, "decode", max_attempts=1)
+        failed = await eventually(lambda: job_in(api, job["id"], "failed", "complete"), timeout=15)
+        after = await submit(api, "echo", {"still": "here"})
+        await eventually(lambda: job_in(api, after["id"], "complete"), timeout=10)
+    assert failed["status"] == "failed" and failed["error"] == "cannot open clip-\\udcff.mp4", failed
+
+
+async def test_a_result_json_cannot_carry_fails_the_job_for_good_saying_why_and_the_agent_goes_on(server, api):
+    """A handler returning what JSON cannot carry (an arbitrary object) fails its job for good on its first
+    attempt, with a message naming the result (a rerun would return the same), and the agent runs the next job."""
+
+    class Frame:
+        pass
+
+    calls: list[int] = []
+
+    async def opaque(claim):
+        calls.append(claim.attempt)
+        return {"frame": Frame()}
+
+    paired = await pair(server, api, "box-opaque")
+    async with running_agent(server, paired["credential"], {"opaque": opaque}):
+        job = await submit(api, "opaque", max_attempts=3)
+        failed = await eventually(lambda: job_in(api, job["id"], "failed", "complete"), timeout=15)
+        after = await submit(api, "echo", {"next": 1})
+        await eventually(lambda: job_in(api, after["id"], "complete"), timeout=10)
+    assert failed["status"] == "failed" and calls == [1] and failed["attempt"] == 1
+    assert failed["error"].startswith("The handler's result cannot be sent as JSON"), failed["error"]
+
+
+async def test_an_agent_with_n_slots_never_runs_more_than_n_jobs_at_once(server, api):
+    """Two slots, five jobs queued: at most two handlers run at any moment (a completion claims one next job,
+    never more), and every job completes on its first attempt."""
+    running = 0
+    most = 0
+
+    async def nap(claim):
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            await anyio.sleep(0.6)
+        finally:
+            running -= 1
+        return {"n": claim.payload["n"]}
+
+    paired = await pair(server, api, "box-two-slots")
+    batch = await api.post("/v1/jobs/batch", json={"jobs": [{"kind": "nap", "payload": {"n": n}} for n in range(5)]})
+    ids = [job["id"] for job in batch.json()["jobs"]]
+    async with running_agent(server, paired["credential"], {"nap": nap}, concurrency=2):
+        done = [await eventually(lambda i=i: job_in(api, i, "complete", "failed"), timeout=20) for i in ids]
+    assert most == 2, most
+    assert [(j["status"], j["attempt"], j["result"]) for j in done] == [("complete", 1, {"n": n}) for n in range(5)]
+
+
+async def test_a_job_given_back_at_a_stop_is_soon_run_by_another_agent(server, api):
+    """Past the stop's grace the running job is failed as retryable (an attempt spent, the back-off of
+    attempt 1: 5 s), so another node runs it within seconds rather than after a lease; the stopping
+    agent's node signs off."""
+    first = await pair(server, api, "box-stopping")
+    other = await pair(server, api, "box-taking-over")
+    started = anyio.Event()
+
+    async def long(claim):
+        if claim.attempt == 1:
+            started.set()
+            await anyio.sleep(60)
+        return {"attempt": claim.attempt}
+
+    async with running_agent(server, first["credential"], {"long": long}, grace_seconds=0.5) as agent:
+        job = await submit(api, "long", max_attempts=3)
+        with anyio.fail_after(10):
+            await started.wait()
+        agent.stop()
+        given_back = await eventually(lambda: job_in(api, job["id"], "queued", "failed"), timeout=10)
+    assert given_back["status"] == "queued" and given_back["error"] == "The agent stopped before the job finished."
+    assert (await api.get(f"/v1/nodes/{first['node_id']}")).json()["status"] == "offline"
+    async with running_agent(server, other["credential"], {"long": long}):
+        done = await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=15)
+    assert done["status"] == "complete" and done["result"] == {"attempt": 2}
+    assert done["placement"]["node_id"] == other["node_id"]

@@ -25,12 +25,11 @@ from umbra.compute.sweeper import sweep_once
 from umbra.events import store
 from umbra.projections import jobs as queue
 
-from .queue_support import CPU8, CPU64, add_node, beat, set_clock, submit
+from .queue_support import CPU8, CPU64, add_node, beat, http_pair, set_clock, submit
 from .test_agent import CPU as AGENT_CPU
 from .test_agent import event_types, job_in, running_agent
 from .test_agent import pair as pair_agent
 from .test_agent import submit as submit_over_http
-from .test_queue_api import pair
 from .test_sweeper import SETTINGS, claim
 
 pytestmark = pytest.mark.anyio
@@ -119,7 +118,7 @@ async def test_lapsed_lease_renewed_and_completed_over_http_before_the_sweeper_r
     env = {"UMBRA_LEASE_SECONDS": "1", "UMBRA_SWEEP_INTERVAL_SECONDS": "3600"}
     with LiveServer(db_url, **env) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-            node = bearer((await pair(client, key))[1])
+            node = bearer((await http_pair(client, key))[1])
             job = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).json()
             got = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node)
             assert got.status_code == 200, got.text
@@ -233,7 +232,7 @@ async def test_every_answer_that_grants_a_lease_says_the_lease_left_and_no_other
     carries none. The claim's body stays the contract's: exactly job, lease_expires_at and placement."""
     _, key = org
     lease = live_server.settings.lease_seconds
-    node = bearer((await pair(client, key))[1])
+    node = bearer((await http_pair(client, key))[1])
     for i in range(4):
         submitted = await client.post("/v1/jobs", json={"kind": "echo", "payload": {"i": i}}, headers=bearer(key))
         assert submitted.status_code == 201, submitted.text

@@ -20,7 +20,7 @@ from tests.helpers import bearer
 
 from .queue_support import CPU64, add_node, set_clock, submit
 from .test_claim_fencing import SETTINGS, child, claim
-from .test_queue_api import pair
+from .queue_support import http_pair
 
 pytestmark = pytest.mark.anyio
 
@@ -98,8 +98,8 @@ async def test_cancelling_a_parent_fences_every_agent_of_its_children_and_change
     of a running child (renew, complete, complete?claim_next, the several-results report, fail with retry) then
     answers 409 job_cancelled and records nothing, and the report's chained claim takes no job of the tree."""
     _, key = org
-    _, a = await pair(client, key, "a")
-    _, b = await pair(client, key, "b")
+    _, a = await http_pair(client, key, "a")
+    _, b = await http_pair(client, key, "b")
     parent = (await client.post("/v1/jobs", json={"kind": "book"}, headers=bearer(key))).json()
     spare = (await client.post("/v1/jobs", json={"kind": "spare"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "book")
@@ -179,7 +179,7 @@ async def test_cancelling_one_child_settles_its_parent_partial(client, org, db_u
     """When every child is terminal the parent settles: a cancelled child makes it `partial`, with the count
     in the detail, in the cancel's own transaction; the settled parent's cancel is then 409 job_terminal."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     parent = (await client.post("/v1/jobs", json={"kind": "book"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "book")
     kids = await split(client, a, parent["id"], got["job"]["attempt"], [{"kind": "x"}, {"kind": "y"}])
@@ -204,7 +204,7 @@ async def test_a_child_failure_with_retry_after_its_parent_was_cancelled_is_refu
     """A running child's retryable failure after its container's cancel is refused 409 job_cancelled and
     changes nothing: the child is not requeued to run again for a cancelled tree."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     parent, k, c = await container_with_a_running_child(client, key, a, "")
     assert (await client.post(f"/v1/jobs/{parent['id']}/cancel", headers=bearer(key))).status_code == 200
     before = await head(db_url)
@@ -220,7 +220,7 @@ async def test_a_wide_tree_of_ten_thousand_children_is_made_and_cancelled_in_one
     """A decomposition takes up to 10,000 children: making them and cancelling the container (which cancels
     them all in one transaction) each answer in one request within seconds, and verify agrees after."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     parent = (await client.post("/v1/jobs", json={"kind": "wide"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "wide")
     started = time.monotonic()
@@ -300,7 +300,7 @@ async def test_a_deep_tree_completes_over_http_through_the_group_commit(client, 
     group commit's batch) a three-level tree settles level by level, explain reads the settlement, and verify
     agrees."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     root = (await client.post("/v1/jobs", json={"kind": "root"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "root")
     mids = await split(client, a, root["id"], got["job"]["attempt"], [{"kind": "mid"}, {"kind": "mid"}])
@@ -326,7 +326,7 @@ async def test_the_last_child_completed_with_claim_next_settles_the_parent_and_c
     """complete?claim_next=true is the completion (the parent settles in its transaction) plus the node's
     next claim."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     parent = (await client.post("/v1/jobs", json={"kind": "book", "priority": 1}, headers=bearer(key))).json()
     got = await claim_http(client, a, "book")
     (k,) = await split(client, a, parent["id"], got["job"]["attempt"], [{"kind": "x"}])
@@ -387,7 +387,7 @@ async def test_child_idempotency_keys(client, org, db_url):
     makes nothing; a key another job already has refuses the whole decomposition (422 naming the index) and
     writes nothing; a submitter's POST with a child's key gets that child back (200)."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     parent = (await client.post("/v1/jobs", json={"kind": "book"}, headers=bearer(key))).json()
     other = (await client.post("/v1/jobs", json={"kind": "other", "idempotency_key": "used"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "book")
@@ -438,7 +438,7 @@ async def test_the_decomposer_cannot_complete_fail_or_renew_the_container(client
     renewal it sends for the container is refused 409 job_not_claimed_by_this_node and changes nothing, and
     the container still settles from its child."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     parent = (await client.post("/v1/jobs", json={"kind": "book"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "book")
     (k,) = await split(client, a, parent["id"], got["job"]["attempt"], [{"kind": "x"}])
@@ -462,7 +462,7 @@ async def test_the_last_children_completing_at_once_settle_the_parent_exactly_on
     moment (separate agents, separate requests, and several in one report) settle it exactly once, never
     leave it open, and verify agrees."""
     _, key = org
-    agents = [await pair(client, key, f"n{i}") for i in range(4)]
+    agents = [await http_pair(client, key, f"n{i}") for i in range(4)]
     for round_ in range(3):
         parent = (await client.post("/v1/jobs", json={"kind": f"book{round_}"}, headers=bearer(key))).json()
         got = await claim_http(client, agents[0][1], f"book{round_}")
@@ -502,7 +502,7 @@ async def test_cancelling_a_parent_while_its_last_child_completes_ends_one_way(c
     either the completion lands and the parent settles (the cancel answers 409 job_terminal), or the cancel
     lands and the completion is refused 409 job_cancelled. Never both, never a parent left open."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     for round_ in range(6):
         parent, k, _ = await container_with_a_running_child(client, key, a, round_)
         cancelled, completed = await at_once(
@@ -523,7 +523,7 @@ async def test_cancelling_the_root_while_a_child_is_split_leaves_no_open_descend
     never leaves an open job under a cancelled root: either the split is refused 409 job_cancelled and made
     nothing, or it landed and its grandchildren are cancelled with the tree."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     for round_ in range(6):
         root, mid, m = await container_with_a_running_child(client, key, a, round_)
         made, cancelled = await at_once(
@@ -547,7 +547,7 @@ async def test_a_childs_retryable_failure_raced_with_its_parents_cancel_never_le
     requeued, then cancelled with the tree) or is refused 409 job_cancelled: the child never stays queued
     under a cancelled parent."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     for round_ in range(6):
         parent, k, _ = await container_with_a_running_child(client, key, a, round_)
         failed, cancelled = await at_once(
@@ -563,8 +563,8 @@ async def test_a_parked_agent_wakes_for_children_as_they_are_made(client, org):
     """Children are claimable as their decomposition commits: an agent parked in a long-poll is woken and
     takes one well before its wait ends."""
     _, key = org
-    _, a = await pair(client, key, "a")
-    _, b = await pair(client, key, "b")
+    _, a = await http_pair(client, key, "a")
+    _, b = await http_pair(client, key, "b")
     parent = (await client.post("/v1/jobs", json={"kind": "book"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "book")
     result = {}
@@ -589,7 +589,7 @@ async def test_explain_a_blocked_child_and_a_container(client, org):
     """Explain says why a blocked child waits (the rule each device fails), and a running container reads
     as a container counting its finished children."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     parent = (await client.post("/v1/jobs", json={"kind": "book"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "book")
     kids = await split(client, a, parent["id"], got["job"]["attempt"], [
@@ -604,7 +604,7 @@ async def test_explain_a_partial_container(client, org):
     """Explain of a finished container reads its settlement: `partial`, with the count of children that
     did not complete."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     p1 = (await client.post("/v1/jobs", json={"kind": "b1"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "b1")
     (k,) = await split(client, a, p1["id"], got["job"]["attempt"], [{"kind": "x"}])
@@ -618,7 +618,7 @@ async def test_explain_of_a_cancelled_container_does_not_say_it_was_running_on_a
     container; cancelled, it reads as a cancelled container with its count of children, never as cancelled
     while running on the node that split it."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     p2 = (await client.post("/v1/jobs", json={"kind": "b2"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "b2")
     await split(client, a, p2["id"], got["job"]["attempt"], [{"kind": "y"}, {"kind": "z"}])
@@ -635,7 +635,7 @@ async def test_a_running_container_is_not_shown_as_placed_on_the_node_that_relea
     lease owner nor a placement, in the queue view and in the Job object alike, so nothing shows the node that
     split it as running it."""
     _, key = org
-    _, a = await pair(client, key, "a")
+    _, a = await http_pair(client, key, "a")
     parent = (await client.post("/v1/jobs", json={"kind": "book"}, headers=bearer(key))).json()
     got = await claim_http(client, a, "book")
     await split(client, a, parent["id"], got["job"]["attempt"], [{"kind": "x"}])

@@ -9,6 +9,7 @@ import uuid
 
 import anyio
 import httpx
+import msgspec
 import psycopg
 import pytest
 
@@ -168,6 +169,78 @@ async def test_only_an_eligible_waiter_gets_the_job_even_when_an_ineligible_one_
     assert results["gpu"].json()["job"]["id"] == str(job_id)
     assert results["gpu"].json()["placement"]["node_id"] == str(gpu_node)
     assert results["cpu"].status_code == 204
+
+
+async def _claim_parked_across(client, hub, org_id, credential: str, change) -> tuple[httpx.Response, float]:
+    """Park ``credential``'s long-poll (20 s), let its first look find nothing, run ``change()``; returns its
+    answer and how long after the change it came."""
+    answers: list[httpx.Response] = []
+
+    async def poll() -> None:
+        answers.append(await client.post("/v1/agent/claim", params={"wait": 20}, headers=_auth(credential)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poll)
+        await eventually(lambda: _true(hub.waiting(org_id) == 1))
+        await anyio.sleep(0.3)  # its first look found nothing it can run
+        assert not answers
+        await change()
+        started = time.monotonic()
+        await eventually(lambda: _true(answers), timeout=15)
+        elapsed = time.monotonic() - started
+    [answer] = answers
+    return answer, elapsed
+
+
+async def _report(client, credential: str, *devices: Device) -> None:
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": msgspec.to_builtins(devices), "agent_version": "1"},
+                             headers=_auth(credential))  # fmt: skip
+    assert beat.status_code == 200, beat.text
+
+
+@pytest.mark.parametrize("unblocked_by", ["registry_update", "heartbeat_adding_a_device"])
+async def test_a_parked_long_poll_takes_a_job_as_soon_as_a_change_unblocks_it(conn, org, server, unblocked_by):
+    """A blocked job made runnable by a registry update (its model registered) or by a heartbeat that adds a
+    capable device is unblocked in that change's transaction and wakes a parked long-poll at once (the
+    safety poll is 30 s away), which claims it with a placement on the device that made it runnable."""
+    org_id, key = org
+    by_registry = unblocked_by == "registry_update"
+    _, credential = await online_node(conn, org_id, "box", devices=(GPU,) if by_registry else (CPU,))
+    requires = {"models": ["llama"]} if by_registry else {"accelerators": ["cuda"], "vram_min_mb": 8000}
+    job_id = await submit_job(conn, org_id, **requires)
+    assert await job_status(conn, job_id) == "blocked"
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
+        async def unblock() -> None:
+            if by_registry:
+                put = await client.put("/v1/models/llama", json={"vram_min_mb": 8000}, headers=_auth(key))
+                assert put.status_code == 200, put.text
+            else:
+                await _report(client, credential, CPU, GPU)
+
+        answer, elapsed = await _claim_parked_across(client, server.app.state.waiters, org_id, credential, unblock)
+    assert answer.status_code == 200, answer.status_code
+    assert answer.json()["job"]["id"] == str(job_id) and elapsed < 5
+    assert answer.json()["placement"]["device_id"] == "gpu0"
+    types = [e.type for e in await store.read_stream(conn, store.job_stream(job_id))]
+    assert types == ["job.submitted", "job.blocked", "job.unblocked", "job.claimed"]
+
+
+async def test_a_heartbeat_that_frees_memory_wakes_the_parked_node_it_made_eligible(conn, org, server):
+    """A claim answers as soon as a job its node is eligible for is queued, and that includes a job already
+    queued that the node becomes eligible for: one too big for its GPU's free VRAM (held by another process;
+    not blocked, as the card's total fits it) fits once the node's heartbeat reports the VRAM free again, and
+    that beat wakes the node's parked long-poll at once, not at the safety poll (30 s here)."""
+    org_id, _ = org
+    squeezed = msgspec.structs.replace(GPU, vram_free_mb=4000)
+    _, credential = await online_node(conn, org_id, "box", devices=(squeezed,))
+    job_id = await submit_job(conn, org_id, vram_min_mb=16000)
+    assert await job_status(conn, job_id) == "queued"
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        answer, elapsed = await _claim_parked_across(client, server.app.state.waiters, org_id, credential,
+                                                     lambda: _report(client, credential, GPU))  # fmt: skip
+    assert answer.status_code == 200 and elapsed < 3, (answer.status_code, round(elapsed, 1))
+    assert answer.json()["job"]["id"] == str(job_id)
 
 
 async def test_a_client_that_disconnects_while_waiting_claims_nothing(conn, org, server):

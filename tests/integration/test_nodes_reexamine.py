@@ -19,7 +19,10 @@ from umbra.events import store
 from umbra.events.types import Device
 from umbra.settings import load_settings
 
-from .queue_support import add_node, beat, set_clock
+from tests.helpers import bearer
+
+from .queue_support import CPU8, GPU24, add_node, beat, set_clock
+from .test_explain_api import explain
 
 pytestmark = pytest.mark.anyio
 
@@ -70,6 +73,31 @@ async def test_registering_the_model_unblocks(conn, org):
     assert await status(conn, job_id) == "blocked"
     await upsert_model(conn, org_id, RegisteredModel(slug="gemma4:26b", vram_min_mb=16000))
     assert await status(conn, job_id) == "queued"
+
+
+async def test_registering_a_model_too_big_for_every_device_keeps_its_job_blocked_with_the_new_reason(client, conn, org):
+    """A job blocked on ``model_not_registered`` whose model is then registered with a floor no device meets
+    stays ``blocked`` with the new shortfall (one more ``job.blocked``, not an unblock/block pair), the Job and
+    explain agree on it, and a registry update lowering the floor returns it to ``queued``."""
+    org_id, key = org
+    await add_node(conn, org_id, "gpu-box", [GPU24, CPU8])
+    job_id = await job(conn, org_id, models=["huge"])
+
+    async def stored() -> dict:
+        return (await client.get(f"/v1/jobs/{job_id}", headers=bearer(key))).json()
+
+    shown = await stored()
+    assert (shown["status"], shown["blocked_reason"]) == ("blocked", "model_not_registered: huge")
+    await upsert_model(conn, org_id, RegisteredModel(slug="huge", vram_min_mb=80000, ram_min_mb=90000))
+    shown, body = await stored(), await explain(client, key, job_id)
+    assert shown["status"] == "blocked" and shown["blocked_reason"].startswith("no_eligible_device: needs 80000 MB VRAM")
+    assert "needs 90000 MB RAM" in shown["blocked_reason"] and body["blocked_reason"] == shown["blocked_reason"]
+    assert body["eligible"] == [] and {r["reason"] for r in body["ineligible"]} == {"vram_insufficient", "ram_insufficient"}
+    types = [e.type for e in await store.read_stream(conn, store.job_stream(job_id))]
+    assert types == ["job.submitted", "job.blocked", "job.blocked"]
+    await upsert_model(conn, org_id, RegisteredModel(slug="huge", vram_min_mb=16000))
+    assert await status(conn, job_id) == "queued"
+    assert (await explain(client, key, job_id))["eligible"][0]["device_label"] == "gpu0"
 
 
 # Capacity that goes away: queued work nothing could ever run any more is blocked, so it cannot

@@ -1,4 +1,5 @@
-"""U+0000 cannot be stored by PostgreSQL: such requests are refused, not 500s, and write nothing."""
+"""Text PostgreSQL cannot store (U+0000, a lone UTF-16 surrogate) is refused as the client's mistake, not a 500,
+and nothing is written."""
 
 from __future__ import annotations
 
@@ -46,3 +47,24 @@ async def test_nul_in_a_path_is_refused(client, org):
     _, key = org
     response = await client.put("/v1/models/a%00b", json={"vram_min_mb": 1}, headers=bearer(key))
     assert response.status_code in (404, 422), response.text
+
+
+@pytest.mark.parametrize("field", ["payload", "kind", "idempotency_key", "lang"])
+async def test_a_lone_surrogate_is_refused_as_an_invalid_request_not_a_server_error(client, conn, org, field):
+    """JSON may spell ``\\ud800`` (a lone UTF-16 surrogate), which is no character: UTF-8, and so PostgreSQL,
+    cannot carry it. A single submission or a batch carrying one is refused ``invalid_request``, and nothing is
+    written."""
+    _, key = org
+    value = b'"a\\ud800b"'
+    body = {
+        "payload": b'{"kind":"k","payload":{"s":' + value + b"}}",
+        "kind": b'{"kind":' + value + b"}",
+        "idempotency_key": b'{"kind":"k","idempotency_key":' + value + b"}",
+        "lang": b'{"kind":"k","lang":' + value + b"}",
+    }[field]
+    before = await _counts(conn)
+    for path, raw in (("/v1/jobs", body), ("/v1/jobs/batch", b'{"jobs":[' + body + b"]}")):
+        answer = await client.post(path, content=raw, headers={**bearer(key), "Content-Type": "application/json"})
+        assert answer.status_code in (400, 422), (path, answer.status_code, answer.text[:300])
+        assert answer.json()["error"] == "invalid_request"
+    assert await _counts(conn) == before

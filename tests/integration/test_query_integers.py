@@ -55,3 +55,26 @@ async def test_a_huge_integer_is_refused_422_not_500(client, org):
     assert (response.status_code, response.json()["field"]) == (422, "limit"), response.text[:200]
     async with client.stream("GET", "/v1/events/stream", headers={**bearer(key), "Last-Event-ID": huge}) as streamed:
         assert streamed.status_code == 422
+
+
+@pytest.mark.parametrize(("path", "name"), [("/v1/events", "after"), ("/v1/events", "limit"), ("/v1/jobs", "limit"),
+                                            ("/v1/jobs", "after"), ("/v1/projections/queue", "limit")])  # fmt: skip
+async def test_a_single_valued_parameter_given_twice_is_refused_naming_it(client, org, path, name):
+    """Read as its last value, ``?limit=5&limit=500`` paged 500 at a time with no error."""
+    _, key = org
+    response = await client.get(path, params=[(name, "5"), (name, "500")], headers=bearer(key))
+    assert response.status_code == 422, f"{path} answered {response.status_code}: {response.text[:200]}"
+    assert response.json()["error"] == "invalid_request" and response.json()["field"] == name
+
+
+async def test_a_status_filter_may_be_repeated_as_a_list(client, org):
+    """``?status=blocked&status=cancelled`` is what HTTP libraries send for a list: read whole, as the comma-separated
+    form is, not as its last item."""
+    _, key = org
+    blocked = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).json()  # no node could run it
+    cancelled = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).json()
+    assert (await client.post(f"/v1/jobs/{cancelled['id']}/cancel", headers=bearer(key))).status_code == 200
+    listed = await client.get("/v1/jobs", params=[("status", "blocked"), ("status", "cancelled")], headers=bearer(key))
+    assert listed.status_code == 200 and [j["id"] for j in listed.json()["jobs"]] == [blocked["id"], cancelled["id"]]
+    running_only = await client.get("/v1/jobs", params=[("status", "running"), ("status", "cancelled")], headers=bearer(key))
+    assert [j["id"] for j in running_only.json()["jobs"]] == [cancelled["id"]]

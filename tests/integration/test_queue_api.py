@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from uuid import UUID
 
+import anyio
 import psycopg
 import pytest
 
@@ -13,23 +14,13 @@ from umbra.compute.accounts import create_api_key, create_organization, create_p
 from umbra.compute.jobs import MAX_JSON_DEPTH
 from tests.helpers import bearer
 
+from .queue_support import http_claim, http_complete, http_pair
+
 pytestmark = pytest.mark.anyio
 
-CPU = {"kind": "cpu", "label": "cpu", "vram_total_mb": 0, "vram_free_mb": 0, "ram_total_mb": 65536,
-       "ram_free_mb": 60000, "throughput_factor": 1.0, "accelerators": [], "resident_models": []}  # fmt: skip
 JOB_FIELDS = {"id", "organization_id", "kind", "status", "priority", "requires", "payload", "project_id", "lang",
               "attempt", "max_attempts", "not_before", "parent_job_id", "idempotency_key", "lease_owner",
               "lease_expires_at", "result", "error", "placement", "created_at", "started_at", "finished_at"}  # fmt: skip
-
-
-async def pair(client, key: str, name: str = "box") -> tuple[str, str]:
-    issued = await client.post("/v1/pairings", json={"name": name}, headers=bearer(key))
-    redeemed = await client.post("/v1/pairings/redeem", json={"code": issued.json()["code"], "name": name,
-                                                              "agent_version": "1", "devices": [CPU]})  # fmt: skip
-    node_id, credential = redeemed.json()["node_id"], redeemed.json()["credential"]
-    beat = await client.post("/v1/agent/heartbeat", json={"devices": [CPU], "agent_version": "1"}, headers=bearer(credential))
-    assert beat.status_code == 200, beat.text
-    return node_id, credential
 
 
 async def job_count(db_url) -> int:
@@ -39,7 +30,7 @@ async def job_count(db_url) -> int:
 
 async def test_submit_read_and_idempotency(client, org):
     _, key = org
-    await pair(client, key)
+    await http_pair(client, key)
     created = await client.post("/v1/jobs", json={"kind": "echo", "payload": {"a": 1}, "priority": 0,
                                                   "idempotency_key": "k"}, headers=bearer(key))  # fmt: skip
     assert created.status_code == 201, created.text
@@ -91,7 +82,7 @@ async def test_json_nested_too_deeply_is_refused_and_writes_nothing(client, org,
     later failed: after the job or the result was written.
     """
     _, key = org
-    _, credential = await pair(client, key)
+    _, credential = await http_pair(client, key)
     job = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))).json()
     claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
     assert claimed.json()["job"]["id"] == job["id"]
@@ -121,7 +112,7 @@ async def test_json_nested_too_deeply_is_refused_and_writes_nothing(client, org,
 
 async def test_json_nested_to_the_limit_is_stored_and_read_back(client, org):
     _, key = org
-    _, credential = await pair(client, key)
+    _, credential = await http_pair(client, key)
     inner = MAX_JSON_DEPTH - 1  # the payload object is one level
     payload = {"x": functools.reduce(lambda value, _: [value], range(inner - 1), [])}
     job = await client.post("/v1/jobs", json={"kind": "k", "payload": payload}, headers=bearer(key))
@@ -139,7 +130,7 @@ async def test_json_nested_to_the_limit_is_stored_and_read_back(client, org):
 
 async def test_a_batch_is_all_or_nothing_and_names_the_failing_index(client, org, db_url):
     _, key = org
-    await pair(client, key)
+    await http_pair(client, key)
     jobs = [{"kind": "echo", "payload": {"i": i}} for i in range(3)]
     created = await client.post("/v1/jobs/batch", json={"jobs": jobs}, headers=bearer(key))
     assert created.status_code == 201 and [j["payload"]["i"] for j in created.json()["jobs"]] == [0, 1, 2]
@@ -174,7 +165,7 @@ async def test_a_batch_of_known_idempotency_keys_still_answers_201(client, org, 
 
 async def test_listing_pages_by_cursor_and_filters_by_status(client, org):
     _, key = org
-    await pair(client, key)
+    await http_pair(client, key)
     await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "e", "payload": {"i": i}} for i in range(5)]}, headers=bearer(key))
     blocked = await client.post("/v1/jobs", json={"kind": "gpu", "requires": {"accelerators": ["cuda"]}}, headers=bearer(key))
     assert blocked.json()["status"] == "blocked" and blocked.json()["blocked_reason"].startswith("no_eligible_device")
@@ -227,7 +218,7 @@ async def test_cancel_and_tenancy_and_scopes(client, org, conn):
 
 async def test_the_agent_routes_are_fenced_by_attempt(client, org, db_url):
     org_id, key = org
-    node_id, credential = await pair(client, key)
+    node_id, credential = await http_pair(client, key)
     parent = (await client.post("/v1/jobs", json={"kind": "book", "lang": "de"}, headers=bearer(key))).json()
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
         got = await claims.claim(c, node_id=UUID(node_id), organization_id=org_id, lease_seconds=60)
@@ -268,7 +259,7 @@ async def test_the_agent_routes_are_fenced_by_attempt(client, org, db_url):
 
 async def test_a_completion_can_claim_the_next_job_in_the_same_request(client, org, db_url):
     _, key = org
-    node_id, credential = await pair(client, key)
+    node_id, credential = await http_pair(client, key)
     first, second = [(await client.post("/v1/jobs", json={"kind": "e", "payload": {"n": n}}, headers=bearer(key))).json()
                      for n in (1, 2)]  # fmt: skip
     claimed = (await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))).json()
@@ -297,7 +288,7 @@ async def test_a_completion_can_claim_the_next_job_in_the_same_request(client, o
 
 async def test_an_agent_can_claim_and_report_several_jobs_per_request(client, org):
     _, key = org
-    node_id, credential = await pair(client, key)
+    node_id, credential = await http_pair(client, key)
     agent = bearer(credential)
     batch = await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "e", "payload": {"n": n}} for n in range(6)]},
                               headers=bearer(key))  # fmt: skip
@@ -367,7 +358,7 @@ async def test_an_item_refused_for_a_nul_or_its_depth_is_named_by_index(client, 
     """A NUL is refused before the body is decoded, and nesting past the decoder's recursion is refused
     by the decoder without a path: the refusal still names the item, and one bad item refuses them all."""
     _, key = org
-    _, credential = await pair(client, key)
+    _, credential = await http_pair(client, key)
     job = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))).json()
     claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
     assert claimed.json()["job"]["id"] == job["id"]
@@ -395,7 +386,7 @@ async def test_an_item_refused_for_a_nul_or_its_depth_is_named_by_index(client, 
 async def test_an_oversized_chunked_body_to_cancel_is_refused_and_cancels_nothing(client, org, db_url):
     """The route takes no body, so it never read one: the limit held only for bodies a route read."""
     _, key = org
-    await pair(client, key)  # a node that could run it: the job is queued, not blocked
+    await http_pair(client, key)  # a node that could run it: the job is queued, not blocked
     job = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))).json()
     assert job["status"] == "queued"
     before = await job_count(db_url)
@@ -416,8 +407,8 @@ async def test_an_oversized_chunked_body_to_cancel_is_refused_and_cancels_nothin
 async def test_a_node_reads_a_job_it_held_after_it_was_requeued(client, org, conn):
     """The job's lease_owner names only its current holder; a node that held it once may still read it."""
     _, key = org
-    node_id, credential = await pair(client, key, "box")
-    _, bystander = await pair(client, key, "other-box")
+    node_id, credential = await http_pair(client, key, "box")
+    _, bystander = await http_pair(client, key, "other-box")
     _, other_key = await create_organization(conn, "other")
     job = (await client.post("/v1/jobs", json={"kind": "e"}, headers=bearer(key))).json()
     claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
@@ -441,3 +432,101 @@ async def test_a_node_reads_a_job_it_held_after_it_was_requeued(client, org, con
             answer = await client.get(f"/v1/jobs/{job_id}", params=params, headers=bearer(token))
             assert (answer.status_code, answer.json()["error"]) == (404, "job_not_found"), (job_id, params, answer.text)
     assert node_id == claimed.json()["job"]["lease_owner"]
+
+
+async def test_priority_then_submission_order_across_interleaved_batches_and_singles(client, org):
+    """Lower priority runs first; equal priorities run in submission order, whichever route submitted them,
+    down to the 32-bit bounds."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+
+    async def single(name: str, priority: int) -> None:
+        assert (await client.post("/v1/jobs", json={"kind": "k", "payload": {"n": name}, "priority": priority},
+                                  headers=bearer(key))).status_code == 201  # fmt: skip
+
+    async def batch(*items: tuple[str, int]) -> None:
+        body = {"jobs": [{"kind": "k", "payload": {"n": n}, "priority": p} for n, p in items]}
+        assert (await client.post("/v1/jobs/batch", json=body, headers=bearer(key))).status_code == 201
+
+    await single("A", 5)
+    await batch(("B", 5), ("C", 1), ("D", 5))
+    await single("E", 1)
+    await batch(("F", -(2**31)))
+    await single("G", 5)
+    await batch(("H", 1), ("I", 2**31 - 1))
+    order = []
+    for _ in range(9):
+        job = await http_claim(client, credential)
+        order.append(job["payload"]["n"])
+        await http_complete(client, credential, job)
+    assert order == ["F", "C", "E", "H", "A", "B", "D", "G", "I"]
+
+
+async def test_max_attempts_one_fails_on_the_first_retryable_failure(client, org):
+    """max_attempts=1: a retryable failure of the only attempt fails the job for good (no requeue)."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = (await client.post("/v1/jobs", json={"kind": "k", "max_attempts": 1}, headers=bearer(key))).json()
+    held = await http_claim(client, credential)
+    assert held["id"] == job["id"]
+    failed = await client.post(f"/v1/agent/jobs/{job['id']}/fail", json={"attempt": held["attempt"], "error": "boom", "retry": True},
+                               headers=bearer(credential))  # fmt: skip
+    assert (failed.status_code, failed.json()["status"], failed.json()["error"]) == (200, "failed", "boom")
+
+
+async def test_a_node_credential_cannot_list_submit_or_cancel_and_reads_no_child_it_made(client, org):
+    """A node reads only jobs it held: not the children of its own decomposition (it never claimed them),
+    and it can neither list, submit nor cancel."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    parent = (await client.post("/v1/jobs", json={"kind": "book"}, headers=bearer(key))).json()
+    held = await http_claim(client, credential)
+    split = await client.post(f"/v1/agent/jobs/{parent['id']}/children",
+                              json={"attempt": held["attempt"], "children": [{"kind": "page"}]}, headers=bearer(credential))  # fmt: skip
+    assert split.status_code == 201, split.text
+    child = split.json()["children"][0]
+    assert (await client.get(f"/v1/jobs/{parent['id']}", headers=bearer(credential))).status_code == 200
+    assert (await client.get(f"/v1/jobs/{child['id']}", headers=bearer(credential))).status_code == 404
+    assert (await client.get("/v1/jobs", headers=bearer(credential))).status_code == 403
+    assert (await client.post("/v1/jobs", json={"kind": "k"}, headers=bearer(credential))).status_code == 403
+    assert (await client.post(f"/v1/jobs/{parent['id']}/cancel", headers=bearer(credential))).status_code == 403
+
+
+async def test_concurrent_cancels_of_one_job_cancel_it_once(client, org):
+    """Ten cancels of one running job at once: exactly one 200, the others 409 job_terminal, one
+    job.cancelled event."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = (await client.post("/v1/jobs", json={"kind": "k"}, headers=bearer(key))).json()
+    await http_claim(client, credential)  # running: the cancel keeps the holder
+    answers: list = []
+
+    async def cancel() -> None:
+        answers.append(await client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(key)))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(10):
+            tg.start_soon(cancel)
+    assert sorted(a.status_code for a in answers) == [200] + [409] * 9
+    assert all(a.json()["error"] == "job_terminal" for a in answers if a.status_code == 409)
+    events = (await client.get(f"/v1/jobs/{job['id']}/events", headers=bearer(key))).json()["events"]
+    assert [e["type"] for e in events].count("job.cancelled") == 1
+
+
+async def test_cancelling_a_finished_job_is_409_job_terminal_and_writes_nothing(client, org, db_url, conn):
+    """Cancelling a complete or failed job (with a jobs:write key) is 409 job_terminal; status and log unchanged."""
+    org_id, key = org
+    writer = await create_api_key(conn, org_id, ["jobs:write", "jobs:read"])
+    _, credential = await http_pair(client, key)
+    done = (await client.post("/v1/jobs", json={"kind": "k"}, headers=bearer(key))).json()
+    await http_complete(client, credential, await http_claim(client, credential))
+    failed = (await client.post("/v1/jobs", json={"kind": "k", "max_attempts": 1}, headers=bearer(key))).json()
+    held = await http_claim(client, credential)
+    await client.post(f"/v1/agent/jobs/{held['id']}/fail", json={"attempt": held["attempt"], "error": "e", "retry": False},
+                      headers=bearer(credential))  # fmt: skip
+    before = await job_count(db_url)
+    for job, status in ((done, "complete"), (failed, "failed")):
+        refused = await client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(writer))
+        assert (refused.status_code, refused.json()["error"]) == (409, "job_terminal"), refused.text
+        assert (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["status"] == status
+    assert await job_count(db_url) == before

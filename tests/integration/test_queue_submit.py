@@ -1,4 +1,5 @@
-"""Submitting jobs: defaults, idempotency per organization, projects, batches, blocking."""
+"""Submitting jobs: defaults, bounds, idempotency per organization, projects, batches, payloads kept as sent,
+blocking. The ``client`` tests go through the routes of a live server."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from umbra.compute.accounts import create_organization, create_project
 from umbra.errors import NotFound
 from umbra.events import store
 from umbra.projections import jobs as queue
+from tests.helpers import bearer
 
 from .queue_support import CPU8, GPU24, add_node, beat, register_model, spec, submit
 
@@ -118,6 +120,102 @@ async def test_racing_batches_with_overlapping_keys_make_each_job_once_and_never
         assert await footprint(c) == (len(ids), len(ids))
 
 
+async def test_a_key_is_per_organization_not_per_project(client, org, conn):
+    """One key in two projects of one organization names one job: the repeat answers 200 with the first job
+    (its project, not the repeat's) and writes nothing."""
+    org_id, key = org
+    first_project = await create_project(conn, org_id, "one")
+    second_project = await create_project(conn, org_id, "two")
+    first = await client.post("/v1/jobs", json={"kind": "k", "project_id": str(first_project), "idempotency_key": "x"},
+                              headers=bearer(key))  # fmt: skip
+    assert first.status_code == 201, first.text
+    head = await store.head_position(conn)
+    again = await client.post("/v1/jobs", json={"kind": "k", "project_id": str(second_project), "idempotency_key": "x"},
+                              headers=bearer(key))  # fmt: skip
+    assert again.status_code == 200, again.text
+    assert (again.json()["id"], again.json()["project_id"]) == (first.json()["id"], str(first_project))
+    assert (await footprint(conn), await store.head_position(conn)) == ((1, 1), head)
+
+
+async def test_the_same_key_in_two_organizations_makes_two_jobs_each_found_only_by_its_own(client, org, conn):
+    """Keys are independent per organization over HTTP: both first submissions are 201, each repeat (single or
+    batch) finds its own organization's job, and neither organization can read the other's."""
+    _, key = org
+    _, other_key = await create_organization(conn, "other")
+    mine = await client.post("/v1/jobs", json={"kind": "k", "payload": {"who": "me"}, "idempotency_key": "s"}, headers=bearer(key))
+    theirs = await client.post("/v1/jobs", json={"kind": "k", "payload": {"who": "them"}, "idempotency_key": "s"},
+                               headers=bearer(other_key))  # fmt: skip
+    assert (mine.status_code, theirs.status_code) == (201, 201)
+    assert mine.json()["id"] != theirs.json()["id"]
+    again_theirs = await client.post("/v1/jobs", json={"kind": "k", "idempotency_key": "s"}, headers=bearer(other_key))
+    again_mine = await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "k", "idempotency_key": "s"}]}, headers=bearer(key))
+    assert (again_theirs.status_code, again_theirs.json()["payload"]) == (200, {"who": "them"})
+    assert again_mine.json()["jobs"][0]["id"] == mine.json()["id"]
+    assert (await client.get(f"/v1/jobs/{mine.json()['id']}", headers=bearer(other_key))).status_code == 404
+    assert await footprint(conn) == (2, 2)
+
+
+async def test_one_key_twice_in_one_batch_is_one_job_answered_at_both_places(client, org, conn):
+    """The second occurrence of a key within a batch is answered with the first's job (its own body is not
+    used), and the batch makes one job for it."""
+    _, key = org
+    batch = [{"kind": "k", "payload": {"i": 0}, "idempotency_key": "dup"}, {"kind": "k", "payload": {"i": 1}},
+             {"kind": "other", "payload": {"i": 2}, "idempotency_key": "dup"}]  # fmt: skip
+    answer = await client.post("/v1/jobs/batch", json={"jobs": batch}, headers=bearer(key))
+    assert answer.status_code == 201, answer.text
+    jobs = answer.json()["jobs"]
+    assert len(jobs) == 3 and jobs[0]["id"] == jobs[2]["id"] and jobs[1]["id"] != jobs[0]["id"]
+    assert (jobs[2]["payload"], jobs[2]["kind"]) == ({"i": 0}, "k")
+    assert await footprint(conn) == (2, 2)
+
+
+async def test_a_batch_mixing_known_and_new_keys_makes_only_the_new_ones_in_request_order(client, org, conn):
+    """A batch of known, new, repeated and absent keys: known ones answer their job, a repeated new one the
+    first occurrence's, and only the new jobs are made, in request order."""
+    _, key = org
+    known = (await client.post("/v1/jobs", json={"kind": "k", "idempotency_key": "known"}, headers=bearer(key))).json()
+    batch = [{"kind": "k", "idempotency_key": "new-1"}, {"kind": "k", "idempotency_key": "known"}, {"kind": "k"},
+             {"kind": "k", "idempotency_key": "new-1"}, {"kind": "k", "idempotency_key": "new-2"}]  # fmt: skip
+    answer = await client.post("/v1/jobs/batch", json={"jobs": batch}, headers=bearer(key))
+    assert answer.status_code == 201, answer.text
+    jobs = answer.json()["jobs"]
+    assert jobs[1]["id"] == known["id"] and jobs[0]["id"] == jobs[3]["id"]
+    assert len({j["id"] for j in jobs}) == 4
+    assert [j["idempotency_key"] for j in jobs] == ["new-1", "known", None, "new-1", "new-2"]
+    assert await footprint(conn) == (4, 4)
+    listed = (await client.get("/v1/jobs", params={"limit": 100}, headers=bearer(key))).json()["jobs"]  # submission order
+    assert [j["id"] for j in listed] == [known["id"], jobs[0]["id"], jobs[2]["id"], jobs[4]["id"]]
+
+
+async def test_many_concurrent_singles_and_batches_with_one_key_make_one_job(client, org, conn):
+    """24 single submissions and 6 batches naming the same key at once: every answer is a success naming the
+    same job, at most one single submission is 201, and one job exists for the key."""
+    _, key = org
+    singles: list = []
+    batches: list = []
+
+    async def single(i: int) -> None:
+        singles.append(await client.post("/v1/jobs", json={"kind": "k", "payload": {"i": i}, "idempotency_key": "hot"},
+                                         headers=bearer(key)))  # fmt: skip
+
+    async def batch(i: int) -> None:
+        body = {"jobs": [{"kind": "k", "idempotency_key": f"b{i}-{j}"} for j in range(20)]
+                + [{"kind": "k", "idempotency_key": "hot"}]}  # fmt: skip
+        batches.append(await client.post("/v1/jobs/batch", json=body, headers=bearer(key)))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(24):
+            tg.start_soon(single, i)
+            if i % 4 == 0:
+                tg.start_soon(batch, i // 4)
+    assert all(r.status_code in (200, 201) for r in singles), [(r.status_code, r.text[:200]) for r in singles]
+    assert all(r.status_code == 201 for r in batches), [(r.status_code, r.text[:200]) for r in batches]
+    ids = {r.json()["id"] for r in singles} | {r.json()["jobs"][-1]["id"] for r in batches}
+    assert len(ids) == 1
+    assert sum(r.status_code == 201 for r in singles) <= 1
+    assert await footprint(conn) == (1 + 6 * 20, 1 + 6 * 20)
+
+
 async def test_a_project_must_exist_in_the_submitters_own_tenant(conn, org):
     org_id, _ = org
     other_id, _ = await create_organization(conn, "other")
@@ -168,6 +266,53 @@ async def test_a_large_batch_stores_exactly_the_rows_it_returns(conn, org):
     assert queue.diff(await queue.rebuild(conn, org_id), live) == []
     again, created = await jobs.submit(conn, org_id, specs, actor=awkward, batch=True)
     assert created == 0 and again == rows
+
+
+async def test_out_of_bounds_fields_are_refused_naming_the_field_and_write_nothing(client, org, conn):
+    """priority is a 32-bit integer, max_attempts 1..100, lang 1..64 characters, idempotency_key 1..200: the
+    bounds are accepted, anything outside is a 422 naming the field and writes nothing; a float, a bool or a
+    string is refused rather than coerced."""
+    _, key = org
+    for body in ({"kind": "k", "priority": -(2**31)}, {"kind": "k", "priority": 2**31 - 1},
+                 {"kind": "k", "max_attempts": 1}, {"kind": "k", "max_attempts": 100},
+                 {"kind": "k", "lang": "x" * 64}, {"kind": "k", "idempotency_key": "x" * 200}):  # fmt: skip
+        assert (await client.post("/v1/jobs", json=body, headers=bearer(key))).status_code == 201, body
+    before = (await footprint(conn), await store.head_position(conn))
+    for body, field in (({"kind": "k", "priority": 2**31}, "priority"), ({"kind": "k", "priority": -(2**31) - 1}, "priority"),
+                        ({"kind": "k", "priority": 1.5}, "priority"), ({"kind": "k", "priority": True}, "priority"),
+                        ({"kind": "k", "max_attempts": 101}, "max_attempts"), ({"kind": "k", "max_attempts": 0}, "max_attempts"),
+                        ({"kind": "k", "max_attempts": -1}, "max_attempts"), ({"kind": "k", "lang": ""}, "lang"),
+                        ({"kind": "k", "lang": "x" * 65}, "lang"), ({"kind": "k", "idempotency_key": ""}, "idempotency_key"),
+                        ({"kind": "k", "idempotency_key": "x" * 201}, "idempotency_key")):  # fmt: skip
+        refused = await client.post("/v1/jobs", json=body, headers=bearer(key))
+        assert (refused.status_code, refused.json()["error"], refused.json().get("field")) == (422, "invalid_request", field), (body, refused.text)
+    assert (await footprint(conn), await store.head_position(conn)) == before
+
+
+async def test_integers_past_64_bits_in_a_payload_are_stored_and_read_back_exactly(client, org):
+    """A payload is opaque: integers of any size (a 128-bit id) come back as sent, in the job and its event."""
+    _, key = org
+    answer = await client.post("/v1/jobs", content=b'{"kind":"k","payload":{"big":340282366920938463463374607431768211457,'
+                                                   b'"neg":-9223372036854775809}}',
+                               headers={**bearer(key), "content-type": "application/json"})  # fmt: skip
+    assert answer.status_code == 201, answer.text
+    expected = {"big": 340282366920938463463374607431768211457, "neg": -9223372036854775809}
+    assert (await client.get(f"/v1/jobs/{answer.json()['id']}", headers=bearer(key))).json()["payload"] == expected
+    events = (await client.get(f"/v1/jobs/{answer.json()['id']}/events", headers=bearer(key))).json()["events"]
+    assert events[0]["data"]["payload"] == expected
+
+
+async def test_a_body_over_one_mebibyte_is_413_and_one_just_under_is_stored(client, org, conn):
+    """The 1 MiB body limit: a payload just under it is stored whole; just over is 413 and writes nothing."""
+    _, key = org
+    filler = "x" * (1024 * 1024 - 200)
+    fits = await client.post("/v1/jobs", json={"kind": "k", "payload": {"f": filler}}, headers=bearer(key))
+    assert fits.status_code == 201, fits.text[:200]
+    assert len((await client.get(f"/v1/jobs/{fits.json()['id']}", headers=bearer(key))).json()["payload"]["f"]) == len(filler)
+    before = (await footprint(conn), await store.head_position(conn))
+    big = await client.post("/v1/jobs", json={"kind": "k", "payload": {"f": filler + "y" * 400}}, headers=bearer(key))
+    assert big.status_code == 413
+    assert (await footprint(conn), await store.head_position(conn)) == before
 
 
 async def test_a_job_nothing_could_run_is_blocked_with_the_shortfall_and_unblocked_by_a_bigger_node(conn, org):

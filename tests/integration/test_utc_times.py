@@ -25,7 +25,7 @@ from psycopg import conninfo, sql
 
 from tests.conftest import LiveServer
 from tests.helpers import bearer, eventually
-from tests.integration.test_queue_api import CPU, pair
+from tests.integration.queue_support import CPU64_JSON, http_pair
 
 pytestmark = pytest.mark.anyio
 
@@ -58,9 +58,9 @@ async def test_sweeper_events_carry_utc_timestamps_in_a_database_whose_timezone_
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             issued = await client.post("/v1/pairings", json={"name": "box"}, headers=bearer(key))
             redeemed = (await client.post("/v1/pairings/redeem", json={
-                "code": issued.json()["code"], "name": "box", "agent_version": "1", "devices": [CPU]})).json()
+                "code": issued.json()["code"], "name": "box", "agent_version": "1", "devices": [CPU64_JSON]})).json()
             node = bearer(redeemed["credential"])
-            assert (await client.post("/v1/agent/heartbeat", json={"devices": [CPU], "agent_version": "1"},
+            assert (await client.post("/v1/agent/heartbeat", json={"devices": [CPU64_JSON], "agent_version": "1"},
                                       headers=node)).status_code == 200
             job = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).json()
             claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node)
@@ -94,9 +94,9 @@ async def test_cli_pairing_code_prints_expires_at_in_utc_in_a_database_whose_tim
 async def test_a_heartbeats_agent_started_at_is_recorded_in_utc(client, org):
     """The agent's ``agent_started_at`` is recorded in ``node.heartbeat`` in UTC, whatever offset it was sent with."""
     _, key = org
-    _, credential = await pair(client, key)
+    _, credential = await http_pair(client, key)
     beat = await client.post("/v1/agent/heartbeat", headers=bearer(credential), json={
-        "devices": [CPU], "agent_version": "1", "agent_started_at": "2026-01-01T10:00:00+02:00"})
+        "devices": [CPU64_JSON], "agent_version": "1", "agent_started_at": "2026-01-01T10:00:00+02:00"})
     assert beat.status_code == 200, beat.text
     events = (await client.get("/v1/events", params={"limit": 1000}, headers=bearer(key))).json()["events"]
     started = [e["data"]["agent_started_at"] for e in events if e["type"] == "node.heartbeat" and e["data"].get("agent_started_at")]
@@ -107,7 +107,7 @@ async def test_a_heartbeats_agent_started_at_is_recorded_in_utc(client, org):
 async def test_an_agent_started_at_out_of_range_in_utc_is_refused_422(client, org, started):
     """In UTC these leave datetime's years 1 to 9999: refused naming the field, not a server error."""
     _, key = org
-    _, credential = await pair(client, key)
+    _, credential = await http_pair(client, key)
     response = await client.post("/v1/agent/heartbeat", headers=bearer(credential), json={"agent_started_at": started})
     assert response.status_code == 422, f"{response.status_code} {response.text[:200]}"
     assert response.json()["error"] == "invalid_request"
@@ -136,10 +136,10 @@ async def test_every_time_in_every_answer_is_rfc3339_utc_with_z(local_time_db):
             issued = await client.post("/v1/pairings", json={"name": "box"}, headers=api)
             answers.append(("pairing", issued.json()))
             redeemed = await client.post("/v1/pairings/redeem", json={
-                "code": issued.json()["code"], "name": "box", "agent_version": "1", "devices": [CPU]})
+                "code": issued.json()["code"], "name": "box", "agent_version": "1", "devices": [CPU64_JSON]})
             node = bearer(redeemed.json()["credential"])
             node_id = redeemed.json()["node_id"]
-            hb = await client.post("/v1/agent/heartbeat", json={"devices": [CPU], "agent_version": "1",
+            hb = await client.post("/v1/agent/heartbeat", json={"devices": [CPU64_JSON], "agent_version": "1",
                                                                 "agent_started_at": "2026-01-01T10:00:00+05:30"},
                                    headers=node)  # fmt: skip
             assert hb.status_code == 200, hb.text

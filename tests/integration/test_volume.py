@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.helpers import bearer
-from tests.integration.test_queue_api import CPU
+from tests.integration.queue_support import CPU64_JSON
 
 pytestmark = pytest.mark.anyio
 
@@ -145,7 +145,7 @@ async def _claim(client, credential):
 
 async def test_a_deep_tree_settles_partial_to_the_root_and_a_wide_one_complete(client, org):
     _, key = org
-    _, node = await _pair(client, key, "box", [CPU])
+    _, node = await _pair(client, key, "box", [CPU64_JSON])
     root = (await client.post("/v1/jobs", json={"kind": "root"}, headers=bearer(key))).json()
     depth = 12
     job = await _claim(client, node)
@@ -197,7 +197,7 @@ async def _written(conn):
 
 async def test_refused_sizes_write_nothing(client, org, conn):
     _, key = org
-    _, node = await _pair(client, key, "box", [CPU])
+    _, node = await _pair(client, key, "box", [CPU64_JSON])
     before = await _written(conn)
     too_many = await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "e"}] * 10_001}, headers=bearer(key))
     assert too_many.status_code == 422 and too_many.json()["error"] == "invalid_request"
@@ -208,7 +208,7 @@ async def test_refused_sizes_write_nothing(client, org, conn):
     named = await client.post("/v1/jobs", json={"kind": "k", "requires": {"models": [f"m{i:03}" for i in range(400)]}},
                               headers=bearer(key))  # fmt: skip
     assert named.status_code == 422
-    labels = await client.post("/v1/agent/heartbeat", json={"devices": [dict(CPU, label="l" * 201)]}, headers=bearer(node))
+    labels = await client.post("/v1/agent/heartbeat", json={"devices": [dict(CPU64_JSON, label="l" * 201)]}, headers=bearer(node))
     assert labels.status_code == 422
     assert await _written(conn) == before
 

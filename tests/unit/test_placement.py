@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import random
 from uuid import uuid4
 
-from umbra.domain.eligibility import NodeView
+import pytest
+
+from umbra.domain.eligibility import NodeView, judge_device
+from umbra.domain.explain import survey
 from umbra.domain.models import RegisteredModel
 from umbra.domain.placement import RunningJob, after_placement, best_placement, placements, with_running_jobs
 from umbra.events.types import Device, Requirements, ResidentModel
@@ -71,6 +75,90 @@ def test_the_estimate_is_the_load_time_of_models_not_yet_resident():
     pair = {**MODELS, "cold": RegisteredModel(slug="cold", vram_min_mb=2000, load_seconds=10)}
     half_warm = best_placement(node(gpu("g", 1.0, free=10000, resident=[("m", 6000)])), Requirements(models=("m", "cold")), pair)
     assert half_warm.estimated_seconds == 10.0
+
+
+def test_a_preferred_vram_amount_only_ranks_and_never_refuses():
+    """Only a model's VRAM floor refuses a device: where its preferred size does not fit, the device is still
+    eligible at the floor (×0.7 to load it; ×0.4 when reaching the preferred size would unload a resident
+    model), and one MB under the floor is refused with the floor as the amount needed."""
+    registry = {"m": RegisteredModel(slug="m", vram_min_mb=8000, vram_preferred_mb=20000)}
+    needs = Requirements(models=("m",))
+    placed = best_placement(node(gpu("g", 10.0, free=9000)), needs, registry)
+    assert placed is not None and (placed.via, placed.would_evict, placed.score) == ("vram", (), pytest.approx(7.0))
+    placed = best_placement(node(gpu("g", 10.0, free=9000, resident=[("other", 6000)])), needs, registry)
+    assert placed is not None and placed.would_evict == ("other",) and placed.score == pytest.approx(4.0)
+    short = node(gpu("g", 10.0, free=7999))
+    verdict = judge_device(short, short.devices[0], needs, registry)
+    assert (verdict.reason, verdict.needed_mb, verdict.available_mb) == ("vram_insufficient", 8000, 7999)
+
+
+def test_affinity_multiplies_the_load_and_eviction_scores_and_eviction_does_not_compound_with_load():
+    """Score = throughput × (0.4 if it would evict, else 0.7 if the job's models must be loaded) × 1.5 on the
+    preferred node: an eviction is ×0.4 (not ×0.4×0.7), affinity applies on top of either, and the reason
+    says ``local_affinity:<kind>`` on the preferred node and ``placed:<kind>`` elsewhere."""
+    registry = {"m": RegisteredModel(slug="m", vram_min_mb=4000, vram_preferred_mb=20000)}
+    near = node(gpu("g", 10.0, free=6000, resident=[("other", 10000)]), name="near")
+    far = node(gpu("g", 10.0, free=24000), name="far")
+    names = {near.id: "near", far.id: "far"}
+    for prefer, expected in ((near, {"near": 10.0 * 0.4 * 1.5, "far": 10.0 * 0.7}),
+                             (far, {"near": 10.0 * 0.4, "far": 10.0 * 0.7 * 1.5})):  # fmt: skip
+        ranked, _ = placements([near, far], Requirements(models=("m",), prefer_node=prefer.id), registry)
+        assert {names[p.node_id]: p.score for p in ranked} == pytest.approx(expected)
+        assert {names[p.node_id]: p.reason for p in ranked} == {
+            name: "local_affinity:gpu_discrete" if name == prefer.name else "placed:gpu_discrete" for name in expected
+        }
+        assert [p.score for p in ranked] == sorted((p.score for p in ranked), reverse=True)
+
+
+def test_equal_scores_rank_by_node_order_then_device_order_every_time():
+    """Ties are deterministic: equal scores keep the order the nodes are given in (the claim's reader gives
+    them by name), then the node's device order, however often it is asked."""
+    fleet = [node(gpu("g0", 2.0), gpu("g1", 2.0), name=name) for name in ("a", "b", "c")]
+    names = {n.id: n.name for n in fleet}
+    for _ in range(5):
+        ranked, _ = placements(fleet, Requirements(vram_min_mb=1000), {})
+        assert [(names[p.node_id], p.device_id) for p in ranked] == [(n.name, label) for n in fleet for label in ("g0", "g1")]
+    shuffled = fleet[:]
+    random.Random(7).shuffle(shuffled)
+    ranked, _ = placements(shuffled, Requirements(vram_min_mb=1000), {})
+    assert [names[p.node_id] for p in ranked][::2] == [n.name for n in shuffled]
+
+
+def test_multi_model_jobs_are_resident_only_when_every_model_is_and_never_evict_their_own():
+    """A job naming two models is ``resident`` (undiscounted, estimate 0) only where both are; with one warm it
+    is a load (×0.7, or ×0.4 when it evicts) waiting only for the other's load time; the job's own warm model
+    is never in ``would_evict``, even when reaching the other's preferred size needs room; and the two need
+    the sum of their floors."""
+    registry = {"a": RegisteredModel(slug="a", vram_min_mb=4000, load_seconds=20),
+                "b": RegisteredModel(slug="b", vram_min_mb=4000, vram_preferred_mb=16000, load_seconds=30)}  # fmt: skip
+    needs = Requirements(models=("a", "b"))
+    both = best_placement(node(gpu("g", 10.0, free=2000, resident=[("a", 6000), ("b", 6000)])), needs, registry)
+    assert both is not None and (both.resident, both.score, both.estimated_seconds, both.would_evict) == (True, 10.0, 0.0, ())
+    half = best_placement(node(gpu("g", 10.0, free=6000, resident=[("a", 6000), ("z", 8000)])), needs, registry)
+    assert half is not None and not half.resident and half.estimated_seconds == 30.0
+    assert half.would_evict == ("z",) and half.score == pytest.approx(4.0)
+    tight = node(gpu("g", 10.0, free=7999))
+    assert judge_device(tight, tight.devices[0], needs, registry).reason == "vram_insufficient"
+
+
+def test_a_full_discrete_gpu_never_runs_from_ram_and_explain_lists_the_slow_path_best_first():
+    """A discrete GPU too small in VRAM is refused (``vram_insufficient``) however much RAM it reports; the
+    same job on the node's CPU or integrated GPU runs from RAM and says ``placed:slow_path:ram_not_vram``; an
+    integrated GPU whose VRAM fits says ``placed:gpu_integrated``; explain lists the eligible best first."""
+    rich_gpu = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=8192, vram_free_mb=8000, ram_total_mb=131072,
+                      ram_free_mb=131072, throughput_factor=10.0)  # fmt: skip
+    igpu = Device(kind="gpu_integrated", label="igpu", vram_total_mb=4096, vram_free_mb=4000, ram_total_mb=65536,
+                  ram_free_mb=60000, throughput_factor=3.0)  # fmt: skip
+    box = node(rich_gpu, igpu, Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=60000))
+    eligible, ineligible = survey([box], Requirements(vram_min_mb=12000), {})
+    assert [(e.device_label, e.via, e.placement_reason) for e in eligible] == [
+        ("igpu", "ram", "placed:slow_path:ram_not_vram"), ("cpu", "ram", "placed:slow_path:ram_not_vram"),
+    ]
+    assert [(i.device_label, i.reason) for i in ineligible] == [("gpu0", "vram_insufficient")]
+    small = best_placement(box, Requirements(vram_min_mb=3000), {})
+    assert small is not None and (small.device_id, small.reason) == ("gpu0", "placed:gpu_discrete")
+    only_igpu = best_placement(node(igpu), Requirements(vram_min_mb=3000), {})
+    assert only_igpu is not None and (only_igpu.via, only_igpu.reason) == ("vram", "placed:gpu_integrated")
 
 
 def test_no_eligible_device_means_no_placement():

@@ -3,7 +3,8 @@
 One method per endpoint, nothing else: retries, back-off and scheduling are the
 runner's business. A refusal from the server is raised as :class:`ServiceError`
 carrying the contract's stable ``error`` code, so callers branch on codes, never
-on message text. Transport failures (refused connection, timeout) surface as
+on message text; so is an answer the agent protocol's methods cannot read (see
+:func:`_read`). Transport failures (refused connection, timeout) surface as
 ``httpx.TransportError``.
 """
 
@@ -13,7 +14,7 @@ import email.utils
 import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import quote
 
 import httpx
@@ -80,14 +81,21 @@ def _server_now(response: httpx.Response) -> datetime:
 
 
 def _claim(body: dict[str, Any], response: httpx.Response) -> Claim:
-    """A claim as the server answers it (the long-poll's body, or a completion's ``next_claim``)."""
+    """A claim as the server answers it (the long-poll's body, or a completion's ``next_claim``).
+
+    Raises ``KeyError``, ``TypeError`` or ``ValueError`` for one without what running and reporting
+    the job need (its id, kind and attempt), here rather than halfway through running it.
+    """
     expires = parse_time(body["lease_expires_at"])
-    return Claim(
+    claim = Claim(
         job=body["job"],
         placement=body.get("placement") or {},
         lease_expires_at=expires,
         lease_seconds=lease_left(body, response),
     )
+    if not (isinstance(claim.job_id, str) and isinstance(claim.kind, str) and claim.attempt >= 0):
+        raise TypeError("the claimed job has no id, kind or attempt")
+    return claim
 
 
 #: The header in which the server says how many seconds of lease a claim's or a renewal's answer leaves
@@ -137,6 +145,25 @@ def raise_for_error(response: httpx.Response) -> None:
         message,
         retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
     )
+
+
+def _read(response: httpx.Response, parse: Callable[[dict[str, Any]], Any] = lambda body: body) -> Any:
+    """``parse`` of a successful answer's JSON object; an answer it cannot read raises a passing :class:`ServiceError`.
+
+    A 200 with a load balancer's maintenance page, or a body without the keys
+    the contract names, says nothing about the request: raised as a 502
+    :data:`HTTP_ERROR` (a proxy's answer), the runner waits it out with
+    back-off, as it does a proxy's error page, instead of a JSON or key error
+    ending the agent.
+    """
+    try:
+        body = response.json()
+        if not isinstance(body, dict):
+            raise TypeError("not a JSON object")
+        return parse(body)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        message = f"The server's answer (HTTP {response.status_code}) could not be read: {type(exc).__name__}."
+        raise ServiceError(502, HTTP_ERROR, message) from exc
 
 
 def _devices_json(devices: Sequence[Device]) -> list[Any]:
@@ -213,11 +240,11 @@ class AgentClient:
             "agent_started_at": agent_started_at.isoformat(),
             "kinds": list(kinds),  # always: an empty list says "every kind", replacing kinds reported before
         }
-        return (await self._post("/v1/agent/heartbeat", body)).json()
+        return _read(await self._post("/v1/agent/heartbeat", body))
 
     async def sign_off(self) -> dict[str, Any]:
         """``POST /v1/agent/offline``: this agent is stopping; the node reads offline until its next heartbeat."""
-        return (await self._post("/v1/agent/offline", timeout=SIGN_OFF_TIMEOUT_SECONDS)).json()
+        return _read(await self._post("/v1/agent/offline", timeout=SIGN_OFF_TIMEOUT_SECONDS))
 
     async def claim(self, wait: float, *, kinds: Sequence[str] = ()) -> Claim | None:
         """Long-poll ``POST /v1/agent/claim?wait=S``: a :class:`Claim`, or None on 204.
@@ -228,15 +255,15 @@ class AgentClient:
         )
         if response.status_code == 204:
             return None
-        return _claim(response.json(), response)
+        return _read(response, lambda body: _claim(body, response))
 
     async def renew(self, job_id: str, attempt: int) -> float:
         """Extend the lease; returns its new length in seconds (server clock)."""
         response = await self._post(f"/v1/agent/jobs/{job_id}/renew", {"attempt": attempt})
-        return lease_left(response.json(), response)
+        return _read(response, lambda body: lease_left(body, response))
 
     async def complete(self, job_id: str, attempt: int, result: Any) -> dict[str, Any]:
-        return (await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result})).json()
+        return _read(await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result}))
 
     async def complete_and_claim(self, job_id: str, attempt: int, result: Any, *,
                                  kinds: Sequence[str] = ()) -> tuple[dict[str, Any], Claim | None]:  # fmt: skip
@@ -248,14 +275,17 @@ class AgentClient:
         """
         response = await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result},
                                     params={"claim_next": "true", "kind": list(kinds)})  # fmt: skip
-        job = response.json()
-        following = job.pop("next_claim", None)
-        return job, (_claim(following, response) if following else None)
+
+        def completed(job: dict[str, Any]) -> tuple[dict[str, Any], Claim | None]:
+            following = job.pop("next_claim", None)
+            return job, (_claim(following, response) if following else None)
+
+        return _read(response, completed)
 
     async def fail(self, job_id: str, attempt: int, error: str, *, retry: bool) -> dict[str, Any]:
         body = {"attempt": attempt, "error": error, "retry": retry}
-        return (await self._post(f"/v1/agent/jobs/{job_id}/fail", body)).json()
+        return _read(await self._post(f"/v1/agent/jobs/{job_id}/fail", body))
 
     async def add_children(self, job_id: str, attempt: int, children: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         body = {"attempt": attempt, "children": list(children)}
-        return (await self._post(f"/v1/agent/jobs/{job_id}/children", body)).json()["children"]
+        return _read(await self._post(f"/v1/agent/jobs/{job_id}/children", body), lambda answer: list(answer["children"]))

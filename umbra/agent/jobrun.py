@@ -11,8 +11,10 @@ scope early, and each is reported differently:
 * the job's ``max_runtime_s`` passed: the job is failed for good (even
   during a stop's grace period: another node would only hit it again).
 
-Reports are retried on transport errors while the lease could still hold;
-after that the sweeper's lease expiry is the recovery path. A result or
+Reports are retried on transport errors and on answers that pass (see
+:func:`refused_for_good`) while the lease could still hold, no sooner than a
+``Retry-After`` says; after that the sweeper's lease expiry is the recovery
+path. The server answers a repeated report as it answered the first. A result or
 children the server refuses as invalid or too large (422, 413) cannot be
 delivered by retrying, nor by running the job again: the job is failed for
 good with the server's reason, instead of being left to its lease and run
@@ -21,10 +23,12 @@ again. Failure messages are cut to what the server accepts.
 A completion asks for the node's next job in the same request when
 ``claim_next`` says so at that moment (the agent is not stopping): the
 runner then goes straight on to it, and long-polls only when the queue has
-nothing for this node. Only the first delivery attempt asks: if its answer was
-lost on the way, the server may already have claimed a job for this node, and
-a retry must not claim another (the unseen one comes back when its lease runs
-out).
+nothing for this node. A retry asks as the first attempt did: if the first's
+answer was lost on the way, the server answers the repeat with the claim it
+already made (while that claim stands untouched), so the agent runs it instead
+of leaving it leased to a node that does not know of it. A retry sent once the
+agent is stopping does not ask: a claim the lost answer named then waits out
+its lease.
 """
 
 from __future__ import annotations
@@ -38,13 +42,16 @@ import anyio
 import httpx
 import msgspec
 
-from .client import AgentClient, Claim, ServiceError
+from .client import HTTP_ERROR, AgentClient, Claim, ServiceError
 from .handlers import Decompose, HandlerRegistry, PermanentError, is_retryable
 
 log = logging.getLogger(__name__)
 
 #: Server answers meaning "this job is no longer yours": stop, report nothing.
 LOST_CODES = frozenset({"job_cancelled", "job_not_claimed_by_this_node", "job_not_found", "not_found"})
+#: 4xx answers that sending the same request again may turn into a 200: a timeout, a write that met
+#: another (409 concurrency_conflict), too early, too many requests.
+TRANSIENT_REFUSALS = frozenset({408, 409, 425, 429})
 #: Refusals of a result or children that no retry, and no rerun, could change.
 UNDELIVERABLE_CODES = frozenset({"invalid_request", "payload_too_large"})
 STOPPED_MESSAGE = "The agent stopped before the job finished."
@@ -69,6 +76,31 @@ def backoff_delay(failures: int, base: float, cap: float, rng: random.Random | N
     doublings = min(max(0, failures - 1), MAX_DOUBLINGS)
     ceiling = min(cap, base * 2.0**doublings)  # a product past the float range is inf, which the cap absorbs
     return ceiling / 2 + (rng or random).uniform(0, ceiling / 2)
+
+
+def refused_for_good(exc: ServiceError) -> bool:
+    """A refusal that sending the same request again will not turn into a 200.
+
+    Only the server's own refusals (a body with its error code) are final: a
+    4xx page without one comes from something in between (a proxy answering
+    404 while the server behind it restarts), and a 5xx or one of the
+    :data:`TRANSIENT_REFUSALS` passes. A 409 saying the job is no longer this
+    node's (:data:`LOST_CODES`) is final whatever its status: no retry gives
+    the job back. The heartbeat, the claim, the renewal and the reports all
+    decide by this, so a proxy's page never ends a job that a claim would
+    have waited out.
+    """
+    if exc.code in LOST_CODES:
+        return True
+    return exc.status < 500 and exc.status not in TRANSIENT_REFUSALS and exc.code != HTTP_ERROR
+
+
+def retry_delay(error: Exception, failures: int, base: float, cap: float) -> float:
+    """:func:`backoff_delay`, but no sooner than the ``Retry-After`` of a refusal that said one."""
+    delay = backoff_delay(failures, base, cap)
+    if isinstance(error, ServiceError) and error.retry_after:
+        delay = max(delay, error.retry_after)
+    return delay
 
 
 @dataclass(frozen=True)
@@ -201,14 +233,17 @@ class JobRun:
         if not self._claim_next():
             return await self._undeliverable_fails(
                 await self._report("complete", self.client.complete, claim.job_id, claim.attempt, result), "result")
-        asked = False
 
         async def complete_and_claim() -> tuple[dict[str, Any], Claim | None]:
-            nonlocal asked
-            if asked:  # a retry: the lost first answer may have carried a claim already
-                return await self.client.complete(claim.job_id, claim.attempt, result), None
-            asked = True
-            return await self.client.complete_and_claim(claim.job_id, claim.attempt, result, kinds=self._kinds)
+            """Every attempt asks for the next job while the agent is not stopping.
+
+            A repeat of a completion whose answer was lost is answered with the claim the first made;
+            once the agent is stopping a retry asks for none, and a claim the lost answer named waits
+            out its lease.
+            """
+            if self._claim_next():
+                return await self.client.complete_and_claim(claim.job_id, claim.attempt, result, kinds=self._kinds)
+            return await self.client.complete(claim.job_id, claim.attempt, result), None
 
         outcome = await self._undeliverable_fails(await self._report("complete", complete_and_claim), "result")
         if outcome.status != "complete":
@@ -219,7 +254,9 @@ class JobRun:
     async def _fail(self, message: str, *, retry: bool) -> Outcome:
         claim = self.claim
         status = "retrying" if retry else "failed"
-        message = message.replace("\x00", "\ufffd")  # PostgreSQL cannot store NUL
+        # PostgreSQL cannot store NUL, nor JSON carry a lone surrogate (a file name os.fsdecode made of bytes
+        # that are not UTF-8): either would make the report itself fail, and the job wait out its lease.
+        message = message.replace("\x00", "\ufffd").encode("utf-8", "backslashreplace").decode("utf-8")
         if len(message) > MAX_ERROR_CHARS:
             message = message[: MAX_ERROR_CHARS - 1] + "…"
         return await self._report(status, self.client.fail, claim.job_id, claim.attempt, message, retry=retry)
@@ -231,7 +268,12 @@ class JobRun:
         return await self._fail(f"The server refused the job's {what} ({outcome.detail}); it was not stored.", retry=False)
 
     async def _report(self, status: str, call, *args, **kwargs) -> Outcome:
-        """Deliver an outcome, retrying transport errors while the lease could still hold."""
+        """Deliver an outcome, retrying transport errors and passing refusals while the lease could still hold.
+
+        A refusal for good (:func:`refused_for_good`) ends it at once: "lost" when the job is no
+        longer this node's, else "unreported". A passing one (a proxy's page, a 429) is sent again,
+        no sooner than its ``Retry-After``: thrown away, a computed result would be computed again.
+        """
         claim = self.claim
         deadline = anyio.current_time() + max(claim.lease_seconds, 1.0)
         failures = 0
@@ -241,14 +283,14 @@ class JobRun:
             except ServiceError as exc:
                 if exc.status == 401:
                     self._on_rejected(exc)
-                if exc.status < 500:
+                if exc.status == 401 or refused_for_good(exc):
                     log.warning("outcome refused", extra={"action": "report_refused", "job_id": claim.job_id, "code": exc.code})
                     return Outcome(claim.job_id, claim.kind, "lost" if exc.code in LOST_CODES else "unreported", exc.code)
                 error: Exception = exc
             except httpx.HTTPError as exc:
                 error = exc
             failures += 1
-            delay = backoff_delay(failures, *self._backoff)
+            delay = retry_delay(error, failures, *self._backoff)
             if anyio.current_time() + delay > deadline or self._abandoned.is_set():
                 log.error("outcome not delivered", extra={"action": "report_failed", "job_id": claim.job_id, "error": describe(error)})
                 return Outcome(claim.job_id, claim.kind, "unreported", describe(error))
@@ -256,6 +298,12 @@ class JobRun:
                 await self._abandoned.wait()  # a second signal ends the wait: the next failure gives up
 
     async def _renew_loop(self) -> None:
+        """Renew the lease every third of it; end the handler only when the server refuses for good.
+
+        A renewal that fails in passing (unreachable, a proxy's page, a 429, an answer that cannot be
+        read) is sent again sooner, no sooner than its ``Retry-After``: cancelling the handler on it
+        would throw away the work and leave the job to run again with an attempt spent.
+        """
         claim = self.claim
         interval = claim.lease_seconds / 3
         failures = 0
@@ -264,20 +312,23 @@ class JobRun:
             try:
                 interval = await self.client.renew(claim.job_id, claim.attempt) / 3
                 failures = 0
+                continue
             except ServiceError as exc:
                 if exc.status == 401:
                     self._on_rejected(exc)
-                if exc.status < 500:
+                if exc.status == 401 or refused_for_good(exc):
                     log.warning("lease lost", extra={"action": "lease_lost", "job_id": claim.job_id, "code": exc.code})
                     self._lost = exc
                     if self._scope is not None:
                         self._scope.cancel()
                     return
-                failures += 1
-                interval = backoff_delay(failures, 0.2, claim.lease_seconds / 6)
-            except (httpx.HTTPError, ValueError, KeyError):  # unreachable, or an answer we cannot read
-                failures += 1
-                interval = backoff_delay(failures, 0.2, claim.lease_seconds / 6)
+                error: Exception = exc
+            except httpx.HTTPError as exc:
+                error = exc
+            failures += 1
+            interval = retry_delay(error, failures, 0.2, claim.lease_seconds / 6)
+            log.warning("renewal failed; sending it again", extra={"action": "renew_failed", "job_id": claim.job_id,
+                                                                   "error": describe(error), "delay_s": round(interval, 2)})
 
 
 def describe(error: Exception) -> str:

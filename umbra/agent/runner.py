@@ -35,10 +35,10 @@ import psutil
 
 from umbra.events.types import Device
 
-from .client import HTTP_ERROR, AgentClient, Claim, ServiceError, claim_kinds
+from .client import AgentClient, Claim, ServiceError, claim_kinds
 from .devices import steady
 from .handlers import HandlerRegistry
-from .jobrun import JobRun, Outcome, backoff_delay, describe
+from .jobrun import JobRun, Outcome, backoff_delay, describe, refused_for_good, retry_delay
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,6 @@ __all__ = ["Agent", "AgentConfig", "Outcome", "backoff_delay"]
 
 #: How long a stopping agent lets a heartbeat already on its way finish before it signs off.
 LAST_BEAT_SECONDS = 5.0
-#: 4xx answers to a heartbeat that sending it again may turn into a 200: a timeout, a write that met
-#: another (409 concurrency_conflict), too many requests. Every other 4xx refuses the beat itself
-#: (422 devices the server does not accept, 413, 403 a credential without the scope, 404 a node that
-#: was removed): the agent's own report is wrong, and no retry makes it right.
-TRANSIENT_REFUSALS = frozenset({408, 409, 425, 429})
 
 
 @dataclass(frozen=True)
@@ -183,15 +178,6 @@ class Agent:
         self._fatal = exc
         self.stop()
 
-    @staticmethod
-    def _for_good(exc: ServiceError) -> bool:
-        """A 4xx that sending the request again will not turn into a 200 (see :data:`TRANSIENT_REFUSALS`).
-
-        Only the server's own refusals (a body with its error code): a 4xx page without one comes from
-        something in between, a proxy answering 404 while the server behind it restarts, say.
-        """
-        return exc.status < 500 and exc.status not in TRANSIENT_REFUSALS and exc.code != HTTP_ERROR
-
     async def _pause(self, seconds: float) -> None:
         """Sleep, waking early when the agent is asked to stop."""
         with anyio.move_on_after(seconds):
@@ -209,7 +195,7 @@ class Agent:
                 if exc.status == 401:
                     self._reject(exc)
                     return
-                if self._for_good(exc):
+                if refused_for_good(exc):  # 422 devices the server does not accept, 403, 404 a removed node
                     self._refused(exc, "heartbeat")
                     return
                 failures += 1
@@ -261,7 +247,7 @@ class Agent:
                     if exc.status == 401:
                         self._reject(exc)
                         break
-                    if self._for_good(exc):  # a credential without compute:claim, say
+                    if refused_for_good(exc):  # a credential without compute:claim, say
                         self._refused(exc, "claim")
                         break
                     error = exc
@@ -273,9 +259,7 @@ class Agent:
                     claim = (await self.execute(claim)).next_claim
             elif error is not None:
                 failures += 1
-                delay = backoff_delay(failures, self.config.backoff_base_seconds, self.config.backoff_cap_seconds)
-                if isinstance(error, ServiceError) and error.retry_after:
-                    delay = max(delay, error.retry_after)
+                delay = retry_delay(error, failures, self.config.backoff_base_seconds, self.config.backoff_cap_seconds)
                 log.warning("claim failed; backing off", extra={"action": "claim_failed", "error": describe(error), "delay_s": round(delay, 2)})
                 await self._pause(delay)
             else:
@@ -297,7 +281,11 @@ class Agent:
                 self._poll_scopes.discard(scope)
 
     async def execute(self, claim: Claim) -> Outcome:
-        """Run one claimed job to a reported outcome."""
+        """Run one claimed job to a reported outcome.
+
+        An error the run did not expect (a bug, or a report that could not even be sent) ends that
+        job alone, as "unreported": it waits out its lease, and the agent goes on with its other jobs.
+        """
         log.info("job claimed", extra={"action": "job_claimed", "job_id": claim.job_id, "kind": claim.kind, "attempt": claim.attempt})
         config = self.config
         run = JobRun(self.client, self.registry, claim, on_rejected=self._reject,
@@ -308,6 +296,10 @@ class Agent:
         self._current.add(run)
         try:
             outcome = await run.run()
+        except Exception as exc:  # noqa: BLE001 - one job's mishap must not end the agent and its other jobs
+            log.exception("job run failed unexpectedly; the job waits out its lease", extra={
+                "action": "job_run_crashed", "job_id": claim.job_id, "error": type(exc).__name__})
+            outcome = Outcome(claim.job_id, claim.kind, "unreported", type(exc).__name__)
         finally:
             self._current.discard(run)
         self.outcomes.append(outcome)
