@@ -75,12 +75,17 @@ async def migrate(url: str) -> list[str]:
     return applied
 
 
+async def _applied(conn: psycopg.AsyncConnection) -> dict[int, str]:
+    """The migrations the database records as applied, version to name, oldest first (none before any)."""
+    exists = await (await conn.execute("SELECT to_regclass('schema_migrations') IS NOT NULL")).fetchone()
+    if not (exists and exists[0]):
+        return {}
+    return dict(await (await conn.execute("SELECT version, name FROM schema_migrations ORDER BY version")).fetchall())
+
+
 async def pending_migrations(conn: psycopg.AsyncConnection) -> list[str]:
     """Names of migrations not yet applied (empty when the schema is current)."""
-    exists = await (await conn.execute("SELECT to_regclass('schema_migrations') IS NOT NULL")).fetchone()
-    done: set[int] = set()
-    if exists and exists[0]:
-        done = {row[0] for row in await (await conn.execute("SELECT version FROM schema_migrations")).fetchall()}
+    done = await _applied(conn)
     return [m.name for m in available_migrations() if m.version not in done]
 
 
@@ -91,9 +96,5 @@ async def migrations_ahead(conn: psycopg.AsyncConnection) -> list[str]:
     the previous release still run against it (a migration keeps what they use,
     see 0032), so this is said, not refused.
     """
-    exists = await (await conn.execute("SELECT to_regclass('schema_migrations') IS NOT NULL")).fetchone()
-    if not (exists and exists[0]):
-        return []
     shipped = {m.version for m in available_migrations()}
-    rows = await (await conn.execute("SELECT version, name FROM schema_migrations ORDER BY version")).fetchall()
-    return [name for version, name in rows if version not in shipped]
+    return [name for version, name in (await _applied(conn)).items() if version not in shipped]

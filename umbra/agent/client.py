@@ -258,7 +258,7 @@ class AgentClient:
         return _read(response, lambda body: _claim(body, response))
 
     async def renew(self, job_id: str, attempt: int) -> float:
-        """Extend the lease; returns its new length in seconds (server clock)."""
+        """Extend the lease; returns the seconds of it left (see :func:`lease_left`)."""
         response = await self._post(f"/v1/agent/jobs/{job_id}/renew", {"attempt": attempt})
         return _read(response, lambda body: lease_left(body, response))
 
