@@ -17,6 +17,7 @@ from umbra.compute.auth import Principal, authenticate, authenticated_connection
 from umbra.db import DATABASE_AWAY
 from umbra.compute.jobs import MAX_JSON_DEPTH, NOT_BLANK, TOO_DEEP, TOO_DEEP_FIELD
 from umbra.errors import InvalidRequest, NotFound, UmbraError
+from umbra.events import documents
 
 from .items import item_at
 from .params import integer
@@ -27,7 +28,6 @@ MAX_BODY_BYTES = 1024 * 1024
 T = TypeVar("T")
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-_encoder = msgspec.json.Encoder()
 
 
 class PayloadTooLarge(UmbraError):
@@ -38,7 +38,7 @@ class PayloadTooLarge(UmbraError):
 
 
 def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_encoder.encode(content), status_code=status, media_type="application/json", headers=headers)
+    return Response(documents.encode(content), status_code=status, media_type="application/json", headers=headers)
 
 
 def request_id(request: Request) -> str | None:
@@ -93,7 +93,7 @@ async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False,
         else:
             raise InvalidRequest("A JSON request body is required.")
     try:
-        decoded = msgspec.json.decode(body, type=type_)
+        decoded = documents.decoder(type_).decode(body)
     except msgspec.ValidationError as exc:
         field = _field_of(str(exc))
         if deep := TOO_DEEP_FIELD.match(str(exc)):  # raised by the struct (field names it), about one of its fields

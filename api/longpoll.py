@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import time
 from collections import OrderedDict
 from typing import Awaitable, Callable, TypeVar
@@ -49,7 +48,7 @@ from uuid import UUID
 import anyio
 from psycopg_pool import AsyncConnectionPool
 
-from umbra import metrics
+from umbra import jitter, metrics
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +264,7 @@ class WaiterHub:
                 stops = stops + 1 if again else 0
                 remaining = deadline - time.monotonic()
                 if remaining > 0 and not self.stopped:
-                    pause = min(LOOK_AGAIN_SECONDS * 2 ** (stops - 1), self.poll_seconds) * random.uniform(0.75, 1.25)
+                    pause = min(LOOK_AGAIN_SECONDS * 2 ** (stops - 1), self.poll_seconds) * jitter.uniform(0.75, 1.25)
                     await waiter.wait(min(remaining, pause) if again else remaining)
                 if self.stopped or not (waiter.pending or again and time.monotonic() < deadline):
                     return None
@@ -291,7 +290,7 @@ class WaiterHub:
     async def safety_poll(self, pool: AsyncConnectionPool) -> None:
         """Every ``poll_seconds`` (±50 %), wake one waiter per organization that may have work."""
         while True:
-            await anyio.sleep(self.poll_seconds * random.uniform(0.5, 1.5))
+            await anyio.sleep(self.poll_seconds * jitter.uniform(0.5, 1.5))
             orgs = [org for org, waiters in self._waiters.items() if waiters]
             if not orgs:
                 continue

@@ -17,20 +17,19 @@ graceful shutdown is not held open by dashboards), and the open-streams gauge.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 from uuid import UUID
 
 import anyio
-import msgspec
 import psycopg
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from umbra import metrics
+from umbra import jitter, metrics
 from umbra.compute.auth import Principal, authenticate, credential_is_live, revoked
 from umbra.db import DATABASE_AWAY
+from umbra.events import documents
 
 from .http import bearer_token
 
@@ -39,7 +38,6 @@ PING_SECONDS = 15.0
 #: Reconnection delay suggested to EventSource clients (ms).
 RETRY_MS = 2000
 
-_encoder = msgspec.json.Encoder()
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +153,7 @@ async def watched_reads(services: Any, watch: LogWatch, who: Principal, read: St
 
 
 def jittered(seconds: float) -> float:
-    return seconds * random.uniform(0.5, 1.5)
+    return seconds * jitter.uniform(0.5, 1.5)
 
 
 #: Characters JSON may carry raw that a client splitting lines as Python's ``str.splitlines`` does (httpx's
@@ -171,7 +169,7 @@ def message(data: object, *, event: str | None = None, id: int | None = None) ->
         parts.append(b"id: %d\n" % id)
     if event is not None:
         parts.append(b"event: " + event.encode() + b"\n")
-    encoded = _encoder.encode(data)
+    encoded = documents.encode(data)
     if b"\xe2\x80" in encoded or b"\xc2\x85" in encoded:
         for raw, escaped in _LINE_ENDS_FOR_SOME_CLIENTS:
             encoded = encoded.replace(raw, escaped)

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import re
 from typing import Annotated, Any, Iterator, Mapping, Sequence
 from uuid import UUID
@@ -29,6 +28,7 @@ import msgspec
 import psycopg
 from msgspec import Meta
 
+from umbra import jitter
 from umbra.compute.accounts import project_exists
 from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.jobs import decide_cancel
@@ -483,7 +483,7 @@ async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: U
             if deadlocks > DEADLOCK_RETRIES:
                 raise
             log.info("cancel deadlocked; starting over", extra={"action": "cancel_deadlock", "job_id": str(job_id)})
-            await anyio.sleep(random.uniform(0.005, 0.05) * deadlocks)
+            await anyio.sleep(jitter.uniform(0.005, 0.05) * deadlocks)
 
 
 #: How many times a cancel starts over after a deadlock before it gives up (:func:`cancel`).

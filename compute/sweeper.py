@@ -28,7 +28,6 @@ while it leads; the others retry every few seconds, so when the leader dies
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,7 +38,7 @@ import anyio
 import psycopg
 from anyio.abc import TaskStatus
 
-from umbra import metrics
+from umbra import jitter, metrics
 from umbra.db import assume_service_role, connect
 from umbra.domain.jobs import decide_lease_expiry
 from umbra.events import store
@@ -258,7 +257,7 @@ async def run(
                     await conn.close()
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             log.warning("sweeper connection lost", extra={"action": "sweeper_lost", "error": str(exc)[:200]})
-            await anyio.sleep(delay + random.uniform(0, delay))
+            await anyio.sleep(delay + jitter.uniform(0, delay))
             delay = min(delay * 2, retry_seconds)
 
 

@@ -15,12 +15,13 @@ queries behind the wait.
 from __future__ import annotations
 
 import logging
-import random
 from typing import Callable
 from uuid import UUID
 
 import anyio
 import psycopg
+
+from umbra import jitter
 
 from .store import EVERYTHING, LOG_CHANNEL, RECHECK_CHANNEL, parse_hints
 
@@ -133,7 +134,7 @@ class LogListener:
             except (psycopg.OperationalError, psycopg.InterfaceError, TimeoutError) as exc:
                 self.connected = anyio.Event()
                 log.warning("listener connection lost", extra={"action": "listener_lost", "error": str(exc)[:200]})
-                await anyio.sleep(delay + random.uniform(0, delay))
+                await anyio.sleep(delay + jitter.uniform(0, delay))
                 delay = min(delay * 2, 5.0)
                 if not started:
                     continue

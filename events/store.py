@@ -36,6 +36,7 @@ from umbra import metrics
 from umbra.db import PreparedStatement, service_lock_wait
 from umbra.errors import ConcurrencyConflict
 
+from . import documents
 from .types import Event, UnknownEvent, decode_event, encode_event
 
 #: Advisory lock key serialising appends ("umbralog" in ASCII).
@@ -70,7 +71,7 @@ class RecordedEvent(msgspec.Struct, frozen=True):
             "version": self.version,
             "type": self.type,
             "organization_id": str(self.organization_id),
-            "data": self.event.data if isinstance(self.event, UnknownEvent) else msgspec.to_builtins(self.event),
+            "data": self.event.data if isinstance(self.event, UnknownEvent) else documents.to_builtins(self.event),
             "metadata": dict(self.metadata),
             "recorded_at": self.recorded_at.isoformat().replace("+00:00", "Z"),
         }
@@ -168,7 +169,7 @@ _COPY_CHUNK = 2000
 
 def _tail(metadata: Mapping[str, Any] | None, recorded_text: str) -> tuple[Mapping[str, Any], str]:
     """An event line's last two columns (metadata, recorded_at), and the metadata to return."""
-    meta = copy_json(msgspec.json.encode(metadata)) if metadata else "{}"
+    meta = copy_json(documents.encode(metadata)) if metadata else "{}"
     return metadata or {}, f"\t{meta}\t{recorded_text}\n"
 
 
@@ -246,7 +247,7 @@ def _encoded_rows(batch: Sequence[PendingAppend]) -> tuple[list[tuple[PendingApp
     for item in batch:
         for offset, event in enumerate(item.events):
             rows.append((item, event, item.expected_version + offset + 1))
-    encoded = msgspec.json.encode(
+    encoded = documents.encode(
         [
             _Row(
                 stream=item.stream,
@@ -254,7 +255,7 @@ def _encoded_rows(batch: Sequence[PendingAppend]) -> tuple[list[tuple[PendingApp
                 type=event.__struct_config__.tag,  # type: ignore[attr-defined]
                 org=item.organization_id,
                 data=msgspec.Raw(encode_event(event)),
-                meta=msgspec.Raw(msgspec.json.encode(item.metadata)) if item.metadata else _EMPTY,
+                meta=msgspec.Raw(documents.encode(item.metadata)) if item.metadata else _EMPTY,
                 expected=item.expected_version,
             )
             for item, event, version in rows
@@ -417,7 +418,7 @@ def _recorded(row: tuple) -> RecordedEvent:
         version=version,
         organization_id=organization_id,
         event=decode_event(data),
-        metadata=msgspec.json.decode(metadata),
+        metadata=documents.decode(metadata),
         recorded_at=recorded_at,
     )
 

@@ -28,6 +28,8 @@ from uuid import UUID
 
 import msgspec
 
+from . import documents
+
 JobStatus = Literal["queued", "running", "blocked", "partial", "complete", "failed", "cancelled"]
 JOB_STATUSES: tuple[str, ...] = JobStatus.__args__  # type: ignore[attr-defined]
 TERMINAL_JOB_STATUSES = frozenset({"complete", "failed", "cancelled", "partial"})
@@ -252,12 +254,11 @@ Event = Union[JobEvent, NodeEvent]
 
 EVENT_TYPES: dict[str, type] = {cls.__struct_config__.tag: cls for cls in Event.__args__}  # type: ignore[attr-defined]
 
-_encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(Event)
+_decoder = documents.decoder(Event)
 
 
 def encode_event(event: Event) -> bytes:
-    return _encoder.encode(event)
+    return documents.encode(event)
 
 
 _VERSIONED_TAG = re.compile(r"^(?P<name>.+)\.v(?P<version>[2-9]|[1-9][0-9]+)$")
@@ -299,7 +300,7 @@ def decode_event(data: bytes | str) -> Event | UnknownEvent:
     try:
         return _decoder.decode(data)
     except msgspec.ValidationError:
-        raw = msgspec.json.decode(data)
+        raw = documents.decode(data)
         if not isinstance(raw, dict):
             raise
         stored, upcast = raw, False
@@ -307,11 +308,11 @@ def decode_event(data: bytes | str) -> Event | UnknownEvent:
             raw, upcast = UPCASTS[raw["type"]](dict(raw)), True
         if upcast:
             try:
-                return _decoder.decode(_encoder.encode(raw))
+                return _decoder.decode(documents.encode(raw))
             except msgspec.ValidationError:
                 pass  # upcast, yet still not readable: shown as stored
         return UnknownEvent(type=str(stored.get("type", "")), data=stored)
 
 
 def to_builtins(event: Event) -> dict[str, Any]:
-    return msgspec.to_builtins(event)
+    return documents.to_builtins(event)

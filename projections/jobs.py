@@ -24,7 +24,7 @@ import psycopg
 
 from umbra.db import PreparedStatement
 from umbra.domain.jobs import LEASE_EXPIRED_ERROR
-from umbra.events import store
+from umbra.events import documents, store
 from umbra.events.store import PendingAppend, RecordedEvent, copy_json, copy_text
 from umbra.events.types import (
     Event,
@@ -284,7 +284,7 @@ def job_out(row: JobRow) -> JobOut:
 
 def to_json(row: JobRow) -> dict[str, Any]:
     """The API's Job object as plain JSON values (:class:`JobOut`)."""
-    out = msgspec.to_builtins(job_out(row))
+    out = documents.to_builtins(job_out(row))
     out["placement"] = placement_json(row.placement)  # its tuple as a list, as JSON gives it back
     return out
 
@@ -313,10 +313,10 @@ def placement_json(placement: Placement | None) -> dict[str, Any] | None:
 _JSON_COLUMNS = frozenset({"requires", "payload", "result", "placement"})
 SELECT_LIST = ", ".join(f"{c}::text" if c in _JSON_COLUMNS else c for c in COLUMNS)
 _JSON_TYPES = {"requires": Requirements, "payload": dict[str, Any], "result": Any, "placement": Placement | None}
-_decoders = {name: msgspec.json.Decoder(t) for name, t in _JSON_TYPES.items()}
+_decoders = {name: documents.decoder(t) for name, t in _JSON_TYPES.items()}
 _decoder_at = [(COLUMNS.index(name), decoder) for name, decoder in _decoders.items()]
 _WIDTH = len(COLUMNS)
-_encoder = msgspec.json.Encoder()
+_encoder = documents.encoder
 
 
 def from_db(record: Sequence[Any]) -> JobRow:
@@ -571,7 +571,7 @@ async def rebuild(
         after = events[-1].position
 
 
-_canonical = msgspec.json.Encoder(order="sorted")
+_canonical = documents.canonical_encoder
 
 
 def same_value(a: Any, b: Any) -> bool:

@@ -21,6 +21,7 @@ import msgspec
 import psycopg
 
 from umbra.domain.nodes import after_draining, after_heartbeat, after_revoked, after_went_offline
+from umbra.events import documents
 from umbra.events.store import RecordedEvent
 from umbra.events.types import (
     Device,
@@ -201,7 +202,7 @@ async def rebuild(conn: psycopg.AsyncConnection, organization_id: UUID | None = 
                 version=version,
                 organization_id=org,
                 event=decode_event(data),
-                metadata=msgspec.json.decode(metadata),
+                metadata=documents.decode(metadata),
                 recorded_at=recorded_at,
             )
             states[stream] = fold(states.get(stream), recorded)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import sys
 from datetime import datetime
@@ -26,8 +25,11 @@ from uuid import UUID
 
 import anyio
 import httpx
+import msgspec
 
+from umbra import jitter
 from umbra.errors import InvalidRequest, NotFound
+from umbra.events import documents
 from umbra.settings import server_url
 
 SERVER_HELP = "service URL (default UMBRA_SERVER, else http://127.0.0.1:UMBRA_PORT, port 8080 if unset)"
@@ -55,7 +57,7 @@ async def _get_json(client: httpx.AsyncClient, path: str, **params) -> Any:
 
     response = await client.get(path, params=params or None)
     raise_for_error(response)
-    return response.json()
+    return documents.decode(response.content)
 
 
 # -- SSE ---------------------------------------------------------------------------
@@ -134,11 +136,27 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
+#: A character outside ASCII: written as a JSON escape, as ``json.dumps`` does by default.
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+
+
+def to_json_text(value: Any, *, compact: bool = False) -> str:
+    """``value`` as one line of JSON, its numbers as the service sent them (:mod:`umbra.events.documents`).
+
+    Spaced after commas and colons unless ``compact``. Every character outside
+    ASCII is escaped: a line separator (U+2028) or a NEL in a payload would
+    otherwise end the line for a reader splitting the output into lines.
+    """
+    encoded = documents.encode(value)
+    text = (encoded if compact else msgspec.json.format(encoded, indent=0)).decode()
+    return _NON_ASCII.sub(lambda char: json.dumps(char.group()).strip('"'), text) if not text.isascii() else text
+
+
 def format_event(event: dict[str, Any], as_json: bool) -> str:
     if as_json:
-        return json.dumps(event, separators=(",", ":"))
+        return to_json_text(event, compact=True)
     data = {k: v for k, v in (event.get("data") or {}).items() if k != "type"}  # the type has its own column
-    data = json.dumps(data, separators=(",", ":"))
+    data = to_json_text(data, compact=True)
     return f"{event['position']:>8}  {event['recorded_at']}  {event['type']:<18} {event['stream']}  {data}"
 
 
@@ -173,9 +191,9 @@ async def _follow(client: httpx.AsyncClient, after: int, as_json: bool) -> None:
                     if message is None:
                         continue
                     if message[0] == "error":  # the stream's last word (its credential was revoked)
-                        body = json.loads(message[1])
+                        body = documents.decode(message[1])
                         raise ServiceError(401, str(body.get("error")), str(body.get("message")))
-                    event = json.loads(message[1])
+                    event = documents.decode(message[1])
                     after = max(after, int(event["position"]))
                     print(format_event(event, as_json), flush=True)
         except (httpx.TransportError, ServiceError) as exc:
@@ -192,7 +210,7 @@ async def _follow(client: httpx.AsyncClient, after: int, as_json: bool) -> None:
             await anyio.sleep(delay)
             continue
         # The server ended the stream (it is shutting down): reconnect shortly.
-        await anyio.sleep(0.5 + random.random())
+        await anyio.sleep(jitter.uniform(0.5, 1.5))
 
 
 def cmd_tail(args) -> int:
@@ -220,7 +238,7 @@ def recorded_from_json(event: dict[str, Any]):
         stream=event["stream"],
         version=int(event["version"]),
         organization_id=UUID(event["organization_id"]),
-        event=decode_event(json.dumps({**event["data"], "type": event["type"]})),
+        event=decode_event(documents.encode({**event["data"], "type": event["type"]})),
         metadata=event.get("metadata") or {},
         recorded_at=datetime.fromisoformat(event["recorded_at"].replace("Z", "+00:00")),
     )
@@ -229,8 +247,6 @@ def recorded_from_json(event: dict[str, Any]):
 def _folds(stream: str):
     """The fold of a stream's projection and the state's API shape: a job's (the Job object) or a node's."""
     if stream.startswith("node:"):
-        import msgspec
-
         from umbra.projections.nodes import fold as fold_node
 
         return fold_node, lambda state: msgspec.json.decode(msgspec.json.encode(state.as_row()))  # tuples as lists
@@ -277,13 +293,13 @@ def cmd_replay(args) -> int:
         if state is None:
             raise InvalidRequest(f"{args.stream_id} had no events at or before position {args.as_of}.")
         if args.json:
-            print(json.dumps({"events": [e for e, _ in steps], "state": state}))
+            print(to_json_text({"events": [e for e, _ in steps], "state": state}))
             return 0
         for event, status in steps:
             print(f"{format_event(event, False)}  -> {status}")
         print()
         for key, value in state.items():
-            shown = "—" if value is None else json.dumps(value) if isinstance(value, (dict, list)) else value
+            shown = "—" if value is None else to_json_text(value) if isinstance(value, (dict, list)) else value
             print(printable(f"{key:>17}: {shown}"))
         return 0
 
@@ -331,7 +347,7 @@ async def _verify(conn, args) -> int:
     elapsed = anyio.current_time() - started
     try:
         if args.json:
-            print(json.dumps({"ok": not differences, "differences": differences}))
+            print(to_json_text({"ok": not differences, "differences": differences}))
         else:
             for difference in differences:
                 print(format_difference(difference))

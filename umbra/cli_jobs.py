@@ -10,12 +10,11 @@ first rule it fails.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import anyio
 
-from .cli_events import SERVER_HELP, _client, _get_json, printable
+from .cli_events import SERVER_HELP, _client, _get_json, printable, to_json_text
 
 
 def _where(entry: dict[str, Any]) -> str:
@@ -62,7 +61,7 @@ def cmd_explain(args) -> int:
         async with _client(args, scope="jobs:read") as client:
             body = await _get_json(client, f"/v1/jobs/{args.job_id}/explain")
         if args.json:
-            print(json.dumps(body))
+            print(to_json_text(body))
         else:
             print("\n".join(printable(line) for line in format_explanation(body)))
         return 0

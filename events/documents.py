@@ -1,0 +1,45 @@
+"""JSON documents as their writers wrote them: every number kept exactly.
+
+A job's payload and result, and an event's metadata, are the submitter's and
+the agent's own documents, and the log is the auditor's record of what they
+said. Python reads a JSON number with a fraction or an exponent as a double,
+which holds about 17 significant digits: ``0.10000000000000000000000001``
+would be recorded as ``0.1``, and ``1e400`` refused as out of range.
+PostgreSQL's ``jsonb`` holds numbers as ``numeric``, exactly. So every JSON
+the service reads or writes goes through here: a number with a fraction or
+an exponent is read as a :class:`~decimal.Decimal` (integers are Python's
+exact ``int`` already) and written back as the same JSON number.
+
+Typed fields (a requirement's megabytes, a device's utilisation) are not
+affected: only numbers of free-form values (``Any``) are read this way.
+"""
+
+from __future__ import annotations
+
+import functools
+from decimal import Decimal
+from typing import Any
+
+import msgspec
+
+#: Writes :class:`~decimal.Decimal` as a JSON number (msgspec's default writes a string).
+encoder = msgspec.json.Encoder(decimal_format="number")
+encode = encoder.encode
+#: The same, with object keys sorted: one text per value, to compare two documents by.
+canonical_encoder = msgspec.json.Encoder(decimal_format="number", order="sorted")
+
+
+@functools.lru_cache(maxsize=None)
+def decoder(type_: Any = Any) -> msgspec.json.Decoder:
+    """A decoder of ``type_`` reading free-form numbers exactly (one per type, made once)."""
+    return msgspec.json.Decoder(type_, float_hook=Decimal)
+
+
+def decode(data: bytes | str) -> Any:
+    """A JSON document, its numbers kept exactly."""
+    return decoder().decode(data)
+
+
+def to_builtins(value: Any) -> Any:
+    """``msgspec.to_builtins`` keeping a :class:`~decimal.Decimal` as it is, for :data:`encoder` to write as a number."""
+    return msgspec.to_builtins(value, builtin_types=(Decimal,))

@@ -1,0 +1,108 @@
+"""A payload's and a result's numbers are kept exactly as written, in the log, the views, the API and the CLI.
+
+A number with a fraction or an exponent used to be read as a double: the
+submitter's ``0.10000000000000000000000001`` was recorded as ``0.1``, a
+19-digit fraction lost its last digits, and ``1e400`` was refused as out of
+range, though PostgreSQL's ``jsonb`` holds every one of them exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+import pytest
+
+from tests.helpers import bearer
+from tests.integration.queue_support import http_claim, http_pair
+
+pytestmark = pytest.mark.anyio
+
+#: Numbers a double cannot hold, written as a client might write them.
+WRITTEN = (
+    b'{"fraction": 0.10000000000000000000000001, "money": 12345678901234567.89, "tiny": 1.5e-7,'
+    b' "huge": 1e400, "integer": 123456789012345678901234567890, "nested": [{"x": 2.50}]}'
+)
+#: The same document as PostgreSQL's jsonb gives it back (exponents written out, a fraction's scale kept).
+STORED = {
+    "fraction": Decimal("0.10000000000000000000000001"),
+    "money": Decimal("12345678901234567.89"),
+    "tiny": Decimal("1.5E-7"),
+    "huge": Decimal("1e400"),
+    "integer": 123456789012345678901234567890,
+    "nested": [{"x": Decimal("2.50")}],
+}
+
+
+def exact(text: str | bytes):
+    """JSON read with every number exact, to compare with :data:`STORED` (``Decimal`` compares by value)."""
+    return json.loads(text, parse_float=Decimal, parse_int=int)
+
+
+async def _submit(client, key: str, payload: bytes = WRITTEN) -> dict:
+    body = b'{"kind": "echo", "requires": {}, "payload": ' + payload + b"}"
+    response = await client.post("/v1/jobs", content=body, headers={**bearer(key), "Content-Type": "application/json"})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+async def test_a_payloads_numbers_are_stored_and_shown_exactly(client, conn, org):
+    """The answer, the job, the job's row and its submission event all hold the numbers as written."""
+    _, key = org
+    submitted = await _submit(client, key)
+    assert exact((await client.get(f"/v1/jobs/{submitted['id']}", headers=bearer(key))).text)["payload"] == STORED
+    row = await (await conn.execute("SELECT payload::text FROM jobs WHERE id = %s", (submitted["id"],))).fetchone()
+    assert exact(row[0]) == STORED
+    events = exact((await client.get("/v1/events", params={"after": 0}, headers=bearer(key))).text)["events"]
+    assert [e["data"]["payload"] for e in events if e["type"] == "job.submitted"] == [STORED]
+    queue = exact((await client.get("/v1/projections/queue", headers=bearer(key))).text)
+    assert [j["payload"] for j in queue["jobs"] if j["id"] == submitted["id"]] == [STORED]
+
+
+async def test_a_number_past_a_doubles_range_is_accepted_not_refused(client, org):
+    """``1e400`` is a JSON number PostgreSQL holds; it is not the client's mistake."""
+    _, key = org
+    submitted = await _submit(client, key, b'{"huge": 1e400, "negative": -1e-400}')
+    shown = exact((await client.get(f"/v1/jobs/{submitted['id']}", headers=bearer(key))).text)["payload"]
+    assert shown == {"huge": Decimal("1e400"), "negative": Decimal("-1e-400")}
+
+
+async def test_a_batchs_payloads_written_by_copy_keep_their_numbers(client, conn, org):
+    """A batch large enough to be written by COPY keeps each payload's numbers too."""
+    _, key = org
+    jobs = b", ".join([b'{"kind": "echo", "payload": {"i": %d.000000000000000000001}}' % i for i in range(400)])
+    response = await client.post("/v1/jobs/batch", content=b'{"jobs": [' + jobs + b"]}",
+                                 headers={**bearer(key), "Content-Type": "application/json"})  # fmt: skip
+    assert response.status_code == 201, response.text
+    rows = await (await conn.execute("SELECT payload::text FROM jobs ORDER BY seq")).fetchall()
+    assert [exact(text)["i"] for (text,) in rows] == [Decimal(f"{i}.000000000000000000001") for i in range(400)]
+
+
+async def test_a_results_numbers_are_recorded_exactly_and_the_views_agree_with_the_log(client, org):
+    """An agent's result keeps its numbers, and a rebuild from the log finds the views equal to it."""
+    _, key = org
+    submitted = await _submit(client, key)
+    _, credential = await http_pair(client, key)
+    job = await http_claim(client, credential)
+    assert job["id"] == submitted["id"]
+    done = await client.post(f"/v1/agent/jobs/{job['id']}/complete", headers={**bearer(credential), "Content-Type": "application/json"},
+                             content=b'{"attempt": %d, "result": {"loss": 0.333333333333333333333333333}}' % job["attempt"])  # fmt: skip
+    assert done.status_code == 200, done.text
+    shown = exact((await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).text)
+    assert shown["result"] == {"loss": Decimal("0.333333333333333333333333333")}
+    assert shown["payload"] == STORED
+    verified = await client.post("/v1/projections/verify", headers=bearer(key))
+    assert verified.json() == {"ok": True, "differences": []}
+
+
+async def test_the_command_line_prints_the_numbers_the_service_sent(cli, client, live_server, org):
+    """``umbra events replay --json`` and ``umbra events tail`` print the payload's numbers as recorded."""
+    _, key = org
+    submitted = await _submit(client, key)
+    status, out, err = await cli("events", "replay", submitted["id"], "--server", live_server.url, "--api-key", key, "--json")
+    assert status == 0, err
+    assert exact(out)["state"]["payload"] == STORED
+    status, out, err = await cli("events", "tail", "--server", live_server.url, "--api-key", key, "--json")
+    assert status == 0, err
+    events = [exact(line) for line in out.splitlines()]
+    assert [e["data"]["payload"] for e in events if e["type"] == "job.submitted"] == [STORED]
