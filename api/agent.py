@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime
 from typing import Any, Sequence
 from uuid import UUID
 
@@ -29,7 +30,8 @@ from umbra import metrics
 from umbra.compute import claims
 from umbra.compute.claims import SCAN_PAGE
 from umbra.errors import Forbidden
-from umbra.projections.jobs import JobRow
+from umbra.events.types import Placement
+from umbra.projections.jobs import JobOut, JobRow
 
 from .http import batch_principal, json_response, request_id
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
@@ -55,14 +57,19 @@ def lease_left_header(row: JobRow, asked_at: float | None) -> dict[str, str]:
     return {} if left is None else {LEASE_LEFT_HEADER: f"{left:.3f}"}
 
 
-class ClaimOut(msgspec.Struct, kw_only=True):
+class Claim(msgspec.Struct, kw_only=True):
     """A claimed job, its placement, and when the lease runs out unless renewed."""
 
-    job: dict[str, Any]
-    placement: dict[str, Any]
-    lease_expires_at: str
+    job: JobOut
+    placement: Placement
+    lease_expires_at: datetime
+
+
+class ClaimOut(Claim, kw_only=True):
+    """The claim's answer: the first job claimed, and with ``max`` above 1 every one."""
+
     #: With ``max`` above 1 only: every job taken, in claim order (the first is the fields above).
-    claims: list[dict[str, Any]] | None = None
+    claims: list[Claim] | None = None
 
 
 async def _watch_disconnect(request: Request, gone: anyio.Event, scope: anyio.CancelScope) -> None:
@@ -119,6 +126,8 @@ async def claim(request: Request) -> Response:
     if refusal is not None:
         raise refusal
     elapsed = time.monotonic() - started
+    if result:
+        metrics.CLAIMS.labels(trigger="same_claim").inc(len(result) - 1)  # the hub counted the first
     if gone.is_set():
         metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(elapsed)
         if result:
@@ -128,7 +137,6 @@ async def claim(request: Request) -> Response:
         metrics.CLAIM_WAIT.labels(outcome="timeout").observe(elapsed)
         return Response(status_code=204)
     metrics.CLAIM_WAIT.labels(outcome="claimed").observe(elapsed)
-    metrics.CLAIMS.labels(trigger="same_claim").inc(len(result) - 1)  # the hub counted the first
     headers = lease_left_header(result[0].row, result[0].asked_at)
     if most == 1:
         return json_response(result[0].to_json(), headers=headers)

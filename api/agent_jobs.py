@@ -14,6 +14,7 @@ the credential, never from the request.
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Annotated, Any
 from uuid import UUID
 
@@ -28,8 +29,9 @@ from umbra.compute.claims import ChildRequest
 from umbra.compute.jobs import check_json_depth
 from umbra.errors import InvalidRequest, Unauthenticated, UmbraError
 from umbra.projections import jobs as queue
+from umbra.projections.jobs import JobOut
 
-from .agent import MAX_JOBS_PER_REQUEST, lease_left_header, release_unheard
+from .agent import MAX_JOBS_PER_REQUEST, Claim, lease_left_header, release_unheard
 from .http import acting_as, authorized, batch_principal, json_response, path_uuid, read_json, request_id
 from .params import KIND_QUERY, query_bool, query_int, query_kinds
 from .routing import endpoint
@@ -76,6 +78,38 @@ class ChildrenRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     children: Annotated[list[ChildRequest], Meta(min_length=1, max_length=10_000)]
 
 
+class RenewOut(msgspec.Struct, kw_only=True):
+    """A renewal's answer: the lease's new end, for the attempt that holds it."""
+
+    lease_expires_at: datetime
+    attempt: int
+
+
+class CompletedJob(JobOut, kw_only=True):
+    """A completion's answer: the Job, and with ``claim_next`` the node's next claim (``null``: none)."""
+
+    next_claim: Claim | None = None
+
+
+class ResultAnswer(msgspec.Struct, kw_only=True):
+    """One result of ``POST /v1/agent/complete``: ``status`` 200 with the ``job``, or a refusal's."""
+
+    job_id: UUID
+    status: int
+    job: JobOut | None = None
+    error: str | None = None
+    message: str | None = None
+
+
+class CompleteManyOut(msgspec.Struct, kw_only=True):
+    results: list[ResultAnswer]
+    next_claims: list[Claim]
+
+
+class ChildrenOut(msgspec.Struct, kw_only=True):
+    children: list[JobOut]
+
+
 async def renew(request: Request) -> Response:
     services = request.app.state.services
     who = await batch_principal(request, "compute:claim", "compute:complete")
@@ -120,11 +154,10 @@ async def complete(request: Request) -> Response:
         credential_id=who.credential_id, request_id=request_id(request), kinds=kinds,
     )  # fmt: skip
     if claimed is not None:
+        metrics.CLAIMS.labels(trigger="completion").inc()
         if await request.is_disconnected():  # the agent left while its batch ran: nobody would run the job
             await release_unheard(request.app.state.services, [claimed], who.node_id, request_id(request))
             claimed = None
-        else:
-            metrics.CLAIMS.labels(trigger="completion").inc()
     return json_response({**queue.to_json(row), "next_claim": claimed.to_json() if claimed is not None else None},
                          headers=lease_left_header(claimed.row, claimed.asked_at) if claimed is not None else None)
 
@@ -159,13 +192,13 @@ async def complete_many(request: Request) -> Response:
         credential_id=who.credential_id, request_id=request_id(request), kinds=kinds,
     )  # fmt: skip
     failure = next((a for a in answers if isinstance(a, Unauthenticated) or _unexpected(a)), None)
+    metrics.CLAIMS.labels(trigger="completion").inc(len(claimed))
     if claimed and (failure is not None or await request.is_disconnected()):
         # The agent will not hear of these claims (it left, or gets an error): give them back now.
         await release_unheard(request.app.state.services, claimed, who.node_id, request_id(request))
         claimed = []
     if failure is not None:
         raise failure
-    metrics.CLAIMS.labels(trigger="completion").inc(len(claimed))
     return json_response({"results": [_reported(item.job_id, answer) for item, answer in zip(body.results, answers)],
                           "next_claims": [claim.to_json() for claim in claimed]},
                          headers=lease_left_header(claimed[0].row, claimed[0].asked_at) if claimed else None)  # fmt: skip
@@ -205,24 +238,30 @@ async def children(request: Request) -> Response:
     return json_response({"children": [queue.job_out(row) for row in rows]}, status=201)
 
 
+#: The refusal of a report about a job the node does not hold (API.md "Agent protocol").
+NOT_HELD = {409: "Not the holder, or a stale attempt (`job_not_claimed_by_this_node`); the job was cancelled "
+                 "(`job_cancelled`). Nothing changes."}
+
 routes = [
     endpoint("POST", "/v1/agent/jobs/{id}/renew", renew, summary="Extend the lease on a held job.",
-             auth="node", scopes=("compute:claim", "compute:complete"), body=RenewRequest),
+             auth="node", scopes=("compute:claim", "compute:complete"), body=RenewRequest, response=RenewOut,
+             errors=NOT_HELD),
     endpoint("POST", "/v1/agent/jobs/{id}/complete", complete, summary="Report a held job's result.",
-             auth="node", scopes=("compute:complete",), body=CompleteRequest,
+             auth="node", scopes=("compute:complete",), body=CompleteRequest, response=CompletedJob, errors=NOT_HELD,
              query={"claim_next": (bool, False, "Also claim this node's next job in the same transaction (needs "
                                                "`compute:claim`); the answer's `next_claim` is that claim or null. "
                                                "Never waits."), "kind": KIND_QUERY}),
     endpoint("POST", "/v1/agent/complete", complete_many,
              summary="Report several held jobs' results at once, each fenced and answered on its own.",
-             auth="node", scopes=("compute:complete",), body=CompleteManyRequest,
+             auth="node", scopes=("compute:complete",), body=CompleteManyRequest, response=CompleteManyOut,
              query={"claim_next": (int, False, f"Also claim up to this many jobs for the node, 0..{MAX_JOBS_PER_REQUEST} "
                                                "(needs `compute:claim`), returned in `next_claims`. Never waits."),
                     "kind": KIND_QUERY}),
     endpoint("POST", "/v1/agent/jobs/{id}/fail", fail,
              summary="Report a failure: retryable ones requeue with exponential backoff until max_attempts.",
-             auth="node", scopes=("compute:complete",), body=FailRequest),
+             auth="node", scopes=("compute:complete",), body=FailRequest, response=JobOut, errors=NOT_HELD),
     endpoint("POST", "/v1/agent/jobs/{id}/children", children,
              summary="Split a held job into children; the parent becomes a container that settles with them.",
-             auth="node", scopes=("compute:complete",), body=ChildrenRequest, success=(201,)),
+             auth="node", scopes=("compute:complete",), body=ChildrenRequest, success=(201,), response=ChildrenOut,
+             errors=NOT_HELD),
 ]  # fmt: skip

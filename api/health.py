@@ -1,17 +1,33 @@
-"""Liveness and readiness."""
+"""Liveness and readiness.
+
+Declared like every other route, so the OpenAPI document describes the probes a
+monitor or load balancer is configured with.
+"""
 
 from __future__ import annotations
 
 import logging
 
+import msgspec
 from starlette.requests import Request
-from starlette.routing import Route
 
 from umbra.migrate import pending_migrations
 
 from .http import json_response
+from .routing import endpoint
 
 log = logging.getLogger(__name__)
+
+
+class HealthStatus(msgspec.Struct, kw_only=True):
+    """What both probes answer; a 503's ``error`` and ``message`` say why, as any error does."""
+
+    #: "ok" or "ready"; "failed" or "unavailable" with a 503.
+    status: str
+    error: str | None = None
+    message: str | None = None
+    #: ``/readyz`` when ready: whether the log listener is connected (events reach waiters at once).
+    listener_connected: bool | None = None
 
 
 async def healthz(request: Request):
@@ -45,4 +61,13 @@ async def readyz(request: Request):
     return json_response({"status": "ready", "listener_connected": services.listener.connected.is_set()})
 
 
-routes = [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]
+routes = [
+    endpoint("GET", "/healthz", healthz, summary="Liveness: 200 while the process can serve.", auth="none",
+             response=HealthStatus, error_body=HealthStatus,
+             errors={503: "A background task the process needs has failed; it is stopping (`background_task_failed`)."}),
+    endpoint("GET", "/readyz", readyz,
+             summary="Readiness: 200 only when the database answers and no migration is pending.", auth="none",
+             response=HealthStatus, error_body=HealthStatus,
+             errors={503: "The database does not answer (`database_unavailable`), a migration is pending "
+                          "(`migrations_pending`), or a background task failed (`background_task_failed`)."}),
+]  # fmt: skip

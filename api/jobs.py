@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -10,6 +10,7 @@ from umbra.compute import jobs
 from umbra.compute.jobs import BatchRequest, JobRequest
 from umbra.errors import InvalidRequest, NotFound
 from umbra.projections import jobs as queue
+from umbra.projections.jobs import JobOut
 
 from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
 from .params import query_int, query_value
@@ -18,6 +19,23 @@ from .routing import endpoint
 #: Page size bounds for ``GET /v1/jobs``.
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
+
+
+class JobPage(msgspec.Struct, kw_only=True):
+    """A page of ``GET /v1/jobs``; ``next`` is the cursor of the page after it, ``null`` at the end."""
+
+    jobs: list[JobOut]
+    next: str | None
+
+
+class SubmittedJobs(msgspec.Struct, kw_only=True):
+    """A batch's jobs, in request order."""
+
+    jobs: list[JobOut]
+
+
+#: A submission naming a project this organization does not have.
+PROJECT_NOT_FOUND = {404: "No such project in this organization (`project_not_found`); nothing is submitted."}
 
 
 async def submit_job(request: Request) -> Response:
@@ -72,20 +90,23 @@ async def cancel_job(request: Request) -> Response:
 
 routes = [
     endpoint("POST", "/v1/jobs", submit_job, summary="Submit a job (an idempotency key already used returns its job, 200).",
-             auth="api_key", scopes=("jobs:write",), body=JobRequest, success=(201, 200)),
+             auth="api_key", scopes=("jobs:write",), body=JobRequest, success=(201, 200), response=JobOut,
+             errors=PROJECT_NOT_FOUND),
     endpoint("POST", "/v1/jobs/batch", submit_batch,
              summary="Submit up to 10,000 jobs, all or nothing; a refusal names the failing item's index.",
-             auth="api_key", scopes=("jobs:write",), body=BatchRequest, success=(201,)),
+             auth="api_key", scopes=("jobs:write",), body=BatchRequest, success=(201,), response=SubmittedJobs,
+             errors=PROJECT_NOT_FOUND),
     endpoint("GET", "/v1/jobs", list_jobs, summary="List jobs in submission order, paged by cursor.",
              auth="api_key", scopes=("jobs:read",),
              query={"status": (str, False, "comma-separated statuses, e.g. queued,running"),
                     "limit": (int, False, f"page size, 1..{MAX_LIMIT}, default {DEFAULT_LIMIT}"),
-                    "after": (int, False, "the previous page's `next` cursor")}),
+                    "after": (int, False, "the previous page's `next` cursor")}, response=JobPage),
     endpoint("GET", "/v1/jobs/{id}", get_job,
              summary="Read a job, or as it stood after log position as_of (a node reads only jobs it holds or held).",
              auth="api_key|node", scopes=("jobs:read", "compute:read"),
-             query={"as_of": (int, False, "a log position: fold the job's events up to it")}),
+             query={"as_of": (int, False, "a log position: fold the job's events up to it")}, response=JobOut),
     endpoint("POST", "/v1/jobs/{id}/cancel", cancel_job,
              summary="Cancel a job (a running holder learns on its next renew/complete); terminal → 409 job_terminal.",
-             auth="api_key", scopes=("jobs:write",)),
+             auth="api_key", scopes=("jobs:write",), response=JobOut,
+             errors={409: "The job already ended (`job_terminal`); nothing changes."}),
 ]  # fmt: skip

@@ -85,6 +85,14 @@ async def put_model(request: Request):
     return json_response(model_out(stored))
 
 
+async def delete_model(request: Request):
+    who = await authorized(request, "nodes:admin")
+    async with acting_as(request, who) as conn:
+        removed = await models.remove_model(conn, who.organization_id, request.path_params["slug"],
+                                            request_id=request_id(request))  # fmt: skip
+    return json_response(model_out(removed))
+
+
 routes = [
     endpoint(
         "GET",
@@ -104,5 +112,16 @@ routes = [
         scopes=("nodes:admin",),
         body=ModelRequest,
         response=ModelOut,
+    ),
+    endpoint(
+        "DELETE",
+        "/v1/models/{slug:path}",
+        delete_model,
+        summary="Remove a model from the organization's registry; queued and blocked jobs naming it are blocked "
+        "model_not_registered. Answers the model as it was registered.",
+        auth="api_key",
+        scopes=("nodes:admin",),
+        response=ModelOut,
+        errors={404: "No model of that slug is registered (`model_not_found`)."},
     ),
 ]

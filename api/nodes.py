@@ -193,7 +193,7 @@ async def _revoke(request, conn, who, node_id):
         request.app.state.services.token_cache.forget_credential(credential_id)
 
 
-def _admin_route(verb: str, command, summary: str):
+def _admin_route(verb: str, command, summary: str, errors: dict[int, str] | None = None):
     return endpoint(
         "POST",
         f"/v1/nodes/{{id}}/{verb}",
@@ -202,6 +202,7 @@ def _admin_route(verb: str, command, summary: str):
         auth="api_key",
         scopes=("nodes:admin",),
         response=NodeOut,
+        errors=errors,
     )
 
 
@@ -243,7 +244,8 @@ routes = [
         scopes=("jobs:read", "nodes:admin", "compute:read"),
         response=NodeOut,
     ),
-    _admin_route("drain", _drain, "Drain a node: it finishes current work and takes no new."),
+    _admin_route("drain", _drain, "Drain a node: it finishes current work and takes no new.",
+                 errors={409: "The node is retired (`node_retired`); retirement is final."}),
     _admin_route("retire", _retire, "Retire a node for good."),
     _admin_route("revoke", _revoke, "Revoke the node's credentials; they fail on their next request."),
 ]

@@ -2,9 +2,12 @@
 
 Every route declared with :func:`umbra.api.routing.endpoint` carries an
 :class:`EndpointInfo` (auth, scopes, query parameters, request and response
-types). The document is built from those records and the *same* msgspec
+types, refusals). The document is built from those records and the *same* msgspec
 structs that validate requests, via ``msgspec.json.schema_components``, so a
 field added to a request struct appears here without anyone remembering to.
+Each operation lists every refusal :func:`umbra.api.routing.refusals` finds for
+it, so a client sees the 404, 409, 413, 422... it must handle without reading
+the prose.
 """
 
 from __future__ import annotations
@@ -16,13 +19,11 @@ import msgspec
 from starlette.requests import Request
 
 from .http import json_response
-from .routing import EndpointInfo, endpoint
+from .routing import EndpointInfo, endpoint, refusals
 
 _REF = "#/components/schemas/{name}"
 _PATH_PARAM = re.compile(r"{([^}:]+)(?::[^}]+)?}")
 
-#: Status codes every authenticated route may answer with, and why.
-_AUTH_ERRORS = {"401": "Missing, unknown or revoked token.", "403": "The token lacks the scope."}
 _ERROR_RESPONSE = {
     "description": "An error: {\"error\": code, \"message\": sentence}.",
     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
@@ -57,7 +58,7 @@ def build_document(routes: Iterable[Any], *, title: str = "Umbra Compute", versi
     infos = _infos(routes)
     types: list[Any] = [Error]
     for info in infos:
-        for t in (info.body, info.response):
+        for t in (info.body, info.response, info.error_body):
             if t is not None and t not in types:
                 types.append(t)
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
@@ -97,9 +98,9 @@ def build_document(routes: Iterable[Any], *, title: str = "Umbra Compute", versi
                 elif info.produces != "application/json":
                     entry["content"] = {info.produces: {"schema": {"type": "string"}}}
             responses[str(status)] = entry
-        if info.auth != "none":
-            for status, text in _AUTH_ERRORS.items():
-                responses[status] = {**_ERROR_RESPONSE, "description": text}
+        error_schema = schema_of[id(info.error_body if info.error_body is not None else Error)]
+        for status, text in refusals(info).items():
+            responses[str(status)] = {"description": text, "content": {"application/json": {"schema": error_schema}}}
         responses["default"] = _ERROR_RESPONSE
         operation["responses"] = responses
         paths.setdefault(openapi_path(info.path), {})[info.method.lower()] = operation

@@ -117,5 +117,13 @@ routes = [
         body=RedeemRequest,
         success=(201,),
         response=RedeemOut,
+        errors={
+            401: "Wrong, expired or used code (`pairing_code_invalid`: one answer for all three).",
+            409: "The code was issued for another name (`pairing_name_mismatch`), or a node of that name exists "
+            "(`node_name_taken`).",
+            429: "Over 20 attempts from this source address in 15 minutes (`rate_limited`, with `Retry-After`), "
+            "checked before the code.",
+            503: "The database is unavailable (`database_unavailable`, with `Retry-After: 1`); send the request again.",
+        },
     ),
 ]

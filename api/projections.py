@@ -8,7 +8,12 @@ view of each one that changed (and only those): a job or node row folded a newer
 node's *effective* status flipped with no event at all (a node going stale
 reads ``offline`` 45 s after its last heartbeat, before the sweeper records
 ``node.went_offline``). Messages carry whole views, so a client never has to
-merge partial updates; ``changed`` lists the job ids that moved.
+merge partial updates; ``changed`` lists the job ids that moved, up to
+:data:`MOST_CHANGED` (``changed_truncated`` says more did: a batch of 10,000
+would otherwise make one message of 370 KB), and a nodes message the node ids.
+
+A key that may read a view may stream it: the nodes view is also given to
+``nodes:admin``, the operator's key, so the stream of that view alone is too.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ WHERE organization_id = %s AND status IN ('queued', 'running', 'blocked')
 ORDER BY status = 'running' DESC, status = 'blocked' DESC, priority, seq
 LIMIT %s
 """
-_MOVED_JOBS = "SELECT id FROM jobs WHERE organization_id = %s AND position > %s ORDER BY position LIMIT 1000"
+#: The most job ids a queue message lists as moved.
+MOST_CHANGED = 1000
+_MOVED_JOBS = f"SELECT id FROM jobs WHERE organization_id = %s AND position > %s ORDER BY position LIMIT {MOST_CHANGED + 1}"
 
 
 class QueueView(msgspec.Struct, kw_only=True):
@@ -113,8 +120,10 @@ async def verify_projections(request: Request):
 
 async def stream_projections(request: Request):
     services = request.app.state.services
-    who = await stream_principal(request, *READ_SCOPES)
+    who = await stream_principal(request, *READ_SCOPES, "nodes:admin")
     views = query_list(request, "views", allowed=VIEWS, default=VIEWS)
+    if views != ("nodes",):
+        who.require(*READ_SCOPES)  # nodes:admin reads the nodes view alone
     watch: LogWatch = request.app.state.log_watch
     reader = _view_reader(who.organization_id, views, services.settings.heartbeat_stale_seconds)
     return sse_stream(watched_reads(services, watch, who, reader), name="projections", watch=watch)
@@ -147,7 +156,8 @@ def _view_reader(organization_id: UUID, views: tuple[str, ...], stale: float) ->
                 if last_position is None or moved:
                     queue = await read_queue(conn, organization_id, DEFAULT_LISTED_JOBS)
                     if last_position is not None:
-                        queue["changed"] = [str(job_id) for (job_id,) in moved]
+                        queue["changed"] = [str(job_id) for (job_id,) in moved[:MOST_CHANGED]]
+                        queue["changed_truncated"] = len(moved) > MOST_CHANGED
                     out.append(message(queue, event="queue"))
             if "nodes" in views:
                 nodes = await read_nodes(conn, organization_id, stale)
@@ -188,9 +198,10 @@ routes = [
         "GET",
         "/v1/projections/stream",
         stream_projections,
-        summary="Server-Sent Events: a queue and nodes view on open, then each view again when it changes.",
+        summary="Server-Sent Events: a queue and nodes view on open, then each view again when it changes "
+        "(nodes:admin may stream views=nodes alone).",
         auth="api_key",
-        scopes=READ_SCOPES,
+        scopes=(*READ_SCOPES, "nodes:admin"),
         query={
             "views": (str, False, "Comma-separated views: queue, nodes (default both)."),
             "access_token": (str, False, "The API key, for EventSource clients that cannot send headers."),

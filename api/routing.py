@@ -1,7 +1,10 @@
 """Routes that describe themselves.
 
 Every API route is declared with :func:`endpoint`, which records its request
-struct, its auth (which credential kind and scopes) and a summary on the Route.
+struct, its auth (which credential kind and scopes), its answers and a summary
+on the Route. The refusals a route answers because of its declaration (a
+credential, a path id, a body, query parameters) follow from it by
+:func:`refusals`; a route names only those particular to it.
 The OpenAPI document is generated from these records and the same structs that
 validate requests, and the tenant-isolation test walks the same table, so a new
 endpoint cannot be left out of either.
@@ -49,6 +52,39 @@ class EndpointInfo:
     response: Any = None
     #: "application/json" or "text/event-stream".
     produces: str = "application/json"
+    #: Refusals particular to this route: status -> when. Those that follow from the declaration
+    #: itself (auth, path id, body, query) are added by :func:`refusals` and need not be repeated.
+    errors: dict[int, str] = field(default_factory=dict)
+    #: msgspec type of the refusals' body, when it is not the shared ``{"error", "message"}``.
+    error_body: Any = None
+
+
+#: Refusals a route answers because of how it is declared (API.md "Conventions" and "Where this
+#: server pins the contract down"); each rule is (applies to the declaration?, status, when).
+_RULES: tuple[tuple[Callable[[EndpointInfo], bool], int, str], ...] = (
+    (lambda i: i.auth != "none", 401, "No, unknown or revoked token (`unauthenticated`)."),
+    (lambda i: i.auth != "none", 403, "The token lacks the scope, or is of the wrong kind (`forbidden`)."),
+    (lambda i: "{id}" in i.path, 404,
+     "No such object in this organization (`job_not_found`, `node_not_found`...); another's reads the same."),
+    (lambda i: i.method in ("POST", "PUT", "PATCH"), 413,
+     "The body is over 1 MiB (`payload_too_large`); nothing is done."),
+    (lambda i: i.body is not None or bool(i.query), 422,
+     "The body or a query parameter is invalid (`invalid_request`, naming the field)."),
+    (lambda i: i.auth != "none", 429,
+     "Too many wrong secrets for this token's prefix lately (`rate_limited`, with `Retry-After`)."),
+    (lambda i: i.auth != "none", 503,
+     "The database is unavailable (`database_unavailable`, with `Retry-After: 1`); send the request again."),
+)
+
+
+def refusals(info: EndpointInfo) -> dict[int, str]:
+    """Every refusal ``info``'s route answers, by status: the rules' and its own (which win on a status both name).
+
+    Rules rather than lists per route, so a new route declares only what is particular to it.
+    """
+    found = {status: text for applies, status, text in _RULES if applies(info)}
+    found.update(info.errors)
+    return dict(sorted(found.items()))
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -81,6 +117,8 @@ def endpoint(
     success: tuple[int, ...] = (200,),
     response: Any = None,
     produces: str = "application/json",
+    errors: dict[int, str] | None = None,
+    error_body: Any = None,
 ) -> Route:
     route = Route(path, handler if body is not None else _bodiless(handler), methods=[method])
     route.endpoint_info = EndpointInfo(  # type: ignore[attr-defined]
@@ -94,6 +132,8 @@ def endpoint(
         success=success,
         response=response,
         produces=produces,
+        errors=errors or {},
+        error_body=error_body,
     )
     return route
 

@@ -4,6 +4,11 @@ The common beat is one statement: upsert ``node_liveness.last_seen_at`` and
 read the node row back. Only when :func:`umbra.domain.heartbeat.decide_heartbeat`
 finds something worth recording (see there) does a transaction lock the row,
 decide again against the locked state, and append ``node.heartbeat``.
+
+A beat after a silence past the stale threshold that the sweeper has not yet
+recorded also appends ``node.went_offline`` before its ``node.heartbeat``
+(see :class:`umbra.domain.heartbeat.Silence`): views read the node offline
+meanwhile, and the log must say so whenever the sweeper looks.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from uuid import UUID
 import msgspec
 import psycopg
 
-from umbra.domain.heartbeat import HeartbeatReport, decide_heartbeat, normalize_devices
+from umbra.domain.heartbeat import HeartbeatReport, Silence, decide_heartbeat, normalize_devices
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.events import store
 from umbra.projections import nodes as projection
@@ -95,7 +100,10 @@ async def heartbeat(
             raise revoked()
         raise node_not_found(node_id)
     state, (last_seen_at, now, before) = projection.from_row(row), row[projection.WIDTH:]
-    decision = decide_heartbeat(state, report, now, event_interval_seconds=event_interval_seconds)
+    # The silence this beat ends, judged against the row read with it (one snapshot): if views read the node
+    # offline meanwhile and the log does not say so yet, the beat records the spell (see Silence).
+    silence = Silence(before, last_seen_at, stale_seconds, state.version)
+    decision = decide_heartbeat(state, report, now, event_interval_seconds=event_interval_seconds, silence=silence)
     # After a silence, the sweeper may be marking this node offline right now, from a read made before
     # this beat: the stored status read here may already be out of date. Look again under the row's lock.
     back_from_silence = before is None or (now - before).total_seconds() > stale_seconds
@@ -109,7 +117,7 @@ async def heartbeat(
         try:
             state, decision, now = await _record(conn, organization_id, node_id, report, guard=guard, capacity=capacity,
                                                  event_interval_seconds=event_interval_seconds, request_id=request_id,
-                                                 credential_id=credential_id)  # fmt: skip
+                                                 credential_id=credential_id, silence=silence)  # fmt: skip
             break
         except _MoreLocks as more:  # the locked row says the beat changes more than the first read did
             guard, capacity = guard or more.guard, capacity or more.capacity
@@ -140,11 +148,15 @@ async def _refuse_if_revoked(conn: psycopg.AsyncConnection, state, credential_id
 
 async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, report: HeartbeatReport, *,
                   guard: bool, capacity: bool, event_interval_seconds: int, request_id: str | None,
-                  credential_id: UUID | None):  # fmt: skip
+                  credential_id: UUID | None, silence: Silence):  # fmt: skip
     """Decide again under the node's row lock and record the beat; returns (state, decision, now).
 
     Raises :class:`_MoreLocks` (nothing written) when the locked row calls for
     a lock not taken: they are taken before the row's, so the caller starts over.
+
+    An unrecorded offline spell is judged again here: under the row's lock,
+    a sweeper that recorded it since, or another beat that ended the same
+    silence, has moved the node's version, and the spell is not recorded twice.
     """
     async with conn.transaction():
         if guard:  # a claim must not place work on devices this beat says are gone
@@ -155,12 +167,17 @@ async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id:
         assert locked is not None
         await _refuse_if_revoked(conn, locked, credential_id)  # the revocation may have committed since the first read
         now = (await (await conn.execute("SELECT umbra_now()")).fetchone())[0]
-        decision = decide_heartbeat(locked, report, now, event_interval_seconds=event_interval_seconds)
+        decision = decide_heartbeat(locked, report, now, event_interval_seconds=event_interval_seconds, silence=silence)
         if (decision.changes_capacity and not guard) or (_changes_devices(decision) and not capacity):
             raise _MoreLocks(decision.changes_capacity, _changes_devices(decision))
         if decision.event is None:
             return locked, decision, now
-        state, recorded = await append_node_events(conn, locked, [decision.event], node_id=node_id,
+        state = locked
+        if decision.went_offline is not None:  # time took the node offline, not the node: the sweeper's actor
+            state, _ = await append_node_events(conn, state, [decision.went_offline], node_id=node_id,
+                                                organization_id=organization_id, actor="sweeper",
+                                                request_id=request_id)  # fmt: skip
+        state, recorded = await append_node_events(conn, state, [decision.event], node_id=node_id,
                                                    organization_id=organization_id, actor=f"node:{node_id}",
                                                    request_id=request_id)  # fmt: skip
         hints = [(organization_id, recorded[-1].position, await _room_for_queued(conn, organization_id, decision))]

@@ -15,7 +15,7 @@ from uuid import UUID
 import psycopg
 
 from umbra.domain.models import RegisteredModel
-from umbra.errors import InvalidRequest
+from umbra.errors import InvalidRequest, NotFound
 
 from .blocked import hold_capacity, reexamine_waiting_jobs
 from .nodes import capacity_cause, guard_against_claims
@@ -41,6 +41,7 @@ ON CONFLICT (organization_id, slug) DO UPDATE SET
 RETURNING {_COLUMNS}
 """
 _LIST = f"SELECT {_COLUMNS} FROM models WHERE organization_id = %s ORDER BY slug"
+_DELETE = f"DELETE FROM models WHERE organization_id = %s AND slug = %s RETURNING {_COLUMNS}"
 
 
 def _model(row: tuple) -> RegisteredModel:
@@ -102,6 +103,30 @@ async def upsert_model(
         await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(None, request_id))
     log.info("model registered", extra={"action": "model_upserted", "slug": model.slug})
     return stored
+
+
+async def remove_model(
+    conn: psycopg.AsyncConnection, organization_id: UUID, slug: str, *, request_id: str | None = None
+) -> RegisteredModel:
+    """Remove the organization's model ``slug`` (a model withdrawn from service); returns what was registered.
+
+    Work naming it gets a second look, as after any registry change: queued
+    and blocked jobs naming it are blocked ``model_not_registered`` (and fail
+    at the blocked timeout unless it is registered again). A job already
+    placed by it runs on. Under the same guard as :func:`upsert_model`, so no
+    claim places work by the removed entry once this answers.
+    """
+    if not SLUG.match(slug):
+        raise NotFound("model_not_found", "No model of that slug is registered in this organization.")
+    async with conn.transaction():
+        await guard_against_claims(conn, organization_id)
+        await hold_capacity(conn, organization_id, exclusive=True)
+        row = await (await conn.execute(_DELETE, (organization_id, slug))).fetchone()
+        if row is None:
+            raise NotFound("model_not_found", f"No model {slug} is registered in this organization.")
+        await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(None, request_id))
+    log.info("model removed", extra={"action": "model_removed", "slug": slug})
+    return _model(row)
 
 
 async def list_models(conn: psycopg.AsyncConnection, organization_id: UUID) -> list[RegisteredModel]:

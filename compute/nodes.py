@@ -413,5 +413,7 @@ async def mark_stale_nodes_offline(
             await projection.write(conn, projection.fold(state, item))
         await store.publish(conn, [(r.organization_id, r.position, 0) for r in recorded])
     marked = [s.id for s in states]
-    log.info("stale nodes marked offline", extra={"action": "nodes_went_offline", "count": len(marked)})
+    for state in states:
+        log.info("node went silent: marked offline", extra={"action": "node.went_offline", "node_id": str(state.id),
+                                                            "organization_id": str(state.organization_id)})  # fmt: skip
     return marked

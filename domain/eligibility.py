@@ -259,7 +259,10 @@ def blocking_reason(
     Judged against every node that may take new work in future (not draining or
     retired), as if it were online and idle. The reason names the shortfall so a
     person can act on it, e.g. ``no_eligible_device: needs 40000 MB VRAM,
-    largest is 24576 MB (gpu-box/gpu0)``.
+    largest is 24576 MB (gpu-box/gpu0)``, and when a device outside the job's
+    trust domains could run it, names that too (``...; big-box/gpu0 would fit
+    but is outside trust domain secure (in local)``): the fix is then to widen
+    the job's trust domains or move that node, not to buy a bigger card.
     """
     missing = missing_models(requires, models)
     if missing:
@@ -276,11 +279,20 @@ def blocking_reason(
 def _shortfalls(
     requires: Requirements, models: Mapping[str, RegisteredModel], nodes: Sequence[NodeView], verdicts: Sequence[Verdict]
 ) -> list[str]:
+    """The clauses of a blocking reason, each true of the devices the job's trust domains allow.
+
+    Memory clauses name the largest such device; the accelerator clause is
+    said only when none of them has the accelerators (a CPU lacking CUDA
+    beside a CUDA card too small is a memory shortfall, not a missing
+    accelerator); a device outside the trust domains that could run the job
+    is named last.
+    """
     reasons = {v.reason for v in verdicts}
     clauses: list[str] = []
     if reasons == {"trust_domain"}:
         return [f"no node in trust domain {', '.join(requires.trust_domains)}"]
     devices = {(n.name, d.label): d for n in nodes for d in n.devices}
+    allowed = [v for v in verdicts if v.reason != "trust_domain"]
     if "vram_insufficient" in reasons or "ram_insufficient" in reasons:
         memory = [v for v in verdicts if v.reason in ("vram_insufficient", "ram_insufficient")]
         gpus = [v for v in memory if v.device_kind != "cpu"]
@@ -299,11 +311,34 @@ def _shortfalls(
                 f"needs {ram_needed(requires, models)} MB RAM, largest is {largest} MB "
                 f"({best.node_name}/{best.device_label})"
             )
-    if "accelerator_missing" in reasons:
-        wanted = ", ".join(sorted(required_accelerators(requires, models)))
-        clauses.append(f"needs accelerator {wanted}, which no eligible device supports")
+    wanted = required_accelerators(requires, models)
+    if "accelerator_missing" in reasons and not any(
+        wanted <= set(devices[(v.node_name, v.device_label)].accelerators) for v in allowed
+    ):
+        clauses.append(f"needs accelerator {', '.join(sorted(wanted))}, which no eligible device supports")
     if "device_busy" in reasons:
         clauses.append("some GPUs report no VRAM at all")
     if "trust_domain" in reasons and not clauses:
         clauses.append(f"no node in trust domain {', '.join(requires.trust_domains)}")
+    if "trust_domain" in reasons:
+        outside = _fits_outside_trust_domains(requires, models, nodes)
+        if outside is not None:
+            clauses.append(outside)
     return clauses
+
+
+def _fits_outside_trust_domains(
+    requires: Requirements, models: Mapping[str, RegisteredModel], nodes: Sequence[NodeView]
+) -> str | None:
+    """A clause naming the first device outside the job's trust domains that could run it, or None."""
+    anywhere = msgspec.structs.replace(requires, trust_domains=())
+    for node in nodes:
+        if node.trust_domain in requires.trust_domains:
+            continue
+        for verdict in judge_node(node, anywhere, models):
+            if verdict.eligible:
+                return (
+                    f"{node.name}/{verdict.device_label} would fit but is outside trust domain "
+                    f"{', '.join(requires.trust_domains)} (in {node.trust_domain})"
+                )
+    return None

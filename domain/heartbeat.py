@@ -12,6 +12,13 @@ it crosses the busy line (a GPU's free VRAM reaching or leaving zero) or moves
 by at least :data:`MEMORY_TOLERANCE_FRACTION` of the device's total (and at
 least :data:`MEMORY_TOLERANCE_FLOOR_MB`), so the folded device set stays within
 that tolerance of what the node last said, and the periodic beat re-anchors it.
+
+A beat after a silence longer than the stale threshold ends an offline spell:
+views read the node ``offline`` meanwhile (the effective status). When the
+sweeper has not recorded that spell yet, the beat records it first, as
+``node.went_offline`` with the last beat before the silence, and then its
+return, as it does after a spell the sweeper recorded: the log alone explains
+every status a view showed, however late the sweeper looks.
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ from typing import Iterable, Protocol
 
 from msgspec.structs import replace
 
-from umbra.events.types import Device, NodeHeartbeat, ResidentModel
+from umbra.events.types import Device, NodeHeartbeat, NodeWentOffline, ResidentModel
 
-from .nodes import PROMOTABLE, is_busy
+from .node_status import effective_status
+from .nodes import PROMOTABLE, after_went_offline, is_busy
 
 #: Free-memory moves smaller than this share of the total are jitter.
 MEMORY_TOLERANCE_FRACTION = 0.02
@@ -45,6 +53,8 @@ class HeartbeatBasis(Protocol):
     #: ``recorded_at`` of the last ``node.heartbeat`` event, None before the first.
     last_heartbeat_at: datetime | None
     kinds: tuple[str, ...] | None
+    #: The node stream's version (read only when a :class:`Silence` is judged).
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +69,40 @@ class HeartbeatReport:
 
 
 @dataclass(frozen=True, slots=True)
+class Silence:
+    """The node's silence before this beat, as liveness measured it (the database clock)."""
+
+    #: When the node was heard from before this beat; None: never.
+    previous_seen_at: datetime | None
+    #: When this beat was heard.
+    seen_at: datetime
+    stale_seconds: int
+    #: The node's stream version read together with ``previous_seen_at``. A node event appended since
+    #: (another beat after the same silence, the sweeper) has already answered for this silence.
+    version: int
+
+    def unrecorded_spell(self, current: HeartbeatBasis) -> NodeWentOffline | None:
+        """The ``node.went_offline`` a view's ``offline`` reading calls for and the log lacks, or None.
+
+        Views read a stored ``online`` silent past the threshold as ``offline``
+        (:func:`umbra.domain.node_status.effective_status`, the same rule, judged
+        when this beat was heard). Only a stored ``online`` still says nothing
+        of the spell: a stored ``offline`` is the spell recorded, and intent
+        statuses never expire.
+        """
+        if current.version != self.version or current.status != "online":
+            return None
+        if effective_status(current.status, self.previous_seen_at, self.seen_at, stale_seconds=self.stale_seconds) == "online":
+            return None
+        return NodeWentOffline(last_seen_at=self.previous_seen_at)
+
+
+@dataclass(frozen=True, slots=True)
 class HeartbeatDecision:
     event: NodeHeartbeat | None
     reasons: tuple[str, ...]
+    #: An offline spell views showed and the log lacks, recorded before ``event``.
+    went_offline: NodeWentOffline | None = None
 
     @property
     def changes_capacity(self) -> bool:
@@ -134,7 +175,12 @@ def device_changes(old: tuple[Device, ...], new: tuple[Device, ...]) -> set[str]
 
 
 def decide_heartbeat(
-    current: HeartbeatBasis, report: HeartbeatReport, now: datetime, *, event_interval_seconds: int
+    current: HeartbeatBasis,
+    report: HeartbeatReport,
+    now: datetime,
+    *,
+    event_interval_seconds: int,
+    silence: Silence | None = None,
 ) -> HeartbeatDecision:
     """The ``node.heartbeat`` event this beat deserves, or None (liveness only).
 
@@ -142,8 +188,14 @@ def decide_heartbeat(
     carries ``agent_started_at`` only when the agent reports a process start
     that differs from the recorded one, so a restart is recorded once, not
     every beat.
+
+    ``silence``: when it holds an offline spell the log lacks, the decision
+    records it first (``went_offline``) and the beat is then a promotion from
+    ``offline``, recorded as after a spell the sweeper recorded.
     """
-    reasons: list[str] = []
+    went_offline = None if silence is None else silence.unrecorded_spell(current)
+    status = after_went_offline(current.status) if went_offline is not None else current.status
+    reasons: list[str] = ["silence"] if went_offline is not None else []
     devices = current.devices if report.devices is None else normalize_devices(report.devices)
     if report.devices is not None:
         reasons.extend(sorted(device_changes(current.devices, devices)))
@@ -156,7 +208,7 @@ def decide_heartbeat(
     restarted = report.agent_started_at is not None and report.agent_started_at != current.agent_started_at
     if restarted:
         reasons.append("agent_restart")
-    if current.status in PROMOTABLE:
+    if status in PROMOTABLE:
         reasons.append("promotion")
     if current.last_heartbeat_at is None or now - current.last_heartbeat_at >= timedelta(seconds=event_interval_seconds):
         reasons.append("periodic")
@@ -168,4 +220,4 @@ def decide_heartbeat(
         agent_started_at=report.agent_started_at if restarted else None,
         kinds=reported if reported is not None else current.kinds,
     )
-    return HeartbeatDecision(event, tuple(reasons))
+    return HeartbeatDecision(event, tuple(reasons), went_offline)

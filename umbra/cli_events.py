@@ -32,7 +32,8 @@ from umbra.errors import InvalidRequest, NotFound
 from umbra.events import documents
 from umbra.settings import server_url
 
-SERVER_HELP = "service URL (default UMBRA_SERVER, else http://127.0.0.1:UMBRA_PORT, port 8080 if unset)"
+SERVER_HELP = ("service URL (default UMBRA_SERVER, else http://UMBRA_HOST:UMBRA_PORT: the loopback for a wildcard or "
+               "unset host, port 8080 if unset)")
 
 PAGE_SIZE = 1000
 

@@ -43,7 +43,7 @@ def format_explanation(body: dict[str, Any]) -> list[str]:
             marks = (" resident" if e["resident"] else "") + (
                 f" evicts {','.join(e['would_evict'])}" if e["would_evict"] else ""
             )
-            lines.append(f"  {rank:>2}. {_where(e):<{width}}  via {e['via']:<4}  score {e['score']:<8g} "
+            lines.append(f"  {rank:>2}. {_where(e):<{width}}  via {e['via']:<4}  score {float(e['score']):<8g} "
                          f"{e['placement_reason']}{marks}")  # fmt: skip
     ineligible = body.get("ineligible") or []
     if ineligible:

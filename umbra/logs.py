@@ -1,9 +1,13 @@
 """Structured JSON logs on stderr for the service's own loggers.
 
-The ``umbra`` logger tree and uvicorn's are configured (uvicorn's own lines,
-a malformed request or a port already taken, would otherwise be plain text
-between the JSON ones); other libraries' loggers are left as they are. Records carry literal keys passed through ``extra=``; secrets are
-never passed there (tests capture a full pair/claim cycle to prove it).
+The ``umbra`` logger tree is configured, and so are the trees of the
+libraries that log while the service runs: uvicorn's (a malformed request, a
+port already taken), psycopg's (the pool's warnings while the database is
+away) and asyncio's (a task's unretrieved exception). Their lines would
+otherwise be plain text between the JSON ones, some spread over several
+lines, just when an operator's log shipper most needs to read them. Records
+carry literal keys passed through ``extra=``; secrets are never passed there
+(tests capture a full pair/claim cycle to prove it).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
-#: Logger trees written as JSON on stderr. uvicorn sets its own loggers' levels (``log_level``).
-JSON_LOGGERS = ("umbra", "uvicorn")
+#: Logger trees written as JSON on stderr. uvicorn sets its own loggers' levels (``log_level``); the
+#: libraries' others keep the default (warnings and errors).
+JSON_LOGGERS = ("umbra", "uvicorn", "psycopg", "asyncio")
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -25,8 +25,8 @@ _WAKE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 
 
 CLAIMS = Counter(
     "umbra_claims",
-    "Jobs handed to agents, by how the claim was found (completion: with the previous job's report; "
-    "same_claim: after the first of a claim of several).",
+    "Jobs claimed (one per job.claimed event, a claim given back because its agent left counted too), by how "
+    "the claim was found (completion: with the previous job's report; same_claim: after the first of a claim of several).",
     ["trigger"],
     registry=None,
 )

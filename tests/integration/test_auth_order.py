@@ -231,7 +231,8 @@ async def _oversized():
 async def test_a_body_a_route_does_not_take_is_still_refused_past_the_limit(client, conn, callers):
     """Every route declared without a body, called with what it would act on (a queued job, a live node)."""
     job = (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(callers.key))).json()
-    objects = {"/v1/jobs/{id}": job["id"], "/v1/nodes/{id}": callers.node_id, "/static/{name}": "dashboard.css"}
+    objects = {"/v1/jobs/{id}": job["id"], "/v1/nodes/{id}": callers.node_id, "/static/{name}": "dashboard.css",
+               "/v1/models/{slug:path}": "m"}
     before = await fingerprint(conn)
     failures = []
     routes = [(route.path, route.endpoint_info) for route in all_routes()

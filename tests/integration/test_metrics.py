@@ -9,10 +9,11 @@ import uuid
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
+
+from tests.integration.test_outages import samples
 
 from umbra.api.errors import HANDLERS
 from umbra.api.http import MAX_BODY_BYTES, json_response
@@ -25,25 +26,17 @@ from umbra.logs import JsonFormatter
 pytestmark = pytest.mark.anyio
 
 
-def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
-
-
 async def test_metrics_expose_queue_depth_log_head_and_process_instruments(conn, org, live_server):
     org_id, key = org
     async with httpx.AsyncClient(base_url=live_server.url) as client:
-        before = _samples((await client.get("/metrics")).text)
+        before = samples((await client.get("/metrics")).text)
         for _ in range(3):
             await store.append(conn, store.node_stream(uuid.uuid4()), 0, [NodeDraining()], organization_id=org_id)
         await client.get("/v1/events", headers={"Authorization": f"Bearer {key}"})
         response = await client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    after = _samples(response.text)
+    after = samples(response.text)
     for status in JOB_STATUSES:
         assert after[("umbra_queue_depth", (("status", status),))] == 0
     assert after[("umbra_log_head_position", ())] == before[("umbra_log_head_position", ())] + 3
@@ -64,11 +57,11 @@ async def test_group_commit_batches_are_counted(org, live_server):
         agent = {"Authorization": f"Bearer {credential}"}
         await client.post("/v1/agent/heartbeat", json={"devices": [CPU]}, headers=agent)
         await client.post("/v1/jobs", json={"kind": "echo"}, headers={"Authorization": f"Bearer {key}"})
-        before = _samples((await client.get("/metrics")).text)
+        before = samples((await client.get("/metrics")).text)
         job = (await client.post("/v1/agent/claim?wait=0", headers=agent)).json()["job"]
         done = await client.post(f"/v1/agent/jobs/{job['id']}/complete", json={"attempt": job["attempt"]}, headers=agent)
         assert done.status_code == 200
-        after = _samples((await client.get("/metrics")).text)
+        after = samples((await client.get("/metrics")).text)
 
     def grew(name: str) -> float:
         return after[(name, ())] - before.get((name, ()), 0.0)

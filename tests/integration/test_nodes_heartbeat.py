@@ -78,6 +78,9 @@ async def test_an_unchanged_beat_is_recorded_after_the_event_interval(conn, org)
     org_id, _ = org
     node_id = await pair(conn, org_id)
     await beat(conn, org_id, node_id)
+    for seconds in range(30, 300, 30):  # a live node, never silent past the stale threshold
+        await offset(conn, seconds)
+        assert not (await beat(conn, org_id, node_id)).recorded
     await offset(conn, 299)
     assert not (await beat(conn, org_id, node_id)).recorded
     await offset(conn, 301)

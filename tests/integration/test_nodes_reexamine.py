@@ -100,6 +100,47 @@ async def test_registering_a_model_too_big_for_every_device_keeps_its_job_blocke
     assert (await explain(client, key, job_id))["eligible"][0]["device_label"] == "gpu0"
 
 
+async def test_removing_a_model_blocks_the_work_naming_it_and_registering_it_again_unblocks(client, conn, org):
+    """``DELETE /v1/models/{slug}`` (a model withdrawn): queued work naming it is blocked ``model_not_registered``
+    at once (by a ``job.blocked`` whose cause is the registry), work naming others is untouched, a job it
+    already placed runs on, a second removal is 404 ``model_not_found`` and writes nothing, another
+    organization's registry is out of reach, and registering the model again returns the work to the queue."""
+    org_id, key = org
+    await add_node(conn, org_id, "gpu-box", [GPU24, CPU8])
+    for slug in ("gemma", "other"):
+        await upsert_model(conn, org_id, RegisteredModel(slug=slug, vram_min_mb=8000))
+    placed = await job(conn, org_id, models=["gemma"])
+    node_id = (await (await conn.execute("SELECT id FROM nodes")).fetchone())[0]
+    running = await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60)
+    assert running is not None and running.row.id == placed
+    waiting, unrelated = await job(conn, org_id, models=["gemma"]), await job(conn, org_id, models=["other"])
+    assert await status(conn, waiting) == "queued"
+
+    removed = await client.delete("/v1/models/gemma", headers=bearer(key))
+    assert removed.status_code == 200 and removed.json()["slug"] == "gemma" and removed.json()["vram_min_mb"] == 8000
+    shown = (await client.get(f"/v1/jobs/{waiting}", headers=bearer(key))).json()
+    assert (shown["status"], shown["blocked_reason"]) == ("blocked", "model_not_registered: gemma")
+    assert [await status(conn, j) for j in (placed, unrelated)] == ["running", "queued"]
+    assert [m["slug"] for m in (await client.get("/v1/models", headers=bearer(key))).json()["models"]] == ["other"]
+    blocked = (await store.read_stream(conn, store.job_stream(waiting)))[-1]
+    assert blocked.type == "job.blocked" and blocked.metadata["causation"] == "models"
+
+    head = await store.head_position(conn, org_id)
+    again = await client.delete("/v1/models/gemma", headers=bearer(key))
+    assert again.status_code == 404 and again.json()["error"] == "model_not_found"
+    _, other_key = await _other_org(conn)
+    assert (await client.delete("/v1/models/other", headers=bearer(other_key))).status_code == 404
+    assert await store.head_position(conn, org_id) == head
+    assert (await client.put("/v1/models/gemma", json={"vram_min_mb": 8000}, headers=bearer(key))).status_code == 200
+    assert await status(conn, waiting) == "queued"
+
+
+async def _other_org(conn):
+    from umbra.compute.accounts import create_organization
+
+    return await create_organization(conn, "elsewhere")
+
+
 # Capacity that goes away: queued work nothing could ever run any more is blocked, so it cannot
 # look alive for ever, and a child blocked like that fails after the blocked timeout and lets its
 # parent settle.

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.anyio
 CPU = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=30000)
 
 
-async def _next(reader: SseReader, event: str, timeout: float = 10) -> dict:
+async def next_view(reader: SseReader, event: str, timeout: float = 10) -> dict:
     with anyio.fail_after(timeout):
         while True:
             message = await reader.next_message()
@@ -36,24 +36,24 @@ async def test_stream_sends_views_then_changes_tagged_with_positions(conn, org, 
         async with client.stream("GET", "/v1/projections/stream", params={"access_token": key}) as response:
             assert response.status_code == 200
             reader = SseReader(response)
-            queue = await _next(reader, "queue")
-            nodes = await _next(reader, "nodes")
+            queue = await next_view(reader, "queue")
+            nodes = await next_view(reader, "nodes")
             assert queue["counts"]["queued"] == 0 and nodes["nodes"] == []
             job_id = await submit(conn, org_id)
-            queue = await _next(reader, "queue")
+            queue = await next_view(reader, "queue")
             assert queue["counts"]["queued"] == 1 and queue["changed"] == [str(job_id)]
             assert queue["position"] == await store.head_position(conn, org_id)
             node_id = await pair(conn, org_id, "box-1")
-            nodes = await _next(reader, "nodes")
+            nodes = await next_view(reader, "nodes")
             assert nodes["changed"] == [str(node_id)] and nodes["nodes"][0]["status"] == "provisioning"
             assert nodes["position"] >= queue["position"]
             await heartbeat(conn, org_id, node_id, HeartbeatReport(devices=(CPU,)), event_interval_seconds=300)
-            nodes = await _next(reader, "nodes")
+            nodes = await next_view(reader, "nodes")
             assert nodes["nodes"][0]["status"] == "online"
             # Silent for longer than the stale threshold: no event is appended,
             # yet the view reads offline and the stream pushes it.
             await conn.execute("UPDATE node_liveness SET last_seen_at = now() - interval '1 minute' WHERE node_id = %s", (node_id,))
-            nodes = await _next(reader, "nodes")
+            nodes = await next_view(reader, "nodes")
             assert nodes["nodes"][0]["status"] == "offline"
             assert nodes["changed"] == [str(node_id)]
 

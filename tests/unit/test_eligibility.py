@@ -187,3 +187,30 @@ def test_an_empty_fleet_blocks_with_a_reason_and_other_shortfalls_are_named():
     assert blocking_reason(Requirements(), MODELS, []) == "no_eligible_device: no active node with devices is registered"
     assert "trust domain secure" in blocking_reason(Requirements(trust_domains=("secure",)), MODELS, [node(GPU)])
     assert "accelerator rocm" in blocking_reason(Requirements(accelerators=("rocm",)), MODELS, [node(GPU, CPU)])
+
+
+def test_a_card_too_small_beside_a_device_lacking_the_accelerator_is_a_memory_shortfall_only():
+    """The accelerator clause is said only when no allowed device has the accelerators: a CPU lacking CUDA next
+    to a CUDA card too small is a size problem, and naming CUDA as missing would send the operator astray."""
+    reason = blocking_reason(Requirements(vram_min_mb=40000, accelerators=("cuda",)), MODELS, [node(CPU, GPU)])
+    assert reason == "no_eligible_device: needs 40000 MB VRAM, largest is 24576 MB (box/gpu0)"
+    assert blocking_reason(Requirements(accelerators=("rocm",)), MODELS, [node(CPU, GPU)]) == (
+        "no_eligible_device: needs accelerator rocm, which no eligible device supports")
+
+
+def test_a_device_outside_the_jobs_trust_domains_that_would_fit_is_named():
+    """When widening the trust domains would let the job run, the reason says which device and where it is; a
+    device outside them that would not fit either is not named (widening would not help)."""
+    big = msgspec.structs.replace(GPU, vram_total_mb=49152, vram_free_mb=48000)
+    fleet = [node(big, name="local-box"), node(GPU, name="vault", trust_domain="secure")]
+    assert blocking_reason(Requirements(vram_min_mb=40000, trust_domains=("secure",)), MODELS, fleet) == (
+        "no_eligible_device: needs 40000 MB VRAM, largest is 24576 MB (vault/gpu0); "
+        "local-box/gpu0 would fit but is outside trust domain secure (in local)")  # fmt: skip
+    assert blocking_reason(Requirements(vram_min_mb=60000, trust_domains=("secure",)), MODELS, fleet) == (
+        "no_eligible_device: needs 60000 MB VRAM, largest is 24576 MB (vault/gpu0)")
+    cpu_vault = [node(CPU, GPU, name="local-box"), node(CPU, name="vault", trust_domain="secure")]
+    assert blocking_reason(Requirements(accelerators=("cuda",), trust_domains=("secure",)), MODELS, cpu_vault) == (
+        "no_eligible_device: needs accelerator cuda, which no eligible device supports; "
+        "local-box/gpu0 would fit but is outside trust domain secure (in local)")  # fmt: skip
+    assert blocking_reason(Requirements(trust_domains=("secure",)), MODELS, [node(GPU)]) == (
+        "no_eligible_device: no node in trust domain secure")

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from umbra.domain.heartbeat import HeartbeatReport, decide_heartbeat, device_changes, normalize_devices
+from umbra.domain.heartbeat import HeartbeatReport, Silence, decide_heartbeat, device_changes, normalize_devices
 from umbra.events.types import Device, ResidentModel
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
@@ -26,6 +26,7 @@ class Recorded:
     agent_started_at: datetime | None = NOW - timedelta(hours=1)
     last_heartbeat_at: datetime | None = NOW - timedelta(seconds=30)
     kinds: tuple[str, ...] | None = None
+    version: int = 3
 
 
 def decide(current=None, **report):
@@ -133,3 +134,44 @@ def test_normalize_sorts_and_dedupes():
     messy = replace(GPU, accelerators=("rocm", "cuda", "cuda"))
     (device,) = normalize_devices([messy])
     assert device.accelerators == ("cuda", "rocm")
+
+
+def after(silent_seconds: float, *, version: int = 3, previous=...) -> Silence:
+    """The silence a beat heard at NOW ends, the previous beat ``silent_seconds`` before it."""
+    previous = NOW - timedelta(seconds=silent_seconds) if previous is ... else previous
+    return Silence(previous_seen_at=previous, seen_at=NOW, stale_seconds=45, version=version)
+
+
+def decide_after(silence: Silence, current=None):
+    return decide_heartbeat(current or Recorded(), HeartbeatReport(), NOW, event_interval_seconds=300, silence=silence)
+
+
+def test_a_beat_after_an_unrecorded_offline_spell_records_it_then_the_return():
+    """Views read a stored ``online`` silent past the threshold as ``offline``; if the sweeper has not recorded
+    that, the beat does: ``node.went_offline`` with the last beat before the silence, then a promotion."""
+    decision = decide_after(after(46))
+    assert decision.went_offline is not None and decision.went_offline.last_seen_at == NOW - timedelta(seconds=46)
+    assert decision.event is not None and decision.reasons[:2] == ("silence", "promotion") and decision.changes_capacity
+    never = decide_after(after(0, previous=None))  # stored online, no liveness at all: read offline too
+    assert never.went_offline is not None and never.went_offline.last_seen_at is None
+
+
+def test_a_silence_no_view_read_as_offline_records_no_spell():
+    """Exactly the threshold is still online (the views' rule), so nothing is recorded but the beat's own worth."""
+    decision = decide_after(after(45))
+    assert decision.went_offline is None and decision.event is None
+
+
+@pytest.mark.parametrize("stored", ["offline", "provisioning", "draining", "retired"])
+def test_a_spell_the_log_already_has_or_an_intent_status_records_no_second_one(stored):
+    """A stored ``offline`` is the spell already recorded (by the sweeper or a sign-off): the beat only promotes.
+    Intent statuses never expire, so they have no spell to record."""
+    decision = decide_after(after(120), Recorded(status=stored))
+    assert decision.went_offline is None
+    assert ("promotion" in decision.reasons) == (stored in ("offline", "provisioning"))
+
+
+def test_a_node_changed_since_the_silence_was_measured_records_no_spell():
+    """Another beat that ended the same silence (or the sweeper) moved the node's version under the row lock:
+    it has answered for the spell, so this beat records none."""
+    assert decide_after(after(120, version=2)).went_offline is None

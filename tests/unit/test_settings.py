@@ -52,8 +52,13 @@ def test_the_default_data_dir_has_no_spaces_on_any_system(monkeypatch, tmp_path:
 
 
 def test_the_clients_find_the_server_this_machines_settings_start():
+    """UMBRA_SERVER, else UMBRA_HOST and UMBRA_PORT (the loopback for a wildcard or unset host), as the
+    README's settings table and every client's ``--server`` help say."""
+    from umbra.cli_events import SERVER_HELP
     from umbra.settings import server_url
 
+    assert "http://UMBRA_HOST:UMBRA_PORT" in SERVER_HELP
+    assert server_url({"UMBRA_HOST": "127.0.0.2", "UMBRA_PORT": "9000"}) == "http://127.0.0.2:9000"
     assert server_url({}) == "http://127.0.0.1:8080"
     assert server_url({"UMBRA_PORT": "9000"}) == "http://127.0.0.1:9000"
     assert server_url({"UMBRA_HOST": "0.0.0.0", "UMBRA_PORT": "9000"}) == "http://127.0.0.1:9000"
