@@ -75,34 +75,35 @@ def check_model(model: RegisteredModel) -> None:
             raise InvalidRequest("requires_accelerators entries must be 1..50 characters.", field="requires_accelerators")
 
 
+async def _change_registry(conn: psycopg.AsyncConnection, organization_id: UUID, statement: str, params: tuple, *,
+                           request_id: str | None) -> tuple | None:  # fmt: skip
+    """Run one change of the organization's registry and give its waiting jobs a second look, in one transaction.
+
+    The claim guard first: no claim places work by the old entry once the
+    change answers; then the capacity lock, as every change of what could run
+    a job takes it. The re-examination is skipped when the change touched no
+    row (nothing changed, and the caller refuses it).
+    """
+    async with conn.transaction():
+        await guard_against_claims(conn, organization_id)
+        await hold_capacity(conn, organization_id, exclusive=True)
+        row = await (await conn.execute(statement, params)).fetchone()
+        if row is not None:
+            await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(None, request_id))
+    return row
+
+
 async def upsert_model(
     conn: psycopg.AsyncConnection, organization_id: UUID, model: RegisteredModel, *, request_id: str | None = None
 ) -> RegisteredModel:
     """Create or replace the organization's model ``model.slug``; blocked jobs get a second look."""
     check_model(model)
-    async with conn.transaction():
-        await guard_against_claims(conn, organization_id)  # no claim places work by the old entry once this answers
-        await hold_capacity(conn, organization_id, exclusive=True)
-        row = await (
-            await conn.execute(
-                _UPSERT,
-                (
-                    organization_id,
-                    model.slug,
-                    model.kind,
-                    model.vram_min_mb,
-                    model.vram_preferred_mb,
-                    model.ram_min_mb,
-                    sorted(set(model.requires_accelerators)),
-                    model.reference_throughput,
-                    model.load_seconds,
-                ),
-            )
-        ).fetchone()
-        stored = _model(row)
-        await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(None, request_id))
+    params = (organization_id, model.slug, model.kind, model.vram_min_mb, model.vram_preferred_mb, model.ram_min_mb,
+              sorted(set(model.requires_accelerators)), model.reference_throughput, model.load_seconds)  # fmt: skip
+    row = await _change_registry(conn, organization_id, _UPSERT, params, request_id=request_id)
+    assert row is not None  # an upsert always returns its row
     log.info("model registered", extra={"action": "model_upserted", "slug": model.slug})
-    return stored
+    return _model(row)
 
 
 async def remove_model(
@@ -113,18 +114,12 @@ async def remove_model(
     Work naming it gets a second look, as after any registry change: queued
     and blocked jobs naming it are blocked ``model_not_registered`` (and fail
     at the blocked timeout unless it is registered again). A job already
-    placed by it runs on. Under the same guard as :func:`upsert_model`, so no
-    claim places work by the removed entry once this answers.
+    placed by it runs on. A slug not registered writes nothing.
     """
-    if not SLUG.match(slug):
-        raise NotFound("model_not_found", "No model of that slug is registered in this organization.")
-    async with conn.transaction():
-        await guard_against_claims(conn, organization_id)
-        await hold_capacity(conn, organization_id, exclusive=True)
-        row = await (await conn.execute(_DELETE, (organization_id, slug))).fetchone()
-        if row is None:
-            raise NotFound("model_not_found", f"No model {slug} is registered in this organization.")
-        await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(None, request_id))
+    valid = SLUG.match(slug) is not None  # a slug no model can have is not looked for (nor echoed)
+    row = await _change_registry(conn, organization_id, _DELETE, (organization_id, slug), request_id=request_id) if valid else None
+    if row is None:
+        raise NotFound("model_not_found", f"No model {slug if valid else 'of that slug'} is registered in this organization.")
     log.info("model removed", extra={"action": "model_removed", "slug": slug})
     return _model(row)
 

@@ -31,6 +31,16 @@ async def eventually(check: Callable[[], Awaitable[T]], *, timeout: float = 10.0
         await anyio.sleep(interval)
 
 
+async def until(condition: Callable[[], object], *, timeout: float = 10.0) -> object:
+    """:func:`eventually` for a condition read without awaiting (a hub's count of parked long-polls, a list an
+    answer lands in)."""
+
+    async def check() -> object:
+        return condition()
+
+    return await eventually(check, timeout=timeout)
+
+
 @contextmanager
 def sighup_at_default() -> Iterator[None]:
     """Within the block, SIGHUP at its default, as a terminal's session has it, whatever the test run's own

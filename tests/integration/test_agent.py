@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import eventually
+from tests.helpers import eventually, until
 from umbra.agent.client import AgentClient, ServiceError
 from umbra.agent.handlers import BUILTINS, Child, Decompose, HandlerRegistry, RetryableError
 from umbra.agent.runner import Agent, AgentConfig
@@ -99,8 +99,12 @@ async def job_in(api, job_id: str, *statuses: str) -> dict | None:
     return job if job["status"] in statuses else None
 
 
+async def job_events(api, job_id: str) -> list[dict]:
+    return (await api.get(f"/v1/jobs/{job_id}/events")).json()["events"]
+
+
 async def event_types(api, job_id: str) -> list[str]:
-    return [e["type"] for e in (await api.get(f"/v1/jobs/{job_id}/events")).json()["events"]]
+    return [e["type"] for e in await job_events(api, job_id)]
 
 
 async def test_agent_heartbeats_its_devices_and_start_time_and_goes_online(server, api):
@@ -155,7 +159,7 @@ async def test_each_completion_brings_the_next_job_and_the_agent_polls_only_when
         assert batch.status_code == 201, batch.text
         ids = [job["id"] for job in batch.json()["jobs"]]
         done = [await eventually(lambda i=i: job_in(api, i, "complete", "failed"), timeout=15) for i in ids]
-        await eventually(lambda: _true_if(len(agent.outcomes) == 3))
+        await until(lambda: len(agent.outcomes) == 3)
     assert [(job["status"], job["result"]) for job in done] == [("complete", {"n": n}) for n in range(3)]
     # The first came from the long-poll; each completion claimed the next; the last found nothing left.
     assert [o.job_id for o in agent.outcomes] == ids
@@ -193,13 +197,9 @@ async def test_an_agent_with_three_slots_runs_three_jobs_at_once_and_stops_them_
         assert sorted(started) == sorted(ids)
         agent.stop()
         with anyio.fail_after(10):
-            await eventually(lambda: _true_if(len(agent.outcomes) == 3))
+            await until(lambda: len(agent.outcomes) == 3)
     assert sorted(o.job_id for o in agent.outcomes) == sorted(ids) and {o.status for o in agent.outcomes} == {"complete"}
     assert all(o.next_claim is None for o in agent.outcomes)  # stopping: no slot asked for more work
-
-
-async def _true_if(condition: bool):
-    return True if condition else None
 
 
 async def test_an_agent_claims_only_the_kinds_it_has_handlers_for(server, api):
@@ -499,7 +499,7 @@ async def test_a_completion_whose_answer_was_lost_is_sent_again_and_answered_as_
     async with running_agent(server, paired["credential"], transport=transport) as agent:
         job = await submit(api, "echo", {"frame": 7})
         done = await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=15)
-        await eventually(lambda: _true_if(bool(agent.outcomes)), timeout=10)
+        await until(lambda: bool(agent.outcomes), timeout=10)
     assert transport.lost
     assert done["status"] == "complete" and done["result"] == {"frame": 7} and done["attempt"] == 1
     assert (await event_types(api, job["id"])).count("job.completed") == 1

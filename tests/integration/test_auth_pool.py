@@ -22,7 +22,7 @@ from umbra.compute import auth
 from umbra.compute.accounts import create_api_key
 from umbra.security import token_prefix, verify_secret
 from tests.conftest import LiveServer
-from tests.helpers import bearer, eventually
+from tests.helpers import bearer, until
 
 pytestmark = pytest.mark.anyio
 
@@ -91,14 +91,14 @@ async def test_requests_in_argon2_hold_no_pooled_connection(db_url, conn, org, m
                     for name, (path, token) in stalled.items():
                         tg.start_soon(stalled_request, name, path, token)
                     # As many in argon2 as the pool has connections (were they holding them, nothing else could run).
-                    await eventually(lambda: _true(gate.inside >= POOL_SIZE), timeout=8)
+                    await until(lambda: gate.inside >= POOL_SIZE, timeout=8)
                     for path in ("/v1/jobs", "/v1/nodes", "/v1/projections/queue"):
                         with anyio.move_on_after(3) as waited:
                             answer = await client.get(path, headers=bearer(cached_key))
                         assert not waited.cancelled_caught, f"GET {path} on a cached token waited for other tokens' argon2"
                         assert answer.status_code == 200, answer.text
                     # More requests in argon2 at once than the pool has connections.
-                    await eventually(lambda: _true(gate.inside == len(stalled)), timeout=8)
+                    await until(lambda: gate.inside == len(stalled), timeout=8)
                     assert not gate.is_open  # all of them are still in argon2
                     gate.open()
             finally:
@@ -133,7 +133,3 @@ async def test_a_revoked_cached_token_is_refused_before_the_route_reads(db_url, 
             answer = await client.get("/v1/jobs/not-a-uuid/explain", headers=bearer(key))
             assert answer.status_code == 401 and answer.json()["error"] == "unauthenticated"
             assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 401
-
-
-async def _true(value: bool) -> bool:
-    return value

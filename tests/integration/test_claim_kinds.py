@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import bearer, eventually
+from tests.helpers import bearer, until
 from umbra.compute import claims, jobs
 from umbra.compute.jobs import MAX_REQUIRES_NAMED
 from umbra.events.types import Requirements
@@ -214,18 +214,14 @@ async def test_a_long_poll_naming_kinds_is_answered_only_by_a_job_of_one_of_them
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(poll, "render", renders, 3)
-            await eventually(lambda: _true(hub.waiting(org_id) == 1))  # the render box is the oldest waiter
+            await until(lambda: hub.waiting(org_id) == 1)  # the render box is the oldest waiter
             tg.start_soon(poll, "echo", echoes, 30)
-            await eventually(lambda: _true(hub.waiting(org_id) == 2))
+            await until(lambda: hub.waiting(org_id) == 2)
             job = await submit(conn, org_id, "echo")
-            await eventually(lambda: _true("echo" in results), timeout=10)
+            await until(lambda: "echo" in results, timeout=10)
             assert "render" not in results
     assert results["echo"].status_code == 200 and results["echo"].json()["job"]["id"] == str(job.id)
     assert results["render"].status_code == 204
-
-
-async def _true(value):
-    return True if value else None
 
 
 @pytest.mark.parametrize("path,also", [("/v1/agent/claim", {"wait": 0}), ("/v1/agent/complete", {"claim_next": 1}),

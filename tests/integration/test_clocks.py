@@ -27,7 +27,7 @@ from umbra.projections import jobs as queue
 
 from .queue_support import CPU8, CPU64, add_node, beat, http_pair, set_clock, submit
 from .test_agent import CPU as AGENT_CPU
-from .test_agent import event_types, job_in, running_agent
+from .test_agent import job_events, job_in, running_agent
 from .test_agent import pair as pair_agent
 from .test_agent import submit as submit_over_http
 from .test_sweeper import SETTINGS, claim
@@ -273,7 +273,14 @@ def skew_database_clock(db_url: str, seconds: int) -> None:
 
 async def run_sleep_job(db_url: str, key: str, seconds: float) -> tuple[dict, list[str]]:
     """One ``sleep`` job of ``seconds`` run by a real agent against a live server with a 3 s lease and a sweeper
-    ticking every 0.2 s: the job as it ended, and the types of its events."""
+    ticking every 0.2 s: the job as it ended, and the types of its events (:func:`run_sleep_job_events` for the
+    events themselves)."""
+    done, events = await run_sleep_job_events(db_url, key, seconds)
+    return done, [e["type"] for e in events]
+
+
+async def run_sleep_job_events(db_url: str, key: str, seconds: float) -> tuple[dict, list[dict]]:
+    """:func:`run_sleep_job`, with the job's events as the API gives them."""
     env = {"UMBRA_LEASE_SECONDS": "3", "UMBRA_HEARTBEAT_INTERVAL_SECONDS": "1", "UMBRA_SWEEP_INTERVAL_SECONDS": "0.2"}
     with LiveServer(db_url, **env) as server:
         async with httpx.AsyncClient(base_url=server.url, headers=bearer(key), timeout=30) as api:
@@ -281,7 +288,7 @@ async def run_sleep_job(db_url: str, key: str, seconds: float) -> tuple[dict, li
             job = await submit_over_http(api, "sleep", {"seconds": seconds})
             async with running_agent(server, paired["credential"], devices=(AGENT_CPU,)):
                 done = await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=40)
-            return done, await event_types(api, job["id"])
+            return done, await job_events(api, job["id"])
 
 
 async def test_an_agent_keeps_its_lease_when_the_app_servers_clock_is_behind_the_databases(db_url, org):
@@ -307,9 +314,21 @@ async def test_an_agent_does_not_renew_in_a_tight_loop_when_the_app_servers_cloc
 
 async def test_control_with_no_skew_the_same_agent_keeps_its_lease_on_a_5_s_job(db_url, org):
     """Control for the two tests above: with the app server's and the database's clocks agreeing, the
-    same agent renews a 3 s lease through a 5 s job, which completes at its first attempt."""
-    done, history = await run_sleep_job(db_url, org[1], 5)
+    same agent renews a 3 s lease through a 5 s job, which completes at its first attempt, at the pace the
+    lease asks for: each renewal about a third of the lease after the one before, never so late that the
+    lease ran out in between, never in a tight loop."""
+    done, events = await run_sleep_job_events(db_url, org[1], 5)
+    history = [e["type"] for e in events]
     assert (done["status"], done["attempt"]) == ("complete", 1) and "job.lease_expired" not in history
     # Renewing every third of a 3 s lease through a 5 s job is about four renewals: none would have let the
     # lease run out at 3 s, and more than six would be a tighter pace than the lease asks for.
     assert 1 <= history.count("job.lease_renewed") <= 6
+    held = [_utc(e["recorded_at"]) for e in events if e["type"] in ("job.claimed", "job.lease_renewed", "job.completed")]
+    gaps = [(later - earlier).total_seconds() for earlier, later in zip(held, held[1:])]
+    assert all(gap < 3 for gap in gaps), gaps  # the lease (3 s) never ran out between two of them
+    renewals = gaps[:-1]  # the last gap ends at the completion, whenever the job finished
+    assert renewals and all(gap >= 0.5 for gap in renewals), gaps  # a third of the lease is 1 s
+
+
+def _utc(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import bearer, eventually
+from tests.helpers import bearer, eventually, until
 
 from .queue_support import CPU64_JSON, GPU24, http_claim, http_complete
 
@@ -94,10 +94,6 @@ async def verified(client, key: str) -> None:
 def by_device(body: dict) -> dict[tuple[str, str | None], str]:
     """Explain's refusals, by (node id, device label)."""
     return {(r["node_id"], r["device_label"]): r["reason"] for r in body["ineligible"]}
-
-
-async def _true(value):
-    return value
 
 
 # -- blocking reasons say what to change ---------------------------------------------------------
@@ -418,13 +414,13 @@ async def test_a_retired_nodes_parked_long_poll_takes_nothing_and_does_not_hold_
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(poll, "retired", retired, 4)
-            await eventually(lambda: _true(hub.waiting(org_id) == 1))
+            await until(lambda: hub.waiting(org_id) == 1)
             tg.start_soon(poll, "alive", alive, 20)
-            await eventually(lambda: _true(hub.waiting(org_id) == 2))
+            await until(lambda: hub.waiting(org_id) == 2)
             assert (await api.post(f"/v1/nodes/{retired_id}/retire", headers=bearer(key))).status_code == 200
             started = time.monotonic()
             submitted = await submit(api, key)
-            await eventually(lambda: _true("alive" in answers), timeout=10)
+            await until(lambda: "alive" in answers, timeout=10)
             assert time.monotonic() - started < 3
     assert answers["alive"].status_code == 200
     assert answers["alive"].json()["job"]["id"] == submitted["id"]
@@ -448,7 +444,7 @@ async def test_a_node_drained_or_signed_off_while_parked_takes_nothing_afterward
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(poll)
-            await eventually(lambda: _true(hub.waiting(org_id) == 1))
+            await until(lambda: hub.waiting(org_id) == 1)
             if change == "drain":
                 done = await api.post(f"/v1/nodes/{node_id}/drain", headers=bearer(key))
             else:
@@ -483,13 +479,13 @@ async def test_a_node_coming_back_online_wakes_its_own_parked_long_poll(no_poll_
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(poll)
-                await eventually(lambda: _true(hub.waiting(org_id) == 1))
+                await until(lambda: hub.waiting(org_id) == 1)
                 cuda = await submit(api, key, accelerators=["cuda"])
                 await anyio.sleep(0.5)
                 assert not answers
                 await heartbeat(api, credential, [CPU, GPU])
                 started = time.monotonic()
-                await eventually(lambda: _true(answers), timeout=25)
+                await until(lambda: answers, timeout=25)
                 elapsed = time.monotonic() - started
     assert answers[0].status_code == 200 and answers[0].json()["job"]["id"] == cuda["id"]
     assert elapsed < 5, elapsed

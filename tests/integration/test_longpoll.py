@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import eventually
+from tests.helpers import until
 from umbra.compute.heartbeat import heartbeat
 from umbra.compute.jobs import JobRequest, RequiresRequest, submit
 from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
@@ -57,10 +57,6 @@ def _auth(credential: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {credential}"}
 
 
-async def _true(value):
-    return value
-
-
 @pytest.fixture
 def server(db_url):
     """Safety poll far away (30 s): a fast answer can only come from a notification.
@@ -81,10 +77,10 @@ async def test_a_parked_long_poll_wakes_on_submit(conn, org, server):
                 responses.append(await client.post("/v1/agent/claim", params={"wait": 30}, headers=_auth(credential)))
 
             tg.start_soon(poll)
-            await eventually(lambda: _true(hub.waiting(org_id) == 1))
+            await until(lambda: hub.waiting(org_id) == 1)
             started = time.monotonic()
             job_id = await submit_job(conn, org_id)
-            await eventually(lambda: _true(responses), timeout=10)
+            await until(lambda: responses, timeout=10)
             assert time.monotonic() - started < 5
     [response] = responses
     assert response.status_code == 200
@@ -112,14 +108,14 @@ async def test_timeout_is_204_and_waiting_holds_no_database_connection(conn, org
 
             def parked_and_pool_idle():
                 stats = pool.get_stats()
-                return _true(
+                return (
                     hub.waiting(org_id) == 20
                     and stats.get("requests_waiting", 0) == 0
                     and stats["pool_available"] == stats["pool_size"]
                 )
 
             # All twenty parked at once on a pool of four, none borrowing a connection.
-            await eventually(parked_and_pool_idle)
+            await until(parked_and_pool_idle)
             assert pool.get_stats()["pool_size"] <= 4
     assert [r.status_code for r in responses] == [204] * 20
     assert all(r.content == b"" for r in responses)
@@ -138,9 +134,9 @@ async def test_one_job_many_waiters_exactly_one_claim_and_the_rest_keep_waiting(
         async with anyio.create_task_group() as tg:
             for credential in credentials:
                 tg.start_soon(poll, credential)
-            await eventually(lambda: _true(hub.waiting(org_id) == 5))
+            await until(lambda: hub.waiting(org_id) == 5)
             job_id = await submit_job(conn, org_id)
-            await eventually(lambda: _true(len(responses) == 1))
+            await until(lambda: len(responses) == 1)
             assert hub.waiting(org_id) == 4  # the others are still parked, not answered
     assert sorted(r.status_code for r in responses) == [200, 204, 204, 204, 204]
     assert await claimed_events(conn, job_id) == ["job.claimed"]
@@ -159,11 +155,11 @@ async def test_only_an_eligible_waiter_gets_the_job_even_when_an_ineligible_one_
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(poll, "cpu", cpu_only, 5)
-            await eventually(lambda: _true(hub.waiting(org_id) == 1))  # the CPU box is the oldest waiter
+            await until(lambda: hub.waiting(org_id) == 1)  # the CPU box is the oldest waiter
             tg.start_soon(poll, "gpu", gpu, 30)
-            await eventually(lambda: _true(hub.waiting(org_id) == 2))
+            await until(lambda: hub.waiting(org_id) == 2)
             job_id = await submit_job(conn, org_id, vram_min_mb=16000, accelerators=["cuda"])
-            await eventually(lambda: _true("gpu" in results), timeout=10)
+            await until(lambda: "gpu" in results, timeout=10)
             assert "cpu" not in results and hub.waiting(org_id) == 1
     assert results["gpu"].status_code == 200
     assert results["gpu"].json()["job"]["id"] == str(job_id)
@@ -181,12 +177,12 @@ async def _claim_parked_across(client, hub, org_id, credential: str, change) -> 
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(poll)
-        await eventually(lambda: _true(hub.waiting(org_id) == 1))
+        await until(lambda: hub.waiting(org_id) == 1)
         await anyio.sleep(0.3)  # its first look found nothing it can run
         assert not answers
         await change()
         started = time.monotonic()
-        await eventually(lambda: _true(answers), timeout=15)
+        await until(lambda: answers, timeout=15)
         elapsed = time.monotonic() - started
     [answer] = answers
     return answer, elapsed
@@ -256,9 +252,9 @@ async def test_a_client_that_disconnects_while_waiting_claims_nothing(conn, org,
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(poll_then_hang_up)
-            await eventually(lambda: _true(hub.waiting(org_id) == 1))
+            await until(lambda: hub.waiting(org_id) == 1)
             scope.cancel()
-    await eventually(lambda: _true(hub.waiting(org_id) == 0))  # the server noticed and left
+    await until(lambda: hub.waiting(org_id) == 0)  # the server noticed and left
     job_id = await submit_job(conn, org_id)
     assert await job_status(conn, job_id) == "queued"
     assert await claimed_events(conn, job_id) == []
@@ -394,11 +390,11 @@ async def test_a_long_poll_kept_out_by_a_committing_change_of_its_node_claims_on
                     responses.append(await client.post("/v1/agent/claim", params={"wait": 20}, headers=_auth(credential)))
 
                 tg.start_soon(poll)
-                await eventually(lambda: _true(hub.waiting(org_id) == 1))
+                await until(lambda: hub.waiting(org_id) == 1)
                 await anyio.sleep(0.3)
                 assert not responses and await job_status(conn, job_id) == "queued"
             released = time.monotonic()
-            await eventually(lambda: _true(responses), timeout=15)
+            await until(lambda: responses, timeout=15)
             assert time.monotonic() - released < 5
     [response] = responses
     assert response.status_code == 200 and response.json()["job"]["id"] == str(job_id)
@@ -410,7 +406,7 @@ async def test_waiters_are_still_woken_after_the_listener_reconnects(conn, org, 
     listener = server.app.state.services.listener
     hub = server.app.state.waiters
     await conn.execute("SELECT pg_terminate_backend(%s)", (listener.backend_pid,))
-    await eventually(lambda: _true(listener.reconnects >= 1 and listener.connected.is_set()))
+    await until(lambda: listener.reconnects >= 1 and listener.connected.is_set())
     responses: list[httpx.Response] = []
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
 
@@ -419,10 +415,10 @@ async def test_waiters_are_still_woken_after_the_listener_reconnects(conn, org, 
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(poll)
-            await eventually(lambda: _true(hub.waiting(org_id) == 1))
+            await until(lambda: hub.waiting(org_id) == 1)
             started = time.monotonic()
             job_id = await submit_job(conn, org_id)
-            await eventually(lambda: _true(responses), timeout=10)
+            await until(lambda: responses, timeout=10)
             assert time.monotonic() - started < 5
     assert responses[0].status_code == 200 and responses[0].json()["job"]["id"] == str(job_id)
 
@@ -463,13 +459,13 @@ async def test_the_safety_poll_finds_work_whose_notification_was_lost(conn, org,
             async with anyio.create_task_group() as tg:
                 for credential in credentials:
                     tg.start_soon(poll, credential)
-                await eventually(lambda: _true(hub.waiting(org_id) == 2))
+                await until(lambda: hub.waiting(org_id) == 2)
                 async with conn.transaction():  # appended and folded, never published
                     await queue.record(
                         conn,
                         [queue.Change(uuid.uuid4(), org_id, None, [JobSubmitted(kind="quiet", priority=100, max_attempts=3)])
                          for _ in range(2)],
                     )
-                await eventually(lambda: _true(len(responses) == 2), timeout=10)
+                await until(lambda: len(responses) == 2, timeout=10)
     assert [r.status_code for r in responses] == [200, 200]
     assert {r.json()["job"]["kind"] for r in responses} == {"quiet"}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.helpers import eventually
+from tests.helpers import eventually, until
 from umbra.compute.sweeper import SWEEPER_LOCK_KEY
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -143,7 +143,7 @@ async def test_submit_on_one_process_wakes_a_long_poll_on_another_and_one_sweepe
             started = time.monotonic()
             submitted = await client.post(f"{a.url}/v1/jobs", json={"kind": "echo", "payload": {"n": 1}}, headers=_auth(admin_key))
             assert submitted.status_code == 201, submitted.text
-            await eventually(lambda: _true(responses), timeout=10)
+            await until(lambda: responses, timeout=10)
             woke_after = time.monotonic() - started
         assert responses[0].status_code == 200
         job_id = responses[0].json()["job"]["id"]
@@ -206,7 +206,3 @@ async def _holders_are(conn, n: int) -> bool:
 async def _long_polls_waiting(client: httpx.AsyncClient, server: ServeProcess, n: int) -> bool:
     text = (await client.get(f"{server.url}/metrics")).text
     return f"umbra_long_polls_waiting {float(n)}" in text
-
-
-async def _true(value):
-    return value

@@ -373,13 +373,7 @@ async def test_server_log_carries_request_fields_and_no_secret_on_error_paths(se
         finally:
             await conn.execute("ALTER TABLE models_away RENAME TO models")
         assert broken.status_code == 500, broken.text
-        pg_proxy.cut()
-        await anyio.sleep(0.5)
-        assert (await client.get("/readyz")).status_code == 503
-        assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 503
-        await anyio.sleep(1.5)
-        pg_proxy.restore()
-        await server.ready()
+        await _outage(client, server, pg_proxy, key)
     await anyio.to_thread.run_sync(server.signal_and_wait)
     text = server.log
     records = server.records()
@@ -397,6 +391,18 @@ async def test_server_log_carries_request_fields_and_no_secret_on_error_paths(se
     assert not leaks and not codes, (leaks, codes)
 
 
+async def _outage(client: httpx.AsyncClient, server, pg_proxy, key: str) -> None:  # noqa: F811
+    """The database unreachable for two seconds, while the server is asked for readiness and for jobs (503
+    both), then back, and the server ready again."""
+    pg_proxy.cut()
+    await anyio.sleep(0.5)
+    assert (await client.get("/readyz")).status_code == 503
+    assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 503
+    await anyio.sleep(1.5)
+    pg_proxy.restore()
+    await server.ready()
+
+
 async def test_server_output_stays_one_json_object_per_line_through_a_database_outage(serve, org, db_url, pg_proxy):  # noqa: F811
     """Every line `umbra serve` writes is one JSON object, also while the database is unreachable (when an
     operator reads the log most): the connection pool's own warnings included."""
@@ -405,13 +411,7 @@ async def test_server_output_stays_one_json_object_per_line_through_a_database_o
     await server.ready()
     async with httpx.AsyncClient(base_url=server.url, timeout=15) as client:
         assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
-        pg_proxy.cut()
-        await anyio.sleep(0.5)
-        assert (await client.get("/readyz")).status_code == 503
-        assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 503
-        await anyio.sleep(1.5)
-        pg_proxy.restore()
-        await server.ready()
+        await _outage(client, server, pg_proxy, key)
     await anyio.to_thread.run_sync(server.signal_and_wait)
     bad_lines = []
     for line in server.log.splitlines():

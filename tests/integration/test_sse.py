@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from tests.conftest import LiveServer, free_port
-from tests.helpers import bearer, eventually
+from tests.helpers import bearer, until
 from umbra.api import sse
 from umbra.cli_events import _follow
 from umbra.compute.accounts import create_organization
@@ -170,13 +170,9 @@ async def test_stream_survives_a_listener_reconnect(conn, org, live_server):
             await reader.take(1)
             old_pid = listener.backend_pid
             await conn.execute("SELECT pg_terminate_backend(%s)", (old_pid,))
-            await eventually(lambda: _true(listener.reconnects >= 1 and listener.connected.is_set()))
+            await until(lambda: listener.reconnects >= 1 and listener.connected.is_set())
             await _append(conn, org_id, 2)
             assert len(await reader.take(2)) == 2
-
-
-async def _true(value):
-    return value
 
 
 def test_server_shutdown_ends_open_streams(db_url):
@@ -293,7 +289,7 @@ async def test_an_open_stream_waits_out_a_database_outage_and_resumes_without_a_
                         await admin.execute(f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true')
                 assert during.status_code == 503 and during.json()["error"] == "database_unavailable"
                 assert during.headers["Retry-After"] == "1"
-                await eventually(lambda: _true(listener.reconnects >= 1 and listener.connected.is_set()))
+                await until(lambda: listener.reconnects >= 1 and listener.connected.is_set())
                 async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as again:
                     after = await _append(again, org_id, 2)
                 assert [int(m["id"]) for m in await reader.take(2)] == after

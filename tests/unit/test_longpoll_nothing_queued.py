@@ -8,16 +8,12 @@ from functools import partial
 import anyio
 import pytest
 
-from tests.helpers import eventually
+from tests.helpers import until
 from umbra.api.longpoll import NOTHING_QUEUED, WaiterHub
 
 pytestmark = pytest.mark.anyio
 
 ORG = uuid.uuid4()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 def _idle(hub: WaiterHub) -> bool:
@@ -40,11 +36,11 @@ async def test_an_empty_queue_ends_the_wake_after_one_attempt():
     async with anyio.create_task_group() as tg:
         for i in range(10):
             tg.start_soon(partial(hub.wait_for, ORG, attempt_for(f"w{i}"), timeout=30))
-        await eventually(lambda: _true(hub.waiting(ORG) == 10 and len(attempts) == 10 and _idle(hub)))
+        await until(lambda: hub.waiting(ORG) == 10 and len(attempts) == 10 and _idle(hub))
         attempts.clear()
         # The job the hint announced was already taken elsewhere: one waiter looks, nobody else.
         hub.on_hint(ORG, 1, 1)
-        await eventually(lambda: _true(len(attempts) == 1 and _idle(hub)))
+        await until(lambda: len(attempts) == 1 and _idle(hub))
         await anyio.sleep(0.05)
         assert attempts == ["w0"]
         assert hub.waiting(ORG) == 10
@@ -66,9 +62,9 @@ async def test_work_nobody_here_can_run_still_visits_every_waiter_once():
     async with anyio.create_task_group() as tg:
         for i in range(5):
             tg.start_soon(partial(hub.wait_for, ORG, attempt_for(f"w{i}"), timeout=30))
-        await eventually(lambda: _true(hub.waiting(ORG) == 5 and len(attempts) == 5 and _idle(hub)))
+        await until(lambda: hub.waiting(ORG) == 5 and len(attempts) == 5 and _idle(hub))
         attempts.clear()
         hub.on_hint(ORG, 1, 1)
-        await eventually(lambda: _true(len(attempts) == 5 and _idle(hub)))
+        await until(lambda: len(attempts) == 5 and _idle(hub))
         assert sorted(attempts) == [f"w{i}" for i in range(5)]
         tg.cancel_scope.cancel()
