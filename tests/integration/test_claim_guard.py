@@ -15,7 +15,7 @@ from umbra.compute import batch_commands, claims
 from umbra.compute.batch_commands import Command
 from umbra.compute.credentials import revoke_node
 from umbra.compute.models import upsert_model
-from umbra.compute.nodes import drain_node, guard_against_claims, retire_node
+from umbra.compute.nodes import drain_node, guard_against_claims, guard_key, retire_node
 from umbra.domain.models import RegisteredModel
 from umbra.events import store
 
@@ -63,6 +63,8 @@ async def test_a_claim_for_a_node_being_changed_takes_nothing_and_waits_for_noth
     org_id, _ = org
     a = await add_node(conn, org_id, "a", [CPU64])
     b = await add_node(conn, org_id, "b", [CPU64])
+    while guard_key(org_id, b) == guard_key(org_id, a):  # nodes share guards (1 in NODE_GUARDS): b must not share a's
+        b = await add_node(conn, org_id, f"b{b}", [CPU64])
     first, second = (await submit(conn, org_id)).id, (await submit(conn, org_id)).id
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin, \
             await psycopg.AsyncConnection.connect(db_url, autocommit=True) as claimer:  # fmt: skip
@@ -124,7 +126,7 @@ def test_nodes_share_a_bounded_number_of_guards_per_organization():
     """However many nodes a batch serves, it holds at most NODE_GUARDS guards per organization, and its own."""
     from uuid import uuid4
 
-    from umbra.compute.nodes import NODE_GUARDS, guard_key
+    from umbra.compute.nodes import NODE_GUARDS
 
     org, other = uuid4(), uuid4()
     keys = {guard_key(org, uuid4()) for _ in range(5000)}
