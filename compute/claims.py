@@ -49,7 +49,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, AsyncIterator, Callable, Collection, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Collection, Literal, Mapping, Sequence
 from uuid import UUID, uuid4
 
 import msgspec
@@ -58,7 +58,7 @@ import psycopg
 from umbra.db import uuid_array
 from umbra.domain.eligibility import is_busy, takes_kind
 from umbra.domain.jobs import (
-    check_holder, decide_failure, decomposition_repeat_needs_log, failure_repeat_needs_log, repeats_completion,
+    check_holder, decide_failure, decide_lease_expiry, decomposition_repeat_needs_log, failure_repeat_needs_log, repeats_completion,
     repeats_decomposition, repeats_failure,
 )  # fmt: skip
 from umbra.domain.models import RegisteredModel
@@ -565,6 +565,31 @@ async def releases(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID]) -> di
     """
     counted = await store.count_by_stream(conn, [store.job_stream(job_id) for job_id in job_ids], _tag(JobReleased))
     return {queue.job_id_of(stream): count for stream, count in counted.items()}
+
+
+async def end_leases(
+    conn: psycopg.AsyncConnection, records: Sequence[Any], *, delay_seconds: int,
+    cause: Literal["expired", "node_revoked"], metadata: Mapping[str, Any],
+) -> list[JobRow]:
+    """End the leases of held jobs no holder will report: ``job.lease_expired`` each, parents settled.
+
+    ``records`` are the jobs' rows, locked, each followed by the database
+    clock. Each goes back to the queue, claimable ``delay_seconds`` from now,
+    or fails when its attempts are spent (:func:`decide_lease_expiry`); the
+    organizations' long-polls are told of those claimable at once.
+    """
+    released = await releases(conn, [record[0] for record in records])
+    changes = []
+    for record in records:
+        row, now = queue.from_db(record), record[-1]
+        event = decide_lease_expiry(attempt=row.attempt, max_attempts=row.max_attempts, node_id=row.lease_owner, now=now,
+                                    delay_seconds=delay_seconds, released=released.get(row.id, 0), cause=cause)  # fmt: skip
+        changes.append(Change(row.id, row.organization_id, row, [event]))
+    rows, _ = await record_and_settle(conn, changes, metadata=metadata)
+    claimable_now = delay_seconds == 0
+    await store.publish(conn, [(r.organization_id, r.position, 1 if claimable_now and r.status == "queued" else 0)
+                               for r in rows])  # fmt: skip
+    return rows
 
 
 async def _locked(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID) -> tuple[JobRow, datetime]:

@@ -22,10 +22,12 @@ import psycopg
 
 from umbra.events import store
 from umbra.events.types import Event, NodeCredentialRevoked
+from umbra.projections import jobs as queue
 from umbra.projections.nodes import NodeState
 from umbra.security import hash_secret, new_token
 
 from .auth import NODE_CREDENTIAL_KIND, NODE_SCOPES
+from .claims import end_leases
 from .nodes import change_node
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,15 @@ async def revoke_node(
     the revocation re-examines the jobs waiting for capacity
     (:func:`umbra.compute.nodes.change_node`), and work only this node could
     run is blocked at once instead of left queued looking alive.
+
+    The jobs the node holds can never be reported either (every report is
+    refused 401 from now on), so their leases end at once, as an expired
+    lease's would (:func:`umbra.compute.claims.end_leases`, cause
+    ``node_revoked``): back to the queue, claimable now, or failed when their
+    attempts are spent. Waiting out the lease instead kept them from every
+    other node for up to a lease, after the administrator had said the node
+    was gone. This happens after the revocation commits: a claim that
+    committed before it is among them, and none commits after.
     """
 
     async def decide(conn: psycopg.AsyncConnection, state: NodeState) -> list[Event]:
@@ -97,5 +108,29 @@ async def revoke_node(
     revoked = [e.credential_id for e in events if isinstance(e, NodeCredentialRevoked)]
     if revoked:
         await store.ask_recheck(conn, organization_id)  # its parked long-polls are refused now, not at their deadline
-    log.info("node credentials revoked", extra={"action": "node_revoked", "node_id": str(node_id), "count": len(revoked)})
+        ended = await _end_held_leases(conn, organization_id, node_id, actor=actor, request_id=request_id)
+    log.info("node credentials revoked", extra={"action": "node_revoked", "node_id": str(node_id), "count": len(revoked),
+                                                "leases_ended": len(ended) if revoked else 0})  # fmt: skip
     return state, revoked
+
+
+#: The jobs a node holds (running on its lease; a container a decomposition cleared holds none), locked.
+_HELD_BY_NODE = f"""
+SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
+WHERE organization_id = %s AND lease_owner = %s AND status = 'running' AND lease_expires_at IS NOT NULL
+ORDER BY id
+FOR UPDATE
+"""
+
+
+async def _end_held_leases(
+    conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, *, actor: str | None, request_id: str | None
+) -> list[UUID]:
+    """End the leases of the jobs a revoked node holds (see :func:`revoke_node`); returns their ids."""
+    async with conn.transaction():
+        records = await (await conn.execute(_HELD_BY_NODE, (organization_id, node_id))).fetchall()
+        if not records:
+            return []
+        metadata = {**store.event_metadata(actor, request_id), "causation": f"node:{node_id}"}
+        rows = await end_leases(conn, records, delay_seconds=0, cause="node_revoked", metadata=metadata)
+    return [row.id for row in rows]

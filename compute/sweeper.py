@@ -40,7 +40,6 @@ from anyio.abc import TaskStatus
 
 from umbra import jitter, metrics
 from umbra.db import assume_service_role, connect
-from umbra.domain.jobs import decide_lease_expiry
 from umbra.events import store
 from umbra.events.types import JobFailed
 from umbra.projections import jobs as queue
@@ -49,7 +48,7 @@ from umbra.settings import Settings
 
 from . import pairing, statistics
 from .blocked import reexamine_waiting_jobs
-from .claims import releases
+from .claims import end_leases
 from .jobs import ancestors_held_elsewhere, record_and_settle
 
 log = logging.getLogger(__name__)
@@ -154,20 +153,11 @@ async def _expire_leases(conn: psycopg.AsyncConnection, settings: Settings, repo
         records = await _settling_free(conn, await (await conn.execute(_EXPIRED, (SWEEP_BATCH,))).fetchall())
         if not records:
             return 0
-        changes = []
-        released = await releases(conn, [record[0] for record in records])
-        for record in records:
-            row, now = queue.from_db(record), record[-1]
-            event = decide_lease_expiry(attempt=row.attempt, max_attempts=row.max_attempts, node_id=row.lease_owner,
-                                        now=now, delay_seconds=settings.lease_expired_delay_seconds,
-                                        released=released.get(row.id, 0))  # fmt: skip
-            changes.append(Change(row.id, row.organization_id, row, [event]))
-        rows, _ = await record_and_settle(conn, changes, metadata=_METADATA)
+        rows = await end_leases(conn, records, delay_seconds=settings.lease_expired_delay_seconds, cause="expired",
+                                metadata=_METADATA)  # fmt: skip
         requeued = [r for r in rows if r.status == "queued"]
         report.leases_requeued += len(requeued)
         report.leases_failed += len(rows) - len(requeued)
-        claimable_now = settings.lease_expired_delay_seconds == 0
-        await store.publish(conn, _hints(rows, lambda r: claimable_now and r.status == "queued"))
     for row in rows:
         log.info("lease expired", extra={"action": "lease_swept", "job_id": str(row.id), "status": row.status})
     return len(records)

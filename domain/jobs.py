@@ -9,6 +9,7 @@ caller passes the database's ``now``.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Literal
 from uuid import UUID
 
 from umbra.errors import Conflict
@@ -169,19 +170,19 @@ def decide_failure(
 
 
 def decide_lease_expiry(
-    *, attempt: int, max_attempts: int, node_id: UUID | None, now: datetime, delay_seconds: int, released: int = 0
+    *, attempt: int, max_attempts: int, node_id: UUID | None, now: datetime, delay_seconds: int, released: int = 0,
+    cause: Literal["expired", "node_revoked"] = "expired",
 ) -> JobLeaseExpired:
-    """An expired lease requeues (only the holder is known to be gone) unless attempts are spent.
+    """An ended lease requeues (only the holder is known to be gone) unless attempts are spent.
 
     ``attempt`` was incremented at claim time, so a job that kills every node
     that takes it still ends. Released claims are not charged, as in
     :func:`decide_failure`.
     """
     if attempt - released < max_attempts:
-        return JobLeaseExpired(
-            attempt=attempt, node_id=node_id, requeued=True, not_before=now + timedelta(seconds=delay_seconds)
-        )
-    return JobLeaseExpired(attempt=attempt, node_id=node_id, requeued=False)
+        return JobLeaseExpired(attempt=attempt, node_id=node_id, requeued=True,
+                               not_before=now + timedelta(seconds=delay_seconds), cause=cause)  # fmt: skip
+    return JobLeaseExpired(attempt=attempt, node_id=node_id, requeued=False, cause=cause)
 
 
 def decide_cancel(*, status: str, by: str | None, reason: str | None = None) -> JobCancelled:
@@ -191,3 +192,9 @@ def decide_cancel(*, status: str, by: str | None, reason: str | None = None) -> 
 
 
 LEASE_EXPIRED_ERROR = "lease expired: the holding node stopped renewing"
+NODE_REVOKED_ERROR = "lease ended: the holding node's credentials were revoked"
+
+
+def lease_ended_error(event: JobLeaseExpired) -> str:
+    """The job's error once its lease ended without a report."""
+    return NODE_REVOKED_ERROR if event.cause == "node_revoked" else LEASE_EXPIRED_ERROR

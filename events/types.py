@@ -138,12 +138,18 @@ class JobRequeued(_Event, tag="job.requeued"):
 
 
 class JobLeaseExpired(_Event, tag="job.lease_expired"):
-    """The holder stopped renewing. Appended by the sweeper; requeues or fails."""
+    """The holder's lease ended without a report; requeues or fails.
+
+    ``cause`` says why: ``expired`` (the holder stopped renewing; appended by the
+    sweeper) or ``node_revoked`` (an administrator revoked the holder's
+    credentials, so it can never report: ended at once, not at expiry).
+    """
 
     attempt: int
     node_id: UUID | None = None
     requeued: bool = True
     not_before: datetime | None = None
+    cause: Literal["expired", "node_revoked"] = "expired"
 
 
 class JobReleased(_Event, tag="job.released"):

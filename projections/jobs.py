@@ -23,7 +23,7 @@ import msgspec
 import psycopg
 
 from umbra.db import PreparedStatement
-from umbra.domain.jobs import LEASE_EXPIRED_ERROR
+from umbra.domain.jobs import lease_ended_error
 from umbra.events import documents, store
 from umbra.events.store import PendingAppend, RecordedEvent, copy_json, copy_text
 from umbra.events.types import (
@@ -186,9 +186,9 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
         case JobRequeued():
             return dict(status="queued", error=e.error, not_before=e.not_before, **_RELEASED)
         case JobLeaseExpired() if e.requeued:
-            return dict(status="queued", error=LEASE_EXPIRED_ERROR, not_before=e.not_before, **_RELEASED)
+            return dict(status="queued", error=lease_ended_error(e), not_before=e.not_before, **_RELEASED)
         case JobLeaseExpired():
-            return dict(status="failed", error=LEASE_EXPIRED_ERROR, lease_owner=None, lease_expires_at=None,
+            return dict(status="failed", error=lease_ended_error(e), lease_owner=None, lease_expires_at=None,
                            finished_at=at)  # fmt: skip
         case JobReleased():
             return dict(status="queued", **_RELEASED)

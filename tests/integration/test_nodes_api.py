@@ -103,6 +103,44 @@ async def test_a_credential_revoked_elsewhere_fails_on_the_agent_hot_path(client
     assert status.json()["status"] == "running"
 
 
+async def test_revoking_a_node_ends_the_leases_it_holds_at_once(client, conn, org):
+    """A revoked node can never report: its jobs go back to the queue (or fail, attempts spent) when the
+    revocation answers, claimable by another node at once, instead of waiting out their leases."""
+    _, key = org
+    revoked_id, revoked_credential = await pair(client, key, name="lost-box", devices=(CPU,))
+    _, other_credential = await pair(client, key, name="spare-box", devices=(CPU,))
+    for credential in (revoked_credential, other_credential):
+        await client.post("/v1/agent/heartbeat", json={"devices": [CPU]}, headers=bearer(credential))
+    submitted = [(await client.post("/v1/jobs", json={"kind": "echo", "max_attempts": attempts},
+                                    headers=bearer(key))).json()["id"] for attempts in (3, 1, 3)]  # fmt: skip
+    held = [(await client.post("/v1/agent/claim?wait=0", headers=bearer(revoked_credential))).json()["job"]["id"]
+            for _ in range(2)]  # fmt: skip
+    kept = (await client.post("/v1/agent/claim?wait=0", headers=bearer(other_credential))).json()["job"]["id"]
+    assert held == submitted[:2] and kept == submitted[2]
+
+    revoked = await client.post(f"/v1/nodes/{revoked_id}/revoke", headers=bearer(key))
+    assert revoked.status_code == 200
+    jobs = {job_id: (await client.get(f"/v1/jobs/{job_id}", headers=bearer(key))).json() for job_id in submitted}
+    requeued, spent = jobs[held[0]], jobs[held[1]]
+    assert (requeued["status"], requeued["lease_owner"], requeued["attempt"]) == ("queued", None, 1)
+    assert (spent["status"], spent["attempt"]) == ("failed", 1)
+    assert requeued["error"] == spent["error"] == "lease ended: the holding node's credentials were revoked"
+    assert jobs[kept]["status"] == "running"  # another node's lease is its own
+    ended = (await client.get(f"/v1/jobs/{held[0]}/events", headers=bearer(key))).json()["events"][-1]
+    assert ended["type"] == "job.lease_expired"
+    assert {k: ended["data"][k] for k in ("cause", "node_id", "requeued")} == {
+        "cause": "node_revoked", "node_id": revoked_id, "requeued": True}
+    [(metadata,)] = await (await conn.execute(
+        "SELECT metadata FROM events WHERE position = %s", (ended["position"],))).fetchall()
+    assert metadata["causation"] == f"node:{revoked_id}" and metadata["actor"]
+
+    taken = await client.post("/v1/agent/claim?wait=0", headers=bearer(other_credential))
+    assert taken.status_code == 200 and taken.json()["job"]["id"] == held[0]
+    before = await footprint(conn)
+    assert (await client.post(f"/v1/nodes/{revoked_id}/revoke", headers=bearer(key))).status_code == 200
+    assert await footprint(conn) == before  # revoking again changes nothing
+
+
 async def test_drain_and_retire(client, org):
     _, key = org
     node_id, credential = await pair(client, key)
