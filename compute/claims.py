@@ -67,7 +67,7 @@ from umbra.domain.placement import best_placement, takes_memory
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
-    JobClaimed, JobCompleted, JobDecomposed, JobLeaseRenewed, JobReleased, JobRequeued, Placement, Requirements,
+    JobClaimed, JobCompleted, JobDecomposed, JobLeaseExpired, JobLeaseRenewed, JobReleased, JobRequeued, Placement, Requirements,
 )  # fmt: skip
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
@@ -536,7 +536,7 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
 
     For a long-poll whose client went away before it received its claim. The
     attempt stays counted: it is the fencing token and never goes back. The
-    claim is not charged against ``max_attempts`` (:func:`releases`): it never
+    claim is not charged against ``max_attempts`` (:func:`uncharged_claims`): it never
     ran. The release itself never fails the job.
     """
     async with conn.transaction():
@@ -556,14 +556,23 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
     return True
 
 
-async def releases(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID]) -> dict[UUID, int]:
-    """How many claims of each job were released (given back unheard), for the attempts it is charged.
+def _tag(event_type: type[Any]) -> str:
+    return event_type.__struct_config__.tag
+
+
+#: The ends of claims that are not charged against a job's attempts: given back unheard
+#: (``job.released``), or ended because an administrator revoked the holding node.
+UNCHARGED_CLAIM_ENDS = ((_tag(JobReleased), {}), (_tag(JobLeaseExpired), {"cause": "node_revoked"}))
+
+
+async def uncharged_claims(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID]) -> dict[UUID, int]:
+    """How many claims of each job are not charged against its attempts (:data:`UNCHARGED_CLAIM_ENDS`).
 
     Read from the log, by each job's stream, only where a failure or an
-    expired lease has to judge whether attempts remain: rare next to claims,
+    ended lease has to judge whether attempts remain: rare next to claims,
     so the queue's rows carry no counter for it.
     """
-    counted = await store.count_by_stream(conn, [store.job_stream(job_id) for job_id in job_ids], _tag(JobReleased))
+    counted = await store.count_by_stream(conn, [store.job_stream(job_id) for job_id in job_ids], UNCHARGED_CLAIM_ENDS)
     return {queue.job_id_of(stream): count for stream, count in counted.items()}
 
 
@@ -578,12 +587,12 @@ async def end_leases(
     or fails when its attempts are spent (:func:`decide_lease_expiry`); the
     organizations' long-polls are told of those claimable at once.
     """
-    released = await releases(conn, [record[0] for record in records])
+    uncharged = await uncharged_claims(conn, [record[0] for record in records])
     changes = []
     for record in records:
         row, now = queue.from_db(record), record[-1]
         event = decide_lease_expiry(attempt=row.attempt, max_attempts=row.max_attempts, node_id=row.lease_owner, now=now,
-                                    delay_seconds=delay_seconds, released=released.get(row.id, 0), cause=cause)  # fmt: skip
+                                    delay_seconds=delay_seconds, uncharged=uncharged.get(row.id, 0), cause=cause)  # fmt: skip
         changes.append(Change(row.id, row.organization_id, row, [event]))
     rows, _ = await record_and_settle(conn, changes, metadata=metadata)
     claimable_now = delay_seconds == 0
@@ -615,10 +624,6 @@ async def _held(
                                                           node_id=node_id, claimed_attempt=attempt)):  # fmt: skip
         _check_holder(row, node_id, attempt)
     return row, now
-
-
-def _tag(event_type: type[Any]) -> str:
-    return event_type.__struct_config__.tag
 
 
 async def attempt_ended_by(conn: psycopg.AsyncConnection, job_id: UUID, attempt: int, ending: type[Any]) -> tuple[UUID | None, Any]:
@@ -764,9 +769,9 @@ async def fail(
             if await _repeats_failure(conn, row, node_id, attempt):
                 return row
             _check_holder(row, node_id, attempt)
-            released = (await releases(conn, [job_id])).get(job_id, 0) if retry else 0
+            uncharged = (await uncharged_claims(conn, [job_id])).get(job_id, 0) if retry else 0
             event = decide_failure(attempt=attempt, max_attempts=row.max_attempts, error=error, retry=retry, now=now,
-                                   released=released)  # fmt: skip
+                                   uncharged=uncharged)  # fmt: skip
             [failed], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
                                                          metadata=node_metadata(node_id, request_id))  # fmt: skip
             await store.publish(conn, [(organization_id, position, 0)])

@@ -34,7 +34,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .blocked import read_models, read_nodes
-from .claims import releases
+from .claims import uncharged_claims
 
 #: How long a job may stay blocked before the sweeper fails it (the settings default).
 DEFAULT_BLOCKED_TIMEOUT_SECONDS = 86_400
@@ -126,11 +126,11 @@ async def _placed(conn: psycopg.AsyncConnection, row: JobRow, nodes: Sequence[No
     lease_left = None
     if row.status == "running" and row.lease_expires_at:
         lease_left = (row.lease_expires_at - now).total_seconds()
-    released = (await releases(conn, [row.id])).get(row.id, 0) if row.attempt else 0
+    uncharged = (await uncharged_claims(conn, [row.id])).get(row.id, 0) if row.attempt else 0
     summary = placed_summary(
         status=row.status, placement=row.placement, node_name=node_name, attempt=row.attempt,
         max_attempts=row.max_attempts, lease_seconds_left=lease_left, error=row.error, result=row.result,
-        children=children, released=released,
+        children=children, uncharged=uncharged,
     )  # fmt: skip
     return Explanation(job_id=row.id, status=row.status, eligible=[], ineligible=[], summary=summary,
                        placement=row.placement, placement_node_name=node_name)  # fmt: skip

@@ -172,19 +172,20 @@ def placed_summary(
     error: str | None,
     result: Any,
     children: tuple[int, int] | None,
-    released: int = 0,
+    uncharged: int = 0,
 ) -> str:
     """A running or finished job: where it ran and how it ended.
 
     ``children`` is ``(total, finished)`` for a job that was split into
-    children (a container), None otherwise. ``released`` counts its claims
-    given back unheard: they are attempts (fencing tokens) but not runs, so
-    "attempt 4 of 3" is said as attempt 4, the second run of three.
+    children (a container), None otherwise. ``uncharged`` counts its claims
+    not charged against its attempts (given back unheard, or ended by its
+    node's revocation): they are attempts (fencing tokens) but not charged
+    runs, so "attempt 4 of 3" is said as attempt 4, the second run of three.
     """
     where = _where(node_name, placement) if placement else None
-    runs = attempt - released
-    of_max = (f"{attempt} (run {runs} of {max_attempts}; {_count(released, 'earlier claim')} given back unheard)"
-              if released else f"{attempt} of {max_attempts}")  # fmt: skip
+    runs = attempt - uncharged
+    of_max = (f"{attempt} (run {runs} of {max_attempts}; {_count(uncharged, 'earlier claim')} not charged)"
+              if uncharged else f"{attempt} of {max_attempts}")  # fmt: skip
     if status == "running":
         if children is not None:
             total, finished = children
@@ -210,7 +211,7 @@ def placed_summary(
             return f"Failed without running: {said}"
         on = f" on {where}" if where else ""
         if runs < max_attempts:  # not "attempt 1 of 3": no attempt is left, the failure was final
-            ran = f"run {runs}, attempt {attempt}" if released else f"attempt {attempt}"
+            ran = f"run {runs}, attempt {attempt}" if uncharged else f"attempt {attempt}"
             return f"Failed for good after {ran} (of up to {max_attempts}){on}: {said}"
         return f"Failed after attempt {of_max}{on}: {said}"
     if status == "cancelled":

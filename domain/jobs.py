@@ -153,33 +153,38 @@ def repeats_decomposition(
 
 
 def decide_failure(
-    *, attempt: int, max_attempts: int, error: str, retry: bool, now: datetime, released: int = 0
+    *, attempt: int, max_attempts: int, error: str, retry: bool, now: datetime, uncharged: int = 0
 ) -> JobRequeued | JobFailed:
     """A retryable failure requeues after the backoff while attempts remain; otherwise the job fails.
 
-    ``released`` counts the job's claims given back before their agent heard
-    of them (``job.released``): they never ran, so they are not charged
-    against ``max_attempts``, though ``attempt`` (the fencing token, which
-    never goes back) counts them. Without this a dropped long-poll cost the job
-    one of its retries. The backoff still follows ``attempt`` (SPEC: 5 s × 2^(attempt−1)).
+    ``uncharged`` counts the job's claims that are not charged against
+    ``max_attempts``, though ``attempt`` (the fencing token, which never goes
+    back) counts them: those given back before their agent heard of them
+    (``job.released``: they never ran; without this a dropped long-poll cost
+    the job one of its retries), and those ended by the revocation of the
+    node that held them (:func:`decide_lease_expiry`). The backoff still
+    follows ``attempt`` (SPEC: 5 s × 2^(attempt−1)).
     """
-    runs = attempt - released
+    runs = attempt - uncharged
     if should_retry(retry_requested=retry, attempt=runs, max_attempts=max_attempts):
         return JobRequeued(attempt=attempt, error=error, not_before=now + timedelta(seconds=backoff_seconds(attempt)))
     return JobFailed(attempt=attempt, error=error, reason="attempts_exhausted" if retry else "not_retryable")
 
 
 def decide_lease_expiry(
-    *, attempt: int, max_attempts: int, node_id: UUID | None, now: datetime, delay_seconds: int, released: int = 0,
+    *, attempt: int, max_attempts: int, node_id: UUID | None, now: datetime, delay_seconds: int, uncharged: int = 0,
     cause: Literal["expired", "node_revoked"] = "expired",
 ) -> JobLeaseExpired:
     """An ended lease requeues (only the holder is known to be gone) unless attempts are spent.
 
     ``attempt`` was incremented at claim time, so a job that kills every node
-    that takes it still ends. Released claims are not charged, as in
-    :func:`decide_failure`.
+    that takes it still ends. Uncharged claims are not counted, as in
+    :func:`decide_failure`. A lease ended because an administrator revoked
+    its node (``cause="node_revoked"``) is not charged either, and always
+    requeues: the job did nothing to lose that run, and a job allowed one
+    attempt would otherwise fail for good for its node's revocation.
     """
-    if attempt - released < max_attempts:
+    if cause == "node_revoked" or attempt - uncharged < max_attempts:
         return JobLeaseExpired(attempt=attempt, node_id=node_id, requeued=True,
                                not_before=now + timedelta(seconds=delay_seconds), cause=cause)  # fmt: skip
     return JobLeaseExpired(attempt=attempt, node_id=node_id, requeued=False, cause=cause)

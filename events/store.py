@@ -31,6 +31,7 @@ from uuid import UUID
 
 import msgspec
 import psycopg
+from psycopg.types.json import Jsonb
 
 from umbra import metrics
 from umbra.db import PreparedStatement, service_lock_wait
@@ -436,10 +437,17 @@ async def read_stream(
     return [_recorded(row) for row in await cursor.fetchall()]
 
 
-async def count_by_stream(conn: psycopg.AsyncConnection, streams: Sequence[str], type_: str) -> dict[str, int]:
-    """How many events of ``type_`` each of ``streams`` holds (streams with none are left out)."""
+async def count_by_stream(
+    conn: psycopg.AsyncConnection, streams: Sequence[str], matching: Sequence[tuple[str, Mapping[str, Any]]]
+) -> dict[str, int]:
+    """How many events each of ``streams`` holds that match one of ``matching``: a type, and fields its
+    data must hold (``{}``: any). Streams with none are left out."""
+    types, data = [t for t, _ in matching], [Jsonb(dict(fields)) for _, fields in matching]
     cursor = await conn.execute(
-        "SELECT stream, count(*) FROM events WHERE stream = ANY(%s) AND type = %s GROUP BY stream", (list(streams), type_)
+        "SELECT e.stream, count(*) FROM events e WHERE e.stream = ANY(%s) AND EXISTS ("
+        "SELECT 1 FROM unnest(%s::text[], %s::jsonb[]) AS m(type, data) WHERE e.type = m.type AND e.data @> m.data"
+        ") GROUP BY e.stream",
+        (list(streams), types, data),
     )
     return dict(await cursor.fetchall())
 

@@ -169,7 +169,7 @@ async def test_a_released_claim_is_not_charged_against_max_attempts(conn, org):
     from umbra.compute.explain import explain
 
     said = (await explain(conn, org_id, job.id)).summary
-    assert said.startswith("Failed after attempt 4 (run 2 of 2; 2 earlier claims given back unheard)"), said
+    assert said.startswith("Failed after attempt 4 (run 2 of 2; 2 earlier claims not charged)"), said
 
 
 async def test_release_returns_a_claim_to_the_queue_and_keeps_the_attempt_counted(conn, org):

@@ -104,8 +104,9 @@ async def test_a_credential_revoked_elsewhere_fails_on_the_agent_hot_path(client
 
 
 async def test_revoking_a_node_ends_the_leases_it_holds_at_once(client, conn, org):
-    """A revoked node can never report: its jobs go back to the queue (or fail, attempts spent) when the
-    revocation answers, claimable by another node at once, instead of waiting out their leases."""
+    """A revoked node can never report: its jobs go back to the queue when the revocation answers,
+    claimable by another node at once, instead of waiting out their leases. The run is not charged:
+    a job allowed one attempt still runs elsewhere, and its next failure finds its attempts as they were."""
     _, key = org
     revoked_id, revoked_credential = await pair(client, key, name="lost-box", devices=(CPU,))
     _, other_credential = await pair(client, key, name="spare-box", devices=(CPU,))
@@ -121,10 +122,9 @@ async def test_revoking_a_node_ends_the_leases_it_holds_at_once(client, conn, or
     revoked = await client.post(f"/v1/nodes/{revoked_id}/revoke", headers=bearer(key))
     assert revoked.status_code == 200
     jobs = {job_id: (await client.get(f"/v1/jobs/{job_id}", headers=bearer(key))).json() for job_id in submitted}
-    requeued, spent = jobs[held[0]], jobs[held[1]]
-    assert (requeued["status"], requeued["lease_owner"], requeued["attempt"]) == ("queued", None, 1)
-    assert (spent["status"], spent["attempt"]) == ("failed", 1)
-    assert requeued["error"] == spent["error"] == "lease ended: the holding node's credentials were revoked"
+    for job_id in held:
+        assert (jobs[job_id]["status"], jobs[job_id]["lease_owner"], jobs[job_id]["attempt"]) == ("queued", None, 1)
+        assert jobs[job_id]["error"] == "lease ended: the holding node's credentials were revoked"
     assert jobs[kept]["status"] == "running"  # another node's lease is its own
     ended = (await client.get(f"/v1/jobs/{held[0]}/events", headers=bearer(key))).json()["events"][-1]
     assert ended["type"] == "job.lease_expired"
@@ -136,6 +136,13 @@ async def test_revoking_a_node_ends_the_leases_it_holds_at_once(client, conn, or
 
     taken = await client.post("/v1/agent/claim?wait=0", headers=bearer(other_credential))
     assert taken.status_code == 200 and taken.json()["job"]["id"] == held[0]
+    last = (await client.post("/v1/agent/claim?wait=0", headers=bearer(other_credential))).json()["job"]
+    assert (last["id"], last["max_attempts"], last["attempt"]) == (held[1], 1, 2)  # one attempt, uncharged run
+    failed = await client.post(f"/v1/agent/jobs/{held[1]}/fail", json={"attempt": 2, "error": "oom", "retry": True},
+                               headers=bearer(other_credential))  # fmt: skip
+    assert failed.json()["status"] == "failed"  # its one charged run was this one
+    explained = (await client.get(f"/v1/jobs/{held[1]}/explain", headers=bearer(key))).json()["summary"]
+    assert "attempt 2 (run 1 of 1; 1 earlier claim not charged)" in explained, explained
     before = await footprint(conn)
     assert (await client.post(f"/v1/nodes/{revoked_id}/revoke", headers=bearer(key))).status_code == 200
     assert await footprint(conn) == before  # revoking again changes nothing

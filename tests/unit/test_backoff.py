@@ -53,11 +53,20 @@ def test_an_expired_lease_requeues_with_the_delay_until_attempts_are_spent():
 
 def test_released_claims_are_not_charged_as_runs():
     """Attempt 4 after two releases is the second run: the budget counts runs; the backoff follows the attempt."""
-    event = decide_failure(attempt=4, max_attempts=3, error="oom", retry=True, now=NOW, released=2)
+    event = decide_failure(attempt=4, max_attempts=3, error="oom", retry=True, now=NOW, uncharged=2)
     assert event == JobRequeued(attempt=4, error="oom", not_before=NOW + timedelta(seconds=40))
-    assert decide_failure(attempt=5, max_attempts=3, error="oom", retry=True, now=NOW, released=2).reason == "attempts_exhausted"
-    assert decide_lease_expiry(attempt=2, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, released=1).requeued
-    assert not decide_lease_expiry(attempt=3, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, released=1).requeued
+    assert decide_failure(attempt=5, max_attempts=3, error="oom", retry=True, now=NOW, uncharged=2).reason == "attempts_exhausted"
+    assert decide_lease_expiry(attempt=2, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, uncharged=1).requeued
+    assert not decide_lease_expiry(attempt=3, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, uncharged=1).requeued
+
+
+def test_a_lease_ended_by_its_nodes_revocation_always_requeues():
+    """The job did nothing to lose that run: even its last attempt goes back to the queue, claimable now."""
+    for attempt in (1, 3, 7):
+        event = decide_lease_expiry(attempt=attempt, max_attempts=1, node_id=None, now=NOW, delay_seconds=0,
+                                    cause="node_revoked")  # fmt: skip
+        assert (event.requeued, event.not_before, event.cause) == (True, NOW, "node_revoked")
+    assert decide_lease_expiry(attempt=1, max_attempts=1, node_id=None, now=NOW, delay_seconds=0).requeued is False
 
 
 def test_fencing_refuses_everyone_but_the_holder_at_its_attempt():

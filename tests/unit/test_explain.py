@@ -209,14 +209,15 @@ def test_placed_and_finished_sentences_name_the_recorded_placement():
     assert placed_summary(status="failed", attempt=1, lease_seconds_left=None, **failed) == (
         "Failed for good after attempt 1 (of up to 3) on gpu-box/gpu0: out of memory."
     )
-    # Claims given back unheard are attempts (fencing tokens), not runs: "attempt 4 of 3" says which run it is.
-    assert placed_summary(status="running", attempt=4, lease_seconds_left=None, released=2, **common) == (
-        "Running on gpu-box/gpu0 via vram (placed:gpu_discrete), attempt 4 (run 2 of 3; 2 earlier claims given back unheard)."
+    # Uncharged claims (given back unheard, ended by a revocation) are attempts (fencing tokens), not
+    # charged runs: "attempt 4 of 3" says which run it is.
+    assert placed_summary(status="running", attempt=4, lease_seconds_left=None, uncharged=2, **common) == (
+        "Running on gpu-box/gpu0 via vram (placed:gpu_discrete), attempt 4 (run 2 of 3; 2 earlier claims not charged)."
     )
-    assert placed_summary(status="failed", attempt=4, lease_seconds_left=None, released=1, **failed) == (
-        "Failed after attempt 4 (run 3 of 3; 1 earlier claim given back unheard) on gpu-box/gpu0: out of memory."
+    assert placed_summary(status="failed", attempt=4, lease_seconds_left=None, uncharged=1, **failed) == (
+        "Failed after attempt 4 (run 3 of 3; 1 earlier claim not charged) on gpu-box/gpu0: out of memory."
     )
-    assert placed_summary(status="failed", attempt=3, lease_seconds_left=None, released=1, **failed) == (
+    assert placed_summary(status="failed", attempt=3, lease_seconds_left=None, uncharged=1, **failed) == (
         "Failed for good after run 2, attempt 3 (of up to 3) on gpu-box/gpu0: out of memory."
     )
     container = {**common, "children": (5, 2)}
