@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import anyio
 from psycopg_pool import AsyncConnectionPool
 
 from umbra.compute.auth import VerifiedTokenCache
@@ -18,3 +19,11 @@ class Services:
     pool: AsyncConnectionPool
     listener: LogListener
     token_cache: VerifiedTokenCache = field(default_factory=VerifiedTokenCache)
+    #: How many streams' reads (SSE: the log, the live views) hold a pooled connection at once: a
+    #: quarter of the pool. Every stream of an organization reads again at each of its hints, and
+    #: three hundred open dashboards of one organization held every connection, so every other
+    #: organization's requests waited seconds for one; past the limit the streams wait their turn.
+    stream_reads: anyio.CapacityLimiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream_reads = anyio.CapacityLimiter(max(1, self.pool.max_size // 4))

@@ -115,7 +115,9 @@ async def stream_principal(request: Request, *any_of_scopes: str) -> Principal:
 async def watched_reads(services: Any, watch: LogWatch, who: Principal, read: StreamRead) -> AsyncIterator[bytes]:
     """A stream body: ``read`` now, then again after every hint for the organization or the safety poll.
 
-    A pooled connection is held only for a read. Each read first checks the
+    A pooled connection is held only for a read, and only while the process's
+    streams hold fewer than :attr:`~umbra.api.services.Services.stream_reads`
+    (a read waits for its turn otherwise). Each read first checks the
     stream's credential again: a stream authenticates once and then outlives
     any request, and a revoked credential fails at once (SPEC), so the stream
     sends a last ``error`` message (the 401's body) and ends; an EventSource
@@ -133,7 +135,7 @@ async def watched_reads(services: Any, watch: LogWatch, who: Principal, read: St
         out: list[bytes] = []
         more = False
         try:
-            async with services.pool.connection() as conn:
+            async with services.stream_reads, services.pool.connection() as conn:
                 if not await credential_is_live(conn, who):
                     yield message(revoked().to_json(), event="error")
                     return

@@ -484,16 +484,19 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             view, fits = after, fits + 1
         return fits
 
-    def fitting(node_id: UUID, ids: list[UUID], shape_of: Mapping[UUID, str]) -> list[UUID]:
-        """Of ``ids`` (in claim order), those the node has room for together, each placed before the next."""
-        view, fit = node_views[node_id], []
+    def fitting(view: NodeView, ids: list[UUID], shape_of: Mapping[UUID, str], most: int) -> tuple[list[UUID], NodeView]:
+        """Of ``ids`` (in claim order), the first ``most`` the node (as ``view`` finds it) has room for together,
+        each placed before the next; and the node as they leave it."""
+        fit: list[UUID] = []
         for job_id in ids:
+            if len(fit) == most:
+                break
             _, requires = decode_shape(shape_of[job_id])
             placed = best_placement(view, requires, models)
             if placed is not None:
                 view = after_placement(view, placed, requires, models)
                 fit.append(job_id)
-        return fit
+        return fit, view
 
     def claimed(command: Command, node: NodeView, row: JobRow, now: datetime, placement: Placement, shape: str) -> None:
         """Stage the claim; the memory the job takes on its device is not there for the command's next job."""
@@ -549,41 +552,50 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         order = {job_id: index for index, job_id in enumerate(shape_of)}
         taking_memory = {shape for shape in by_shape if takes_memory(decode_shape(shape)[1])}
         tried = set(locked_here)  # rows of this page asked for already: taken, or held by another claimer
-        # Each claimer asks for its first untried eligible rows; those others hold are skipped, and the rest of
-        # the page is asked for in turn before the next page (its free rows come first in claim order).
+        # The rows are handed out before any is locked: in arrival order, each claimer is promised its first
+        # untried eligible rows no earlier claimer was promised, as many as it still wants (and its node has
+        # room for), and only the promised rows are locked. Locking every claimer's first rows and handing out
+        # what each could run left rows locked that no claimer took, and until this commit the other batch in
+        # flight skipped them: it took a later job, or said nothing was left, while they stayed queued. Those
+        # another transaction holds are skipped, and their claimers are promised the next rows in turn.
         while waiting:
-            wanted: list[UUID] = []
+            promised: dict[int, list[UUID]] = {}
+            taken_by_promise: set[UUID] = set()
+            # Each node as the rows promised to its claimers so far leave it: two claimers of one node are
+            # promised no more than it has room for together.
+            promised_views: dict[UUID, NodeView] = {}
             for command, node in waiting:
                 shapes_here = [shape for shape in by_shape if placement_for(command, shape) is not None]
                 if shapes_here:
                     saw_eligible.add(id(command))
-                eligible = [[j for j in by_shape[shape] if j not in tried][:want] for shape in shapes_here]
-                ids = eligible[0] if len(eligible) == 1 else sorted((j for ids in eligible for j in ids), key=order.__getitem__)[:want]
+                unpromised = [[j for j in by_shape[shape] if j not in tried and j not in taken_by_promise][:want]
+                              for shape in shapes_here]  # fmt: skip
+                ids = (unpromised[0] if len(unpromised) == 1
+                       else sorted((j for ids in unpromised for j in ids), key=order.__getitem__)[:want])  # fmt: skip
                 if taking_memory.intersection(shapes_here):
-                    # No more rows than the node has room for (its claimers want the same first ones): a row locked
-                    # and not handed out is skipped by the other batch in flight until this one commits.
-                    ids = fitting(node.id, ids, shape_of)
-                wanted += ids
-            wanted = list(dict.fromkeys(job_id for job_id in wanted if job_id not in tried))
+                    view = promised_views.get(node.id, node_views[node.id])
+                    ids, promised_views[node.id] = fitting(view, ids, shape_of, left[id(command)])
+                promised[id(command)] = ids[:left[id(command)]]
+                taken_by_promise.update(promised[id(command)])
+            wanted = [job_id for ids in promised.values() for job_id in ids]
             if not wanted:
                 break
             tried.update(wanted)
-            locked = await lock_queued(conn, org, wanted)
-            free = [(queue.from_db(r), r[-1]) for r in locked]
+            free = {r[0]: (queue.from_db(r), r[-1]) for r in await lock_queued(conn, org, wanted)}
             for command, node in list(waiting):
-                taken = []
-                for index, (row, now) in enumerate(free):
-                    placement = placement_for(command, shape_of[row.id])
-                    if placement is not None:
-                        claimed(command, node, row, now, placement, shape_of[row.id])
-                        locked_here.add(row.id)
-                        taken.append(index)
-                        left[id(command)] -= 1
-                        if not left[id(command)] or id(command) in full:
-                            waiting.remove((command, node))
-                            break
-                for index in reversed(taken):
-                    del free[index]
+                for job_id in promised[id(command)]:
+                    if job_id not in free:
+                        continue  # held by another transaction
+                    row, now = free.pop(job_id)
+                    placement = placement_for(command, shape_of[job_id])
+                    if placement is None:
+                        continue  # its node's other claimer of this batch took the room (its rows come first)
+                    claimed(command, node, row, now, placement, shape_of[job_id])
+                    locked_here.add(job_id)
+                    left[id(command)] -= 1
+                    if not left[id(command)] or id(command) in full:
+                        waiting.remove((command, node))
+                        break
             waiting[:] = [(command, node) for command, node in waiting if id(command) not in full]  # filled by another
         if not waiting:
             break

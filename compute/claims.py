@@ -49,7 +49,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, AsyncIterator, Callable, Collection, Literal, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Collection, Mapping, Sequence
 from uuid import UUID, uuid4
 
 import msgspec
@@ -577,27 +577,29 @@ async def uncharged_claims(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID
 
 
 async def end_leases(
-    conn: psycopg.AsyncConnection, records: Sequence[Any], *, delay_seconds: int,
-    cause: Literal["expired", "node_revoked"], metadata: Mapping[str, Any],
+    conn: psycopg.AsyncConnection, records: Sequence[Any], *, delay_seconds: int, node_revoked: bool,
+    metadata: Mapping[str, Any],
 ) -> list[JobRow]:
     """End the leases of held jobs no holder will report: ``job.lease_expired`` each, parents settled.
 
     ``records`` are the jobs' rows, locked, each followed by the database
     clock. Each goes back to the queue, claimable ``delay_seconds`` from now,
-    or fails when its attempts are spent (:func:`decide_lease_expiry`); the
-    organizations' long-polls are told of those claimable at once.
+    or fails when its attempts are spent (:func:`decide_lease_expiry`).
+    ``node_revoked``: their node's credentials were revoked; a lease that had
+    not run out yet then ends with that cause (not charged), one that had
+    ends as the sweeper would have ended it (charged): which of the two came
+    first must not change what the job is charged. The caller publishes.
     """
     uncharged = await uncharged_claims(conn, [record[0] for record in records])
     changes = []
     for record in records:
         row, now = queue.from_db(record), record[-1]
+        revoked_first = node_revoked and row.lease_expires_at is not None and row.lease_expires_at >= now
         event = decide_lease_expiry(attempt=row.attempt, max_attempts=row.max_attempts, node_id=row.lease_owner, now=now,
-                                    delay_seconds=delay_seconds, uncharged=uncharged.get(row.id, 0), cause=cause)  # fmt: skip
+                                    delay_seconds=delay_seconds, uncharged=uncharged.get(row.id, 0),
+                                    cause="node_revoked" if revoked_first else "expired")  # fmt: skip
         changes.append(Change(row.id, row.organization_id, row, [event]))
     rows, _ = await record_and_settle(conn, changes, metadata=metadata)
-    claimable_now = delay_seconds == 0
-    await store.publish(conn, [(r.organization_id, r.position, 1 if claimable_now and r.status == "queued" else 0)
-                               for r in rows])  # fmt: skip
     return rows
 
 

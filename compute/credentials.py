@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 from uuid import UUID, uuid4
 
 import anyio
@@ -23,6 +24,7 @@ import psycopg
 from umbra.events import store
 from umbra.events.types import Event, NodeCredentialRevoked
 from umbra.projections import jobs as queue
+from umbra.projections.jobs import JobRow
 from umbra.projections.nodes import NodeState
 from umbra.security import hash_secret, new_token
 
@@ -91,46 +93,51 @@ async def revoke_node(
     run is blocked at once instead of left queued looking alive.
 
     The jobs the node holds can never be reported either (every report is
-    refused 401 from now on), so their leases end at once, as an expired
-    lease's would (:func:`umbra.compute.claims.end_leases`, cause
-    ``node_revoked``): back to the queue, claimable now, or failed when their
-    attempts are spent. Waiting out the lease instead kept them from every
-    other node for up to a lease, after the administrator had said the node
-    was gone. This happens after the revocation commits: a claim that
-    committed before it is among them, and none commits after.
+    refused 401 from now on), so their leases end with the revocation, in its
+    transaction, as an expired lease's would (:func:`umbra.compute.claims.end_leases`,
+    cause ``node_revoked``): back to the queue, claimable now, that run not
+    charged against the job's attempts. Waiting out the lease instead kept
+    them from every other node for up to a lease after the administrator had
+    said the node was gone. In one transaction with the revocation, both land
+    or neither does (a refused or failed revocation changes nothing, and
+    sending it again does all of it), and the re-examination of waiting jobs
+    sees them: a job only this node could run is blocked, not requeued
+    looking alive. The held rows are locked before the node's events are
+    appended (a completion holding one commits first, and its job is no
+    longer held); the node's claim guard keeps any claim from committing for
+    it meanwhile.
     """
+    held: list[Any] = []
 
     async def decide(conn: psycopg.AsyncConnection, state: NodeState) -> list[Event]:
         rows = await (await conn.execute(_REVOKE, (node_id, organization_id))).fetchall()
+        if rows:
+            held.extend(await (await conn.execute(_HELD_BY_NODE, (organization_id, node_id))).fetchall())
         return [NodeCredentialRevoked(credential_id=cid, by=actor) for cid in sorted(row[0] for row in rows)]
 
-    state, events = await change_node(conn, organization_id, node_id, decide, actor, request_id)
+    ended: list[JobRow] = []
+
+    async def end_held_leases(conn: psycopg.AsyncConnection) -> list[tuple[UUID, int, int]]:
+        if not held:
+            return []
+        metadata = {**store.event_metadata(actor, request_id), "causation": f"node:{node_id}"}
+        ended.extend(await end_leases(conn, held, delay_seconds=0, node_revoked=True, metadata=metadata))
+        return [(row.organization_id, row.position, 1 if row.status == "queued" else 0) for row in ended]
+
+    state, events = await change_node(conn, organization_id, node_id, decide, actor, request_id, then=end_held_leases)
     revoked = [e.credential_id for e in events if isinstance(e, NodeCredentialRevoked)]
     if revoked:
         await store.ask_recheck(conn, organization_id)  # its parked long-polls are refused now, not at their deadline
-        ended = await _end_held_leases(conn, organization_id, node_id, actor=actor, request_id=request_id)
     log.info("node credentials revoked", extra={"action": "node_revoked", "node_id": str(node_id), "count": len(revoked),
-                                                "leases_ended": len(ended) if revoked else 0})  # fmt: skip
+                                                "leases_ended": len(ended)})  # fmt: skip
     return state, revoked
 
 
-#: The jobs a node holds (running on its lease; a container a decomposition cleared holds none), locked.
+#: The jobs a node holds (running on its lease; a container a decomposition cleared holds none), locked,
+#: and the database clock.
 _HELD_BY_NODE = f"""
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
 WHERE organization_id = %s AND lease_owner = %s AND status = 'running' AND lease_expires_at IS NOT NULL
 ORDER BY id
 FOR UPDATE
 """
-
-
-async def _end_held_leases(
-    conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, *, actor: str | None, request_id: str | None
-) -> list[UUID]:
-    """End the leases of the jobs a revoked node holds (see :func:`revoke_node`); returns their ids."""
-    async with conn.transaction():
-        records = await (await conn.execute(_HELD_BY_NODE, (organization_id, node_id))).fetchall()
-        if not records:
-            return []
-        metadata = {**store.event_metadata(actor, request_id), "causation": f"node:{node_id}"}
-        rows = await end_leases(conn, records, delay_seconds=0, cause="node_revoked", metadata=metadata)
-    return [row.id for row in rows]

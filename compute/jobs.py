@@ -35,7 +35,10 @@ from umbra.domain.jobs import decide_cancel
 from umbra.domain.settlement import settle
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
-from umbra.events.types import JOB_STATUSES, TERMINAL_JOB_STATUSES, Event, JobBlocked, JobSettled, JobSubmitted, Requirements
+from umbra.events.types import (
+    JOB_STATUSES, TERMINAL_JOB_STATUSES, Event, JobBlocked, JobClaimed, JobDecomposed, JobLeaseExpired, JobLeaseRenewed,
+    JobReleased, JobRequeued, JobSettled, JobSubmitted, JobUnblocked, Requirements,
+)  # fmt: skip
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
@@ -406,18 +409,29 @@ async def ancestors_held_elsewhere(conn: psycopg.AsyncConnection, children: Sequ
     return {child for (child,) in await cur.fetchall()}
 
 
+#: Job events after which the job is still open: a change of only these settles no parent.
+_KEEP_OPEN = (JobSubmitted, JobClaimed, JobLeaseRenewed, JobRequeued, JobReleased, JobBlocked, JobUnblocked, JobDecomposed)
+
+
+def may_end(events: Sequence[Event]) -> bool:
+    """Whether a job may have ended after ``events`` (so its parent may settle): any event but those that
+    keep it open (:data:`_KEEP_OPEN`, an expired lease that requeues)."""
+    return not all(isinstance(e, _KEEP_OPEN) or (isinstance(e, JobLeaseExpired) and e.requeued) for e in events)
+
+
 async def record_and_settle(
     conn: psycopg.AsyncConnection, changes: Sequence[Change], *, metadata: Mapping[str, Any] | None = None
 ) -> tuple[list[JobRow], int]:
     """:func:`record`, then settle parents of whatever ended; returns the rows and the last position.
 
-    The changed jobs' ancestors are locked before the append: the append
-    takes the log's ordering lock until commit, and a settlement climbing to
-    an ancestor another transaction holds (an operator's open transaction)
-    would otherwise wait for it with every other writer of the log waiting
-    behind.
+    The ancestors of the changed jobs that may end (:func:`may_end`) are
+    locked before the append: the append takes the log's ordering lock until
+    commit, and a settlement climbing to an ancestor another transaction
+    holds (an operator's open transaction) would otherwise wait for it with
+    every other writer of the log waiting behind. A change that keeps its job
+    open (a requeue, a renewal) settles nothing and waits for no ancestor.
     """
-    children = [c.job_id for c in changes if c.state is not None and c.state.parent_job_id]
+    children = [c.job_id for c in changes if c.state is not None and c.state.parent_job_id and may_end(c.events)]
     if children:
         await conn.execute(_LOCK_ANCESTORS, {"children": children})
     rows = await queue.record(conn, changes, metadata=metadata)

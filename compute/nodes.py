@@ -269,15 +269,20 @@ async def change_node(
     decide: Callable[[psycopg.AsyncConnection, NodeState], Awaitable[list[Event]]],
     actor: str | None,
     request_id: str | None,
+    then: Callable[[psycopg.AsyncConnection], Awaitable[list[tuple[UUID, int, int]]]] | None = None,
 ) -> tuple[NodeState, list[Event]]:
     """An administrator's change of a node that can stop it taking work (drain, retire, revoke).
 
     Takes the node's claim guard and the organization's capacity lock before
     anything is read, so no claim commits for the node after this answers and
     no judgement of "could anything ever run this job" misses it. ``decide``
-    returns the events to append (none: nothing changes, nothing is recorded).
-    Waiting jobs are re-examined: a node that stops taking work changes what
-    blocked jobs could ever run on, and so their reasons.
+    returns the events to append (none: nothing changes, nothing is recorded);
+    it may lock the rows ``then`` changes (before the append: see
+    :func:`umbra.compute.jobs.record_and_settle`). ``then``, when the node's
+    events are appended, makes the change's other changes in the same
+    transaction and returns their hints. Waiting jobs are then re-examined: a
+    node that stops taking work changes what blocked jobs could ever run on,
+    and so their reasons.
     """
     async with conn.transaction():
         await guard_against_claims(conn, organization_id, node_id)
@@ -291,9 +296,10 @@ async def change_node(
         state, recorded = await append_node_events(
             conn, state, events, node_id=node_id, organization_id=organization_id, actor=actor, request_id=request_id
         )
+        hints = await then(conn) if then is not None else []
         reexamined = await reexamine_waiting_jobs(conn, organization_id, metadata=capacity_cause(node_id, request_id),
                                                   publish=False)  # fmt: skip
-        await store.publish(conn, [(organization_id, recorded[-1].position, 0), *reexamined.hints])
+        await store.publish(conn, [(organization_id, recorded[-1].position, 0), *hints, *reexamined.hints])
     log.info("node changed", extra={"action": recorded[-1].type, "node_id": str(node_id)})
     return state, events
 

@@ -61,16 +61,20 @@ _METADATA = {"actor": "sweeper"}
 #: How often the loop re-examines blocked jobs on its own, in seconds.
 REEXAMINE_SECONDS = 30.0
 
+#: A page of expired leases, after ``(after_at, after_id)`` (none: from the first): the sweeper pages
+#: on, past the rows it leaves (see :func:`_settling_free`), not from the first again.
 _EXPIRED = f"""
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
 WHERE status = 'running' AND lease_expires_at < umbra_now()
-ORDER BY lease_expires_at LIMIT %s
+  AND (%(after_at)s::timestamptz IS NULL OR (lease_expires_at, id) > (%(after_at)s, %(after_id)s::uuid))
+ORDER BY lease_expires_at, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
 _BLOCKED_TOO_LONG = f"""
 SELECT {queue.SELECT_LIST} FROM jobs
-WHERE status = 'blocked' AND blocked_at <= umbra_now() - make_interval(secs => %s)
-ORDER BY blocked_at LIMIT %s
+WHERE status = 'blocked' AND blocked_at <= umbra_now() - make_interval(secs => %(timeout)s)
+  AND (%(after_at)s::timestamptz IS NULL OR (blocked_at, id) > (%(after_at)s, %(after_id)s::uuid))
+ORDER BY blocked_at, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
 _WAITING_ORGS = """
@@ -121,10 +125,11 @@ async def sweep_once(
     :data:`REEXAMINE_SECONDS`.
     """
     report = SweepReport(now=(await (await conn.execute("SELECT umbra_now()")).fetchone())[0])
-    while await _expire_leases(conn, settings, report) == SWEEP_BATCH:
+    after: _Page = None
+    while (after := await _expire_leases(conn, settings, report, after)) is not None:
         pass
     report.nodes_offline = await _mark_stale_nodes(conn, settings)
-    while await _fail_blocked(conn, settings, report) == SWEEP_BATCH:
+    while (after := await _fail_blocked(conn, settings, report, after)) is not None:
         pass
     if since is not None:
         await _announce_due(conn, since, report)
@@ -148,35 +153,66 @@ async def sweep_once(
     return report
 
 
-async def _expire_leases(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport) -> int:
+#: Where the next page of a pass starts: the (time, id) of the last row of the page before; None when
+#: the pass is done.
+_Page = tuple[datetime, UUID] | None
+
+
+def _next_page(found: list[Any], column: int) -> _Page:
+    """After a full page, where the next starts; None after a short one (nothing more to look at)."""
+    return (found[-1][column], found[-1][0]) if len(found) == SWEEP_BATCH else None
+
+
+def _after(page: _Page) -> dict[str, Any]:
+    return {"after_at": page[0] if page else None, "after_id": page[1] if page else None, "limit": SWEEP_BATCH}
+
+
+_LEASE_EXPIRES_AT = queue.COLUMNS.index("lease_expires_at")
+_BLOCKED_AT = queue.COLUMNS.index("blocked_at")
+
+
+async def _expire_leases(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport, after: _Page) -> _Page:
+    """End one page of expired leases; returns where the next page starts (None: the pass is done).
+
+    A pass pages on past the rows it leaves (a child whose container another transaction holds) rather
+    than starting from the first again: more than a page of those, all expiring first, hid every other
+    organization's expired lease from every tick for as long as that transaction stayed open.
+    """
+    rows: list[queue.JobRow] = []
     async with conn.transaction():
-        records = await _settling_free(conn, await (await conn.execute(_EXPIRED, (SWEEP_BATCH,))).fetchall())
-        if not records:
-            return 0
-        rows = await end_leases(conn, records, delay_seconds=settings.lease_expired_delay_seconds, cause="expired",
-                                metadata=_METADATA)  # fmt: skip
-        requeued = [r for r in rows if r.status == "queued"]
-        report.leases_requeued += len(requeued)
-        report.leases_failed += len(rows) - len(requeued)
+        found = await (await conn.execute(_EXPIRED, _after(after))).fetchall()
+        records = await _settling_free(conn, found)
+        if records:
+            rows = await end_leases(conn, records, delay_seconds=settings.lease_expired_delay_seconds,
+                                    node_revoked=False, metadata=_METADATA)  # fmt: skip
+            requeued = [r for r in rows if r.status == "queued"]
+            report.leases_requeued += len(requeued)
+            report.leases_failed += len(rows) - len(requeued)
+            claimable_now = settings.lease_expired_delay_seconds == 0
+            await store.publish(conn, _hints(rows, lambda r: claimable_now and r.status == "queued"))
     for row in rows:
         log.info("lease expired", extra={"action": "lease_swept", "job_id": str(row.id), "status": row.status})
-    return len(records)
+    return _next_page(found, _LEASE_EXPIRES_AT)
 
 
-async def _fail_blocked(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport) -> int:
+async def _fail_blocked(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport, after: _Page) -> _Page:
+    """Fail one page of jobs blocked past the timeout; returns where the next page starts (None: done).
+
+    Pages on past the rows it leaves, as :func:`_expire_leases` does.
+    """
     async with conn.transaction():
-        found = await (await conn.execute(_BLOCKED_TOO_LONG, (settings.blocked_timeout_seconds, SWEEP_BATCH))).fetchall()
+        found = await (await conn.execute(_BLOCKED_TOO_LONG, {"timeout": settings.blocked_timeout_seconds,
+                                                              **_after(after)})).fetchall()  # fmt: skip
         records = await _settling_free(conn, found)
-        if not records:
-            return 0
-        changes = []
-        for row in map(queue.from_db, records):
-            event = JobFailed(attempt=row.attempt, error=row.blocked_reason or "blocked", reason="blocked_timeout")
-            changes.append(Change(row.id, row.organization_id, row, [event]))
-        rows, _ = await record_and_settle(conn, changes, metadata=_METADATA)
-        report.blocked_failed += len(rows)
-        await store.publish(conn, _hints(rows, lambda r: False))
-    return len(records)
+        if records:
+            changes = []
+            for row in map(queue.from_db, records):
+                event = JobFailed(attempt=row.attempt, error=row.blocked_reason or "blocked", reason="blocked_timeout")
+                changes.append(Change(row.id, row.organization_id, row, [event]))
+            rows, _ = await record_and_settle(conn, changes, metadata=_METADATA)
+            report.blocked_failed += len(rows)
+            await store.publish(conn, _hints(rows, lambda r: False))
+    return _next_page(found, _BLOCKED_AT)
 
 
 _PARENT = queue.COLUMNS.index("parent_job_id")
