@@ -551,13 +551,15 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             by_shape.setdefault(shape, []).append(job_id)
         order = {job_id: index for index, job_id in enumerate(shape_of)}
         taking_memory = {shape for shape in by_shape if takes_memory(decode_shape(shape)[1])}
-        tried = set(locked_here)  # rows of this page asked for already: taken, or held by another claimer
-        # The rows are handed out before any is locked: in arrival order, each claimer is promised its first
+        tried = set(locked_here)  # rows of this page no claimer may be promised: taken, or held elsewhere
+        ready: dict[UUID, tuple[JobRow, datetime]] = {}  # rows this batch has locked and not handed out yet
+        # Only rows a claimer is promised are locked: in arrival order, each claimer is promised its first
         # untried eligible rows no earlier claimer was promised, as many as it still wants (and its node has
-        # room for), and only the promised rows are locked. Locking every claimer's first rows and handing out
-        # what each could run left rows locked that no claimer took, and until this commit the other batch in
-        # flight skipped them: it took a later job, or said nothing was left, while they stayed queued. Those
-        # another transaction holds are skipped, and their claimers are promised the next rows in turn.
+        # room for). Locking every claimer's first rows left rows locked that no claimer took, and until this
+        # commit the other batch in flight skipped them: it took a later job, or said nothing was left, while
+        # they stayed queued. When a promised row turns out to be held by another transaction, the promises
+        # are made again without it (the rows locked meanwhile kept), so each claimer gets the rows it would
+        # have got alone, in arrival order; once every promised row is locked, each takes its own.
         while waiting:
             promised: dict[int, list[UUID]] = {}
             taken_by_promise: set[UUID] = set()
@@ -577,26 +579,35 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                     ids, promised_views[node.id] = fitting(view, ids, shape_of, left[id(command)])
                 promised[id(command)] = ids[:left[id(command)]]
                 taken_by_promise.update(promised[id(command)])
-            wanted = [job_id for ids in promised.values() for job_id in ids]
-            if not wanted:
+            if not taken_by_promise:
                 break
-            tried.update(wanted)
-            free = {r[0]: (queue.from_db(r), r[-1]) for r in await lock_queued(conn, org, wanted)}
+            to_lock = [job_id for job_id in taken_by_promise if job_id not in ready]
+            if to_lock:
+                for record in await lock_queued(conn, org, to_lock):
+                    ready[record[0]] = (queue.from_db(record), record[-1])
+                held_elsewhere = {job_id for job_id in to_lock if job_id not in ready}
+                if held_elsewhere:
+                    tried.update(held_elsewhere)
+                    continue  # promise again without them
+            handed = False
             for command, node in list(waiting):
                 for job_id in promised[id(command)]:
-                    if job_id not in free:
-                        continue  # held by another transaction
-                    row, now = free.pop(job_id)
+                    row, now = ready[job_id]
                     placement = placement_for(command, shape_of[job_id])
                     if placement is None:
-                        continue  # its node's other claimer of this batch took the room (its rows come first)
+                        continue  # no room once an earlier row of its node was placed: left for another claimer
+                    del ready[job_id]
                     claimed(command, node, row, now, placement, shape_of[job_id])
                     locked_here.add(job_id)
+                    tried.add(job_id)
+                    handed = True
                     left[id(command)] -= 1
                     if not left[id(command)] or id(command) in full:
                         waiting.remove((command, node))
                         break
             waiting[:] = [(command, node) for command, node in waiting if id(command) not in full]  # filled by another
+            if not handed:
+                break  # the rows promised fit no claimer as they were placed: the next page, or nothing
         if not waiting:
             break
     if scan.nothing_due:

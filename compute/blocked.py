@@ -173,7 +173,15 @@ async def hold_capacity(conn: psycopg.AsyncConnection, organization_id: UUID, *,
     await conn.execute(_HOLD_CAPACITY if exclusive else _SHARE_CAPACITY, (CAPACITY_LOCK_CLASS, key))
 
 
+async def try_share_capacity(conn: psycopg.AsyncConnection, organization_id: UUID) -> bool:
+    """Share the capacity lock (see :func:`hold_capacity`) if no change holds it now; never waits."""
+    key = organization_lock_key(organization_id, b"capacity")
+    [(held,)] = await (await conn.execute(_TRY_SHARE_CAPACITY, (CAPACITY_LOCK_CLASS, key))).fetchall()
+    return bool(held)
+
+
 _HOLD_CAPACITY = service_lock_wait("SELECT pg_advisory_xact_lock(%s, %s)")
+_TRY_SHARE_CAPACITY = "SELECT pg_try_advisory_xact_lock_shared(%s, %s)"
 _SHARE_CAPACITY = service_lock_wait("SELECT pg_advisory_xact_lock_shared(%s, %s)")
 
 
@@ -233,7 +241,7 @@ class Reexamined:
 
 async def reexamine_waiting_jobs(
     conn: psycopg.AsyncConnection, organization_id: UUID, *, metadata: Mapping[str, Any] | None = None,
-    publish: bool = True,
+    publish: bool = True, wait: bool = True,
 ) -> Reexamined:
     """Unblock the organization's blocked jobs some device could now run; block its queued jobs none could.
 
@@ -245,7 +253,9 @@ async def reexamine_waiting_jobs(
     time it was first blocked. Jobs another transaction holds (a claim in
     flight, say) are left for the next re-examination. ``publish=False``: the
     caller sends the returned ``hints`` with its own, so its transaction
-    notifies once.
+    notifies once. ``wait=False`` (the sweeper's second look): while a change
+    of the fleet holds the organization's capacity lock, nothing is looked at
+    (the change re-examines when it commits) instead of waiting for it.
     """
     metadata = metadata or {"actor": "reexamine"}
     async with conn.transaction():
@@ -253,6 +263,8 @@ async def reexamine_waiting_jobs(
         queued_shapes = [text for (text,) in await (await conn.execute(
             _QUEUED_REQUIREMENTS, {"org": organization_id, "limit": REEXAMINED_SHAPES})).fetchall()]  # fmt: skip
         if not blocked_shapes and not queued_shapes:
+            return Reexamined()
+        if not wait and not await try_share_capacity(conn, organization_id):
             return Reexamined()
         judge = await BlockingJudge.load(conn, organization_id)
         verdicts = {text: judge.reason(_requirements.decode(text))

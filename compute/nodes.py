@@ -368,9 +368,10 @@ _STALE = f"""
 SELECT {projection.COLUMNS}, l.last_seen_at
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.status = 'online'
-  AND (l.last_seen_at IS NULL OR l.last_seen_at < umbra_now() - make_interval(secs => %s))
+  AND (l.last_seen_at IS NULL OR l.last_seen_at < umbra_now() - make_interval(secs => %(stale)s))
+  AND (%(after)s::uuid IS NULL OR n.id > %(after)s::uuid)
 ORDER BY n.id
-LIMIT %s
+LIMIT %(limit)s
 FOR UPDATE OF n SKIP LOCKED
 """
 
@@ -384,6 +385,15 @@ WHERE node_id = ANY(%s) AND last_seen_at >= umbra_now() - make_interval(secs => 
 async def mark_stale_nodes_offline(
     conn: psycopg.AsyncConnection, *, stale_seconds: int = DEFAULT_STALE_SECONDS, limit: int = 500
 ) -> list[UUID]:
+    """The first page of :func:`mark_stale_page`: the ids marked."""
+    marked, _ = await mark_stale_page(conn, stale_seconds=stale_seconds, limit=limit)
+    return marked
+
+
+async def mark_stale_page(
+    conn: psycopg.AsyncConnection, *, stale_seconds: int = DEFAULT_STALE_SECONDS, limit: int = 500,
+    after: UUID | None = None,
+) -> tuple[list[UUID], UUID | None]:
     """Record ``node.went_offline`` for stored-``online`` nodes silent past the threshold.
 
     Readers already see such nodes as offline (effective status); this makes
@@ -392,17 +402,21 @@ async def mark_stale_nodes_offline(
     next sweep. A beat is not a lock of the node's row: one that commits while
     this runs is caught by a second read of liveness, and one that commits
     after it looks at the stored status again under the row's lock (see
-    :func:`umbra.compute.heartbeat.heartbeat`). Returns the ids marked, at most
-    ``limit`` per call.
+    :func:`umbra.compute.heartbeat.heartbeat`). Looks at ``limit`` nodes at most,
+    by id after ``after``; returns the ids marked, and where the next page
+    starts (None after a short page: the pass is done). A page goes by the
+    nodes read, not those marked: a beat that saved one of a full page ended
+    the pass there, and other organizations' silent nodes waited a tick.
     """
     async with conn.transaction():
-        rows = await (await conn.execute(_STALE, (stale_seconds, limit))).fetchall()
+        rows = await (await conn.execute(_STALE, {"stale": stale_seconds, "limit": limit, "after": after})).fetchall()
+        next_page = rows[-1][0] if len(rows) == limit else None
         if rows:
             # A beat that committed after the read above (its liveness was not locked) saved the node.
             beat = {r[0] for r in await (await conn.execute(_BEAT_SINCE, ([row[0] for row in rows], stale_seconds))).fetchall()}
             rows = [row for row in rows if row[0] not in beat]
         if not rows:
-            return []
+            return [], next_page
         states = [projection.from_row(row) for row in rows]
         batch = [
             store.PendingAppend(
@@ -422,4 +436,4 @@ async def mark_stale_nodes_offline(
     for state in states:
         log.info("node went silent: marked offline", extra={"action": "node.went_offline", "node_id": str(state.id),
                                                             "organization_id": str(state.organization_id)})  # fmt: skip
-    return marked
+    return marked, next_page

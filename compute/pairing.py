@@ -338,11 +338,17 @@ async def redeem_pairing_code(
     return Redemption(node_id=node_id, organization_id=organization_id, credential=credential.token, scopes=credential.scopes)
 
 
-_PRUNE_CODES = "DELETE FROM pairing_codes WHERE expires_at < umbra_now() - make_interval(secs => %s)"
+#: Rows another transaction holds are left for a later prune: the sweeper runs it, and must not wait.
+_PRUNE_CODES = """
+DELETE FROM pairing_codes WHERE id IN (
+    SELECT id FROM pairing_codes WHERE expires_at < umbra_now() - make_interval(secs => %s) FOR UPDATE SKIP LOCKED
+)"""
 _PRUNE_ATTEMPTS = """
-DELETE FROM pairing_attempt_times
-WHERE attempted_at[cardinality(attempted_at)] + make_interval(secs => %s) <= umbra_now()
-"""
+DELETE FROM pairing_attempt_times WHERE source IN (
+    SELECT source FROM pairing_attempt_times
+    WHERE attempted_at[cardinality(attempted_at)] + make_interval(secs => %s) <= umbra_now()
+    FOR UPDATE SKIP LOCKED
+)"""
 
 
 async def prune(conn: psycopg.AsyncConnection) -> int:

@@ -5,8 +5,8 @@ Each tick, in separate command transactions:
 * **expired leases** → ``job.lease_expired``: back to ``queued`` with
   ``not_before`` = now + ``lease_expired_delay_seconds`` (only the holder is
   known to be gone), or ``failed`` when attempts are spent; parents settle;
-* **stale nodes** → ``compute.nodes.mark_stale_nodes_offline`` appends
-  ``node.went_offline`` (skipped while that module does not provide it);
+* **stale nodes** → ``compute.nodes.mark_stale_page`` appends
+  ``node.went_offline``;
 * **blocked past the schedule timeout** → ``job.failed`` (reason
   ``blocked_timeout``, error = the blocking reason), so parents still settle;
 * **delayed jobs now due** → one hint per organization, so long-polls waiting
@@ -19,6 +19,10 @@ Each tick, in separate command transactions:
   queued ones nothing could ever run are blocked; and spent **pairing codes** and the rate limit's
   sources with no attempt left in its window are deleted (:func:`umbra.compute.pairing.prune`).
 
+Each step (each organization's, for the second look) stands alone: one whose
+lock wait runs out (the sweeper's connection bounds them as pooled ones do), or
+that fails, is logged and left to the next tick while the others go on.
+
 It runs inside the server from startup, in exactly one process at a time:
 :func:`run` holds a session-level advisory lock on a dedicated connection
 while it leads; the others retry every few seconds, so when the leader dies
@@ -30,8 +34,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Callable
+from datetime import datetime, timedelta
+from typing import Any, Awaitable, Callable
 from uuid import UUID
 
 import anyio
@@ -39,7 +43,7 @@ import psycopg
 from anyio.abc import TaskStatus
 
 from umbra import jitter, metrics
-from umbra.db import assume_service_role, connect
+from umbra.db import LOCK_WAIT_SECONDS, assume_service_role, connect, database_away, lock_wait_ended
 from umbra.events import store
 from umbra.events.types import JobFailed
 from umbra.projections import jobs as queue
@@ -50,6 +54,7 @@ from . import pairing, statistics
 from .blocked import reexamine_waiting_jobs
 from .claims import end_leases
 from .jobs import ancestors_held_elsewhere, record_and_settle
+from .nodes import mark_stale_page
 
 log = logging.getLogger(__name__)
 
@@ -125,21 +130,41 @@ async def sweep_once(
     :data:`REEXAMINE_SECONDS`.
     """
     report = SweepReport(now=(await (await conn.execute("SELECT umbra_now()")).fetchone())[0])
-    after: _Page = None
-    while (after := await _expire_leases(conn, settings, report, after)) is not None:
-        pass
-    report.nodes_offline = await _mark_stale_nodes(conn, settings)
-    while (after := await _fail_blocked(conn, settings, report, after)) is not None:
-        pass
+
+    async def expire_leases() -> None:
+        after: _Page = None
+        while (after := await _expire_leases(conn, settings, report, after)) is not None:
+            pass
+
+    async def fail_blocked() -> None:
+        after: _Page = None
+        while (after := await _fail_blocked(conn, settings, report, after)) is not None:
+            pass
+
+    async def mark_stale_nodes() -> None:
+        report.nodes_offline = await _mark_stale_nodes(conn, settings)
+
+    async def refresh_statistics() -> None:
+        report.statistics_refreshed = await statistics.refresh_if_outgrown(conn)
+
+    async def prune_pairing() -> None:
+        report.pairing_rows_pruned = await pairing.prune(conn)
+
+    await _step("expire_leases", expire_leases)
+    await _step("mark_stale_nodes", mark_stale_nodes)
+    await _step("fail_blocked", fail_blocked)
     if since is not None:
-        await _announce_due(conn, since, report)
-    report.statistics_refreshed = await statistics.refresh_if_outgrown(conn)
+        await _step("announce_due", lambda: _announce_due(conn, since, report))
+    await _step("refresh_statistics", refresh_statistics)
     if reexamine:
         for (organization_id,) in await (await conn.execute(_WAITING_ORGS)).fetchall():
-            reexamined = await reexamine_waiting_jobs(conn, organization_id, metadata=_METADATA)
-            report.jobs_unblocked += reexamined.unblocked
-            report.jobs_blocked += reexamined.blocked
-        report.pairing_rows_pruned = await pairing.prune(conn)
+            async def reexamine_one(organization_id: UUID = organization_id) -> None:
+                reexamined = await reexamine_waiting_jobs(conn, organization_id, metadata=_METADATA, wait=False)
+                report.jobs_unblocked += reexamined.unblocked
+                report.jobs_blocked += reexamined.blocked
+
+            await _step("reexamine", reexamine_one, organization_id=str(organization_id))
+        await _step("prune_pairing", prune_pairing)
     for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
                           ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed),
                           ("job_unblocked", report.jobs_unblocked), ("job_blocked", report.jobs_blocked),
@@ -169,6 +194,24 @@ def _after(page: _Page) -> dict[str, Any]:
 
 _LEASE_EXPIRES_AT = queue.COLUMNS.index("lease_expires_at")
 _BLOCKED_AT = queue.COLUMNS.index("blocked_at")
+
+
+async def _step(name: str, run: Callable[[], Awaitable[None]], **fields: str) -> None:
+    """Run one step of a tick (one organization's, for the re-examination). A lock wait that ran out (the
+    sweeper's connection bounds them as pooled ones do), or a failure of the step's own, is logged and
+    leaves that step to the next tick: the tick goes on with the others. One organization's fleet change
+    held up, or a manual ``VACUUM`` holding ``jobs``' statistics, stopped every organization's lease
+    recovery behind it. Losing the database ends the tick (and the leadership) as before."""
+    try:
+        await run()
+    except Exception as exc:  # noqa: BLE001 - the other steps must go on
+        if database_away(exc):
+            raise
+        if lock_wait_ended(exc):
+            log.warning("sweep step waited too long for a lock; trying again next tick",
+                        extra={"action": "sweep_step_skipped", "step": name, **fields})  # fmt: skip
+        else:
+            log.exception("sweep step failed", extra={"action": "sweep_step_failed", "step": name, **fields})
 
 
 async def _expire_leases(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport, after: _Page) -> _Page:
@@ -241,24 +284,12 @@ async def _announce_due(conn: psycopg.AsyncConnection, since: datetime, report: 
             report.jobs_woken += sum(count for _, count, _ in due)
 
 
-def _stale_node_sweeper() -> Callable[..., Any] | None:
-    """``compute.nodes.mark_stale_nodes_offline`` when the nodes module provides it."""
-    try:
-        from umbra.compute import nodes
-    except ImportError:
-        return None
-    return getattr(nodes, "mark_stale_nodes_offline", None)
-
-
 async def _mark_stale_nodes(conn: psycopg.AsyncConnection, settings: Settings) -> int:
-    mark = _stale_node_sweeper()
-    if mark is None:
-        return 0
-    total = 0
+    total, after = 0, None
     while True:
-        marked = await mark(conn, stale_seconds=settings.heartbeat_stale_seconds, limit=SWEEP_BATCH)
+        marked, after = await mark_stale_page(conn, stale_seconds=settings.heartbeat_stale_seconds, limit=SWEEP_BATCH, after=after)
         total += len(marked)
-        if len(marked) < SWEEP_BATCH:
+        if after is None:
             return total
 
 
@@ -287,13 +318,26 @@ async def run(
             delay = min(delay * 2, retry_seconds)
 
 
+async def first_since(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds: float) -> datetime:
+    """Where a new leader's first tick starts announcing due jobs: a while before now.
+
+    The jobs that fell due between the previous leader's last tick and this
+    one's first (or while the server started) are announced too: a hint sent
+    twice costs a look, one never sent a long-poll's wait until its next
+    safety poll.
+    """
+    [(now,)] = await (await conn.execute("SELECT umbra_now()")).fetchall()
+    return now - timedelta(seconds=2 * (settings.sweep_interval_seconds + retry_seconds))
+
+
 async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds: float) -> None:
     """Wait for leadership on ``conn``, then sweep every interval until the connection fails."""
     await assume_service_role(conn)
+    await conn.execute(f"SET lock_timeout = '{LOCK_WAIT_SECONDS}s'")  # as a pooled connection's: no wait unbounded
     while not (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEPER_LOCK_KEY,))).fetchone())[0]:
         await anyio.sleep(retry_seconds)
     log.info("sweeper leading", extra={"action": "sweeper_leading", "backend_pid": conn.info.backend_pid})
-    since: datetime | None = None
+    since: datetime | None = await first_since(conn, settings, retry_seconds)
     last_reexamined = -REEXAMINE_SECONDS
     while True:
         try:
