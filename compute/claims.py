@@ -531,10 +531,14 @@ _LOCK_FOR_RELEASE = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE id = %s FOR UPD
 
 
 async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, attempt: int, *,
-                  request_id: str | None = None, claimed_at: datetime | None = None) -> bool:  # fmt: skip
+                  request_id: str | None = None, claimed_at: datetime | None = None,
+                  reason: str = "client_gone") -> bool:  # fmt: skip
     """Give a just-claimed job back to the queue (``job.released``); False if this node no longer holds it.
 
-    For a long-poll whose client went away before it received its claim. The
+    For a claim its agent never heard of: a long-poll whose client went away
+    before it received its claim (``client_gone``), or the next job of a
+    completion whose answer was lost and which its agent sent again without
+    asking for one (``not_asked_again``: it is stopping). The
     attempt stays counted: it is the fencing token and never goes back. The
     claim is not charged against ``max_attempts`` (:func:`uncharged_claims`): it never
     ran. The release itself never fails the job.
@@ -549,7 +553,7 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
         if claimed_at is not None and row.updated_at != claimed_at:
             return False  # not that claim: the same node took the job again at that attempt, elsewhere
         [released] = await queue.record(
-            conn, [Change(row.id, row.organization_id, row, [JobReleased(attempt=attempt, reason="client_gone")])],
+            conn, [Change(row.id, row.organization_id, row, [JobReleased(attempt=attempt, reason=reason)])],
             metadata=node_metadata(node_id, request_id),
         )
         await store.publish(conn, [(row.organization_id, released.position, 1)])

@@ -250,8 +250,23 @@ class GroupCommit:
 
     async def complete(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
                        credential_id: UUID | None = None, request_id: str | None = None) -> JobRow:  # fmt: skip
-        return await self._call(Command("complete", organization_id, node_id, job_id, attempt, result=result,
-                                        credential_id=credential_id, request_id=request_id))  # fmt: skip
+        """Complete a held job.
+
+        A completion sent again without ``claim_next`` whose first request asked for the node's next job
+        (its answer lost, and its agent now stopping, so it asks for none) gives that job back
+        (``job.released``, not charged) while the claim stands untouched: its agent will never run it, and
+        it waited out its lease, an attempt spent, and failed unrun when that was its last.
+        """
+        command = Command("complete", organization_id, node_id, job_id, attempt, result=result,
+                          credential_id=credential_id, request_id=request_id)  # fmt: skip
+        row = await self._call(command)
+        if command.repeated:
+            async with self._pool.connection() as conn:
+                unheard = await claims.claimed_with(conn, row, node_id)
+                if unheard is not None:
+                    await claims.release(conn, unheard.row.id, node_id, unheard.row.attempt, request_id=request_id,
+                                         claimed_at=unheard.row.updated_at, reason="not_asked_again")  # fmt: skip
+        return row
 
     async def complete_and_claim(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int,
                                  result: Any, lease_seconds: int, stale_seconds: int,

@@ -27,8 +27,8 @@ nothing for this node. A retry asks as the first attempt did: if the first's
 answer was lost on the way, the server answers the repeat with the claim it
 already made (while that claim stands untouched), so the agent runs it instead
 of leaving it leased to a node that does not know of it. A retry sent once the
-agent is stopping does not ask: a claim the lost answer named then waits out
-its lease.
+agent is stopping does not ask: the server then gives back the claim the lost
+answer named (``job.released``, not charged).
 """
 
 from __future__ import annotations
@@ -238,8 +238,8 @@ class JobRun:
             """Every attempt asks for the next job while the agent is not stopping.
 
             A repeat of a completion whose answer was lost is answered with the claim the first made;
-            once the agent is stopping a retry asks for none, and a claim the lost answer named waits
-            out its lease.
+            once the agent is stopping a retry asks for none, and the server gives back a claim the lost
+            answer named.
             """
             if self._claim_next():
                 return await self.client.complete_and_claim(claim.job_id, claim.attempt, result, kinds=self._kinds)
