@@ -410,16 +410,20 @@ async def test_a_report_the_server_refuses_fails_the_job_for_good_instead_of_run
         assert failed["error"].startswith("EEEE") and failed["error"].endswith("…") and len(failed["error"]) == 4000
 
 
-async def test_a_job_that_runs_out_of_time_during_a_stops_grace_fails_for_good(db_url, org):
-    # A lease well past the runtime limit: the limit, not a renewal a loaded machine answered late, ends the run.
-    with LiveServer(db_url, UMBRA_LEASE_SECONDS="20", UMBRA_SWEEP_INTERVAL_SECONDS="0.2") as server:
-        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {org[1]}"}) as api:
-            paired = await pair(server, api, "box-runtime-grace")
-            async with running_agent(server, paired["credential"], grace_seconds=30.0) as agent:
-                job = await submit(api, "sleep", {"seconds": 60}, requires={"max_runtime_s": 2}, max_attempts=3)
-                await eventually(lambda: job_in(api, job["id"], "running"))
-                agent.stop()  # the grace (30 s) outlasts the runtime limit (2 s): the limit is what ends it
-                failed = await eventually(lambda: job_in(api, job["id"], "failed"), timeout=15)
+async def test_a_job_that_runs_out_of_time_during_a_stops_grace_fails_for_good(server, api):
+    paired = await pair(server, api, "box-runtime-grace")
+    started = anyio.Event()
+
+    async def slow(claim):
+        started.set()
+        await anyio.sleep(60)
+
+    async with running_agent(server, paired["credential"], handlers={"slow": slow}, grace_seconds=30.0) as agent:
+        job = await submit(api, "slow", requires={"max_runtime_s": 2}, max_attempts=3)
+        with anyio.fail_after(15):
+            await started.wait()  # running on the agent, not only claimed: the claim's answer has arrived
+        agent.stop()  # the grace (30 s) outlasts the runtime limit (2 s): the limit is what ends it
+        failed = await eventually(lambda: job_in(api, job["id"], "failed"), timeout=15)
     assert failed["error"] == "The job exceeded its max_runtime_s." and failed["attempt"] == 1
 
 
