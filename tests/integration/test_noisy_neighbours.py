@@ -295,8 +295,10 @@ async def test_another_organizations_many_live_views_do_not_starve_requests_of_t
                 await anyio.sleep(0.2)
             tg.cancel_scope.cancel()
     assert set(statuses) == {200}, f"B's reads were refused while A's dashboards read: {statuses}"
-    assert worst < 2, (f"B's read of its own job took {worst:.2f}s while A's {STREAMS} streams re-read "
-                       f"({most_waiting} requests waiting for the pool at most)")
+    # What B's request waits for is a pooled connection: none is ever queued for while A's streams read (it
+    # was 292 at once, and B waited 4 s); the time is a second, generous, check.
+    assert most_waiting == 0, f"{most_waiting} requests waited for the pool at once while A's {STREAMS} streams re-read"
+    assert worst < 2, f"B's read of its own job took {worst:.2f}s while A's {STREAMS} streams re-read"
 
 
 # -- the waiter hub: whose tokens wake whom ---------------------------------------------------------------------
