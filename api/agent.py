@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
 from uuid import UUID
 
 import anyio
 import msgspec
+from msgspec import Meta
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -33,8 +34,9 @@ from umbra.errors import Forbidden
 from umbra.events.types import Placement
 from umbra.projections.jobs import JobOut, JobRow
 
-from .http import batch_principal, json_response, request_id
+from .http import acting_as, authorized, batch_principal, json_response, read_json, request_id
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
+from .middleware import REQUEST_ID_PATTERN
 from .params import KIND_QUERY, query_int, query_kinds
 from .routing import endpoint
 
@@ -156,6 +158,29 @@ async def release_unheard(services, results: Sequence[claims.ClaimResult], node_
                          "job_id": str(result.job_id), "node_id": str(node_id), "released": released})  # fmt: skip
 
 
+class UnreadClaimRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    #: The ``X-Request-ID`` the claim request was sent with (the form the server keeps: see
+    #: :mod:`umbra.api.middleware`).
+    request_id: Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
+
+
+class UnreadClaimOut(msgspec.Struct, kw_only=True):
+    released: list[UUID]
+
+
+async def release_unread(request: Request) -> Response:
+    """The agent never read a claim request's answer: give back what that request took, if anything."""
+    who = await authorized(request, "compute:claim")
+    body = await read_json(request, UnreadClaimRequest)
+    async with acting_as(request, who) as conn:
+        released = await claims.release_unread_claim(conn, organization_id=who.organization_id, node_id=who.node_id,
+                                                     claim_request_id=body.request_id, request_id=request_id(request))  # fmt: skip
+    if released:
+        log.info("claims released: answer unread", extra={"action": "claim_released_answer_unread",
+                 "node_id": str(who.node_id), "count": len(released)})  # fmt: skip
+    return json_response({"released": [str(job_id) for job_id in released]})
+
+
 routes = [
     endpoint(
         "POST",
@@ -171,5 +196,9 @@ routes = [
                "kind": KIND_QUERY},
         success=(200, 204),
         response=ClaimOut,
-    )
+    ),
+    endpoint("POST", "/v1/agent/claim/release", release_unread,
+             summary="Give back what a claim request took when its answer was never read (the agent gave up on "
+                     "it): each such job still leased to the node, untouched since, is released, uncharged.",
+             auth="node", scopes=("compute:claim",), body=UnreadClaimRequest, response=UnreadClaimOut),
 ]

@@ -1,4 +1,4 @@
-"""Agent routes for a job the node holds: renew, complete, fail, decompose.
+"""Agent routes for a job the node holds: renew, complete, fail, give back, decompose.
 
 Each names the attempt it holds (the fencing token). Renewals and completions
 from many agents share transactions (:mod:`umbra.compute.group_commit`); each
@@ -71,6 +71,10 @@ class FailRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     error: Annotated[str, Meta(max_length=10_000)]
     #: Retry after the backoff while attempts remain (the default), or fail now.
     retry: bool = True
+
+
+class GiveBackRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    attempt: Attempt
 
 
 class ChildrenRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -227,6 +231,17 @@ async def fail(request: Request) -> Response:
     return json_response(queue.job_out(row))
 
 
+async def give_back(request: Request) -> Response:
+    """A stopping agent gives back a job it could not finish in its grace (:func:`claims.give_back`)."""
+    who = await authorized(request, "compute:complete")
+    job_id = path_uuid(request, code="job_not_found")
+    body = await read_json(request, GiveBackRequest)  # read with no connection held
+    async with acting_as(request, who) as conn:  # not revoked while the body arrived
+        row = await claims.give_back(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
+                                     attempt=body.attempt, request_id=request_id(request))  # fmt: skip
+    return json_response(queue.job_out(row))
+
+
 async def children(request: Request) -> Response:
     who = await authorized(request, "compute:complete")
     job_id = path_uuid(request, code="job_not_found")
@@ -260,6 +275,10 @@ routes = [
     endpoint("POST", "/v1/agent/jobs/{id}/fail", fail,
              summary="Report a failure: retryable ones requeue with exponential backoff until max_attempts.",
              auth="node", scopes=("compute:complete",), body=FailRequest, response=JobOut, errors=NOT_HELD),
+    endpoint("POST", "/v1/agent/jobs/{id}/release", give_back,
+             summary="Give back a held job the agent is stopping before it finished: queued again at once, in its "
+                     "place, not charged while the job's interruptions are fewer than its max_attempts.",
+             auth="node", scopes=("compute:complete",), body=GiveBackRequest, response=JobOut, errors=NOT_HELD),
     endpoint("POST", "/v1/agent/jobs/{id}/children", children,
              summary="Split a held job into children; the parent becomes a container that settles with them.",
              auth="node", scopes=("compute:complete",), body=ChildrenRequest, success=(201,), response=ChildrenOut,

@@ -38,7 +38,9 @@ from .params import integer
 
 log = logging.getLogger(__name__)
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+#: A client's ``X-Request-ID`` kept as the request's id (any other is replaced by a fresh one).
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
 def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:

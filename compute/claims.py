@@ -58,7 +58,7 @@ import psycopg
 from umbra.db import uuid_array
 from umbra.domain.eligibility import is_busy, takes_kind
 from umbra.domain.jobs import (
-    check_holder, decide_failure, decide_lease_expiry, decomposition_repeat_needs_log, failure_repeat_needs_log, repeats_completion,
+    AGENT_STOPPING, UnchargedEnds, check_holder, decide_failure, decide_give_back, decide_lease_expiry, decomposition_repeat_needs_log, failure_repeat_needs_log, repeats_completion,
     repeats_decomposition, repeats_failure,
 )  # fmt: skip
 from umbra.domain.models import RegisteredModel
@@ -560,24 +560,61 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
     return True
 
 
+#: The jobs a claim request of the node took (named by its request id, which the claim's event records)
+#: that stand as that claim left them: still leased to the node, the claim their stream's last event.
+_CLAIMED_BY_REQUEST = """
+SELECT j.id, j.attempt, j.updated_at FROM jobs j
+CROSS JOIN LATERAL (
+    SELECT e.type, e.metadata FROM events e WHERE e.stream = 'job:' || j.id::text ORDER BY e.version DESC LIMIT 1
+) AS last
+WHERE j.organization_id = %(organization)s AND j.lease_owner = %(node)s AND j.status = 'running'
+  AND j.lease_expires_at IS NOT NULL AND last.type = 'job.claimed' AND last.metadata ->> 'request_id' = %(claim_request)s
+ORDER BY j.seq
+"""
+
+
+async def release_unread_claim(conn: psycopg.AsyncConnection, *, organization_id: UUID, node_id: UUID, claim_request_id: str,
+                               request_id: str | None = None) -> list[UUID]:  # fmt: skip
+    """Give back what a claim request of this node took, when its agent never read the answer.
+
+    The agent gave up on the request (it is stopping, or the answer was cut
+    off or timed out) after the server may have committed the claim and sent
+    it: the server cannot tell an answer sent from an answer read, only the
+    agent can. Each job that claim took and that stands untouched since is
+    released (``job.released``, ``reason: answer_unread``, never charged: it
+    never ran) and claimable by another node at once, instead of waiting out a
+    lease no agent will renew. Returns the released jobs' ids, in claim order.
+    """
+    cursor = await conn.execute(_CLAIMED_BY_REQUEST, {"organization": organization_id, "node": node_id,
+                                                      "claim_request": claim_request_id})  # fmt: skip
+    released = []
+    for job_id, attempt, claimed_at in await cursor.fetchall():
+        if await release(conn, job_id, node_id, attempt, request_id=request_id, claimed_at=claimed_at, reason="answer_unread"):
+            released.append(job_id)
+    return released
+
+
 def _tag(event_type: type[Any]) -> str:
     return event_type.__struct_config__.tag
 
 
-#: The ends of claims that are not charged against a job's attempts: given back unheard
-#: (``job.released``), or ended because an administrator revoked the holding node.
-UNCHARGED_CLAIM_ENDS = ((_tag(JobReleased), {}), (_tag(JobLeaseExpired), {"cause": "node_revoked"}))
+#: The claim ends :class:`UnchargedEnds` counts: every claim given back (``job.released``), those of them a
+#: stopping agent gave back after starting them, and leases ended by the holding node's revocation.
+_UNCHARGED_CLAIM_ENDS = ((_tag(JobReleased), {}), (_tag(JobReleased), {"reason": AGENT_STOPPING}),
+                         (_tag(JobLeaseExpired), {"cause": "node_revoked"}))  # fmt: skip
 
 
-async def uncharged_claims(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID]) -> dict[UUID, int]:
-    """How many claims of each job are not charged against its attempts (:data:`UNCHARGED_CLAIM_ENDS`).
+async def uncharged_claims(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID]) -> dict[UUID, UnchargedEnds]:
+    """Each job's claims that ended through no doing of its own (:class:`UnchargedEnds`).
 
-    Read from the log, by each job's stream, only where a failure or an
-    ended lease has to judge whether attempts remain: rare next to claims,
-    so the queue's rows carry no counter for it.
+    Read from the log, by each job's stream, only where a failure, an ended
+    lease or a give-back has to judge whether attempts remain: rare next to
+    claims, so the queue's rows carry no counter for it. Jobs with none are
+    left out.
     """
-    counted = await store.count_by_stream(conn, [store.job_stream(job_id) for job_id in job_ids], UNCHARGED_CLAIM_ENDS)
-    return {queue.job_id_of(stream): count for stream, count in counted.items()}
+    counted = await store.count_by_stream(conn, [store.job_stream(job_id) for job_id in job_ids], _UNCHARGED_CLAIM_ENDS)
+    return {queue.job_id_of(stream): UnchargedEnds(unheard=released - stopping, interrupted=stopping + revoked)
+            for stream, (released, stopping, revoked) in counted.items()}  # fmt: skip
 
 
 async def end_leases(
@@ -600,7 +637,7 @@ async def end_leases(
         row, now = queue.from_db(record), record[-1]
         revoked_first = node_revoked and row.lease_expires_at is not None and row.lease_expires_at >= now
         event = decide_lease_expiry(attempt=row.attempt, max_attempts=row.max_attempts, node_id=row.lease_owner, now=now,
-                                    delay_seconds=delay_seconds, uncharged=uncharged.get(row.id, 0),
+                                    delay_seconds=delay_seconds, ends=uncharged.get(row.id, UnchargedEnds()),
                                     cause="node_revoked" if revoked_first else "expired")  # fmt: skip
         changes.append(Change(row.id, row.organization_id, row, [event]))
     rows, _ = await record_and_settle(conn, changes, metadata=metadata)
@@ -775,13 +812,49 @@ async def fail(
             if await _repeats_failure(conn, row, node_id, attempt):
                 return row
             _check_holder(row, node_id, attempt)
-            uncharged = (await uncharged_claims(conn, [job_id])).get(job_id, 0) if retry else 0
+            ends = (await uncharged_claims(conn, [job_id])).get(job_id, UnchargedEnds()) if retry else UnchargedEnds()
             event = decide_failure(attempt=attempt, max_attempts=row.max_attempts, error=error, retry=retry, now=now,
-                                   uncharged=uncharged)  # fmt: skip
+                                   ends=ends)  # fmt: skip
             [failed], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
                                                          metadata=node_metadata(node_id, request_id))  # fmt: skip
             await store.publish(conn, [(organization_id, position, 0)])
     return failed
+
+
+async def give_back(
+    conn: psycopg.AsyncConnection, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int,
+    request_id: str | None = None,
+) -> JobRow:
+    """A stopping agent gives back a job it could not finish within its grace (:func:`decide_give_back`):
+    back to the queue at once, in its place, not charged while its interruptions are fewer than its
+    ``max_attempts``.
+
+    Sent again (its answer lost), it is answered with the job as it stands and
+    records nothing, as a repeated failure is.
+    """
+    async with conn.transaction():
+        row, now = await _locked(conn, organization_id, job_id)
+        if await _repeats_give_back(conn, row, node_id, attempt):
+            return row
+        _check_holder(row, node_id, attempt)
+        ends = (await uncharged_claims(conn, [job_id])).get(job_id, UnchargedEnds())
+        event = decide_give_back(attempt=attempt, max_attempts=row.max_attempts, now=now, ends=ends)
+        [given_back], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
+                                                         metadata=node_metadata(node_id, request_id))  # fmt: skip
+        await store.publish(conn, [(organization_id, position, int(isinstance(event, JobReleased)))])
+    log.info("job given back", extra={"action": "job_given_back", "job_id": str(job_id), "node_id": str(node_id),
+                                      "status": given_back.status})  # fmt: skip
+    return given_back
+
+
+async def _repeats_give_back(conn: psycopg.AsyncConnection, row: JobRow, node_id: UUID, attempt: int) -> bool:
+    """Whether this give-back repeats one this node made of ``attempt``: released then (the log says by
+    whom), or charged as a failure past the job's free interruptions (:func:`_repeats_failure`)."""
+    if row.attempt == attempt and row.status in ("queued", "blocked"):
+        released_by, released = await attempt_ended_by(conn, row.id, attempt, JobReleased)
+        if released_by == node_id and released.reason == AGENT_STOPPING:
+            return True
+    return await _repeats_failure(conn, row, node_id, attempt)
 
 
 async def _repeats_failure(conn: psycopg.AsyncConnection, row: JobRow, node_id: UUID, attempt: int) -> bool:

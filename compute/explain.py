@@ -126,7 +126,8 @@ async def _placed(conn: psycopg.AsyncConnection, row: JobRow, nodes: Sequence[No
     lease_left = None
     if row.status == "running" and row.lease_expires_at:
         lease_left = (row.lease_expires_at - now).total_seconds()
-    uncharged = (await uncharged_claims(conn, [row.id])).get(row.id, 0) if row.attempt else 0
+    ends = (await uncharged_claims(conn, [row.id])).get(row.id) if row.attempt else None
+    uncharged = ends.count(row.max_attempts) if ends else 0
     summary = placed_summary(
         status=row.status, placement=row.placement, node_name=node_name, attempt=row.attempt,
         max_attempts=row.max_attempts, lease_seconds_left=lease_left, error=row.error, result=row.result,

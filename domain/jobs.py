@@ -8,6 +8,7 @@ caller passes the database's ``now``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 from uuid import UUID
@@ -18,6 +19,7 @@ from umbra.events.types import (
     JobCancelled,
     JobFailed,
     JobLeaseExpired,
+    JobReleased,
     JobRequeued,
 )
 
@@ -152,42 +154,86 @@ def repeats_decomposition(
     )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class UnchargedEnds:
+    """A job's earlier claims that ended through no doing of its own, as its log counts them.
+
+    * ``unheard``: given back before their agent heard of them (``job.released``
+      for a client gone or a lost answer): they never ran, and are never charged.
+      Without this a dropped long-poll cost the job one of its retries.
+    * ``interrupted``: runs cut short from outside, by the revocation of the
+      node that held them (``job.lease_expired``, ``cause: node_revoked``) or by
+      their agent stopping past its grace and giving the job back
+      (``job.released``, ``reason: agent_stopping``). The job did nothing to
+      lose them, so they are not charged, but only up to ``max_attempts`` of
+      them: a job that takes down every node it runs on would otherwise never
+      run out of attempts while operators revoke or restart each dead node.
+    """
+
+    unheard: int = 0
+    interrupted: int = 0
+
+    def count(self, max_attempts: int, *, interrupting: bool = False) -> int:
+        """The claims not charged against ``max_attempts``; ``interrupting``: the run ending now is
+        itself an interruption, counted with the earlier ones."""
+        return self.unheard + min(self.interrupted + interrupting, max_attempts)
+
+
 def decide_failure(
-    *, attempt: int, max_attempts: int, error: str, retry: bool, now: datetime, uncharged: int = 0
+    *, attempt: int, max_attempts: int, error: str, retry: bool, now: datetime, ends: UnchargedEnds = UnchargedEnds()
 ) -> JobRequeued | JobFailed:
     """A retryable failure requeues after the backoff while attempts remain; otherwise the job fails.
 
-    ``uncharged`` counts the job's claims that are not charged against
-    ``max_attempts``, though ``attempt`` (the fencing token, which never goes
-    back) counts them: those given back before their agent heard of them
-    (``job.released``: they never ran; without this a dropped long-poll cost
-    the job one of its retries), and those ended by the revocation of the
-    node that held them (:func:`decide_lease_expiry`). The backoff still
-    follows ``attempt`` (SPEC: 5 s × 2^(attempt−1)).
+    ``attempt`` (the fencing token, which never goes back) counts every claim;
+    the budget counts runs, the claims ``ends`` does not exempt
+    (:class:`UnchargedEnds`). The backoff still follows ``attempt`` (SPEC:
+    5 s × 2^(attempt−1)).
     """
-    runs = attempt - uncharged
+    runs = attempt - ends.count(max_attempts)
     if should_retry(retry_requested=retry, attempt=runs, max_attempts=max_attempts):
         return JobRequeued(attempt=attempt, error=error, not_before=now + timedelta(seconds=backoff_seconds(attempt)))
     return JobFailed(attempt=attempt, error=error, reason="attempts_exhausted" if retry else "not_retryable")
 
 
 def decide_lease_expiry(
-    *, attempt: int, max_attempts: int, node_id: UUID | None, now: datetime, delay_seconds: int, uncharged: int = 0,
-    cause: Literal["expired", "node_revoked"] = "expired",
+    *, attempt: int, max_attempts: int, node_id: UUID | None, now: datetime, delay_seconds: int,
+    ends: UnchargedEnds = UnchargedEnds(), cause: Literal["expired", "node_revoked"] = "expired",
 ) -> JobLeaseExpired:
     """An ended lease requeues (only the holder is known to be gone) unless attempts are spent.
 
     ``attempt`` was incremented at claim time, so a job that kills every node
-    that takes it still ends. Uncharged claims are not counted, as in
-    :func:`decide_failure`. A lease ended because an administrator revoked
-    its node (``cause="node_revoked"``) is not charged either, and always
-    requeues: the job did nothing to lose that run, and a job allowed one
-    attempt would otherwise fail for good for its node's revocation.
+    that takes it still ends. A lease ended because an administrator revoked
+    its node (``cause="node_revoked"``) is an interruption: not charged while
+    the job has had fewer than ``max_attempts`` of them
+    (:class:`UnchargedEnds`), so a job allowed one attempt does not fail for
+    good for its node's revocation.
     """
-    if cause == "node_revoked" or attempt - uncharged < max_attempts:
+    runs = attempt - ends.count(max_attempts, interrupting=cause == "node_revoked")
+    if runs < max_attempts:
         return JobLeaseExpired(attempt=attempt, node_id=node_id, requeued=True,
                                not_before=now + timedelta(seconds=delay_seconds), cause=cause)  # fmt: skip
     return JobLeaseExpired(attempt=attempt, node_id=node_id, requeued=False, cause=cause)
+
+
+#: ``job.released``'s reason when a stopping agent gives back a job it had started.
+AGENT_STOPPING = "agent_stopping"
+STOPPED_ERROR = "The agent stopped before the job finished."
+
+
+def decide_give_back(
+    *, attempt: int, max_attempts: int, now: datetime, ends: UnchargedEnds = UnchargedEnds()
+) -> JobReleased | JobRequeued | JobFailed:
+    """A stopping agent gives back a job it could not finish within its grace.
+
+    An interruption (:class:`UnchargedEnds`): back to the queue at once, in
+    its place, not charged (``job.released``, ``reason: agent_stopping``), as Sidekiq
+    pushes back the jobs of a worker shutting down. Past
+    ``max_attempts`` interruptions it is charged as the retryable failure the
+    agent reported before it could give jobs back.
+    """
+    if ends.interrupted < max_attempts:
+        return JobReleased(attempt=attempt, reason=AGENT_STOPPING)
+    return decide_failure(attempt=attempt, max_attempts=max_attempts, error=STOPPED_ERROR, retry=True, now=now, ends=ends)
 
 
 def decide_cancel(*, status: str, by: str | None, reason: str | None = None) -> JobCancelled:

@@ -439,17 +439,21 @@ async def read_stream(
 
 async def count_by_stream(
     conn: psycopg.AsyncConnection, streams: Sequence[str], matching: Sequence[tuple[str, Mapping[str, Any]]]
-) -> dict[str, int]:
-    """How many events each of ``streams`` holds that match one of ``matching``: a type, and fields its
-    data must hold (``{}``: any). Streams with none are left out."""
+) -> dict[str, list[int]]:
+    """How many events each of ``streams`` holds that match each of ``matching`` (a type, and fields its
+    data must hold, ``{}``: any), in ``matching``'s order; an event may match several. Streams with none
+    are left out."""
     types, data = [t for t, _ in matching], [Jsonb(dict(fields)) for _, fields in matching]
     cursor = await conn.execute(
-        "SELECT e.stream, count(*) FROM events e WHERE e.stream = ANY(%s) AND EXISTS ("
-        "SELECT 1 FROM unnest(%s::text[], %s::jsonb[]) AS m(type, data) WHERE e.type = m.type AND e.data @> m.data"
-        ") GROUP BY e.stream",
-        (list(streams), types, data),
+        "SELECT e.stream, m.i, count(*) FROM events e"
+        " JOIN unnest(%s::text[], %s::jsonb[]) WITH ORDINALITY AS m(type, data, i) ON e.type = m.type AND e.data @> m.data"
+        " WHERE e.stream = ANY(%s) GROUP BY e.stream, m.i",
+        (types, data, list(streams)),
     )
-    return dict(await cursor.fetchall())
+    counted: dict[str, list[int]] = {}
+    for stream, index, count in await cursor.fetchall():
+        counted.setdefault(stream, [0] * len(matching))[index - 1] = count
+    return counted
 
 
 async def read_log(

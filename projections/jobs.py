@@ -23,7 +23,7 @@ import msgspec
 import psycopg
 
 from umbra.db import PreparedStatement
-from umbra.domain.jobs import lease_ended_error
+from umbra.domain.jobs import AGENT_STOPPING, STOPPED_ERROR, lease_ended_error
 from umbra.events import documents, store
 from umbra.events.store import PendingAppend, RecordedEvent, copy_json, copy_text
 from umbra.events.types import (
@@ -190,8 +190,9 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
         case JobLeaseExpired():
             return dict(status="failed", error=lease_ended_error(e), lease_owner=None, lease_expires_at=None,
                            finished_at=at)  # fmt: skip
-        case JobReleased():
-            return dict(status="queued", **_RELEASED)
+        case JobReleased(reason=reason):
+            # A job a stopping agent gave back says why it is queued again (a claim given back unheard never ran).
+            return dict(status="queued", **_RELEASED, **({"error": STOPPED_ERROR} if reason == AGENT_STOPPING else {}))
         case JobBlocked():
             since = s.blocked_at if s.status == "blocked" else at
             return dict(status="blocked", blocked_reason=e.reason, blocked_at=since, **_RELEASED)

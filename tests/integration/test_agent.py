@@ -531,6 +531,67 @@ async def test_a_completion_sent_again_runs_the_job_its_lost_answer_had_claimed(
     assert (done_b["status"], done_b["result"], done_b["error"]) == ("complete", {"n": "B"}, None), done_b
 
 
+async def test_a_claim_whose_answer_was_lost_is_given_back_at_once_and_run_uncharged(server, api):
+    """The server claimed the job and answered; the answer was cut off on its way. The agent never heard of
+    the job, so it gives back what that claim request took (``POST /v1/agent/claim/release``, naming the
+    ``X-Request-ID`` it sent): ``job.released`` (``answer_unread``), uncharged, and its next long-poll takes
+    the job. A job allowed one attempt runs, instead of waiting out its lease and failing for it."""
+    paired = await pair(server, api, "box-lost-claim")
+    job = await submit(api, "echo", {"n": 1}, max_attempts=1)
+    transport = LoseAnswers(lambda request: request.url.path == "/v1/agent/claim")
+    async with running_agent(server, paired["credential"], transport=transport):
+        done = await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=15)
+    assert transport.lost
+    assert (done["status"], done["result"], done["attempt"]) == ("complete", {"n": 1}, 2), done
+    events = await job_events(api, job["id"])
+    assert [(e["type"], e["data"].get("reason")) for e in events] == [
+        ("job.submitted", None), ("job.claimed", None), ("job.released", "answer_unread"), ("job.claimed", None),
+        ("job.completed", None)]
+    assert events[1]["metadata"]["request_id"] != events[3]["metadata"]["request_id"]  # one id per claim request
+
+
+class HoldClaimAnswers(httpx.AsyncBaseTransport):
+    """The real transport, except that a claim's answer, once the server sent it, is held back until the
+    request is cancelled: the agent is stopped while the answer is on its way."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.answer_arrived = anyio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.url.path == "/v1/agent/claim" and response.status_code == 200:
+            await response.aread()
+            self.answer_arrived.set()
+            await anyio.sleep_forever()
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_stop_while_a_claims_answer_is_on_its_way_gives_the_claim_back(server, api):
+    """A stop cancels the parked long-poll; the server had already claimed a job and sent it. The agent gives
+    back what that request took before it signs off: the job is queued at once (``answer_unread``, uncharged)
+    and another agent runs it, rather than the job waiting out a lease on a node that never ran it."""
+    first = await pair(server, api, "box-stopping")
+    other = await pair(server, api, "box-after")
+    transport = HoldClaimAnswers()
+    async with running_agent(server, first["credential"], transport=transport) as agent:
+        job = await submit(api, "echo", {"n": 2}, max_attempts=1)
+        with anyio.fail_after(10):
+            await transport.answer_arrived.wait()
+        agent.stop()
+    given_back = (await api.get(f"/v1/jobs/{job['id']}")).json()
+    assert (given_back["status"], given_back["lease_owner"], given_back["attempt"]) == ("queued", None, 1), given_back
+    assert agent.outcomes == []
+    assert [(e["type"], e["data"].get("reason")) for e in await job_events(api, job["id"])][-1] == (
+        "job.released", "answer_unread")
+    async with running_agent(server, other["credential"]):
+        done = await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=15)
+    assert (done["status"], done["placement"]["node_id"]) == ("complete", other["node_id"])
+
+
 async def test_a_handler_error_naming_a_file_that_is_not_utf8_fails_the_job_and_the_agent_runs_on(server, api):
     """A message holding a lone surrogate (a file name ``os.fsdecode`` made of bytes that are not UTF-8)
     cannot be sent as JSON as it is: it is made storable, as a NUL is, and the job fails with it. Ending the
@@ -598,9 +659,9 @@ async def test_an_agent_with_n_slots_never_runs_more_than_n_jobs_at_once(server,
 
 
 async def test_a_job_given_back_at_a_stop_is_soon_run_by_another_agent(server, api):
-    """Past the stop's grace the running job is failed as retryable (an attempt spent, the back-off of
-    attempt 1: 5 s), so another node runs it within seconds rather than after a lease; the stopping
-    agent's node signs off."""
+    """Past the stop's grace the running job is given back (``job.released``, ``agent_stopping``): queued
+    at once with no back-off and not charged, so even a job allowed a single attempt runs on another node
+    within seconds rather than failing or waiting out a lease; the stopping agent's node signs off."""
     first = await pair(server, api, "box-stopping")
     other = await pair(server, api, "box-taking-over")
     started = anyio.Event()
@@ -612,12 +673,16 @@ async def test_a_job_given_back_at_a_stop_is_soon_run_by_another_agent(server, a
         return {"attempt": claim.attempt}
 
     async with running_agent(server, first["credential"], {"long": long}, grace_seconds=0.5) as agent:
-        job = await submit(api, "long", max_attempts=3)
+        job = await submit(api, "long", max_attempts=1)
         with anyio.fail_after(10):
             await started.wait()
         agent.stop()
         given_back = await eventually(lambda: job_in(api, job["id"], "queued", "failed"), timeout=10)
+    assert [o.status for o in agent.outcomes] == ["released"]
+    events = (await api.get(f"/v1/jobs/{job['id']}/events")).json()["events"]
+    assert [(e["type"], e["data"].get("reason")) for e in events][-1] == ("job.released", "agent_stopping")
     assert given_back["status"] == "queued" and given_back["error"] == "The agent stopped before the job finished."
+    assert given_back["attempt"] == 1 and given_back["not_before"] is None  # queued at once, not charged
     assert (await api.get(f"/v1/nodes/{first['node_id']}")).json()["status"] == "offline"
     async with running_agent(server, other["credential"], {"long": long}):
         done = await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=15)

@@ -170,7 +170,8 @@ async def test_a_restart_reuses_the_credential_and_gives_a_job_back_after_the_gr
     given_back = await _job(api, stuck, "queued")
     assert given_back and given_back["error"] == "The agent stopped before the job finished."
     events = (await api.get(f"/v1/jobs/{stuck}/events")).json()["events"]
-    assert [e["type"] for e in events] == ["job.submitted", "job.claimed", "job.requeued"]
+    assert [e["type"] for e in events] == ["job.submitted", "job.claimed", "job.released"]
+    assert events[-1]["data"]["reason"] == "agent_stopping" and given_back["not_before"] is None
     assert "paired as" not in second.stdout.decode()
 
 

@@ -30,7 +30,7 @@ import anyio
 import httpx
 import pytest
 
-from umbra.api.agent_jobs import ChildrenRequest, CompleteRequest, FailRequest, RenewRequest
+from umbra.api.agent_jobs import ChildrenRequest, CompleteRequest, FailRequest, GiveBackRequest, RenewRequest
 from umbra.api.app import all_routes
 from umbra.api.models import ModelRequest
 from umbra.compute.accounts import create_api_key, create_organization, create_project
@@ -58,6 +58,7 @@ BODIES: dict[type, dict[str, Any]] = {
     RenewRequest: {"attempt": 1},
     CompleteRequest: {"attempt": 1, "result": {"stolen": True}},
     FailRequest: {"attempt": 1, "error": "stolen", "retry": False},
+    GiveBackRequest: {"attempt": 1},
     ChildrenRequest: {"attempt": 1, "children": [{"kind": "echo"}]},
     ModelRequest: {"vram_min_mb": 777},
 }
@@ -72,6 +73,7 @@ SPECIAL = {
     ("POST", "/v1/jobs/batch"),
     ("POST", "/v1/pairings"),
     ("POST", "/v1/agent/claim"),
+    ("POST", "/v1/agent/claim/release"),
     ("POST", "/v1/agent/complete"),
     ("POST", "/v1/agent/heartbeat"),
     ("POST", "/v1/agent/offline"),

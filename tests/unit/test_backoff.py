@@ -8,8 +8,11 @@ from uuid import uuid4
 import pytest
 
 from umbra.domain.backoff import backoff_seconds, should_retry
-from umbra.domain.jobs import NotHolder, JobWasCancelled, check_holder, decide_failure, decide_lease_expiry
-from umbra.events.types import JobFailed, JobRequeued
+from umbra.domain.jobs import (
+    AGENT_STOPPING, JobWasCancelled, NotHolder, UnchargedEnds, check_holder, decide_failure, decide_give_back,
+    decide_lease_expiry,
+)  # fmt: skip
+from umbra.events.types import JobFailed, JobReleased, JobRequeued
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -53,20 +56,63 @@ def test_an_expired_lease_requeues_with_the_delay_until_attempts_are_spent():
 
 def test_released_claims_are_not_charged_as_runs():
     """Attempt 4 after two releases is the second run: the budget counts runs; the backoff follows the attempt."""
-    event = decide_failure(attempt=4, max_attempts=3, error="oom", retry=True, now=NOW, uncharged=2)
+    unheard = UnchargedEnds(unheard=2)
+    event = decide_failure(attempt=4, max_attempts=3, error="oom", retry=True, now=NOW, ends=unheard)
     assert event == JobRequeued(attempt=4, error="oom", not_before=NOW + timedelta(seconds=40))
-    assert decide_failure(attempt=5, max_attempts=3, error="oom", retry=True, now=NOW, uncharged=2).reason == "attempts_exhausted"
-    assert decide_lease_expiry(attempt=2, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, uncharged=1).requeued
-    assert not decide_lease_expiry(attempt=3, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, uncharged=1).requeued
+    assert decide_failure(attempt=5, max_attempts=3, error="oom", retry=True, now=NOW, ends=unheard).reason == "attempts_exhausted"
+    one = UnchargedEnds(unheard=1)
+    assert decide_lease_expiry(attempt=2, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, ends=one).requeued
+    assert not decide_lease_expiry(attempt=3, max_attempts=2, node_id=None, now=NOW, delay_seconds=2, ends=one).requeued
 
 
-def test_a_lease_ended_by_its_nodes_revocation_always_requeues():
-    """The job did nothing to lose that run: even its last attempt goes back to the queue, claimable now."""
-    for attempt in (1, 3, 7):
+def test_unheard_claims_are_never_charged_however_many():
+    """A claim given back before its agent heard of it never ran: a hundred of them still leave every run."""
+    ends = UnchargedEnds(unheard=100)
+    assert ends.count(1) == 100
+    assert decide_failure(attempt=101, max_attempts=1, error="x", retry=True, now=NOW, ends=ends).reason == "attempts_exhausted"
+    assert decide_lease_expiry(attempt=101, max_attempts=2, node_id=None, now=NOW, delay_seconds=0, ends=ends).requeued
+
+
+def test_a_lease_ended_by_its_nodes_revocation_requeues_while_interruptions_are_free():
+    """The job did nothing to lose that run: even on its last attempt it goes back, claimable now."""
+    for attempt, ends in ((1, UnchargedEnds()), (3, UnchargedEnds(unheard=2)), (7, UnchargedEnds(unheard=6))):
         event = decide_lease_expiry(attempt=attempt, max_attempts=1, node_id=None, now=NOW, delay_seconds=0,
-                                    cause="node_revoked")  # fmt: skip
+                                    ends=ends, cause="node_revoked")  # fmt: skip
         assert (event.requeued, event.not_before, event.cause) == (True, NOW, "node_revoked")
     assert decide_lease_expiry(attempt=1, max_attempts=1, node_id=None, now=NOW, delay_seconds=0).requeued is False
+
+
+def test_interruptions_past_max_attempts_are_charged_so_a_node_killing_job_still_ends():
+    """A job allowed two attempts whose every run ends in a revocation: two are free, then they count.
+
+    Runs 1 and 2 revoked: free. Run 3 revoked: interruptions now exceed the cap, so one of them is
+    charged (run 1 of 2), and the job requeues. Run 4 revoked: two charged, the job fails for good.
+    """
+    decided = []
+    for attempt in range(1, 5):
+        ends = UnchargedEnds(interrupted=attempt - 1)
+        decided.append(decide_lease_expiry(attempt=attempt, max_attempts=2, node_id=None, now=NOW, delay_seconds=0,
+                                           ends=ends, cause="node_revoked").requeued)  # fmt: skip
+    assert decided == [True, True, True, False]
+    # An expiry or a failure after free interruptions counts only the runs charged.
+    two_free = UnchargedEnds(interrupted=2)
+    assert decide_lease_expiry(attempt=3, max_attempts=2, node_id=None, now=NOW, delay_seconds=0, ends=two_free).requeued
+    assert decide_failure(attempt=3, max_attempts=2, error="x", retry=True, now=NOW, ends=two_free).attempt == 3
+    assert isinstance(decide_failure(attempt=4, max_attempts=2, error="x", retry=True, now=NOW, ends=two_free), JobFailed)
+    # Past the cap the extra interruptions are charged: five of them free only two.
+    assert UnchargedEnds(unheard=1, interrupted=5).count(2) == 3
+
+
+def test_a_stopping_agent_gives_back_uncharged_until_interruptions_reach_max_attempts():
+    """Given back: ``job.released`` (``agent_stopping``), queued at once. Past the cap: the charged retryable
+    failure it used to be, with its backoff, and on the last charged run the job fails."""
+    assert decide_give_back(attempt=1, max_attempts=1, now=NOW) == JobReleased(attempt=1, reason=AGENT_STOPPING)
+    assert decide_give_back(attempt=5, max_attempts=3, now=NOW, ends=UnchargedEnds(unheard=2, interrupted=2)) == (
+        JobReleased(attempt=5, reason=AGENT_STOPPING))
+    charged = decide_give_back(attempt=4, max_attempts=3, now=NOW, ends=UnchargedEnds(interrupted=3))
+    assert isinstance(charged, JobRequeued) and charged.not_before == NOW + timedelta(seconds=40)
+    exhausted = decide_give_back(attempt=2, max_attempts=1, now=NOW, ends=UnchargedEnds(interrupted=1))
+    assert isinstance(exhausted, JobFailed) and exhausted.reason == "attempts_exhausted"
 
 
 def test_fencing_refuses_everyone_but_the_holder_at_its_attempt():

@@ -3,8 +3,8 @@
 The first run (with --code) redeems the pairing code and saves the node
 credential; every later run reuses the saved credential. SIGTERM, SIGINT or
 SIGHUP (the terminal or SSH session closing; unless started under nohup)
-stops polling and lets the current job finish within --grace seconds; a
-second SIGTERM or SIGINT gives up on it at once. Either way the exit status
+stops polling and lets the current job finish within --grace seconds, then
+gives it back to the server; a second SIGTERM or SIGINT gives up on it at once. Either way the exit status
 is 0. A credential the server rejects, or a heartbeat or claim it refuses for
 what it says (devices it does not accept, a credential without the scope),
 stops the agent with the server's error and exit status 1.

@@ -189,7 +189,7 @@ def claim_kinds(handler_kinds: Sequence[str]) -> list[str]:
     return kinds
 
 
-#: How long a stopping agent waits to say so: it is leaving either way.
+#: How long a stopping agent waits to say so (or to give back a claim it never read): it is leaving either way.
 SIGN_OFF_TIMEOUT_SECONDS = 3.0
 
 
@@ -213,11 +213,12 @@ class AgentClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _post(self, path: str, body: Any = None, *, timeout: float | None = None, params=None) -> httpx.Response:
-        kwargs: dict[str, Any] = {"params": params}
+    async def _post(self, path: str, body: Any = None, *, timeout: float | None = None, params=None,
+                    headers: dict[str, str] | None = None) -> httpx.Response:  # fmt: skip
+        kwargs: dict[str, Any] = {"params": params, "headers": dict(headers or {})}
         if body is not None:
             kwargs["content"] = msgspec.json.encode(body)
-            kwargs["headers"] = {"Content-Type": "application/json"}
+            kwargs["headers"]["Content-Type"] = "application/json"
         if timeout is not None:
             kwargs["timeout"] = timeout
         response = await self._http.post(path, **kwargs)
@@ -246,16 +247,25 @@ class AgentClient:
         """``POST /v1/agent/offline``: this agent is stopping; the node reads offline until its next heartbeat."""
         return _read(await self._post("/v1/agent/offline", timeout=SIGN_OFF_TIMEOUT_SECONDS))
 
-    async def claim(self, wait: float, *, kinds: Sequence[str] = ()) -> Claim | None:
+    async def claim(self, wait: float, *, kinds: Sequence[str] = (), request_id: str | None = None) -> Claim | None:
         """Long-poll ``POST /v1/agent/claim?wait=S``: a :class:`Claim`, or None on 204.
 
-        With ``kinds``, only a job of one of them (``&kind=a&kind=b``)."""
+        With ``kinds``, only a job of one of them (``&kind=a&kind=b``). ``request_id`` is sent as
+        ``X-Request-ID``: the server records it with the claim, and :meth:`release_unread` names it."""
         response = await self._post(
-            "/v1/agent/claim", params={"wait": int(wait), "kind": list(kinds)}, timeout=wait + LONG_POLL_SLACK_SECONDS
+            "/v1/agent/claim", params={"wait": int(wait), "kind": list(kinds)}, timeout=wait + LONG_POLL_SLACK_SECONDS,
+            headers={"X-Request-ID": request_id} if request_id else None,
         )
         if response.status_code == 204:
             return None
         return _read(response, lambda body: _claim(body, response))
+
+    async def release_unread(self, request_id: str) -> list[str]:
+        """``POST /v1/agent/claim/release``: the answer of the claim request sent as ``request_id`` was never
+        read; the server gives back what it took. Returns the ids of the jobs given back."""
+        answer = _read(await self._post("/v1/agent/claim/release", {"request_id": request_id},
+                                        timeout=SIGN_OFF_TIMEOUT_SECONDS))  # fmt: skip
+        return list(answer["released"])
 
     async def renew(self, job_id: str, attempt: int) -> float:
         """Extend the lease; returns the seconds of it left (see :func:`lease_left`)."""
@@ -285,6 +295,10 @@ class AgentClient:
     async def fail(self, job_id: str, attempt: int, error: str, *, retry: bool) -> dict[str, Any]:
         body = {"attempt": attempt, "error": error, "retry": retry}
         return _read(await self._post(f"/v1/agent/jobs/{job_id}/fail", body))
+
+    async def give_back(self, job_id: str, attempt: int) -> dict[str, Any]:
+        """``POST /v1/agent/jobs/{id}/release``: this agent is stopping before the job finished."""
+        return _read(await self._post(f"/v1/agent/jobs/{job_id}/release", {"attempt": attempt}))
 
     async def add_children(self, job_id: str, attempt: int, children: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         body = {"attempt": attempt, "children": list(children)}

@@ -6,8 +6,11 @@ scope early, and each is reported differently:
 
 * the server says the job is no longer ours (cancelled, or the lease was lost
   and the job re-claimed): nothing is reported, the server would refuse it;
-* the agent is stopping and the grace period ran out: the job is failed as
-  retryable, so another node picks it up after the back-off;
+* the agent is stopping and the grace period ran out: the job is given back
+  (``POST /v1/agent/jobs/{id}/release``), queued again at once for another
+  node and not charged against its attempts (up to a point: see
+  :class:`umbra.domain.jobs.UnchargedEnds`); a server without that route gets
+  the retryable failure it knows;
 * the job's ``max_runtime_s`` passed: the job is failed for good (even
   during a stop's grace period: another node would only hit it again).
 
@@ -42,6 +45,8 @@ import anyio
 import httpx
 import msgspec
 
+from umbra.domain.jobs import STOPPED_ERROR
+
 from .client import HTTP_ERROR, AgentClient, Claim, ServiceError
 from .handlers import Decompose, HandlerRegistry, PermanentError, is_retryable
 
@@ -54,7 +59,6 @@ LOST_CODES = frozenset({"job_cancelled", "job_not_claimed_by_this_node", "job_no
 TRANSIENT_REFUSALS = frozenset({408, 409, 425, 429})
 #: Refusals of a result or children that no retry, and no rerun, could change.
 UNDELIVERABLE_CODES = frozenset({"invalid_request", "payload_too_large"})
-STOPPED_MESSAGE = "The agent stopped before the job finished."
 RUNTIME_MESSAGE = "The job exceeded its max_runtime_s."
 #: Longest failure message sent; the server accepts 10,000 characters.
 MAX_ERROR_CHARS = 4000
@@ -109,7 +113,7 @@ class Outcome:
 
     job_id: str
     kind: str
-    status: str  # "complete", "failed", "retrying", "decomposed", "lost", "unreported"
+    status: str  # "complete", "failed", "retrying", "released", "decomposed", "lost", "unreported"
     detail: Any = None
     #: The node's next job, claimed with this one's completion.
     next_claim: Claim | None = None
@@ -224,7 +228,7 @@ class JobRun:
             # Whichever deadline came first ended it: the runtime limit's, or the stop's.
             if runtime_deadline is not None and runtime_deadline <= scope.deadline:
                 return await self._fail(RUNTIME_MESSAGE, retry=False)
-            return await self._fail(STOPPED_MESSAGE, retry=True)
+            return await self._give_back()
         if failure is not None:
             return await self._fail(str(failure) or type(failure).__name__, retry=is_retryable(failure))
         if isinstance(result, _Children):
@@ -260,6 +264,15 @@ class JobRun:
         if len(message) > MAX_ERROR_CHARS:
             message = message[: MAX_ERROR_CHARS - 1] + "…"
         return await self._report(status, self.client.fail, claim.job_id, claim.attempt, message, retry=retry)
+
+    async def _give_back(self) -> Outcome:
+        """Past a stop's grace: give the job back. A server of an earlier release answers 404 ``not_found``
+        (no such route): the job is failed as retryable instead, as that server expects."""
+        claim = self.claim
+        outcome = await self._report("released", self.client.give_back, claim.job_id, claim.attempt)
+        if outcome.status == "lost" and outcome.detail == "not_found":
+            return await self._fail(STOPPED_ERROR, retry=True)
+        return outcome
 
     async def _undeliverable_fails(self, outcome: Outcome, what: str) -> Outcome:
         """A result or children the server refused as invalid or too large: fail the job for good, saying why."""

@@ -13,7 +13,7 @@ for it.
 Stopping (SIGTERM/SIGINT/SIGHUP, or the node being retired): polling stops at
 once (a long-poll abandoned mid-wait claims nothing); the current job gets
 ``grace_seconds`` to finish and is reported as usual; past that it is cancelled
-and failed as retryable so another node picks it up. A credential the server
+and given back, so another node picks it up at once. A credential the server
 rejects (401) stops the agent at once with that error: retrying cannot fix it.
 Nor can it fix a heartbeat or a claim the server refuses for what it says (422
 devices it does not accept, 403 a credential without the scope): the agent
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Sequence
@@ -46,6 +47,18 @@ log = logging.getLogger(__name__)
 MIN_POLL_SECONDS = 1.0
 
 __all__ = ["Agent", "AgentConfig", "Outcome", "backoff_delay"]
+
+
+def answer_maybe_unread(error: Exception | None) -> bool:
+    """Whether a claim request that failed with ``error`` may have claimed a job the agent did not hear of.
+
+    Not when it never reached the server (no connection) or the server refused it (4xx: nothing
+    claimed); yes when the answer was cut off or timed out, or a proxy answered 5xx in its place.
+    """
+    if isinstance(error, ServiceError):
+        return error.status >= 500
+    return isinstance(error, httpx.HTTPError) and not isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout,
+                                                                         httpx.PoolTimeout))  # fmt: skip
 
 
 #: How long a stopping agent lets a heartbeat already on its way finish before it signs off.
@@ -240,9 +253,10 @@ class Agent:
             claim: Claim | None = None
             error: Exception | None = None
             asked = anyio.current_time()
-            with self._poll_scope():
+            request_id = uuid.uuid4().hex
+            with self._poll_scope() as scope:
                 try:
-                    claim = await self.client.claim(self.config.claim_wait_seconds, kinds=self.kinds)
+                    claim = await self.client.claim(self.config.claim_wait_seconds, kinds=self.kinds, request_id=request_id)
                 except ServiceError as exc:
                     if exc.status == 401:
                         self._reject(exc)
@@ -253,6 +267,8 @@ class Agent:
                     error = exc
                 except httpx.HTTPError as exc:
                     error = exc
+            if scope.cancelled_caught or answer_maybe_unread(error):
+                await self._release_unread(request_id)
             if claim is not None:
                 failures = 0
                 while claim is not None:  # each completion may bring the next job
@@ -267,6 +283,24 @@ class Agent:
                 # Nothing to do, answered at once (a short --claim-wait): poll again no sooner than
                 # MIN_POLL_SECONDS after asking, not in a tight loop.
                 await self._pause(MIN_POLL_SECONDS - (anyio.current_time() - asked))
+
+    async def _release_unread(self, request_id: str) -> None:
+        """Give back whatever the claim request sent as ``request_id`` took, its answer never read.
+
+        A stop cancels a parked long-poll; an answer can be cut off or time out. If the server had
+        already claimed a job and sent it, the agent never runs it, and without this the job would
+        wait out its lease (the server releases a claim itself only when the client left before the
+        answer was sent). Best effort: a server that cannot be reached leaves the job to its lease.
+        """
+        with anyio.CancelScope(shield=True):
+            try:
+                released = await self.client.release_unread(request_id)
+            except (ServiceError, httpx.HTTPError) as exc:
+                log.warning("could not give back an unread claim", extra={"action": "claim_release_failed",
+                            "error": describe(exc)})  # fmt: skip
+                return
+        if released:
+            log.info("unread claim given back", extra={"action": "claim_released_unread", "job_ids": released})
 
     @contextlib.contextmanager
     def _poll_scope(self) -> Iterator[anyio.CancelScope]:

@@ -1,0 +1,239 @@
+"""What an agent gives back: a job it could not finish before stopping, a claim whose answer it never read.
+
+``POST /v1/agent/jobs/{id}/release`` (API.md "Additions"): the holder, at its attempt, gives the job back:
+``job.released`` with ``reason: agent_stopping``, queued at once in its place, not charged. Runs cut short
+from outside (that, and a revocation's lease end) are free while the job has had fewer than its
+``max_attempts`` of them; past that they are charged, so a job that takes down every node it runs on
+still runs out of attempts. Refusals change nothing; a give-back sent again is answered as the first was.
+
+``POST /v1/agent/claim/release`` names a claim request by the ``X-Request-ID`` it was sent with: what it took
+and what still stands as it left it goes back to the queue (``answer_unread``, never charged).
+"""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import pytest
+
+from tests.helpers import bearer
+from umbra.compute import claims
+from umbra.domain.jobs import UnchargedEnds
+from umbra.projections.verify import verify
+
+from .test_nodes_api import footprint
+from .test_revocation import claim_now, get_job, job_events, online, post_job
+
+pytestmark = pytest.mark.anyio
+
+STOPPED = "The agent stopped before the job finished."
+
+
+async def give_back(client, credential: str, job_id: str, attempt: int):
+    return await client.post(f"/v1/agent/jobs/{job_id}/release", json={"attempt": attempt}, headers=bearer(credential))
+
+
+async def test_a_job_given_back_is_queued_at_once_in_its_place_and_uncharged(client, conn, org):
+    """Given back: queued, no ``not_before``, the attempt kept (the fencing token), the reason on the job,
+    and ahead of jobs submitted after it: another node's next claim takes it, not the later one. A job
+    allowed one attempt keeps it."""
+    org_id, key = org
+    _, first = await online(client, key, "stopping-box")
+    _, second = await online(client, key, "other-box")
+    job_id = await post_job(client, key, max_attempts=1)
+    later = await post_job(client, key)
+    held = await claim_now(client, first)
+
+    answer = await give_back(client, first, job_id, held["attempt"])
+    assert answer.status_code == 200, answer.text
+    job = answer.json()
+    assert (job["status"], job["attempt"], job["not_before"], job["lease_owner"], job["error"]) == (
+        "queued", 1, None, None, STOPPED)
+    events = await job_events(client, key, job_id)
+    assert (events[-1]["type"], events[-1]["data"]["reason"]) == ("job.released", "agent_stopping")
+    assert events[-1]["metadata"]["actor"].startswith("node:")
+    taken = await claim_now(client, second)
+    assert (taken["id"], taken["attempt"]) == (job_id, 2)
+    done = await client.post(f"/v1/agent/jobs/{job_id}/complete", json={"attempt": 2, "result": {"ok": True}},
+                             headers=bearer(second))  # fmt: skip
+    assert done.status_code == 200 and done.json()["status"] == "complete", done.text
+    assert (await get_job(client, key, later))["status"] == "queued"
+    assert await verify(conn, org_id) == []
+
+
+async def test_a_give_back_sent_again_is_answered_as_the_first_and_records_nothing(client, org):
+    """Its answer lost, the agent sends it again: the job as it stands, one ``job.released``. Once another
+    node holds the job, the old attempt is refused (the agent takes it as lost) and nothing changes."""
+    _, key = org
+    _, first = await online(client, key, "stopping-box")
+    _, second = await online(client, key, "other-box")
+    job_id = await post_job(client, key)
+    await claim_now(client, first)
+    assert (await give_back(client, first, job_id, 1)).status_code == 200
+    again = await give_back(client, first, job_id, 1)
+    assert again.status_code == 200 and again.json()["status"] == "queued", again.text
+    assert [e["type"] for e in await job_events(client, key, job_id)] == ["job.submitted", "job.claimed", "job.released"]
+    await claim_now(client, second)
+    late = await give_back(client, first, job_id, 1)
+    assert (late.status_code, late.json()["error"]) == (409, "job_not_claimed_by_this_node")
+    assert (await get_job(client, key, job_id))["lease_owner"] is not None
+
+
+async def test_refused_give_backs_change_nothing(client, conn, org):
+    """Not the holder, a stale or bad attempt, a cancelled job, a job of another organization, unknown
+    fields: each refused with the contract's code, and nothing is written."""
+    from umbra.compute.accounts import create_organization
+
+    _, key = org
+    _, holder = await online(client, key, "holder-box")
+    _, bystander = await online(client, key, "bystander-box")
+    held_id = await post_job(client, key)
+    await claim_now(client, holder)
+    cancelled_id = await post_job(client, key)
+    await claim_now(client, holder)
+    assert (await client.post(f"/v1/jobs/{cancelled_id}/cancel", headers=bearer(key))).status_code == 200
+    _, other_key = await create_organization(conn, "elsewhere")
+    _, stranger = await online(client, other_key, "stranger-box")
+    before = await footprint(conn)
+
+    refusals = [
+        (await give_back(client, bystander, held_id, 1), 409, "job_not_claimed_by_this_node"),
+        (await give_back(client, holder, held_id, 2), 409, "job_not_claimed_by_this_node"),
+        (await give_back(client, holder, cancelled_id, 1), 409, "job_cancelled"),
+        (await give_back(client, stranger, held_id, 1), 404, "job_not_found"),
+        (await give_back(client, holder, held_id, 0), 422, "invalid_request"),
+        (await client.post(f"/v1/agent/jobs/{held_id}/release", json={"attempt": 1, "retry": True},
+                           headers=bearer(holder)), 422, "invalid_request"),  # fmt: skip
+        (await give_back(client, key, held_id, 1), 403, "forbidden"),  # an API key holds no compute:complete
+    ]
+    for answer, status, code in refusals:
+        assert answer.status_code == status, (answer.status_code, answer.text)
+        if code:
+            assert answer.json()["error"] == code, answer.text
+    assert await footprint(conn) == before
+
+
+async def test_interruptions_past_max_attempts_are_charged_and_the_job_fails(client, conn, org):
+    """A job allowed one attempt: given back once (free), then its next node revoked (past the cap: charged,
+    and that was its one run): it fails for good instead of going round the fleet for ever. The log's
+    counts agree, and so do replay and verify."""
+    org_id, key = org
+    _, first = await online(client, key, "first-box")
+    second_id, second = await online(client, key, "second-box")
+    await online(client, key, "third-box")
+    job_id = await post_job(client, key, max_attempts=1)
+    await claim_now(client, first)
+    assert (await give_back(client, first, job_id, 1)).json()["status"] == "queued"
+    assert (await claim_now(client, second))["id"] == job_id
+    assert (await client.post(f"/v1/nodes/{second_id}/revoke", headers=bearer(key))).status_code == 200
+
+    job = await get_job(client, key, job_id)
+    assert (job["status"], job["attempt"]) == ("failed", 2), job
+    assert await claims.uncharged_claims(conn, [UUID(job_id)]) == {UUID(job_id): UnchargedEnds(interrupted=2)}
+    events = await job_events(client, key, job_id)
+    assert [(e["type"], e["data"].get("requeued")) for e in events[-2:]] == [("job.claimed", None), ("job.lease_expired", False)]
+    assert await verify(conn, org_id) == []
+
+
+async def test_a_give_back_past_the_cap_is_the_charged_retryable_failure_with_its_backoff(client, org):
+    """Two interruptions already (a revocation, a give-back) on a job allowed two attempts: the third
+    interruption, a give-back, is charged: ``job.requeued`` with attempt 3's back-off, not queued at once.
+    Sent again it records nothing."""
+    _, key = org
+    first_id, first = await online(client, key, "first-box")
+    _, second = await online(client, key, "second-box")
+    _, third = await online(client, key, "third-box")
+    job_id = await post_job(client, key, max_attempts=2)
+    await claim_now(client, first)
+    assert (await client.post(f"/v1/nodes/{first_id}/revoke", headers=bearer(key))).status_code == 200
+    await claim_now(client, second)
+    released = (await give_back(client, second, job_id, 2)).json()
+    assert released["not_before"] == (await job_events(client, key, job_id))[-3]["data"]["not_before"]  # the revocation's: now
+    await claim_now(client, third)
+
+    charged = await give_back(client, third, job_id, 3)
+    assert charged.status_code == 200, charged.text
+    job = charged.json()
+    assert (job["status"], job["attempt"], job["error"]) == ("queued", 3, STOPPED)
+    assert job["not_before"] > released["not_before"]  # attempt 3's back-off: 20 s
+    again = await give_back(client, third, job_id, 3)
+    assert again.status_code == 200 and again.json()["not_before"] == job["not_before"]
+    types = [e["type"] for e in await job_events(client, key, job_id)]
+    assert types[-1] == "job.requeued" and types.count("job.requeued") == 1
+
+
+async def test_explain_counts_the_free_interruptions_only(client, org):
+    """``explain`` says how many earlier claims were not charged: a give-back is one of them."""
+    _, key = org
+    _, first = await online(client, key, "first-box")
+    _, second = await online(client, key, "second-box")
+    job_id = await post_job(client, key, max_attempts=3)
+    await claim_now(client, first)
+    await give_back(client, first, job_id, 1)
+    await claim_now(client, second)
+    explained = await client.get(f"/v1/jobs/{job_id}/explain", headers=bearer(key))
+    assert explained.status_code == 200, explained.text
+    assert "1 earlier claim not charged" in explained.json()["summary"]
+
+
+async def claim_as(client, credential: str, request: str, **params) -> dict:
+    taken = await client.post("/v1/agent/claim", params={"wait": 0, **params},
+                              headers={**bearer(credential), "X-Request-ID": request})  # fmt: skip
+    assert taken.status_code == 200, taken.text
+    return taken.json()
+
+
+async def release_unread(client, credential: str, request: str):
+    return await client.post("/v1/agent/claim/release", json={"request_id": request}, headers=bearer(credential))
+
+
+async def test_a_claim_request_never_read_gives_back_everything_it_took_that_stands_untouched(client, conn, org):
+    """Three jobs taken by one claim request (``max=3``), one of them renewed since (its agent did hear of
+    it, through another answer): the two untouched go back to the queue, uncharged, claimable now; the
+    renewed one stays. Sent again, nothing more. A later claim request's jobs are not touched."""
+    org_id, key = org
+    _, credential = await online(client, key, "box")
+    jobs = [await post_job(client, key, max_attempts=1) for _ in range(4)]
+    taken = [c["job"]["id"] for c in (await claim_as(client, credential, "claim-1", max=3))["claims"]]
+    assert taken == jobs[:3]
+    later = (await claim_as(client, credential, "claim-2"))["job"]["id"]
+    renewed = await client.post(f"/v1/agent/jobs/{jobs[1]}/renew", json={"attempt": 1}, headers=bearer(credential))
+    assert renewed.status_code == 200, renewed.text
+
+    answer = await release_unread(client, credential, "claim-1")
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"released": [jobs[0], jobs[2]]}
+    for job_id in (jobs[0], jobs[2]):
+        job = await get_job(client, key, job_id)
+        assert (job["status"], job["attempt"], job["error"]) == ("queued", 1, None)
+        last = (await job_events(client, key, job_id))[-1]
+        assert (last["type"], last["data"]["reason"]) == ("job.released", "answer_unread")
+    assert [(await get_job(client, key, j))["status"] for j in (jobs[1], later)] == ["running", "running"]
+    assert (await release_unread(client, credential, "claim-1")).json() == {"released": []}
+    again = await claim_as(client, credential, "claim-3", max=2)
+    assert [c["job"]["id"] for c in again["claims"]] == [jobs[0], jobs[2]]  # in their place, uncharged
+    assert await verify(conn, org_id) == []
+
+
+async def test_only_the_claiming_nodes_own_unread_claims_are_given_back(client, conn, org):
+    """Another node naming the request id, another organization's node, a malformed id, an API key: none
+    gives anything back, and nothing is written."""
+    from umbra.compute.accounts import create_organization
+
+    _, key = org
+    _, credential = await online(client, key, "box")
+    _, neighbour = await online(client, key, "neighbour")
+    job_id = await post_job(client, key)
+    await claim_as(client, credential, "claim-x")
+    _, other_key = await create_organization(conn, "elsewhere")
+    _, stranger = await online(client, other_key, "stranger")
+    before = await footprint(conn)
+
+    assert (await release_unread(client, neighbour, "claim-x")).json() == {"released": []}
+    assert (await release_unread(client, stranger, "claim-x")).json() == {"released": []}
+    for bad in ("", "has space", "x" * 129):
+        refused = await release_unread(client, credential, bad)
+        assert (refused.status_code, refused.json()["error"]) == (422, "invalid_request"), refused.text
+    assert (await release_unread(client, key, "claim-x")).status_code == 403
+    assert await footprint(conn) == before
+    assert (await get_job(client, key, job_id))["status"] == "running"
