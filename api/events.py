@@ -21,7 +21,7 @@ from umbra.events import store
 from .http import authenticated, json_response, path_uuid
 from .params import bounded_int, query_int
 from .routing import endpoint
-from .sse import LogWatch, StreamRead, message, sse_stream, stream_principal, watched_reads
+from .sse import TOO_MANY_STREAMS, LogWatch, StreamRead, message, sse_stream, stream_principal, watched_reads
 
 #: Largest page a client may ask for; the stream reads in batches of this size.
 MAX_PAGE = 1000
@@ -93,7 +93,8 @@ async def stream_events(request: Request):
     who = await stream_principal(request, "events:read")
     after = resume_position(request)
     watch: LogWatch = request.app.state.log_watch
-    return sse_stream(watched_reads(services, watch, who, _log_reader(who.organization_id, after)), name="events", watch=watch)
+    return sse_stream(watched_reads(services, watch, who, _log_reader(who.organization_id, after)), name="events", watch=watch,
+                      who=who, most=services.settings.max_streams_per_organization)  # fmt: skip
 
 
 def _log_reader(organization_id: UUID, after: int) -> StreamRead:
@@ -136,6 +137,7 @@ routes = [
         },
         produces="text/event-stream",
         response=EventOut,
+        errors=TOO_MANY_STREAMS,
     ),
     endpoint(
         "GET",

@@ -34,7 +34,7 @@ from .http import authenticated, json_response
 from .nodes import node_out
 from .params import query_int, query_list
 from .routing import endpoint
-from .sse import LogWatch, StreamRead, message, sse_stream, stream_principal, watched_reads
+from .sse import TOO_MANY_STREAMS, LogWatch, StreamRead, message, sse_stream, stream_principal, watched_reads
 
 #: Non-terminal jobs listed in a queue view: running first, then blocked (the ones a person looks at:
 #: what runs where, and what cannot run), then queued, each by priority and age.
@@ -126,7 +126,8 @@ async def stream_projections(request: Request):
         who.require(*READ_SCOPES)  # nodes:admin reads the nodes view alone
     watch: LogWatch = request.app.state.log_watch
     reader = _view_reader(who.organization_id, views, services.settings.heartbeat_stale_seconds)
-    return sse_stream(watched_reads(services, watch, who, reader), name="projections", watch=watch)
+    return sse_stream(watched_reads(services, watch, who, reader), name="projections", watch=watch,
+                      who=who, most=services.settings.max_streams_per_organization)  # fmt: skip
 
 
 def _node_key(node: dict[str, Any]) -> tuple:
@@ -208,6 +209,7 @@ routes = [
         },
         produces="text/event-stream",
         response=QueueView,
+        errors=TOO_MANY_STREAMS,
     ),
     endpoint(
         "POST",

@@ -11,7 +11,9 @@ notifications that never came.
 :func:`sse_stream` wraps a stream body (an async generator of ready-made
 messages) with what every stream needs: heartbeat comments so proxies and
 clients see a live connection, an end when the server begins to stop (so a
-graceful shutdown is not held open by dashboards), and the open-streams gauge.
+graceful shutdown is not held open by dashboards), the open-streams gauge, and
+its organization's place among its open streams (at most
+``UMBRA_MAX_STREAMS_PER_ORGANIZATION`` per process; 429 past it).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import anyio
 import psycopg
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from umbra import jitter, metrics
 from umbra.compute.auth import Principal, authenticate, credential_is_live, revoked
 from umbra.db import DATABASE_AWAY
+from umbra.errors import RateLimited
 from umbra.events import documents
 
 from .http import bearer_token
@@ -37,6 +41,11 @@ from .http import bearer_token
 PING_SECONDS = 15.0
 #: Reconnection delay suggested to EventSource clients (ms).
 RETRY_MS = 2000
+#: The refusal a stream route may answer with, for its OpenAPI description.
+TOO_MANY_STREAMS = {429: "The organization already holds `UMBRA_MAX_STREAMS_PER_ORGANIZATION` streams open on this "
+                         "server (`rate_limited`, with `Retry-After`)."}
+#: ``Retry-After`` of a stream refused because its organization has the most it may hold open.
+STREAM_RETRY_SECONDS = 30
 
 
 log = logging.getLogger(__name__)
@@ -53,6 +62,21 @@ class LogWatch:
         self._signals: dict[UUID, anyio.Event] = {}
         self._everyone = anyio.Event()
         self.stopped = False
+        self._open: dict[UUID, int] = {}  # organization -> its streams open on this process
+
+    def admit(self, organization_id: UUID, most: int) -> None:
+        """Count a new stream of the organization, or refuse it (429) when it already has ``most`` open."""
+        count = self._open.get(organization_id, 0)
+        if count >= most:
+            raise RateLimited(f"This organization has {count} streams open on this server, the most it may; "
+                              "close one, or try again later.", STREAM_RETRY_SECONDS)  # fmt: skip
+        self._open[organization_id] = count + 1
+
+    def leave(self, organization_id: UUID) -> None:
+        """A stream :meth:`admit` counted has ended."""
+        left = self._open.pop(organization_id) - 1
+        if left:
+            self._open[organization_id] = left
 
     def signal(self, organization_id: UUID) -> anyio.Event:
         """The event the next hint for this organization (or a reconnect, or stop) sets."""
@@ -181,8 +205,9 @@ def message(data: object, *, event: str | None = None, id: int | None = None) ->
 
 PING = b": ping\n\n"
 
-def sse_stream(body: AsyncIterator[bytes], *, name: str, watch: LogWatch) -> StreamingResponse:
-    """Wrap ``body`` with the retry hint, heartbeats, shutdown and the gauge.
+def sse_stream(body: AsyncIterator[bytes], *, name: str, watch: LogWatch, who: Principal, most: int) -> StreamingResponse:
+    """Wrap ``body`` with the retry hint, heartbeats, shutdown and the gauge, once ``who``'s organization
+    has room for one more stream (:meth:`LogWatch.admit`, ``most``; 429 otherwise).
 
     ``body`` yields ``b""`` when it has nothing to say after a wait; that is
     where heartbeats go out.
@@ -207,11 +232,25 @@ def sse_stream(body: AsyncIterator[bytes], *, name: str, watch: LogWatch) -> Str
             gauge.dec()
             await body.aclose()  # type: ignore[attr-defined]
 
-    return StreamingResponse(
-        framed(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    watch.admit(who.organization_id, most)
+    return _CountedStream(framed(), media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                          leave=lambda: watch.leave(who.organization_id))  # fmt: skip
+
+
+class _CountedStream(StreamingResponse):
+    """A stream that gives back its organization's place when the response ends, however it ends: also
+    when the client left before its body was ever started (the body's own ``finally`` never runs then)."""
+
+    def __init__(self, *args: Any, leave: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._leave = leave
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._leave()
 
 
 def wait_budget(poll_seconds: float) -> float:

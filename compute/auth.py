@@ -14,15 +14,19 @@ hard as guessing the token); every hit re-checks ``revoked_at`` on the row by
 primary key (for claim, renew and complete, inside the command's own batch
 transaction: :func:`authenticate`), so a revocation takes
 effect on the next request in every server process; and entries expire after
-a minute regardless.
+a minute regardless. Requests presenting the same uncached token at the same
+moment (a dashboard opening its streams after a restart, a fleet of agents
+sharing one credential) share one verification
+(:meth:`VerifiedTokenCache.verify_once`): without it each ran argon2 on its own,
+and a few hundred of them took both cores for seconds.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
 from uuid import UUID
 
 import anyio
@@ -87,6 +91,7 @@ class VerifiedTokenCache:
         self._max_failures = max_failures
         self._failure_window = failure_window_seconds
         self._failures: dict[str, list[float]] = {}  # prefix -> when its wrong secrets were refused
+        self._verifying: dict[bytes, _Verification] = {}  # token fingerprint -> its verification under way
 
     def refuse_if_guessed(self, prefix: str) -> None:
         """Raise 429 when ``prefix`` has had too many wrong secrets lately."""
@@ -114,6 +119,31 @@ class VerifiedTokenCache:
             del self._failures[prefix]
         return recent
 
+    async def verify_once(self, token: str, verify: Callable[[], Awaitable[Principal]]) -> Principal:
+        """``verify()`` the token, or wait for the verification of it already under way and share its answer.
+
+        A wrong secret is refused to every request sharing its verification, and counted once (one
+        guess). A verification that ended otherwise (its request cancelled as its client left, the
+        database away) decides nothing for the others: the next of them verifies on its own.
+        """
+        key = token_fingerprint(token)
+        while (under_way := self._verifying.get(key)) is not None:
+            await under_way.done.wait()
+            if under_way.principal is not None:
+                return under_way.principal
+            if under_way.refusal is not None:
+                raise Unauthenticated(under_way.refusal.message, under_way.refusal.code)
+        verification = self._verifying[key] = _Verification()
+        try:
+            verification.principal = await verify()
+            return verification.principal
+        except Unauthenticated as refusal:
+            verification.refusal = refusal
+            raise
+        finally:
+            del self._verifying[key]
+            verification.done.set()
+
     def get(self, token: str) -> Principal | None:
         key = token_fingerprint(token)
         hit = self._entries.get(key)
@@ -133,6 +163,15 @@ class VerifiedTokenCache:
         for key, (_, principal) in list(self._entries.items()):
             if principal.credential_id == credential_id:
                 self._entries.pop(key, None)
+
+
+@dataclass(eq=False)
+class _Verification:
+    """One token's verification under way, shared by the requests presenting it meanwhile."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    principal: Principal | None = None
+    refusal: Unauthenticated | None = None
 
 
 _LOOKUP = {
@@ -257,6 +296,10 @@ async def _verify_uncached(db: Database, kind: str, token: str, cache: VerifiedT
     """A token not in the cache, verified with no pooled connection held during argon2 (429 first if its
     prefix is being guessed)."""
     cache.refuse_if_guessed(token_prefix(token, kind))  # type: ignore[arg-type]
-    async with borrowed(db) as conn:
-        rows = await _candidates(conn, kind, token)
-    return await _verify(kind, token, rows, cache)
+
+    async def verify() -> Principal:
+        async with borrowed(db) as conn:
+            rows = await _candidates(conn, kind, token)
+        return await _verify(kind, token, rows, cache)
+
+    return await cache.verify_once(token, verify)

@@ -55,6 +55,8 @@ from uuid import UUID, uuid4
 import msgspec
 import psycopg
 
+from umbra import metrics
+
 from umbra.db import uuid_array
 from umbra.domain.eligibility import is_busy, takes_kind
 from umbra.domain.jobs import (
@@ -557,6 +559,7 @@ async def release(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID, at
             metadata=node_metadata(node_id, request_id),
         )
         await store.publish(conn, [(row.organization_id, released.position, 1)])
+    metrics.count_given_back(reason)
     return True
 
 
@@ -842,6 +845,7 @@ async def give_back(
         [given_back], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
                                                          metadata=node_metadata(node_id, request_id))  # fmt: skip
         await store.publish(conn, [(organization_id, position, int(isinstance(event, JobReleased)))])
+    metrics.count_given_back(AGENT_STOPPING)
     log.info("job given back", extra={"action": "job_given_back", "job_id": str(job_id), "node_id": str(node_id),
                                       "status": given_back.status})  # fmt: skip
     return given_back

@@ -21,6 +21,8 @@ from uuid import UUID, uuid4
 import anyio
 import psycopg
 
+from umbra import metrics
+from umbra.domain.jobs import NODE_REVOKED_ERROR
 from umbra.events import store
 from umbra.events.types import Event, NodeCredentialRevoked
 from umbra.projections import jobs as queue
@@ -126,6 +128,7 @@ async def revoke_node(
 
     state, events = await change_node(conn, organization_id, node_id, decide, actor, request_id, then=end_held_leases)
     revoked = [e.credential_id for e in events if isinstance(e, NodeCredentialRevoked)]
+    metrics.count_given_back("node_revoked", sum(row.error == NODE_REVOKED_ERROR for row in ended))  # not those that had expired
     if revoked:
         await store.ask_recheck(conn, organization_id)  # its parked long-polls are refused now, not at their deadline
     log.info("node credentials revoked", extra={"action": "node_revoked", "node_id": str(node_id), "count": len(revoked),

@@ -81,6 +81,14 @@ SWEEPER_ACTIONS = Counter(
     ["action"],
     registry=None,
 )
+CLAIMS_GIVEN_BACK = Counter(
+    "umbra_claims_given_back",
+    "Claims that went back to the queue without a report from their agent, by reason: client_gone, "
+    "not_asked_again, answer_unread (never run, never charged), agent_stopping (given back unfinished by a "
+    "stopping agent), node_revoked (a lease its node's revocation ended). An expired lease is the sweeper's.",
+    ["reason"],
+    registry=None,
+)
 HTTP_REQUESTS = Counter(
     "umbra_http_requests",
     "HTTP requests answered, by method, route template and status.",
@@ -110,6 +118,7 @@ GROUP_COMMIT_FALLBACKS = Counter(
 #: not "no data". (``umbra_http_requests`` and ``umbra_sse_streams`` name routes as they are met.)
 CLAIM_TRIGGERS = ("immediate", "hint", "poll", "recheck", "completion", "same_claim")
 CLAIM_OUTCOMES = ("claimed", "timeout", "client_gone")
+GIVE_BACK_REASONS = ("client_gone", "not_asked_again", "answer_unread", "agent_stopping", "node_revoked")
 SWEEPER_ACTIONS_COUNTED = ("lease_requeued", "lease_failed", "node_went_offline", "blocked_timeout",
                            "job_unblocked", "job_blocked", "pairing_pruned", "jobs_analysed")  # fmt: skip
 for _trigger in CLAIM_TRIGGERS:
@@ -118,6 +127,8 @@ for _outcome in CLAIM_OUTCOMES:
     CLAIM_WAIT.labels(outcome=_outcome)
 for _action in SWEEPER_ACTIONS_COUNTED:
     SWEEPER_ACTIONS.labels(action=_action)
+for _reason in GIVE_BACK_REASONS:
+    CLAIMS_GIVEN_BACK.labels(reason=_reason)
 
 PROCESS_COLLECTORS: tuple[Collector, ...] = (
     CLAIMS,
@@ -130,6 +141,7 @@ PROCESS_COLLECTORS: tuple[Collector, ...] = (
     LISTENER_RECONNECTS,
     EVENTS_APPENDED,
     SWEEPER_ACTIONS,
+    CLAIMS_GIVEN_BACK,
     HTTP_REQUESTS,
     GROUP_COMMIT_BATCH_COMMANDS,
     GROUP_COMMIT_BATCH_SECONDS,
@@ -154,6 +166,13 @@ def count_events_appended(n: int = 1) -> None:
     """
     if n > 0:
         EVENTS_APPENDED.inc(n)
+
+
+def count_given_back(reason: str, n: int = 1) -> None:
+    """``reason`` is one of :data:`GIVE_BACK_REASONS`; counted once the change is made (its commit may follow)."""
+    assert reason in GIVE_BACK_REASONS, reason  # its series exists from the start
+    if n > 0:
+        CLAIMS_GIVEN_BACK.labels(reason=reason).inc(n)
 
 
 def count_sweeper_action(action: str, n: int = 1) -> None:

@@ -71,6 +71,12 @@ class Settings:
     #: ``UMBRA_POLL_FALLBACK_SECONDS``. Waiting long-polls re-check at least this
     #: often even without a notification, covering lost NOTIFYs.
     poll_fallback_seconds: float = 1.0
+    #: ``UMBRA_MAX_STREAMS_PER_ORGANIZATION``. Event and view streams (SSE) one
+    #: organization may hold open on this process; past it a new one is refused
+    #: 429. Each re-reads at every move of its organization's log, so one
+    #: organization's thousand forgotten dashboards would otherwise take the
+    #: streams' share of the pool from every other organization's.
+    max_streams_per_organization: int = 100
     #: ``UMBRA_TRUSTED_PROXIES``. Comma-separated addresses/networks whose
     #: ``X-Forwarded-For`` is believed. Empty: the TCP peer is the client.
     trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
@@ -194,6 +200,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         lease_expired_delay_seconds=_int(env, "UMBRA_LEASE_EXPIRED_DELAY_SECONDS", 2, minimum=0),
         blocked_timeout_seconds=_int(env, "UMBRA_BLOCKED_TIMEOUT_SECONDS", 86_400, minimum=1),
         poll_fallback_seconds=_float(env, "UMBRA_POLL_FALLBACK_SECONDS", 1.0),
+        max_streams_per_organization=_int(env, "UMBRA_MAX_STREAMS_PER_ORGANIZATION", 100, minimum=1),
         trusted_proxies=_networks(env, "UMBRA_TRUSTED_PROXIES"),
         metrics_token=env.get("UMBRA_METRICS_TOKEN", "").strip() or None,
         log_level=level,

@@ -51,6 +51,9 @@ class VerificationGate:
     def open(self) -> None:
         self._open.set()
 
+    def close(self) -> None:
+        self._open.clear()
+
     @property
     def is_open(self) -> bool:
         return self._open.is_set()
@@ -133,3 +136,41 @@ async def test_a_revoked_cached_token_is_refused_before_the_route_reads(db_url, 
             answer = await client.get("/v1/jobs/not-a-uuid/explain", headers=bearer(key))
             assert answer.status_code == 401 and answer.json()["error"] == "unauthenticated"
             assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 401
+
+
+async def test_requests_presenting_one_uncached_token_at_once_share_one_verification(db_url, conn, org, monkeypatch):
+    """Thirty requests with the same not-yet-verified key at once (a dashboard's streams after a restart)
+    run argon2 once between them, and all are answered by it; thirty with the same wrong secret are all
+    refused by one verification, counted as one wrong guess. One argon2 run each took both cores for
+    seconds when hundreds arrived together."""
+    org_id, _ = org
+    fresh = await create_api_key(conn, org_id, ["jobs:read"])
+    wrong = wrong_secret(await create_api_key(conn, org_id, ["jobs:read"]))
+    gate = VerificationGate()
+    gate.held.update({fresh, wrong})
+    monkeypatch.setattr(auth, "verify_secret", gate)
+
+    with LiveServer(db_url) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            for token, expected in ((fresh, 200), (wrong, 401)):
+                statuses: list[int] = []
+
+                async def request() -> None:
+                    statuses.append((await client.get("/v1/jobs", headers=bearer(token))).status_code)
+
+                before = gate.inside
+                try:
+                    async with anyio.create_task_group() as tg:
+                        for _ in range(30):
+                            tg.start_soon(request)
+                        await until(lambda: gate.inside > before, timeout=8)
+                        await anyio.sleep(0.5)  # the others arrive meanwhile, and wait for it
+                        assert gate.inside == before + 1, "a second argon2 run for a token being verified"
+                        gate.open()
+                finally:
+                    gate.open()
+                assert statuses == [expected] * 30
+                gate.close()
+            # Thirty wrong guesses would pass the 20 a prefix may have in a minute: the next one would be 429.
+            gate.open()
+            assert (await client.get("/v1/jobs", headers=bearer(wrong))).status_code == 401

@@ -28,7 +28,7 @@ from umbra.db import connect
 from umbra.projections import jobs as queue
 from umbra.settings import load_settings
 
-from tests.helpers import bearer, until
+from tests.helpers import bearer, eventually, until
 from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
 
 from .queue_support import CPU64, add_node, beat, set_clock, spec, submit
@@ -237,6 +237,15 @@ async def test_another_organizations_crowd_of_long_polls_and_unusable_wakes_do_n
 STREAMS = 200
 
 
+@pytest.fixture
+def roomy_server(db_url):
+    """A live server letting one organization hold :data:`STREAMS` streams (past the default of 100)."""
+    from tests.conftest import LiveServer
+
+    with LiveServer(db_url, UMBRA_SWEEP_INTERVAL_SECONDS="0.2", UMBRA_MAX_STREAMS_PER_ORGANIZATION=str(STREAMS)) as server:
+        yield server
+
+
 async def _raw_stream(port: int, path: str, key: str, opened: list) -> None:
     """A client that holds ``path`` open and discards what it is sent (raw socket: next to no client CPU)."""
     async with await anyio.connect_tcp("127.0.0.1", port) as sock:
@@ -248,7 +257,7 @@ async def _raw_stream(port: int, path: str, key: str, opened: list) -> None:
             await sock.receive(1 << 20)
 
 
-async def test_another_organizations_many_live_views_do_not_starve_requests_of_the_pool(live_server, conn, org):
+async def test_another_organizations_many_live_views_do_not_starve_requests_of_the_pool(roomy_server, conn, org):
     """Organization B's ordinary request (read its own job, normally milliseconds) is answered within two
     seconds, never 503, while organization A, with 5,000 open jobs, holds 200 projection streams open and
     keeps its log moving. Each of A's log moves makes every one of A's streams re-read and re-send the
@@ -260,16 +269,16 @@ async def test_another_organizations_many_live_views_do_not_starve_requests_of_t
     await _flood(conn, org_a, 5_000, 10)
     org_b, key_b = await create_organization(conn, "other")
     mine = await submit(conn, org_b, "echo")
-    pool = live_server.app.state.services.pool
+    pool = roomy_server.app.state.services.pool
     worst = 0.0
     statuses: list[int] = []
     opened: list = []
     most_waiting = 0
-    async with httpx.AsyncClient(base_url=live_server.url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=roomy_server.url, timeout=60) as client:
         async with anyio.create_task_group() as tg:
             assert (await client.get("/v1/jobs?limit=1", headers=bearer(key_a))).status_code == 200  # the key verified
             for _ in range(STREAMS):
-                tg.start_soon(_raw_stream, live_server.port, "/v1/projections/stream", key_a, opened)
+                tg.start_soon(_raw_stream, roomy_server.port, "/v1/projections/stream", key_a, opened)
             await until(lambda: len(opened) >= STREAMS, timeout=30)
 
             async def a_noise() -> None:
@@ -299,6 +308,48 @@ async def test_another_organizations_many_live_views_do_not_starve_requests_of_t
     # was 292 at once, and B waited 4 s); the time is a second, generous, check.
     assert most_waiting == 0, f"{most_waiting} requests waited for the pool at once while A's {STREAMS} streams re-read"
     assert worst < 2, f"B's read of its own job took {worst:.2f}s while A's {STREAMS} streams re-read"
+
+
+async def test_one_organization_holds_at_most_its_share_of_streams_and_another_still_opens_its_own(db_url, conn, org):
+    """Past ``UMBRA_MAX_STREAMS_PER_ORGANIZATION`` (3 here) open streams, organization A's next one, of either
+    kind, is refused 429 (``rate_limited``, ``Retry-After``) before it holds anything; B opens its own; once
+    one of A's ends, A may open one again. Streams whose clients left at once give their place back."""
+    from tests.conftest import LiveServer
+
+    _, key_a = org
+    _, key_b = await create_organization(conn, "other")
+    with LiveServer(db_url, UMBRA_MAX_STREAMS_PER_ORGANIZATION="3") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            for _ in range(10):  # opened and dropped at once: each gives its place back
+                async with client.stream("GET", "/v1/events/stream", headers=bearer(key_a)) as dropped:
+                    assert dropped.status_code == 200
+            async with anyio.create_task_group() as tg:
+                held: list = []
+                scopes = []
+                for path in ("/v1/events/stream", "/v1/projections/stream", "/v1/events/stream"):
+                    scope = anyio.CancelScope()
+                    scopes.append(scope)
+
+                    async def hold(path=path, scope=scope) -> None:
+                        with scope:
+                            await _raw_stream(server.port, path, key_a, held)
+
+                    tg.start_soon(hold)
+                await until(lambda: len(held) == 3, timeout=10)
+                for path in ("/v1/events/stream", "/v1/projections/stream"):
+                    refused = await client.get(path, headers=bearer(key_a))
+                    assert refused.status_code == 429, refused.text[:300]
+                    assert refused.json()["error"] == "rate_limited" and int(refused.headers["Retry-After"]) > 0
+                async with client.stream("GET", "/v1/events/stream", headers=bearer(key_b)) as theirs:
+                    assert theirs.status_code == 200
+                scopes[0].cancel()
+                await eventually(lambda: _opens(client, key_a), timeout=10)
+                tg.cancel_scope.cancel()
+
+
+async def _opens(client: httpx.AsyncClient, key: str) -> bool:
+    async with client.stream("GET", "/v1/events/stream", headers=bearer(key)) as answer:
+        return answer.status_code == 200
 
 
 # -- the waiter hub: whose tokens wake whom ---------------------------------------------------------------------

@@ -165,6 +165,35 @@ async def test_sweeper_counters_count_each_requeue_failure_and_offline_once(db_u
             assert after.get((name, labels), 0) >= value, (name, labels)
 
 
+async def test_claims_given_back_are_counted_by_reason(client, live_server, org):
+    """umbra_claims_given_back_total{reason} moves by one for each way a claim goes back without a report:
+    a stopping agent's give-back, a claim request whose answer was never read, a revocation's lease end;
+    the other reasons stay where they were."""
+    _, key = org
+    before = await _scrape(client)
+    node_id, cred = await http_pair(client, key, "giving-back")
+    for _ in range(3):
+        assert (await client.post("/v1/jobs", json={"kind": "echo"}, headers=bearer(key))).status_code == 201
+    first = await client.post("/v1/agent/claim", params={"wait": 0}, headers={**bearer(cred), "X-Request-ID": "claim-a"})
+    held = first.json()["job"]
+    assert (await client.post(f"/v1/agent/jobs/{held['id']}/release", json={"attempt": held["attempt"]},
+                              headers=bearer(cred))).status_code == 200  # fmt: skip
+    assert (await client.post("/v1/agent/claim", params={"wait": 0}, headers={**bearer(cred), "X-Request-ID": "claim-b"})).status_code == 200
+    unread = await client.post("/v1/agent/claim/release", json={"request_id": "claim-b"}, headers=bearer(cred))
+    assert len(unread.json()["released"]) == 1
+    assert (await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(cred))).status_code == 200
+    assert (await client.post(f"/v1/nodes/{node_id}/revoke", headers=bearer(key))).status_code == 200
+    after = await _scrape(client)
+
+    def grew(reason: str) -> float:
+        return (metric_sum(after, "umbra_claims_given_back_total", reason=reason)
+                - metric_sum(before, "umbra_claims_given_back_total", reason=reason))  # fmt: skip
+
+    assert {reason: grew(reason) for reason in ("agent_stopping", "answer_unread", "node_revoked", "client_gone",
+                                                 "not_asked_again")} == {  # fmt: skip
+        "agent_stopping": 1, "answer_unread": 1, "node_revoked": 1, "client_gone": 0, "not_asked_again": 0}
+
+
 # -- gauges --------------------------------------------------------------------------------------------
 
 
