@@ -76,9 +76,8 @@ from umbra.projections.jobs import Change, JobRow
 
 from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, read_nodes
 from .jobs import (
-    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, check_json_depth, check_shape_size, jobs_by_idempotency_key,
-    lock_idempotency_keys,
-    record_and_settle, refusing_nul,
+    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, ancestors_held_elsewhere, check_json_depth, check_shape_size,
+    jobs_by_idempotency_key, lock_idempotency_keys, may_end, record_and_settle, refusing_nul,
     submitted_events,
 )  # fmt: skip
 from .nodes import hold_node_memory, share_claim_guards
@@ -622,7 +621,7 @@ async def uncharged_claims(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID
 
 async def end_leases(
     conn: psycopg.AsyncConnection, records: Sequence[Any], *, delay_seconds: int, node_revoked: bool,
-    metadata: Mapping[str, Any],
+    metadata: Mapping[str, Any], leave_held: bool = False,
 ) -> list[JobRow]:
     """End the leases of held jobs no holder will report: ``job.lease_expired`` each, parents settled.
 
@@ -633,6 +632,11 @@ async def end_leases(
     not run out yet then ends with that cause (not charged), one that had
     ends as the sweeper would have ended it (charged): which of the two came
     first must not change what the job is charged. The caller publishes.
+
+    ``leave_held`` (the sweeper, which must not wait behind one row): a job
+    whose end would settle an ancestor another transaction holds (an
+    operator's open transaction) is left for later, and not returned; one
+    whose lease end requeues it settles nothing and ends now.
     """
     uncharged = await uncharged_claims(conn, [record[0] for record in records])
     changes = []
@@ -643,6 +647,11 @@ async def end_leases(
                                     delay_seconds=delay_seconds, ends=uncharged.get(row.id, UnchargedEnds()),
                                     cause="node_revoked" if revoked_first else "expired")  # fmt: skip
         changes.append(Change(row.id, row.organization_id, row, [event]))
+    if leave_held:
+        held = await ancestors_held_elsewhere(conn, [c.job_id for c in changes if c.state.parent_job_id and may_end(c.events)])
+        changes = [c for c in changes if c.job_id not in held]
+    if not changes:
+        return []
     rows, _ = await record_and_settle(conn, changes, metadata=metadata)
     return rows
 

@@ -67,7 +67,7 @@ _METADATA = {"actor": "sweeper"}
 REEXAMINE_SECONDS = 30.0
 
 #: A page of expired leases, after ``(after_at, after_id)`` (none: from the first): the sweeper pages
-#: on, past the rows it leaves (see :func:`_settling_free`), not from the first again.
+#: on, past the rows it leaves (see :func:`~umbra.compute.claims.end_leases`), not from the first again.
 _EXPIRED = f"""
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
 WHERE status = 'running' AND lease_expires_at < umbra_now()
@@ -217,17 +217,18 @@ async def _step(name: str, run: Callable[[], Awaitable[None]], **fields: str) ->
 async def _expire_leases(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport, after: _Page) -> _Page:
     """End one page of expired leases; returns where the next page starts (None: the pass is done).
 
-    A pass pages on past the rows it leaves (a child whose container another transaction holds) rather
+    A pass pages on past the rows it leaves (a child whose end would settle a container another
+    transaction holds; one whose lease end requeues it settles nothing and is not left) rather
     than starting from the first again: more than a page of those, all expiring first, hid every other
     organization's expired lease from every tick for as long as that transaction stayed open.
     """
     rows: list[queue.JobRow] = []
     async with conn.transaction():
         found = await (await conn.execute(_EXPIRED, _after(after))).fetchall()
-        records = await _settling_free(conn, found)
-        if records:
-            rows = await end_leases(conn, records, delay_seconds=settings.lease_expired_delay_seconds,
-                                    node_revoked=False, metadata=_METADATA)  # fmt: skip
+        if found:
+            # A child whose end would settle a container another transaction holds is left for a later tick.
+            rows = await end_leases(conn, found, delay_seconds=settings.lease_expired_delay_seconds,
+                                    node_revoked=False, metadata=_METADATA, leave_held=True)  # fmt: skip
             requeued = [r for r in rows if r.status == "queued"]
             report.leases_requeued += len(requeued)
             report.leases_failed += len(rows) - len(requeued)

@@ -321,8 +321,9 @@ async def test_ties_on_the_expiry_time_across_pages_skip_no_lease_and_end_none_t
     a = await add_node(conn, org_a, "a", [CPU64])
     parent = await submit(conn, org_a, "p")
     got = await claim(conn, org_a, a)
+    # One attempt each: their lease's end fails them and would settle the held container, so they are left.
     kids = await claims.add_children(conn, organization_id=org_a, node_id=a, job_id=parent.id, attempt=got.attempt,
-                                     children=[ChildRequest(kind="part") for _ in range(SWEEP_BATCH + 30)])  # fmt: skip
+                                     children=[ChildRequest(kind="part", max_attempts=1) for _ in range(SWEEP_BATCH + 30)])  # fmt: skip
     for _ in kids:
         assert await claim(conn, org_a, a, lease_seconds=5) is not None
     org_b, _ = await create_organization(conn, "other")
@@ -337,7 +338,7 @@ async def test_ties_on_the_expiry_time_across_pages_skip_no_lease_and_end_none_t
         with anyio.fail_after(15):
             report = await sweep_once(own, SETTINGS, reexamine=False)
         await operator.rollback()
-    assert report.leases_requeued == len(theirs)
+    assert (report.leases_requeued, report.leases_failed) == (len(theirs), 0)
     statuses = await (await conn.execute("SELECT status, count(*) FROM jobs WHERE id = ANY(%s) GROUP BY status",
                                          (theirs,))).fetchall()  # fmt: skip
     assert dict(statuses) == {"queued": len(theirs)}
@@ -345,6 +346,33 @@ async def test_ties_on_the_expiry_time_across_pages_skip_no_lease_and_end_none_t
         "SELECT count(*) FROM (SELECT stream FROM events WHERE type = 'job.lease_expired' GROUP BY stream "
         "HAVING count(*) > 1) t")).fetchone()  # fmt: skip
     assert twice[0] == 0
+
+
+async def test_an_expired_child_that_only_requeues_is_recovered_while_its_container_is_held(db_url, conn, org):
+    """A child's lease end that requeues it settles nothing, so it waits for no container: recovered in the
+    tick while an operator's open transaction holds its container. Its sibling on its last attempt, whose
+    end would settle that container, is left until the operator lets go, then failed."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    parent = await submit(conn, org_id, "p")
+    got = await claim(conn, org_id, node)
+    retrying, last = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id,
+                                                attempt=got.attempt, children=[ChildRequest(kind="part", max_attempts=3),
+                                                                               ChildRequest(kind="part", max_attempts=1)])  # fmt: skip
+    for _ in range(2):
+        assert await claim(conn, org_id, node, lease_seconds=5) is not None
+    async with await psycopg.AsyncConnection.connect(db_url) as operator, await connect(db_url) as own:
+        await operator.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (parent.id,))  # left open
+        await set_clock(own, 30)
+        with anyio.fail_after(10):
+            report = await sweep_once(own, SETTINGS, reexamine=False)
+        assert (report.leases_requeued, report.leases_failed) == (1, 0)
+        assert [(await queue.load(conn, kid.id, org_id)).status for kid in (retrying, last)] == ["queued", "running"]
+        await operator.rollback()
+        with anyio.fail_after(10):
+            later = await sweep_once(own, SETTINGS, reexamine=False)
+    assert later.leases_failed == 1
+    assert (await queue.load(conn, last.id, org_id)).status == "failed"
 
 
 async def test_more_than_a_page_of_blocked_timeouts_held_elsewhere_does_not_hide_another_organizations(db_url, conn, org):
