@@ -8,6 +8,7 @@ being sent the same beat for as long as the agent runs.
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import datetime, timedelta, timezone
 
@@ -279,3 +280,42 @@ async def test_a_proxys_404_page_during_a_backend_restart_is_waited_out(path, qu
                 stopped_by_itself = agent.stopping
                 agent.stop(immediately=True)
     assert not stopped_by_itself and not error, f"the agent stopped for good on a proxy's 404: {error!r}"
+
+
+async def test_a_claim_whose_answer_was_not_read_is_named_in_a_release_and_a_refused_one_is_not(quiet_agent_logs):
+    """Each claim request carries an ``X-Request-ID`` of its own. One whose answer timed out (the server may
+    have claimed and answered) is followed by ``POST /v1/agent/claim/release`` naming that id; one refused
+    (4xx: nothing claimed) or that never connected is not."""
+    sent: list[tuple[str, str]] = []
+    answers = iter(["timeout", "refused", "unreachable", "timeout"])
+
+    async def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/agent/heartbeat":
+            return httpx.Response(200, json=ONLINE)
+        if request.url.path == "/v1/agent/claim":
+            request_id = request.headers["X-Request-ID"]
+            sent.append(("claim", request_id))
+            answer = next(answers, "none")
+            if answer == "timeout":
+                raise httpx.ReadTimeout("no answer", request=request)
+            if answer == "unreachable":
+                raise httpx.ConnectError("refused", request=request)
+            return _refusal(429, "rate_limited") if answer == "refused" else httpx.Response(204)
+        if request.url.path == "/v1/agent/claim/release":
+            sent.append(("release", json.loads(request.content)["request_id"]))
+            return httpx.Response(200, json={"released": []})
+        return httpx.Response(200, json={"id": NODE, "status": "offline"})
+
+    async with AgentClient("http://umbra", "un_0_x", transport=httpx.MockTransport(server)) as client:
+        agent = _agent(client, heartbeat_seconds=1.0)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(agent.run)
+                while sum(kind == "claim" for kind, _ in sent) < 5:
+                    await anyio.sleep(0.01)
+                agent.stop(immediately=True)
+    claims = [request_id for kind, request_id in sent if kind == "claim"]
+    assert len(set(claims)) == len(claims)  # one id per request
+    releases = [request_id for kind, request_id in sent if kind == "release"]
+    assert releases == [claims[0], claims[3]]
+    assert sent.index(("release", claims[0])) == 1  # at once, before the next claim

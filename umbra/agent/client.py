@@ -265,7 +265,8 @@ class AgentClient:
         read; the server gives back what it took. Returns the ids of the jobs given back."""
         answer = _read(await self._post("/v1/agent/claim/release", {"request_id": request_id},
                                         timeout=SIGN_OFF_TIMEOUT_SECONDS))  # fmt: skip
-        return list(answer["released"])
+        released = answer.get("released") if isinstance(answer, dict) else None
+        return [str(job_id) for job_id in released] if isinstance(released, list) else []
 
     async def renew(self, job_id: str, attempt: int) -> float:
         """Extend the lease; returns the seconds of it left (see :func:`lease_left`)."""

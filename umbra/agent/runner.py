@@ -290,12 +290,15 @@ class Agent:
         A stop cancels a parked long-poll; an answer can be cut off or time out. If the server had
         already claimed a job and sent it, the agent never runs it, and without this the job would
         wait out its lease (the server releases a claim itself only when the client left before the
-        answer was sent). Best effort: a server that cannot be reached leaves the job to its lease.
+        answer was sent). Best effort: a server that cannot be reached leaves the job to its lease, as
+        does a second signal (the agent leaves at once).
         """
+        if self._leave_now:
+            return
         with anyio.CancelScope(shield=True):
             try:
                 released = await self.client.release_unread(request_id)
-            except (ServiceError, httpx.HTTPError) as exc:
+            except Exception as exc:  # noqa: BLE001 - best effort: whatever went wrong, the lease recovers the job
                 log.warning("could not give back an unread claim", extra={"action": "claim_release_failed",
                             "error": describe(exc)})  # fmt: skip
                 return
