@@ -23,7 +23,6 @@ from msgspec import Meta
 from starlette.requests import Request
 from starlette.responses import Response
 
-from umbra import metrics
 from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
 from umbra.compute.jobs import check_json_depth
@@ -158,7 +157,6 @@ async def complete(request: Request) -> Response:
         credential_id=who.credential_id, request_id=request_id(request), kinds=kinds,
     )  # fmt: skip
     if claimed is not None:
-        metrics.CLAIMS.labels(trigger="completion").inc()
         if await request.is_disconnected():  # the agent left while its batch ran: nobody would run the job
             await release_unheard(request.app.state.services, [claimed], who.node_id, request_id(request))
             claimed = None
@@ -196,7 +194,6 @@ async def complete_many(request: Request) -> Response:
         credential_id=who.credential_id, request_id=request_id(request), kinds=kinds,
     )  # fmt: skip
     failure = next((a for a in answers if isinstance(a, Unauthenticated) or _unexpected(a)), None)
-    metrics.CLAIMS.labels(trigger="completion").inc(len(claimed))
     if claimed and (failure is not None or await request.is_disconnected()):
         # The agent will not hear of these claims (it left, or gets an error): give them back now.
         await release_unheard(request.app.state.services, claimed, who.node_id, request_id(request))

@@ -79,6 +79,7 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
                 listener.on_hint(subscriber.on_hint)
                 listener.on_reconnect(subscriber.on_reconnect)
             listener.on_recheck(waiters.on_recheck)
+            listener.on_recheck(log_watch.on_recheck)
             listener.on_everything(waiters.recheck_all)
             listener.on_everything(log_watch.wake_all)
             app.state.waiters, app.state.log_watch = waiters, log_watch

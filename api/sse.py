@@ -41,6 +41,8 @@ from .http import bearer_token
 PING_SECONDS = 15.0
 #: Reconnection delay suggested to EventSource clients (ms).
 RETRY_MS = 2000
+#: How long a stream's read, once begun, goes on after its client left (see :func:`watched_reads`).
+READ_SHIELD_SECONDS = 10.0
 #: The refusal a stream route may answer with, for its OpenAPI description.
 TOO_MANY_STREAMS = {429: "The organization already holds `UMBRA_MAX_STREAMS_PER_ORGANIZATION` streams open on this "
                          "server (`rate_limited`, with `Retry-After`)."}
@@ -72,6 +74,10 @@ class LogWatch:
                               "close one, or try again later.", STREAM_RETRY_SECONDS)  # fmt: skip
         self._open[organization_id] = count + 1
 
+    def open_streams(self, organization_id: UUID) -> int:
+        """The organization's streams open on this process, as :meth:`admit` counts them."""
+        return self._open.get(organization_id, 0)
+
     def leave(self, organization_id: UUID) -> None:
         """A stream :meth:`admit` counted has ended."""
         left = self._open.pop(organization_id) - 1
@@ -92,6 +98,11 @@ class LogWatch:
 
     def on_reconnect(self) -> None:
         self.wake_all()
+
+    def on_recheck(self, organization_id: UUID) -> None:
+        """A credential of the organization was revoked (``umbra_recheck``): its streams read now, and the
+        one whose credential it was ends, instead of at its next hint or safety poll."""
+        self.on_hint(organization_id, 0, 0)
 
     def stop(self) -> None:
         """The server is stopping: every stream ends after its current message."""
@@ -157,13 +168,19 @@ async def watched_reads(services: Any, watch: LogWatch, who: Principal, read: St
     while not watch.stopped:
         signal = watch.signal(who.organization_id)
         out: list[bytes] = []
-        more = False
+        more = live = False
         try:
             async with services.stream_reads, services.pool.connection() as conn:
-                if not await credential_is_live(conn, who):
-                    yield message(revoked().to_json(), event="error")
-                    return
-                out, more = await read(conn)
+                # A read once begun is finished even if the client leaves meanwhile (for READ_SHIELD_SECONDS
+                # at most): cancelled mid-query, psycopg closes the connection, and a crowd of dashboards
+                # closing their tabs took the pool's connections down faster than it made new ones.
+                with anyio.CancelScope(shield=True, deadline=anyio.current_time() + READ_SHIELD_SECONDS):
+                    live = await credential_is_live(conn, who)
+                    if live:
+                        out, more = await read(conn)
+            if not live:
+                yield message(revoked().to_json(), event="error")
+                return
             away = False
         except DATABASE_AWAY as exc:
             if not away:

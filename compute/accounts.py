@@ -11,6 +11,7 @@ import psycopg
 from psycopg import sql
 
 from umbra.errors import InvalidRequest, NotFound
+from umbra.events import store
 from umbra.security import hash_secret, new_token, verify_secret
 
 from .auth import API_KEY_KIND, API_KEY_SCOPES
@@ -113,11 +114,14 @@ async def revoke_api_key(conn: psycopg.AsyncConnection, organization_id: UUID, k
     """Revoke one of the organization's API keys; returns when it was revoked (the first time: idempotent).
 
     Every request re-checks ``revoked_at`` (:mod:`umbra.compute.auth`), an open
-    stream before each read: the key fails at once in every server process.
+    stream before each read: the key fails at once in every server process. The
+    organization's streams are asked to read now (:func:`store.ask_recheck`), so
+    one of this key's ends at once, not at its next wake.
     """
     row = await (await conn.execute(_REVOKE_KEY, (key_id, organization_id))).fetchone()
     if row is None:
         raise NotFound("api_key_not_found", f"No API key {key_id} in this organization.")
+    await store.ask_recheck(conn, organization_id)
     return row[0]
 
 

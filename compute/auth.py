@@ -14,7 +14,11 @@ hard as guessing the token); every hit re-checks ``revoked_at`` on the row by
 primary key (for claim, renew and complete, inside the command's own batch
 transaction: :func:`authenticate`), so a revocation takes
 effect on the next request in every server process; and entries expire after
-a minute regardless. Requests presenting the same uncached token at the same
+a minute without use. Each use extends its entry: a key or an agent in use
+keeps its place, so a stranger sending wrong secrets for its prefix (past
+:data:`MAX_FAILED_VERIFICATIONS`, 429 for tokens not cached) never locks out
+its holder where it is in use; with a fixed minute it did, from the moment
+its entry aged out. Requests presenting the same uncached token at the same
 moment (a dashboard opening its streams after a restart, a fleet of agents
 sharing one credential) share one verification
 (:meth:`VerifiedTokenCache.verify_once`): without it each ran argon2 on its own,
@@ -123,22 +127,25 @@ class VerifiedTokenCache:
         """``verify()`` the token, or wait for the verification of it already under way and share its answer.
 
         A wrong secret is refused to every request sharing its verification, and counted once (one
-        guess). A verification that ended otherwise (its request cancelled as its client left, the
-        database away) decides nothing for the others: the next of them verifies on its own.
+        guess); an error (the database away) fails them all at once, as it would have failed each,
+        rather than one after another, each after its own wait for a connection. Only a verification
+        cancelled (its client left) decides nothing for the others: the next of them verifies.
         """
         key = token_fingerprint(token)
         while (under_way := self._verifying.get(key)) is not None:
             await under_way.done.wait()
             if under_way.principal is not None:
                 return under_way.principal
-            if under_way.refusal is not None:
-                raise Unauthenticated(under_way.refusal.message, under_way.refusal.code)
+            if isinstance(under_way.failure, Unauthenticated):
+                raise Unauthenticated(under_way.failure.message, under_way.failure.code)
+            if under_way.failure is not None:
+                raise under_way.failure
         verification = self._verifying[key] = _Verification()
         try:
             verification.principal = await verify()
             return verification.principal
-        except Unauthenticated as refusal:
-            verification.refusal = refusal
+        except Exception as failure:
+            verification.failure = failure
             raise
         finally:
             del self._verifying[key]
@@ -149,9 +156,11 @@ class VerifiedTokenCache:
         hit = self._entries.get(key)
         if hit is None:
             return None
-        if hit[0] < time.monotonic():
+        now = time.monotonic()
+        if hit[0] < now:
             self._entries.pop(key, None)
             return None
+        self._entries[key] = (now + self._ttl, hit[1])  # a minute more from this use
         return hit[1]
 
     def put(self, token: str, principal: Principal) -> None:
@@ -171,7 +180,8 @@ class _Verification:
 
     done: anyio.Event = field(default_factory=anyio.Event)
     principal: Principal | None = None
-    refusal: Unauthenticated | None = None
+    #: What ended it otherwise, shared with the requests waiting for it (None: it was cancelled).
+    failure: Exception | None = None
 
 
 _LOOKUP = {

@@ -50,7 +50,7 @@ from .auth import live_node_credentials, revoked
 from .blocked import LATEST_DEVICES, decode_devices, RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
 from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
-    models_for_shapes, node_metadata, shapes_take_memory,
+    frees_room, models_for_shapes, node_metadata, shapes_take_memory,
 )  # fmt: skip
 from .jobs import ancestors_held_elsewhere, settle_parents
 from .nodes import SHARE_CLAIM_GUARDS, TRY_NODE_MEMORY, guard_key, node_memory_key
@@ -277,11 +277,14 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
             for settled in await settle_parents(conn, [item.row], metadata=item.command.metadata):  # type: ignore[list-item]
                 last[settled.organization_id] = max(last.get(settled.organization_id, 0), settled.position)
         await conn.execute("COMMIT")
+    freed: dict[UUID, int] = {}  # by organization: completions that freed memory on their node
     for item in staged:
         row = item.row
         assert row is not None
         last[row.organization_id] = max(last.get(row.organization_id, 0), row.position)
-    return [(org, position, 0) for org, position in last.items()]
+        if isinstance(item.event, JobCompleted):
+            freed[row.organization_id] = freed.get(row.organization_id, 0) + frees_room(item.state)
+    return [(org, position, freed.get(org, 0)) for org, position in last.items()]
 
 
 def _claims_named(staged: Sequence[_Staged]) -> dict[int, dict[str, Any]]:

@@ -523,6 +523,14 @@ async def _take(
     return ClaimResult(claimed, placement)
 
 
+def frees_room(held: JobRow) -> int:
+    """The claimable count of the hint of a report that ends ``held``'s run: 1 when it took memory where it
+    ran. A claim parked because the next job did not fit that node looks again now, as after a heartbeat
+    that frees memory; without it the node's long-poll waited for its safety poll with the card idle.
+    A job that took no memory changes what no node can run: 0, and no claim is tried for it."""
+    return int(takes_memory(held.requires))
+
+
 def node_metadata(node_id: UUID, request_id: str | None) -> dict[str, str]:
     """The metadata of an event a node's request caused."""
     return store.event_metadata(f"node:{node_id}", request_id)
@@ -737,7 +745,7 @@ async def record_completion(
                 return row, False
             changes = [Change(row.id, organization_id, row, [JobCompleted(attempt=attempt, result=result)])]
             [done], position = await record_and_settle(conn, changes, metadata=node_metadata(node_id, request_id))
-            await store.publish(conn, [(organization_id, position, 0)])
+            await store.publish(conn, [(organization_id, position, frees_room(row))])
         return done, True
 
 
@@ -829,7 +837,7 @@ async def fail(
                                    ends=ends)  # fmt: skip
             [failed], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
                                                          metadata=node_metadata(node_id, request_id))  # fmt: skip
-            await store.publish(conn, [(organization_id, position, 0)])
+            await store.publish(conn, [(organization_id, position, frees_room(row))])
     return failed
 
 
@@ -854,7 +862,8 @@ async def give_back(
         [given_back], position = await record_and_settle(conn, [Change(row.id, organization_id, row, [event])],
                                                          metadata=node_metadata(node_id, request_id))  # fmt: skip
         await store.publish(conn, [(organization_id, position, int(isinstance(event, JobReleased)))])
-    metrics.count_given_back(AGENT_STOPPING)
+    if isinstance(event, JobReleased):  # back in the queue at once (not charged with a back-off, nor failed)
+        metrics.count_given_back(AGENT_STOPPING)
     log.info("job given back", extra={"action": "job_given_back", "job_id": str(job_id), "node_id": str(node_id),
                                       "status": given_back.status})  # fmt: skip
     return given_back

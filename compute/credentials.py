@@ -128,7 +128,8 @@ async def revoke_node(
 
     state, events = await change_node(conn, organization_id, node_id, decide, actor, request_id, then=end_held_leases)
     revoked = [e.credential_id for e in events if isinstance(e, NodeCredentialRevoked)]
-    metrics.count_given_back("node_revoked", sum(row.error == NODE_REVOKED_ERROR for row in ended))  # not those that had expired
+    # Back in the queue (not those that had expired, nor those past their free interruptions that failed).
+    metrics.count_given_back("node_revoked", sum(row.error == NODE_REVOKED_ERROR and row.status != "failed" for row in ended))
     if revoked:
         await store.ask_recheck(conn, organization_id)  # its parked long-polls are refused now, not at their deadline
     log.info("node credentials revoked", extra={"action": "node_revoked", "node_id": str(node_id), "count": len(revoked),

@@ -238,9 +238,10 @@ class GroupCommit:
         if follow is None or follow.error is not None:
             return answers, []
         repeated = [c.outcome for c in completions if c.repeated]
-        if repeated:
+        if repeated:  # answered with the claims of the first request: counted then
             async with self._pool.connection() as conn:
                 return answers, await claims.claimed_with_report(conn, repeated, node_id)
+        metrics.CLAIMS.labels(trigger="completion").inc(len(follow.claims))
         return answers, list(follow.claims)
 
     async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int,
@@ -289,10 +290,13 @@ class GroupCommit:
         completion = Command("complete", organization_id, node_id, job_id, attempt, result=result,
                              credential_id=credential_id, then=follow, request_id=request_id)  # fmt: skip
         row = await self._call(completion)
-        if completion.repeated:
+        if completion.repeated:  # answered with the claim of the first request: counted then
             async with self._pool.connection() as conn:
                 return row, await claims.claimed_with(conn, row, node_id)
-        return row, follow.outcome if follow.error is None else None
+        claimed = follow.outcome if follow.error is None else None
+        if claimed is not None:
+            metrics.CLAIMS.labels(trigger="completion").inc()
+        return row, claimed
 
     def _enqueue(self, command: Command) -> anyio.Event:
         command.asked_at = time.monotonic()

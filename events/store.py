@@ -563,7 +563,8 @@ async def ask_recheck(conn: psycopg.AsyncConnection, organization_id: UUID) -> N
     A long-poll tries again only when work may have come; a revoked node's
     long-poll would otherwise answer "nothing yet" at its deadline, up to a
     minute after the revocation, and its agent carry on as if paired. Tried
-    again, its claim is refused 401 at once.
+    again, its claim is refused 401 at once. The organization's streams read
+    again too: one whose API key was revoked ends at once.
     """
     await conn.execute("SELECT pg_notify(%s, %s)", (RECHECK_CHANNEL, organization_id.hex))
 

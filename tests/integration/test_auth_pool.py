@@ -13,10 +13,13 @@ still go through at once.
 from __future__ import annotations
 
 import threading
+import time
 
 import anyio
 import httpx
+import psycopg
 import pytest
+from psycopg_pool import AsyncConnectionPool
 
 from umbra.compute import auth
 from umbra.compute.accounts import create_api_key
@@ -174,3 +177,65 @@ async def test_requests_presenting_one_uncached_token_at_once_share_one_verifica
             # Thirty wrong guesses would pass the 20 a prefix may have in a minute: the next one would be 429.
             gate.open()
             assert (await client.get("/v1/jobs", headers=bearer(wrong))).status_code == 401
+
+
+async def test_requests_sharing_a_verification_fail_together_when_the_database_is_away(db_url, conn, org):
+    """Requests presenting one uncached token while the pool cannot give a connection (the database away,
+    the pool exhausted) all fail after one pool wait (here 0.5 s), together. Were each waiter to try on its
+    own once the one before it failed, the k-th would fail after k pool waits: with the service's 5 s,
+    a hundred agents sharing a credential during an outage would wait up to 500 s."""
+    org_id, _ = org
+    token = await create_api_key(conn, org_id, ["jobs:read"])
+    cache = auth.VerifiedTokenCache()
+    pool = AsyncConnectionPool(db_url, min_size=1, max_size=1, timeout=0.5, open=False)
+    await pool.open(wait=True)
+    took: list[float] = []
+    try:
+        async with pool.connection():  # the pool's only connection is busy: every borrow times out
+            started = time.monotonic()
+
+            async def request() -> None:
+                with pytest.raises(psycopg.OperationalError):
+                    await auth.authenticate(pool, token, cache)
+                took.append(time.monotonic() - started)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(request)
+    finally:
+        await pool.close()
+    assert max(took) < 1.2, f"requests failed after {sorted(round(t, 2) for t in took)} s: one pool wait each, in turn"
+
+
+async def test_a_cancelled_first_verification_leaves_the_others_to_verify(db_url, conn, org):
+    """The first request (its client gone) is cancelled while it waits for a connection; the two requests
+    that waited for its verification are answered by one verification of their own."""
+    org_id, _ = org
+    token = await create_api_key(conn, org_id, ["jobs:read"])
+    cache = auth.VerifiedTokenCache()
+    pool = AsyncConnectionPool(db_url, min_size=1, max_size=1, timeout=10, open=False)
+    await pool.open(wait=True)
+    answers: list = []
+    try:
+        busy = await pool.getconn()
+        async with anyio.create_task_group() as tg:
+            first = anyio.CancelScope()
+
+            async def first_request() -> None:
+                with first:
+                    await auth.authenticate(pool, token, cache)
+
+            async def waiter() -> None:
+                answers.append(await auth.authenticate(pool, token, cache))
+
+            tg.start_soon(first_request)
+            await anyio.sleep(0.2)
+            tg.start_soon(waiter)
+            tg.start_soon(waiter)
+            await anyio.sleep(0.2)
+            first.cancel()
+            await anyio.sleep(0.1)
+            await pool.putconn(busy)
+    finally:
+        await pool.close()
+    assert len(answers) == 2 and answers[0] == answers[1] and answers[0].organization_id == org_id

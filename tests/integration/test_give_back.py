@@ -14,19 +14,30 @@ from __future__ import annotations
 
 from uuid import UUID
 
+import anyio
+import psycopg
 import pytest
 
 from tests.helpers import bearer
+from umbra import metrics
 from umbra.compute import claims
+from umbra.compute.accounts import create_organization
+from umbra.compute.claims import ChildRequest
+from umbra.compute.sweeper import sweep_once
 from umbra.domain.jobs import UnchargedEnds
+from umbra.events import store
+from umbra.projections import jobs as queue
 from umbra.projections.verify import verify
+from umbra.settings import load_settings
 
+from .queue_support import CPU64, add_node, set_clock, submit
 from .test_nodes_api import footprint
 from .test_revocation import claim_now, get_job, job_events, online, post_job
 
 pytestmark = pytest.mark.anyio
 
 STOPPED = "The agent stopped before the job finished."
+SETTINGS = load_settings({})
 
 
 async def give_back(client, credential: str, job_id: str, attempt: int):
@@ -237,3 +248,163 @@ async def test_only_the_claiming_nodes_own_unread_claims_are_given_back(client, 
     assert (await release_unread(client, key, "claim-x")).status_code == 403
     assert await footprint(conn) == before
     assert (await get_job(client, key, job_id))["status"] == "running"
+
+
+async def test_unheard_releases_are_never_capped_and_interruptions_are(client, conn, org):
+    """max_attempts=2: an unread claim given back (unheard, free, never capped), two give-backs (free: fewer
+    than 2 interruptions before each), a third give-back (charged: attempt 4 - 1 unheard - 2 interruptions
+    = run 1 < 2, so requeued with attempt 4's back-off), then a retryable failure (run 2: fails for good)."""
+    org_id, key = org
+    _, node = await online(client, key, "box")
+    job_id = await post_job(client, key, max_attempts=2)
+    await claim_as(client, node, "r-1")
+    assert (await release_unread(client, node, "r-1")).json() == {"released": [job_id]}
+    for attempt in (2, 3):
+        assert (await claim_as(client, node, f"r-{attempt}"))["job"]["attempt"] == attempt
+        answer = (await give_back(client, node, job_id, attempt)).json()
+        assert (answer["status"], answer["not_before"]) == ("queued", None), answer
+    assert await claims.uncharged_claims(conn, [UUID(job_id)]) == {UUID(job_id): UnchargedEnds(unheard=1, interrupted=2)}
+    assert (await claim_as(client, node, "r-4"))["job"]["attempt"] == 4
+    charged = (await give_back(client, node, job_id, 4)).json()
+    assert (charged["status"], charged["error"]) == ("queued", STOPPED) and charged["not_before"] is not None
+    types = [e["type"] for e in await job_events(client, key, job_id)]
+    assert types[-1] == "job.requeued"
+    assert await verify(conn, org_id) == []
+
+
+async def test_a_give_back_racing_the_sweeper_ends_the_attempt_once(db_url):
+    """The lease ran out while the stopping agent's give-back was on its way: the sweeper's expiry and the
+    give-back at the same moment (in both orders, twice each): exactly one ends attempt 1, the other changes nothing
+    (the give-back is refused 409 when the sweeper won), and verify agrees."""
+    for round_ in range(4):
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as setup:
+            org_id, _ = await create_organization(setup, f"race-{round_}")
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as a, \
+                await psycopg.AsyncConnection.connect(db_url, autocommit=True) as b:  # fmt: skip
+            node = await add_node(a, org_id, f"box-{round_}", [CPU64])
+            job = await submit(a, org_id, max_attempts=3)
+            assert (await claims.claim(a, node_id=node, organization_id=org_id, lease_seconds=30)).job_id == job.id
+            await set_clock(a, 31)
+            await set_clock(b, 31)
+            outcome: dict = {}
+
+            async def do_give_back() -> None:
+                try:
+                    outcome["give_back"] = (await claims.give_back(b, organization_id=org_id, node_id=node, job_id=job.id,
+                                                                   attempt=1)).status  # fmt: skip
+                except Exception as exc:  # noqa: BLE001
+                    outcome["give_back"] = getattr(exc, "code", type(exc).__name__)
+
+            async with anyio.create_task_group() as tg:
+                if round_ % 2:
+                    tg.start_soon(do_give_back)
+                    tg.start_soon(sweep_once, a, SETTINGS)
+                else:
+                    tg.start_soon(sweep_once, a, SETTINGS)
+                    tg.start_soon(do_give_back)
+            await sweep_once(a, SETTINGS)  # whatever it skipped while the give-back held the row
+            assert await verify(a, org_id) == []
+            recorded = await store.read_stream(a, store.job_stream(job.id))
+            ends = [r.type for r in recorded if r.type in ("job.released", "job.lease_expired", "job.requeued")]
+            assert len(ends) == 1, (round_, ends, outcome)
+            assert outcome["give_back"] in ("queued", "job_not_claimed_by_this_node"), outcome
+            assert (outcome["give_back"] == "queued") == (ends == ["job.released"]), (ends, outcome)
+
+
+async def test_a_charged_give_back_of_a_childs_last_attempt_settles_its_container(conn, org):
+    """A child allowed one attempt, given back twice (the second past the cap: charged, its one run): it fails
+    for good, its container settles, and replay/verify agree."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    parent = await submit(conn, org_id, "p")
+    got = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=30)
+    [kid] = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=got.attempt,
+                                      children=[ChildRequest(kind="part", max_attempts=1)])  # fmt: skip
+    for attempt, status in ((1, "queued"), (2, "failed")):
+        assert (await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=30)).job_id == kid.id
+        row = await claims.give_back(conn, organization_id=org_id, node_id=node, job_id=kid.id, attempt=attempt)
+        assert row.status == status
+    assert (await queue.load(conn, parent.id, org_id)).status in ("failed", "partial")
+    assert await verify(conn, org_id) == []
+
+
+async def test_a_give_back_is_refused_for_a_job_cancelled_while_it_ran_and_writes_nothing(client, conn, org):
+    """Cancelled while it ran: 409 job_cancelled, no event. Given back first, then cancelled: the job stays
+    cancelled, and the give-back sent again changes nothing."""
+    org_id, key = org
+    _, node = await online(client, key, "box")
+    first = await post_job(client, key)
+    await claim_now(client, node)
+    assert (await client.post(f"/v1/jobs/{first}/cancel", headers=bearer(key))).status_code == 200
+    before = len(await job_events(client, key, first))
+    refused = await give_back(client, node, first, 1)
+    assert (refused.status_code, refused.json()["error"]) == (409, "job_cancelled")
+    assert len(await job_events(client, key, first)) == before
+    second = await post_job(client, key)
+    await claim_now(client, node)
+    assert (await give_back(client, node, second, 1)).status_code == 200
+    assert (await client.post(f"/v1/jobs/{second}/cancel", headers=bearer(key))).status_code == 200
+    again = await give_back(client, node, second, 1)
+    assert again.status_code in (200, 409)
+    assert (await get_job(client, key, second))["status"] == "cancelled"
+    assert await verify(conn, org_id) == []
+
+
+async def test_unread_release_leaves_a_job_the_sweeper_requeued_and_the_node_took_again(conn, org):
+    """A claim request's job whose lease ran out and was requeued, then taken again by the same node by
+    another request: releasing the first request's unread claim gives back nothing."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "a", [CPU64])
+    job = await submit(conn, org_id, max_attempts=3)
+    await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=5, request_id="old")
+    await set_clock(conn, 10)
+    await sweep_once(conn, SETTINGS, reexamine=False)
+    await set_clock(conn, 10 + SETTINGS.lease_expired_delay_seconds + 1)
+    assert (await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=30, request_id="new")).job_id == job.id
+    assert await claims.release_unread_claim(conn, organization_id=org_id, node_id=node, claim_request_id="old") == []
+    assert (await queue.load(conn, job.id, org_id)).status == "running"
+
+
+async def test_a_repeated_completion_does_not_answer_a_next_claim_given_back_as_unread(client, conn, org):
+    """complete?claim_next=true sent with X-Request-ID c-1 chains job B. Given back as unread under that id
+    (answer_unread, uncharged), the same completion sent again (its answer lost) answers ``next_claim``
+    null and records nothing; B is another node's to take, at attempt 2, uncharged; verify agrees."""
+    org_id, key = org
+    _, node = await online(client, key, "box")
+    _, other = await online(client, key, "other")
+    a = await post_job(client, key)
+    await claim_now(client, node)
+    b = await post_job(client, key, max_attempts=1)
+    headers = {**bearer(node), "X-Request-ID": "c-1"}
+    done = await client.post(f"/v1/agent/jobs/{a}/complete", params={"claim_next": "true"},
+                             json={"attempt": 1, "result": {}}, headers=headers)  # fmt: skip
+    assert done.status_code == 200 and done.json()["next_claim"]["job"]["id"] == b, done.text
+    assert (await release_unread(client, node, "c-1")).json() == {"released": [b]}
+    again = await client.post(f"/v1/agent/jobs/{a}/complete", params={"claim_next": "true"},
+                              json={"attempt": 1, "result": {}}, headers=bearer(node))  # fmt: skip
+    assert again.status_code == 200 and again.json()["next_claim"] is None, again.text
+    taken = await claim_now(client, other)
+    assert (taken["id"], taken["attempt"]) == (b, 2)
+    assert await claims.uncharged_claims(conn, [UUID(b)]) == {UUID(b): UnchargedEnds(unheard=1)}
+    assert await verify(conn, org_id) == []
+
+
+def _given_back(reason: str) -> float:
+    return metrics.CLAIMS_GIVEN_BACK.labels(reason=reason)._value.get()
+
+
+async def test_a_give_back_that_fails_the_job_for_good_is_not_counted_as_a_claim_back_in_the_queue(client, conn, org):
+    """``umbra_claims_given_back_total`` counts claims that went back to the queue without a report. A job
+    allowed one attempt, given back twice: the first goes back to the queue (counted), the second is past
+    the cap and fails the job for good (``job.failed``): not counted."""
+    _, key = org
+    _, first = await online(client, key, "first-box")
+    _, second = await online(client, key, "second-box")
+    job_id = await post_job(client, key, max_attempts=1)
+    before = _given_back("agent_stopping")
+    await claim_now(client, first)
+    assert (await give_back(client, first, job_id, 1)).json()["status"] == "queued"
+    await claim_now(client, second)
+    failed = (await give_back(client, second, job_id, 2)).json()
+    assert failed["status"] == "failed", failed
+    assert _given_back("agent_stopping") - before == 1, "a give-back that failed the job for good was counted as back in the queue"

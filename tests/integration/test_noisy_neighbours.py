@@ -314,16 +314,21 @@ async def test_another_organizations_many_live_views_do_not_starve_requests_of_t
 async def test_one_organization_holds_at_most_its_share_of_streams_and_another_still_opens_its_own(db_url, conn, org):
     """Past ``UMBRA_MAX_STREAMS_PER_ORGANIZATION`` (3 here) open streams, organization A's next one, of either
     kind, is refused 429 (``rate_limited``, ``Retry-After``) before it holds anything; B opens its own; once
-    one of A's ends, A may open one again. Streams whose clients left at once give their place back."""
+    one of A's ends, A may open one again. Streams whose clients left at once give their place back, and cost
+    no pooled connection."""
     from tests.conftest import LiveServer
 
-    _, key_a = org
+    org_a, key_a = org
     _, key_b = await create_organization(conn, "other")
     with LiveServer(db_url, UMBRA_MAX_STREAMS_PER_ORGANIZATION="3") as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-            for _ in range(10):  # opened and dropped at once: each gives its place back
+            for _ in range(10):  # opened and dropped at once: each gives its place back once the server sees it
                 async with client.stream("GET", "/v1/events/stream", headers=bearer(key_a)) as dropped:
-                    assert dropped.status_code == 200
+                    assert dropped.status_code == 200, (await dropped.aread())[:300]
+            await until(lambda: server.app.state.log_watch.open_streams(org_a) == 0, timeout=10)
+            # A read the client left in the middle of was finished, not cancelled mid-query (which closes
+            # the connection): no pooled connection was lost to the dropped streams.
+            assert server.app.state.services.pool.get_stats().get("returns_bad", 0) == 0
             async with anyio.create_task_group() as tg:
                 held: list = []
                 scopes = []
@@ -346,6 +351,41 @@ async def test_one_organization_holds_at_most_its_share_of_streams_and_another_s
                 scopes[0].cancel()
                 await eventually(lambda: _opens(client, key_a), timeout=10)
                 tg.cancel_scope.cancel()
+
+
+async def test_a_stream_ended_by_its_keys_revocation_gives_its_place_back(db_url, conn, org):
+    """Cap 1: a key's stream ends when the key is revoked (its last message the 401); another key of the
+    same organization then opens one. A refused (429) stream took no place; a 422 took none either."""
+    from uuid import UUID
+
+    from tests.conftest import LiveServer
+    from umbra.compute import auth
+    from umbra.compute.accounts import create_api_key, list_api_keys, revoke_api_key
+
+    org_id, _ = org
+    other = await create_api_key(conn, org_id, ["events:read"])
+    doomed = await create_api_key(conn, org_id, ["events:read"])
+    with LiveServer(db_url, UMBRA_MAX_STREAMS_PER_ORGANIZATION="1") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            bad = await client.get("/v1/events/stream", params={"after": "-1"}, headers=bearer(other))
+            assert bad.status_code == 422
+            async with client.stream("GET", "/v1/events/stream", headers=bearer(doomed)) as stream:
+                assert stream.status_code == 200
+                refused = await client.get("/v1/events/stream", headers=bearer(other))
+                assert refused.status_code == 429
+                [doomed_id] = [k["id"] for k in await list_api_keys(conn, org_id)
+                               if k["prefix"] == auth.token_prefix(doomed, auth.API_KEY_KIND)]
+                await revoke_api_key(conn, org_id, UUID(str(doomed_id)))
+                with anyio.fail_after(10):
+                    async for line in stream.aiter_lines():
+                        if line.startswith("event: error"):
+                            break
+
+            async def opens() -> bool:
+                async with client.stream("GET", "/v1/events/stream", headers=bearer(other)) as answer:
+                    return answer.status_code == 200
+
+            assert await eventually(opens, timeout=10)
 
 
 async def _opens(client: httpx.AsyncClient, key: str) -> bool:
