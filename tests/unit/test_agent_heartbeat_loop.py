@@ -319,3 +319,51 @@ async def test_a_claim_whose_answer_was_not_read_is_named_in_a_release_and_a_ref
     releases = [request_id for kind, request_id in sent if kind == "release"]
     assert releases == [claims[0], claims[3]]
     assert sent.index(("release", claims[0])) == 1  # at once, before the next claim
+
+
+@pytest.mark.parametrize("server_knows_give_back", [True, False])
+async def test_a_job_past_the_stops_grace_is_given_back_or_failed_as_retryable_by_a_server_that_cannot(
+        server_knows_give_back, quiet_agent_logs):  # fmt: skip
+    """Past the grace the job is given back (``POST /v1/agent/jobs/{id}/release``: queued at once, not
+    charged). A server of an earlier release answers that route 404 ``not_found``: the job is then failed
+    as retryable, as that server expects, rather than left to its lease."""
+    said: list[str] = []
+    lease = (datetime.now(timezone.utc) + timedelta(seconds=60)).isoformat()
+    job = {"id": "j1", "kind": "sleep", "payload": {"seconds": 60}, "attempt": 1}
+    running = anyio.Event()
+
+    async def server(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        said.append(path)
+        if path == "/v1/agent/heartbeat":
+            return httpx.Response(200, json=ONLINE)
+        if path == "/v1/agent/claim":
+            if said.count(path) > 1:
+                return httpx.Response(204)
+            running.set()
+            return httpx.Response(200, json={"job": job, "placement": {}, "lease_expires_at": lease})
+        if path == "/v1/agent/jobs/j1/release" and server_knows_give_back:
+            return httpx.Response(200, json={**job, "status": "queued"})
+        if path == "/v1/agent/jobs/j1/fail":
+            assert json.loads(request.content) == {"attempt": 1, "error": "The agent stopped before the job finished.",
+                                                   "retry": True}
+            return httpx.Response(200, json={**job, "status": "queued"})
+        if path == "/v1/agent/offline":
+            return httpx.Response(200, json={"id": NODE, "status": "offline"})
+        return _refusal(404, "not_found")
+
+    async with AgentClient("http://umbra", "un_0_x", transport=httpx.MockTransport(server)) as client:
+        agent = _agent(client, grace_seconds=0.2)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(agent.run)
+                await running.wait()
+                await anyio.sleep(0.1)  # the handler is running
+                agent.stop()
+    reports = [path for path in said if path.startswith("/v1/agent/jobs/")]
+    if server_knows_give_back:
+        assert reports == ["/v1/agent/jobs/j1/release"]
+        assert [o.status for o in agent.outcomes] == ["released"]
+    else:
+        assert reports == ["/v1/agent/jobs/j1/release", "/v1/agent/jobs/j1/fail"]
+        assert [o.status for o in agent.outcomes] == ["retrying"]
