@@ -232,10 +232,14 @@ async def refusal_after_deferred_revocation(request: Request, refusal: UmbraErro
 
     Such a request's revocation is checked by its batch (or :func:`acting_as`), but a refusal of its
     path, query or body comes before that: without this, a revoked credential would learn which of its ids and
-    values the route would take, when the credential must come first. Only refusals pay the query.
+    values the route would take, when the credential must come first. Only refusals pay the query. A
+    401 (the batch found the credential revoked, perhaps by another process) forgets its cached token.
     """
     who = getattr(request.state, "principal", None)
-    if who is None or refusal.status == 401 or refusal.status >= 500:
+    if who is None or refusal.status >= 500:
+        return refusal
+    if refusal.status == 401:  # its batch found the credential revoked: the cached token verifies no more
+        request.app.state.services.token_cache.forget_credential(who.credential_id)
         return refusal
     try:
         async with request.app.state.services.pool.connection() as conn:

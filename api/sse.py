@@ -83,6 +83,8 @@ class LogWatch:
         left = self._open.pop(organization_id) - 1
         if left:
             self._open[organization_id] = left
+        else:  # no stream of it is left to wait: its signal goes too, or every organization that streamed once stays
+            self._signals.pop(organization_id, None)
 
     def signal(self, organization_id: UUID) -> anyio.Event:
         """The event the next hint for this organization (or a reconnect, or stop) sets."""

@@ -28,6 +28,7 @@ and a few hundred of them took both cores for seconds.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -91,10 +92,13 @@ class VerifiedTokenCache:
                  max_failures: int = MAX_FAILED_VERIFICATIONS, failure_window_seconds: float = FAILURE_WINDOW_SECONDS) -> None:  # fmt: skip
         self._ttl = ttl_seconds
         self._max = max_entries
-        self._entries: dict[bytes, tuple[float, Principal]] = {}
+        #: Fingerprint -> (expiry, principal), least recently used first: with one time limit for all, also the
+        #: soonest to expire first, so expired entries and those past ``max_entries`` leave from the front.
+        self._entries: OrderedDict[bytes, tuple[float, Principal]] = OrderedDict()
         self._max_failures = max_failures
         self._failure_window = failure_window_seconds
-        self._failures: dict[str, list[float]] = {}  # prefix -> when its wrong secrets were refused
+        #: Prefix -> when its wrong secrets were refused, the prefix guessed longest ago first (it leaves first).
+        self._failures: OrderedDict[str, list[float]] = OrderedDict()
         self._verifying: dict[bytes, _Verification] = {}  # token fingerprint -> its verification under way
 
     def refuse_if_guessed(self, prefix: str) -> None:
@@ -105,9 +109,16 @@ class VerifiedTokenCache:
             raise RateLimited(f"Too many wrong secrets for this key lately; try again in {retry_after} s.", retry_after)
 
     def note_failure(self, prefix: str) -> None:
-        if len(self._failures) >= self._max:
-            self._failures.clear()
-        self._failures[prefix] = [*self._recent_failures(prefix), time.monotonic()]
+        now = time.monotonic()
+        self._failures[prefix] = [*self._recent_failures(prefix), now]
+        self._failures.move_to_end(prefix)
+        # Prefixes not guessed within the window leave, and past max_entries the one guessed longest ago
+        # (never all of them: that would reset every prefix's count for a guesser to start again).
+        while self._failures:
+            oldest, failures = next(iter(self._failures.items()))
+            if failures[-1] > now - self._failure_window and len(self._failures) <= self._max:
+                break
+            del self._failures[oldest]
 
     def _recent_failures(self, prefix: str) -> list[float]:
         """The prefix's failures within the window (the older ones are dropped; nothing is kept for a
@@ -152,21 +163,29 @@ class VerifiedTokenCache:
             verification.done.set()
 
     def get(self, token: str) -> Principal | None:
+        now = time.monotonic()
+        self._drop_expired(now)
         key = token_fingerprint(token)
         hit = self._entries.get(key)
         if hit is None:
             return None
-        now = time.monotonic()
-        if hit[0] < now:
-            self._entries.pop(key, None)
-            return None
         self._entries[key] = (now + self._ttl, hit[1])  # a minute more from this use
+        self._entries.move_to_end(key)
         return hit[1]
 
     def put(self, token: str, principal: Principal) -> None:
-        if len(self._entries) >= self._max:
-            self._entries.clear()
-        self._entries[token_fingerprint(token)] = (time.monotonic() + self._ttl, principal)
+        now = time.monotonic()
+        key = token_fingerprint(token)
+        self._entries[key] = (now + self._ttl, principal)
+        self._entries.move_to_end(key)
+        self._drop_expired(now)
+        while len(self._entries) > self._max:  # the least recently used, never every entry at once
+            self._entries.popitem(last=False)
+
+    def _drop_expired(self, now: float) -> None:
+        """Drop the entries past their time limit: a token used once is not kept until the cap."""
+        while self._entries and next(iter(self._entries.values()))[0] < now:
+            self._entries.popitem(last=False)
 
     def forget_credential(self, credential_id: UUID) -> None:
         for key, (_, principal) in list(self._entries.items()):

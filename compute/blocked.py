@@ -73,7 +73,7 @@ LATEST_DEVICES = "coalesce(l.devices, n.devices)::text"
 _NODES = f"""
 SELECT n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {{running}}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
-WHERE n.organization_id = %s AND (%s::uuid IS NULL OR n.id = %s)
+WHERE n.organization_id = %s AND (%s::uuid IS NULL OR n.id = %s) AND (%s OR n.status NOT IN ('draining', 'retired'))
 ORDER BY n.name
 """
 _NODES_AS_REPORTED = _NODES.format(running="NULL")
@@ -113,16 +113,21 @@ async def read_nodes(
     node_id: UUID | None = None,
     stale_seconds: int = DEFAULT_STALE_SECONDS,
     models: Mapping[str, RegisteredModel] | None = None,
+    accepting_only: bool = False,
 ) -> list[NodeView]:
     """The organization's nodes (or one of them) with their *effective* status, by the database clock.
 
     With ``models`` (the registry, or the part of it a claim read), as a claim
     judges them: each bounded by the jobs it runs
     (:func:`with_running_jobs_read`). Without, as reported: blocking judges
-    device totals, and a running job changes none.
+    device totals, and a running job changes none. ``accepting_only``: not
+    the draining and retired nodes, which no blocking judgement counts: nodes
+    are never deleted, and an organization whose nodes come and go (autoscaled
+    machines) would otherwise have every submission read every node it ever
+    paired.
     """
     query = _NODES_AS_REPORTED if models is None else _NODES_AS_CLAIMS_FIND_THEM
-    cursor = await conn.execute(query, (organization_id, node_id, node_id))
+    cursor = await conn.execute(query, (organization_id, node_id, node_id, not accepting_only))
     nodes = [
         (
             NodeView(
@@ -201,7 +206,7 @@ class BlockingJudge:
     async def load(cls, conn: psycopg.AsyncConnection, organization_id: UUID) -> "BlockingJudge":
         """The fleet as it stands once no change of it is in flight (see :func:`hold_capacity`)."""
         await hold_capacity(conn, organization_id, exclusive=False)
-        return cls(await read_models(conn, organization_id), await read_nodes(conn, organization_id))
+        return cls(await read_models(conn, organization_id), await read_nodes(conn, organization_id, accepting_only=True))
 
     def reason(self, requires: Requirements) -> str | None:
         if requires not in self._memo:

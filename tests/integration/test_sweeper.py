@@ -264,15 +264,15 @@ async def test_a_released_claim_is_not_charged_when_a_lease_expires(conn, org):
 
 async def test_an_expired_child_whose_container_is_held_elsewhere_waits_for_a_later_tick(db_url, conn, org):
     """A row another session holds (an operator's open ``BEGIN; SELECT ... FOR UPDATE``) holds up only what
-    needs it: an expired child whose container is held is left as it was for a later tick, and the same tick
-    recovers every other expired lease (another organization's here) without waiting for that row. Once the
-    holder lets go, the next tick expires the child."""
+    needs it: an expired child on its last attempt, whose end would settle its held container, is left as it
+    was for a later tick, and the same tick recovers every other expired lease (another organization's here)
+    without waiting for that row. Once the holder lets go, the next tick ends the child."""
     org_id, _ = org
     a = await add_node(conn, org_id, "a", [CPU64])
     parent = await submit(conn, org_id, "p")
     got = await claim(conn, org_id, a)
     (k,) = await claims.add_children(conn, organization_id=org_id, node_id=a, job_id=parent.id, attempt=got.attempt,
-                                     children=[ChildRequest(kind="part")])  # fmt: skip
+                                     children=[ChildRequest(kind="part", max_attempts=1)])  # fmt: skip
     assert (await claim(conn, org_id, a, lease_seconds=5)).job_id == k.id
     other_org, _ = await create_organization(conn, "other")
     b = await add_node(conn, other_org, "b", [CPU64])
@@ -290,6 +290,6 @@ async def test_an_expired_child_whose_container_is_held_elsewhere_waits_for_a_la
         await operator.rollback()
         with anyio.fail_after(8):
             released = await sweep_once(own, SETTINGS, reexamine=False)
-    assert released.leases_requeued == 1
+    assert released.leases_failed == 1
     child = await queue.load(conn, k.id, org_id)
-    assert (child.status, child.lease_owner, child.attempt) == ("queued", None, 1)
+    assert (child.status, child.lease_owner, child.attempt) == ("failed", None, 1)
