@@ -550,6 +550,25 @@ async def test_a_claim_whose_answer_was_lost_is_given_back_at_once_and_run_uncha
     assert events[1]["metadata"]["request_id"] != events[3]["metadata"]["request_id"]  # one id per claim request
 
 
+async def test_a_completion_given_up_on_gives_back_the_job_its_lost_answer_claimed(server, api):
+    """``complete?claim_next=true`` for A completes A and claims B; every answer to it (the first and each
+    repeat) is lost, so the agent gives up on the report. Every attempt carried the same ``X-Request-ID``, and
+    the agent gives back what that request claimed: B, allowed one attempt, goes back to the queue
+    (``answer_unread``, uncharged) and runs, instead of waiting out a lease nobody renews and failing unrun."""
+    paired = await pair(server, api, "box-given-up")
+    first = await submit(api, "echo", {"n": "A"}, priority=1)
+    second = await submit(api, "echo", {"n": "B"}, priority=2, max_attempts=1)
+    transport = LoseAnswers(lambda request: request.url.path.endswith(f"/{first['id']}/complete"), times=100)
+    async with running_agent(server, paired["credential"], transport=transport) as agent:
+        done_b = await eventually(lambda: job_in(api, second["id"], "complete", "failed"), timeout=25)
+    assert len(transport.lost) > 1, "the completion was sent again and its answers lost"
+    assert [o.status for o in agent.outcomes if o.job_id == first["id"]] == ["unreported"]
+    assert (await api.get(f"/v1/jobs/{first['id']}")).json()["status"] == "complete"
+    assert (done_b["status"], done_b["result"], done_b["error"]) == ("complete", {"n": "B"}, None), done_b
+    released = [e for e in await job_events(api, second["id"]) if e["type"] == "job.released"]
+    assert [e["data"]["reason"] for e in released] == ["answer_unread"]
+
+
 class HoldClaimAnswers(httpx.AsyncBaseTransport):
     """The real transport, except that a claim's answer, once the server sent it, is held back until the
     request is cancelled: the agent is stopped while the answer is on its way."""

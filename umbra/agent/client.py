@@ -276,16 +276,19 @@ class AgentClient:
     async def complete(self, job_id: str, attempt: int, result: Any) -> dict[str, Any]:
         return _read(await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result}))
 
-    async def complete_and_claim(self, job_id: str, attempt: int, result: Any, *,
-                                 kinds: Sequence[str] = ()) -> tuple[dict[str, Any], Claim | None]:  # fmt: skip
+    async def complete_and_claim(self, job_id: str, attempt: int, result: Any, *, kinds: Sequence[str] = (),
+                                 request_id: str | None = None) -> tuple[dict[str, Any], Claim | None]:  # fmt: skip
         """Report a result and claim this node's next job in the same request (``complete?claim_next=true``).
 
         Returns the completed Job and the next :class:`Claim` (of one of
         ``kinds``, if given), or None when nothing this node may take is queued
-        (the server does not wait for one).
+        (the server does not wait for one). ``request_id`` is sent as
+        ``X-Request-ID`` (the same on every retry): :meth:`release_unread` names
+        it to give back the next job if no answer is ever read.
         """
         response = await self._post(f"/v1/agent/jobs/{job_id}/complete", {"attempt": attempt, "result": result},
-                                    params={"claim_next": "true", "kind": list(kinds)})  # fmt: skip
+                                    params={"claim_next": "true", "kind": list(kinds)},
+                                    headers={"X-Request-ID": request_id} if request_id else None)  # fmt: skip
 
         def completed(job: dict[str, Any]) -> tuple[dict[str, Any], Claim | None]:
             following = job.pop("next_claim", None)

@@ -31,13 +31,16 @@ answer was lost on the way, the server answers the repeat with the claim it
 already made (while that claim stands untouched), so the agent runs it instead
 of leaving it leased to a node that does not know of it. A retry sent once the
 agent is stopping does not ask: the server then gives back the claim the lost
-answer named (``job.released``, not charged).
+answer named (``job.released``, not charged). Every attempt of one completion
+carries the same ``X-Request-ID``: if none of their answers is ever read, the
+agent gives back what they claimed by that id (``POST /v1/agent/claim/release``).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -60,6 +63,8 @@ TRANSIENT_REFUSALS = frozenset({408, 409, 425, 429})
 #: Refusals of a result or children that no retry, and no rerun, could change.
 UNDELIVERABLE_CODES = frozenset({"invalid_request", "payload_too_large"})
 RUNTIME_MESSAGE = "The job exceeded its max_runtime_s."
+#: How long giving back an unread claim may take at most (its request times out sooner).
+RELEASE_SECONDS = 5.0
 #: Longest failure message sent; the server accepts 10,000 characters.
 MAX_ERROR_CHARS = 4000
 #: Doublings :func:`backoff_delay` counts at most (``2.0 ** 1024`` overflows a float).
@@ -164,6 +169,21 @@ def _finite(value: Any) -> bool:
     return True
 
 
+async def give_back_unread(client: AgentClient, request_id: str) -> None:
+    """Give back what the request sent as ``request_id`` claimed, its answer never read
+    (``POST /v1/agent/claim/release``). Best effort, within :data:`RELEASE_SECONDS`, whatever this task's
+    cancellation: a server that cannot be reached leaves the job to its lease."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_SECONDS):
+        try:
+            released = await client.release_unread(request_id)
+        except Exception as exc:  # noqa: BLE001 - best effort: the lease recovers the job
+            log.warning("could not give back an unread claim", extra={"action": "claim_release_failed",
+                                                                       "error": describe(exc)})  # fmt: skip
+            return
+        if released:
+            log.info("unread claim given back", extra={"action": "claim_released_unread", "job_ids": released})
+
+
 class JobRun:
     def __init__(
         self,
@@ -246,10 +266,18 @@ class JobRun:
             answer named.
             """
             if self._claim_next():
-                return await self.client.complete_and_claim(claim.job_id, claim.attempt, result, kinds=self._kinds)
+                asked_for_next.set()
+                return await self.client.complete_and_claim(claim.job_id, claim.attempt, result, kinds=self._kinds,
+                                                            request_id=request_id)  # fmt: skip
             return await self.client.complete(claim.job_id, claim.attempt, result), None
 
+        request_id = uuid.uuid4().hex  # one for every attempt: the claim it made is named by it
+        asked_for_next = anyio.Event()
         outcome = await self._undeliverable_fails(await self._report("complete", complete_and_claim), "result")
+        if outcome.status == "unreported" and asked_for_next.is_set():
+            # Had an attempt claimed the node's next job, no answer naming it was read: give it back rather
+            # than leave it to wait out a lease no agent renews (and, on its last attempt, fail unrun).
+            await give_back_unread(self.client, request_id)
         if outcome.status != "complete":
             return outcome
         job, following = outcome.detail

@@ -39,7 +39,7 @@ from umbra.events.types import Device
 from .client import AgentClient, Claim, ServiceError, claim_kinds
 from .devices import steady
 from .handlers import HandlerRegistry
-from .jobrun import JobRun, Outcome, backoff_delay, describe, refused_for_good, retry_delay
+from .jobrun import JobRun, Outcome, backoff_delay, describe, give_back_unread, refused_for_good, retry_delay
 
 log = logging.getLogger(__name__)
 
@@ -290,20 +290,10 @@ class Agent:
         A stop cancels a parked long-poll; an answer can be cut off or time out. If the server had
         already claimed a job and sent it, the agent never runs it, and without this the job would
         wait out its lease (the server releases a claim itself only when the client left before the
-        answer was sent). Best effort: a server that cannot be reached leaves the job to its lease, as
-        does a second signal (the agent leaves at once).
+        answer was sent). Not on a second signal: the agent leaves at once.
         """
-        if self._leave_now:
-            return
-        with anyio.CancelScope(shield=True):
-            try:
-                released = await self.client.release_unread(request_id)
-            except Exception as exc:  # noqa: BLE001 - best effort: whatever went wrong, the lease recovers the job
-                log.warning("could not give back an unread claim", extra={"action": "claim_release_failed",
-                            "error": describe(exc)})  # fmt: skip
-                return
-        if released:
-            log.info("unread claim given back", extra={"action": "claim_released_unread", "job_ids": released})
+        if not self._leave_now:
+            await give_back_unread(self.client, request_id)
 
     @contextlib.contextmanager
     def _poll_scope(self) -> Iterator[anyio.CancelScope]:
