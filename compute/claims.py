@@ -593,7 +593,7 @@ async def release_unread_claim(conn: psycopg.AsyncConnection, *, organization_id
     agent can. Each job that claim took and that stands untouched since is
     released (``job.released``, ``reason: answer_unread``, never charged: it
     never ran) and claimable by another node at once, instead of waiting out a
-    lease no agent will renew. Returns the released jobs' ids, in claim order.
+    lease no agent will renew. Returns the released jobs' ids, in submission order.
     """
     cursor = await conn.execute(_CLAIMED_BY_REQUEST, {"organization": organization_id, "node": node_id,
                                                       "claim_request": claim_request_id})  # fmt: skip
