@@ -117,20 +117,33 @@ async def pair_nodes(client: httpx.AsyncClient, key: str, n: int, *, tag: str) -
 
 
 async def _open_and_drop_streams(server: LiveServer, keys: list[str], per_key: int) -> None:
+    """Open ``per_key`` streams per key, 12 at a time, and drop each (some before their first byte).
+
+    A burst of new keys on a loaded machine may find the pool busy past its wait: such a stream is
+    answered 503 (try again) and is opened again, so every one of them is opened once.
+    """
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
 
         async def one(key: str, i: int) -> None:
             path = "/v1/events/stream" if i % 2 == 0 else "/v1/projections/stream"
-            async with client.stream("GET", path, headers=bearer(key)) as response:
-                assert response.status_code == 200
-                if i % 3 != 2:  # some are dropped before their first byte is read
-                    async for _ in response.aiter_raw():
-                        break
+            for _ in range(5):
+                async with client.stream("GET", path, headers=bearer(key)) as response:
+                    if response.status_code == 503:
+                        continue
+                    assert response.status_code == 200
+                    if i % 3 != 2:  # some are dropped before their first byte is read
+                        async for _ in response.aiter_raw():
+                            break
+                    return
+            raise AssertionError(f"{path} was answered 503 five times")
 
-        await in_batches([lambda k=k, i=i: one(k, i) for k in keys for i in range(per_key)], width=24)
+        await in_batches([lambda k=k, i=i: one(k, i) for k in keys for i in range(per_key)], width=12)
 
 
 async def test_streams_opened_and_dropped_by_many_organizations_give_everything_back(db_url, conn, cheap_hashes):
+    """360 event and projection streams of 60 organizations, opened and dropped (some before their first
+    byte): their places, the open-streams gauges, the pool's connections, the server's tasks and the
+    process's file descriptors all come back to where they were."""
     keys = [(await create_organization(conn, f"org-{i}"))[1] for i in range(60)]
     with LiveServer(db_url) as server:
         watch = server.app.state.log_watch
@@ -153,7 +166,9 @@ async def test_streams_opened_and_dropped_by_many_organizations_give_everything_
     assert stats_after.get("returns_bad", 0) == stats_before.get("returns_bad", 0), (stats_before, stats_after)
     assert stats_after.get("connections_lost", 0) == stats_before.get("connections_lost", 0), (stats_before, stats_after)
     assert stats_after["pool_size"] <= server.settings.pool_size
-    assert fds_after <= fds_before + 5, (fds_before, fds_after)
+    # A file descriptor for each connection the pool grew by (up to its size), a few for the runtime's own.
+    grown = stats_after.get("pool_size", 0) - stats_before.get("pool_size", 0)
+    assert fds_after <= fds_before + max(grown, 0) + 5, (fds_before, fds_after, grown)
 
 
 async def test_log_watch_forgets_organizations_whose_streams_all_closed(db_url, conn, cheap_hashes):
@@ -225,7 +240,9 @@ async def test_abandoned_and_timed_out_long_polls_and_revoked_agents_leave_nothi
     assert stats_after.get("returns_bad", 0) == stats_before.get("returns_bad", 0), (stats_before, stats_after)
     assert stats_after.get("connections_lost", 0) == stats_before.get("connections_lost", 0), (stats_before, stats_after)
     assert stats_after["pool_size"] <= server.settings.pool_size
-    assert fds_after <= fds_before + 5, (fds_before, fds_after)
+    # A file descriptor for each connection the pool grew by (up to its size), a few for the runtime's own.
+    grown = stats_after.get("pool_size", 0) - stats_before.get("pool_size", 0)
+    assert fds_after <= fds_before + max(grown, 0) + 5, (fds_before, fds_after, grown)
     assert len(still_cached) <= 0, f"{len(still_cached)} revoked credentials still cached"
 
 
