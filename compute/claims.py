@@ -56,12 +56,11 @@ import msgspec
 import psycopg
 
 from umbra import metrics
-
 from umbra.db import uuid_array
 from umbra.domain.eligibility import is_busy, takes_kind
 from umbra.domain.jobs import (
-    AGENT_STOPPING, UnchargedEnds, check_holder, decide_failure, decide_give_back, decide_lease_expiry, decomposition_repeat_needs_log, failure_repeat_needs_log, repeats_completion,
-    repeats_decomposition, repeats_failure,
+    AGENT_STOPPING, UnchargedEnds, check_holder, decide_failure, decide_give_back, decide_lease_expiry,
+    decomposition_repeat_needs_log, failure_repeat_needs_log, repeats_completion, repeats_decomposition, repeats_failure,
 )  # fmt: skip
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
