@@ -15,6 +15,7 @@ from __future__ import annotations
 from uuid import UUID
 
 import anyio
+import httpx
 import psycopg
 import pytest
 
@@ -408,3 +409,41 @@ async def test_a_give_back_that_fails_the_job_for_good_is_not_counted_as_a_claim
     failed = (await give_back(client, second, job_id, 2)).json()
     assert failed["status"] == "failed", failed
     assert _given_back("agent_stopping") - before == 1, "a give-back that failed the job for good was counted as back in the queue"
+
+
+async def test_a_claim_request_that_arrives_after_its_release_claims_nothing(client, org):
+    """A claim request held up on its way (a proxy buffering it) reaches the server after its agent gave up on
+    it and asked for its claim back, when there was nothing to give back yet: it claims nothing (204), and
+    the job stays queued for an agent that will hear of it, instead of going to one that will not."""
+    _, key = org
+    _, node = await online(client, key, "box")
+    assert (await release_unread(client, node, "late-1")).json() == {"released": []}
+    job_id = await post_job(client, key, max_attempts=1)
+    late = await client.post("/v1/agent/claim", params={"wait": 0}, headers={**bearer(node), "X-Request-ID": "late-1"})
+    assert late.status_code == 204, late.text
+    assert (await get_job(client, key, job_id))["status"] == "queued"
+    assert (await claim_as(client, node, "fresh-1"))["job"]["id"] == job_id
+
+
+async def test_a_parked_claim_whose_request_is_released_gives_back_what_it_then_claims(client, org):
+    """The agent gave up on a parked long-poll and released its request while nothing was claimed; the
+    long-poll, still parked on the server (its connection kept by a proxy), is then woken by a new job:
+    whatever it claims goes back at once (``answer_unread``, uncharged) and it answers 204."""
+    _, key = org
+    _, node = await online(client, key, "box")
+    answers: list[httpx.Response] = []
+
+    async def parked() -> None:
+        answers.append(await client.post("/v1/agent/claim", params={"wait": 10},
+                                         headers={**bearer(node), "X-Request-ID": "parked-1"}))  # fmt: skip
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(parked)
+        await anyio.sleep(0.5)  # parked
+        assert (await release_unread(client, node, "parked-1")).json() == {"released": []}
+        job_id = await post_job(client, key, max_attempts=1)
+    assert answers[0].status_code == 204, answers[0].text
+    job = await get_job(client, key, job_id)
+    assert job["status"] == "queued" and job["lease_owner"] is None
+    reasons = [e["data"].get("reason") for e in await job_events(client, key, job_id) if e["type"] == "job.released"]
+    assert reasons == ["answer_unread"]  # woken by the job, claimed it, gave it back
