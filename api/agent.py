@@ -214,8 +214,8 @@ async def release_unread(request: Request) -> Response:
     """The agent never read a claim request's answer: give back what that request took, if anything."""
     who = await authorized(request, "compute:claim")
     body = await read_json(request, UnreadClaimRequest)
-    request.app.state.services.abandoned_claims.add(who.node_id, body.request_id)  # should it arrive after this
     async with acting_as(request, who) as conn:
+        request.app.state.services.abandoned_claims.add(who.node_id, body.request_id)  # should it arrive after this
         released = await claims.release_unread_claim(conn, organization_id=who.organization_id, node_id=who.node_id,
                                                      claim_request_id=body.request_id, request_id=request_id(request))  # fmt: skip
     if released:

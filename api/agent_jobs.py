@@ -217,11 +217,18 @@ def _reported(job_id: UUID, answer: Any) -> dict[str, Any]:
     return {"job_id": str(job_id), "status": 200, "job": queue.job_out(answer)}
 
 
-async def fail(request: Request) -> Response:
+async def _held_job_report(request: Request, body_type: type[Any], **read: Any) -> tuple[Any, UUID, Any]:
+    """The node, the job and the body of a report about a job it holds that runs on its own transaction
+    (fail, give back, decompose); the body is read with no connection held, and the caller acts within
+    :func:`acting_as` (not revoked while the body arrived)."""
     who = await authorized(request, "compute:complete")
     job_id = path_uuid(request, code="job_not_found")
-    body = await read_json(request, FailRequest)  # read with no connection held
-    async with acting_as(request, who) as conn:  # not revoked while the body arrived
+    return who, job_id, await read_json(request, body_type, **read)
+
+
+async def fail(request: Request) -> Response:
+    who, job_id, body = await _held_job_report(request, FailRequest)
+    async with acting_as(request, who) as conn:
         row = await claims.fail(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                 attempt=body.attempt, error=body.error, retry=body.retry,
                                 request_id=request_id(request))  # fmt: skip
@@ -230,20 +237,16 @@ async def fail(request: Request) -> Response:
 
 async def give_back(request: Request) -> Response:
     """A stopping agent gives back a job it could not finish in its grace (:func:`claims.give_back`)."""
-    who = await authorized(request, "compute:complete")
-    job_id = path_uuid(request, code="job_not_found")
-    body = await read_json(request, GiveBackRequest)  # read with no connection held
-    async with acting_as(request, who) as conn:  # not revoked while the body arrived
+    who, job_id, body = await _held_job_report(request, GiveBackRequest)
+    async with acting_as(request, who) as conn:
         row = await claims.give_back(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                      attempt=body.attempt, request_id=request_id(request))  # fmt: skip
     return json_response(queue.job_out(row))
 
 
 async def children(request: Request) -> Response:
-    who = await authorized(request, "compute:complete")
-    job_id = path_uuid(request, code="job_not_found")
-    body = await read_json(request, ChildrenRequest, items="children")  # read with no connection held
-    async with acting_as(request, who) as conn:  # not revoked while the body arrived
+    who, job_id, body = await _held_job_report(request, ChildrenRequest, items="children")
+    async with acting_as(request, who) as conn:
         rows = await claims.add_children(conn, organization_id=who.organization_id, node_id=who.node_id, job_id=job_id,
                                          attempt=body.attempt, children=body.children,
                                          request_id=request_id(request))  # fmt: skip

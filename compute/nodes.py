@@ -382,14 +382,6 @@ WHERE node_id = ANY(%s) AND last_seen_at >= umbra_now() - make_interval(secs => 
 """
 
 
-async def mark_stale_nodes_offline(
-    conn: psycopg.AsyncConnection, *, stale_seconds: int = DEFAULT_STALE_SECONDS, limit: int = 500
-) -> list[UUID]:
-    """The first page of :func:`mark_stale_page`: the ids marked."""
-    marked, _ = await mark_stale_page(conn, stale_seconds=stale_seconds, limit=limit)
-    return marked
-
-
 async def mark_stale_page(
     conn: psycopg.AsyncConnection, *, stale_seconds: int = DEFAULT_STALE_SECONDS, limit: int = 500,
     after: UUID | None = None,

@@ -43,7 +43,7 @@ import psycopg
 from anyio.abc import TaskStatus
 
 from umbra import jitter, metrics
-from umbra.db import LOCK_WAIT_SECONDS, assume_service_role, connect, database_away, lock_wait_ended
+from umbra.db import assume_service_role, bound_lock_waits, connect, database_away, lock_wait_ended
 from umbra.events import store
 from umbra.events.types import JobFailed
 from umbra.projections import jobs as queue
@@ -334,7 +334,7 @@ async def first_since(conn: psycopg.AsyncConnection, settings: Settings, retry_s
 async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds: float) -> None:
     """Wait for leadership on ``conn``, then sweep every interval until the connection fails."""
     await assume_service_role(conn)
-    await conn.execute(f"SET lock_timeout = '{LOCK_WAIT_SECONDS}s'")  # as a pooled connection's: no wait unbounded
+    await bound_lock_waits(conn)  # as a pooled connection's: no wait unbounded
     while not (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEPER_LOCK_KEY,))).fetchone())[0]:
         await anyio.sleep(retry_seconds)
     log.info("sweeper leading", extra={"action": "sweeper_leading", "backend_pid": conn.info.backend_pid})

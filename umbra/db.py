@@ -253,11 +253,16 @@ async def borrowed(db: Database) -> AsyncIterator[psycopg.AsyncConnection]:
 LOCK_WAIT_SECONDS = 5
 
 
+async def bound_lock_waits(conn: psycopg.AsyncConnection) -> None:
+    """Bound the connection's lock waits to :data:`LOCK_WAIT_SECONDS` (a pooled one's, the sweeper's)."""
+    await conn.execute("SELECT set_config('lock_timeout', %s, false)", (f"{LOCK_WAIT_SECONDS}s",))
+
+
 async def _configure(conn: psycopg.AsyncConnection) -> None:
     """A pooled connection: the service role, timestamps read in UTC (:func:`in_utc`), lock waits bounded
-    (:data:`LOCK_WAIT_SECONDS`)."""
+    (:func:`bound_lock_waits`)."""
     await in_utc(conn)
-    await conn.execute(f"SET lock_timeout = '{LOCK_WAIT_SECONDS}s'")
+    await bound_lock_waits(conn)
     await assume_service_role(conn)
 
 

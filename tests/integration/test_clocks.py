@@ -20,7 +20,7 @@ from psycopg import conninfo, sql
 from tests.conftest import LiveServer
 from tests.helpers import bearer, eventually
 from umbra.compute import claims
-from umbra.compute.nodes import mark_stale_nodes_offline, node_view
+from umbra.compute.nodes import mark_stale_page, node_view
 from umbra.compute.sweeper import sweep_once
 from umbra.events import store
 from umbra.projections import jobs as queue
@@ -209,7 +209,7 @@ async def test_a_node_is_online_at_exactly_the_stale_threshold_and_offline_just_
     async with conn.transaction():
         await pin_clock(conn, threshold)
         assert (await node_view(conn, node, organization_id=org_id)).status == "online"
-        assert await mark_stale_nodes_offline(conn, stale_seconds=SETTINGS.heartbeat_stale_seconds) == []
+        assert (await mark_stale_page(conn, stale_seconds=SETTINGS.heartbeat_stale_seconds))[0] == []
         async with conn.transaction():
             assert await claim(conn, org_id, node) is not None
             raise psycopg.Rollback()
@@ -217,7 +217,7 @@ async def test_a_node_is_online_at_exactly_the_stale_threshold_and_offline_just_
         await pin_clock(conn, threshold + timedelta(microseconds=1))
         assert (await node_view(conn, node, organization_id=org_id)).status == "offline"
         assert await claim(conn, org_id, node) is None
-        assert await mark_stale_nodes_offline(conn, stale_seconds=SETTINGS.heartbeat_stale_seconds) == [node]
+        assert (await mark_stale_page(conn, stale_seconds=SETTINGS.heartbeat_stale_seconds))[0] == [node]
     types = [r.type for r in await store.read_stream(conn, store.node_stream(node))]
     assert types[-1] == "node.went_offline"
 

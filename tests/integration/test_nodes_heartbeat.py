@@ -11,7 +11,7 @@ import pytest
 
 from umbra.compute import claims
 from umbra.compute.heartbeat import heartbeat
-from umbra.compute.nodes import drain_node, mark_stale_nodes_offline, node_view, retire_node
+from umbra.compute.nodes import drain_node, mark_stale_page, node_view, retire_node
 from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
 from umbra.domain.heartbeat import HeartbeatReport
 from umbra.events import store
@@ -136,12 +136,12 @@ async def test_a_silent_node_reads_offline_and_the_sweep_records_it(conn, org):
     await beat(conn, org_id, node_id)
     await offset(conn, 44)
     assert (await node_view(conn, node_id)).status == "online"
-    assert await mark_stale_nodes_offline(conn) == []
+    assert (await mark_stale_page(conn))[0] == []
     await offset(conn, 46)
     view = await node_view(conn, node_id)
     assert (view.status, view.stored_status, view.schedulable) == ("offline", "online", False)
-    assert await mark_stale_nodes_offline(conn) == [node_id]
-    assert await mark_stale_nodes_offline(conn) == []
+    assert (await mark_stale_page(conn))[0] == [node_id]
+    assert (await mark_stale_page(conn))[0] == []
     assert (await node_view(conn, node_id)).stored_status == "offline"
     assert (await node_view(conn, quiet_id)).status == "provisioning"  # intent never expires
     went = (await store.read_stream(conn, store.node_stream(node_id)))[-1]
@@ -182,7 +182,7 @@ async def test_a_beat_that_waited_for_the_sweep_marking_its_node_offline_brings_
 
         async with anyio.create_task_group() as tg:
             async with sweeper.transaction():
-                assert await mark_stale_nodes_offline(sweeper) == [node_id]
+                assert (await mark_stale_page(sweeper))[0] == [node_id]
                 tg.start_soon(beat_now)
                 await until_done_or_waiting(conn, lambda: bool(answers))
     assert answers[0].status == "online"
@@ -197,7 +197,7 @@ async def test_a_sweep_running_while_a_beat_commits_leaves_the_node_online(db_ur
             await psycopg.AsyncConnection.connect(db_url, autocommit=True) as sweeper:  # fmt: skip
         async with agent.transaction():  # the beat has run; its commit is on its way
             assert (await beat(agent, org_id, node_id)).status == "online"
-            await mark_stale_nodes_offline(sweeper)
+            await mark_stale_page(sweeper)
     view = await node_view(conn, node_id)
     assert (view.stored_status, view.status) == ("online", "online")
 
@@ -217,7 +217,7 @@ async def test_a_beat_that_commits_between_the_sweeps_read_and_its_lock_leaves_t
             marked = []
 
             async def sweep() -> None:
-                marked.extend(await mark_stale_nodes_offline(sweeper))
+                marked.extend((await mark_stale_page(sweeper))[0])
 
             tg.start_soon(sweep)
             await anyio.sleep(0.1)  # the sweep has read the node as stale and sleeps before locking it

@@ -9,7 +9,7 @@ import pytest
 from umbra.compute.accounts import create_organization
 from umbra.compute.credentials import revoke_node
 from umbra.compute.heartbeat import heartbeat
-from umbra.compute.nodes import drain_node, load_schedulable_view, mark_stale_nodes_offline, retire_node
+from umbra.compute.nodes import drain_node, load_schedulable_view, mark_stale_page, retire_node
 from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
 from umbra.domain.heartbeat import HeartbeatReport
 from umbra.errors import Conflict
@@ -63,7 +63,7 @@ async def random_history(conn, rng: random.Random) -> list:
         else:
             clock += rng.choice([20, 50, 400])
             await conn.execute("SELECT set_config('umbra.clock_offset', %s, false)", (f"{clock} seconds",))
-            await mark_stale_nodes_offline(conn)
+            await mark_stale_page(conn)
     return orgs
 
 

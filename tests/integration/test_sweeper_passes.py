@@ -223,7 +223,7 @@ async def test_a_pairing_row_held_elsewhere_does_not_stall_the_sweeper(db_url, c
 
 
 class _BeatBetweenReads:
-    """The sweeper's connection, but a heartbeat of ``node_id`` commits between ``mark_stale_nodes_offline``'s
+    """The sweeper's connection, but a heartbeat of ``node_id`` commits between ``mark_stale_page``'s
     read of stale nodes and its second read of liveness (the race that second read exists for)."""
 
     def __init__(self, conn, beating, node_id) -> None:
