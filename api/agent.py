@@ -35,7 +35,7 @@ from umbra.errors import Forbidden
 from umbra.events.types import Placement
 from umbra.projections.jobs import JobOut, JobRow
 
-from .http import acting_as, authorized, batch_principal, json_response, read_json, request_id
+from .http import acting_as, authorized, batch_principal, json_response, read_json, received_at, request_id
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
 from .middleware import REQUEST_ID_PATTERN
 from .params import KIND_QUERY, query_int, query_kinds
@@ -52,12 +52,22 @@ MAX_JOBS_PER_REQUEST = SCAN_PAGE
 #: it against none (``umbra.agent.client.lease_left``). A header, so that every answer's body stays the
 #: contract's. The claims of one answer were made in one transaction: the first's is said for all.
 LEASE_LEFT_HEADER = "Umbra-Lease-Seconds"
+#: Beside it, the seconds between the request's arrival and that measurement. The agent's round trip less
+#: this is the most the request and its answer can have spent on their way (a proxy holding the answer, a
+#: congested link), which the agent takes off the lease too: an answer that arrived 40 s late left its agent
+#: believing it held 60 s of a lease with 20 s left, and its first renewal came after the lease had ended.
+HELD_HEADER = "Umbra-Held-Seconds"
 
 
-def lease_left_header(row: JobRow, asked_at: float | None) -> dict[str, str]:
-    """:data:`LEASE_LEFT_HEADER` for an answer granting ``row``'s lease (none for a job holding no lease)."""
+def lease_left_header(request: Request, row: JobRow, asked_at: float | None) -> dict[str, str]:
+    """:data:`LEASE_LEFT_HEADER` and :data:`HELD_HEADER` for an answer granting ``row``'s lease (none for a
+    job holding no lease)."""
     left = claims.lease_left(row, asked_at)
-    return {} if left is None else {LEASE_LEFT_HEADER: f"{left:.3f}"}
+    if left is None:
+        return {}
+    arrived = received_at(request)
+    held = {} if arrived is None else {HELD_HEADER: f"{max(0.0, time.monotonic() - arrived):.3f}"}
+    return {LEASE_LEFT_HEADER: f"{left:.3f}", **held}
 
 
 class Claim(msgspec.Struct, kw_only=True):
@@ -178,7 +188,7 @@ async def claim(request: Request) -> Response:
         metrics.CLAIM_WAIT.labels(outcome="timeout").observe(elapsed)
         return Response(status_code=204)
     metrics.CLAIM_WAIT.labels(outcome="claimed").observe(elapsed)
-    headers = lease_left_header(result[0].row, result[0].asked_at)
+    headers = lease_left_header(request, result[0].row, result[0].asked_at)
     if most == 1:
         return json_response(result[0].to_json(), headers=headers)
     return json_response({**result[0].to_json(), "claims": [claimed.to_json() for claimed in result]}, headers=headers)

@@ -124,7 +124,7 @@ async def renew(request: Request) -> Response:
         lease_seconds=services.settings.lease_seconds, credential_id=who.credential_id, request_id=request_id(request),
     )  # fmt: skip
     return json_response({"lease_expires_at": queue.timestamp(row.lease_expires_at), "attempt": row.attempt},
-                         headers=lease_left_header(row, asked_at))
+                         headers=lease_left_header(request, row, asked_at))
 
 
 async def complete(request: Request) -> Response:
@@ -161,7 +161,7 @@ async def complete(request: Request) -> Response:
             await release_unheard(request.app.state.services, [claimed], who.node_id, request_id(request))
             claimed = None
     return json_response({**queue.to_json(row), "next_claim": claimed.to_json() if claimed is not None else None},
-                         headers=lease_left_header(claimed.row, claimed.asked_at) if claimed is not None else None)
+                         headers=lease_left_header(request, claimed.row, claimed.asked_at) if claimed is not None else None)
 
 
 async def complete_many(request: Request) -> Response:
@@ -202,7 +202,7 @@ async def complete_many(request: Request) -> Response:
         raise failure
     return json_response({"results": [_reported(item.job_id, answer) for item, answer in zip(body.results, answers)],
                           "next_claims": [claim.to_json() for claim in claimed]},
-                         headers=lease_left_header(claimed[0].row, claimed[0].asked_at) if claimed else None)  # fmt: skip
+                         headers=lease_left_header(request, claimed[0].row, claimed[0].asked_at) if claimed else None)  # fmt: skip
 
 
 def _unexpected(answer: Any) -> bool:

@@ -46,6 +46,11 @@ def request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
+def received_at(request: Request) -> float | None:
+    """When the request reached this process (``time.monotonic()``, see :mod:`umbra.api.middleware`)."""
+    return getattr(request.state, "received_at", None)
+
+
 async def read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and (length := integer(declared)) is not None and length > MAX_BODY_BYTES:

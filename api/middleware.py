@@ -76,7 +76,9 @@ class RequestContext:
             return
         started = time.perf_counter()
         request_id = request_id_from(scope["headers"])
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["received_at"] = time.monotonic()  # what ``Umbra-Held-Seconds`` counts from (``api.agent``)
         status = 500
 
         responded = False

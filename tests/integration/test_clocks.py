@@ -36,6 +36,8 @@ pytestmark = pytest.mark.anyio
 
 #: The header of a claim's or a renewal's answer saying the seconds of lease it leaves.
 LEASE_LEFT = "Umbra-Lease-Seconds"
+#: Beside it: the seconds the server held the request before measuring it.
+HELD = "Umbra-Held-Seconds"
 
 
 async def pin_clock(conn, at: datetime) -> None:
@@ -250,6 +252,7 @@ async def test_every_answer_that_grants_a_lease_says_the_lease_left_and_no_other
     for answer in (claimed, renewed, chained, reported):
         assert answer.status_code == 200, answer.text
         assert lease - 5 < float(answer.headers[LEASE_LEFT]) <= lease, (answer.url, answer.headers[LEASE_LEFT])
+        assert 0 <= float(answer.headers[HELD]) <= answer.elapsed.total_seconds(), (answer.url, answer.headers[HELD])
 
     # The queue is empty now: every answer below claims nothing.
     none_claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node)
@@ -260,6 +263,29 @@ async def test_every_answer_that_grants_a_lease_says_the_lease_left_and_no_other
     assert [a.status_code for a in (none_claimed, none_chained, none_reported)] == [204, 200, 200]
     assert none_chained.json()["next_claim"] is None and none_reported.json()["next_claims"] == []
     assert [LEASE_LEFT in a.headers for a in (none_claimed, none_chained, none_reported)] == [False] * 3
+    assert [HELD in a.headers for a in (none_claimed, none_chained, none_reported)] == [False] * 3
+
+
+async def test_a_long_polls_answer_says_it_was_held_through_its_wait(client, org):
+    """A long-poll that waited about a second for a job says so (``Umbra-Held-Seconds`` of about a second,
+    never more than the round trip): the agent takes off its lease only the rest of the round trip, the time
+    on the way, and not the wait, which came before the lease was granted."""
+    _, key = org
+    node = bearer((await http_pair(client, key))[1])
+    async with anyio.create_task_group() as tg:
+        answers: list[httpx.Response] = []
+
+        async def poll() -> None:
+            answers.append(await client.post("/v1/agent/claim", params={"wait": 10}, headers=node))
+
+        tg.start_soon(poll)
+        await anyio.sleep(1.0)
+        submitted = await client.post("/v1/jobs", json={"kind": "echo", "payload": {}}, headers=bearer(key))
+        assert submitted.status_code == 201, submitted.text
+    (claimed,) = answers
+    assert claimed.status_code == 200, claimed.text
+    held = float(claimed.headers[HELD])
+    assert 0.9 <= held <= claimed.elapsed.total_seconds(), (held, claimed.elapsed)
 
 
 def skew_database_clock(db_url: str, seconds: int) -> None:

@@ -103,24 +103,45 @@ def _claim(body: dict[str, Any], response: httpx.Response) -> Claim:
 LEASE_LEFT_HEADER = "Umbra-Lease-Seconds"
 
 
-def lease_left(body: dict[str, Any], response: httpx.Response) -> float:
-    """Seconds of lease left when a claim's or a renewal's answer was sent.
+#: Beside it: the seconds the server held the request before measuring that lease (``umbra.api.agent.HELD_HEADER``).
+HELD_HEADER = "Umbra-Held-Seconds"
 
-    The server says so itself (:data:`LEASE_LEFT_HEADER`), measured on its own clock
-    from before the lease was granted: no clock is read against another. The
-    lease ends by the database's clock, which neither this machine's clock
-    nor the app server's need agree with; read against the answer's ``Date``
-    (the app server's clock), an agent whose server ran 10 s behind the
-    database believed it had 13 s of a 3 s lease, and renewed too late. A
-    server that does not say gets that reading, never this machine's clock.
+
+def lease_left(body: dict[str, Any], response: httpx.Response) -> float:
+    """Seconds of lease left when a claim's or a renewal's answer arrived, at least.
+
+    The server says how much was left when it answered (:data:`LEASE_LEFT_HEADER`), measured on
+    its own clock from before the lease was granted: no clock is read against another. The
+    lease ends by the database's clock, which neither this machine's clock nor the app server's
+    need agree with; read against the answer's ``Date`` (the app server's clock), an agent whose
+    server ran 10 s behind the database believed it had 13 s of a 3 s lease, and renewed too
+    late. A server that does not say gets that reading, never this machine's clock.
+
+    What the answer spent on its way is taken off too: the round trip measured here less the
+    time the server says it held the request (:data:`HELD_HEADER`, a long-poll's wait
+    included). Both are durations, each on one clock. An answer a proxy held for two thirds of
+    a 60 s lease otherwise left its agent renewing after the lease had ended.
     """
     try:
         said = float(response.headers.get(LEASE_LEFT_HEADER, "nan"))
     except ValueError:
         said = math.nan
-    if math.isfinite(said) and said >= 0:
-        return said
-    return max(0.0, (parse_time(body["lease_expires_at"]) - _server_now(response)).total_seconds())
+    if not (math.isfinite(said) and said >= 0):
+        return max(0.0, (parse_time(body["lease_expires_at"]) - _server_now(response)).total_seconds())
+    return max(0.0, said - _time_on_the_way(response))
+
+
+def _time_on_the_way(response: httpx.Response) -> float:
+    """The most a request and its answer spent between here and the server: the round trip less what the
+    server says it held the request. 0 when either is unknown (a server that does not say)."""
+    try:
+        held = float(response.headers.get(HELD_HEADER, "nan"))
+        round_trip = response.elapsed.total_seconds()
+    except (ValueError, RuntimeError):  # RuntimeError: an answer not yet read has no round trip
+        return 0.0
+    if not (math.isfinite(held) and held >= 0):
+        return 0.0
+    return max(0.0, round_trip - held)
 
 
 #: The code of a 4xx/5xx answer without the server's error body (a proxy's page, say).
