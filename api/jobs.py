@@ -1,4 +1,4 @@
-"""Job routes for submitters and readers (API keys): submit, batch, list, read, cancel."""
+"""Job routes for submitters and readers (API keys): submit, batch, list, read, cancel, retry."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from umbra.compute import jobs
-from umbra.compute.jobs import BatchRequest, JobRequest
+from umbra.compute import jobs, retries
+from umbra.compute.jobs import BatchRequest, JobRequest, MaxAttempts
 from umbra.errors import InvalidRequest, NotFound
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobOut
@@ -32,6 +32,13 @@ class SubmittedJobs(msgspec.Struct, kw_only=True):
     """A batch's jobs, in request order."""
 
     jobs: list[JobOut]
+
+
+class RetryRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/jobs/{id}/retry``'s body, which may be left out."""
+
+    #: Runs the retry grants; by default as many as the job was submitted with.
+    max_attempts: MaxAttempts | None = None
 
 
 #: A submission naming a project this organization does not have.
@@ -88,6 +95,16 @@ async def cancel_job(request: Request) -> Response:
     return json_response(queue.job_out(row))
 
 
+async def retry_job(request: Request) -> Response:
+    who = await authorized(request, "jobs:write")
+    job_id = path_uuid(request, code="job_not_found")
+    body = await read_json(request, RetryRequest, empty_ok=True)  # read with no connection held
+    async with acting_as(request, who) as conn:  # not revoked while the body arrived
+        row = await retries.retry(conn, who.organization_id, job_id, actor=who.actor, max_attempts=body.max_attempts,
+                                  request_id=request_id(request))  # fmt: skip
+    return json_response(queue.job_out(row))
+
+
 routes = [
     endpoint("POST", "/v1/jobs", submit_job, summary="Submit a job (an idempotency key already used returns its job, 200).",
              auth="api_key", scopes=("jobs:write",), body=JobRequest, success=(201, 200), response=JobOut,
@@ -109,4 +126,8 @@ routes = [
              summary="Cancel a job (a running holder learns on its next renew/complete); terminal → 409 job_terminal.",
              auth="api_key", scopes=("jobs:write",), response=JobOut,
              errors={409: "The job already ended (`job_terminal`); nothing changes."}),
+    endpoint("POST", "/v1/jobs/{id}/retry", retry_job,
+             summary="Send a failed job back to the queue with more runs (job.retried); its history goes on.",
+             auth="api_key", scopes=("jobs:write",), body=RetryRequest, response=JobOut,
+             errors={409: "Not a failed job, or one of a tree (`job_not_retryable`); nothing changes."}),
 ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Pure decisions about one job: fencing, repeated reports, failure, lease expiry, cancellation.
+"""Pure decisions about one job: fencing, repeated reports, failure, lease expiry, cancellation, retry.
 
 Each function takes the facts it needs as plain values and either returns the
 event to append or raises the refusal; the command modules load and lock the
@@ -21,6 +21,7 @@ from umbra.events.types import (
     JobLeaseExpired,
     JobReleased,
     JobRequeued,
+    JobRetried,
 )
 
 from .backoff import backoff_seconds, should_retry
@@ -240,6 +241,41 @@ def decide_cancel(*, status: str, by: str | None, reason: str | None = None) -> 
     if status in TERMINAL_JOB_STATUSES:
         raise JobIsTerminal(status)
     return JobCancelled(by=by, reason=reason)
+
+
+class JobNotRetryable(Conflict):
+    def __init__(self, message: str, status: str) -> None:
+        super().__init__("job_not_retryable", message, status=status)
+
+
+def decide_retry(
+    *, status: str, attempt: int, max_attempts: int, parent_job_id: UUID | None, children_total: int, grant: int,
+    by: str | None, ends: UnchargedEnds = UnchargedEnds(),
+) -> JobRetried:
+    """An operator sends a failed job back to the queue with ``grant`` more runs.
+
+    Only a job that failed: one still queued, running or blocked has its runs
+    ahead of it, and a completed or cancelled one ended as someone meant it
+    to. Only a job of no tree: a child's failure has already counted in its
+    parent's settlement (or will, when its siblings end), and a container's
+    outcome is its children's, so retrying either would leave a parent that
+    says what its children no longer do; a tree is retried by submitting it
+    again.
+
+    The budget counts charged runs (:class:`UnchargedEnds`), so the new
+    ``max_attempts`` is the runs charged so far plus ``grant``: exactly
+    ``grant`` more, however the earlier ones ended.
+    """
+    if status != "failed":
+        raise JobNotRetryable(f"Only a failed job can be retried; this one is {status}.", status)
+    if parent_job_id is not None:
+        raise JobNotRetryable("A child job is not retried on its own: its parent's outcome already counts its "
+                              "failure. Submit the tree again.", status)  # fmt: skip
+    if children_total:
+        raise JobNotRetryable("A job that made children is not retried: its outcome is its children's. Submit it "
+                              "again.", status)  # fmt: skip
+    charged = max(0, attempt - ends.count(max_attempts))
+    return JobRetried(attempt=attempt, max_attempts=charged + grant, by=by)
 
 
 LEASE_EXPIRED_ERROR = "lease expired: the holding node stopped renewing"

@@ -184,6 +184,20 @@ class JobCancelled(_Event, tag="job.cancelled"):
     reason: str | None = None
 
 
+class JobRetried(_Event, tag="job.retried"):
+    """An operator sent a failed job back to the queue.
+
+    ``max_attempts`` is its run budget from here on: the runs it was charged
+    so far and those the retry grants. ``attempt`` (the fencing token) goes on
+    counting from where it stood, so a report from a run before the failure
+    still names a stale attempt.
+    """
+
+    attempt: int
+    max_attempts: int
+    by: str | None = None
+
+
 # -- node stream events --------------------------------------------------------
 
 
@@ -246,6 +260,7 @@ JobEvent = Union[
     JobDecomposed,
     JobSettled,
     JobCancelled,
+    JobRetried,
 ]
 NodeEvent = Union[
     NodeCreated,

@@ -1,4 +1,5 @@
-"""``umbra jobs explain ID``: why a job is (not) running, read as a person would ask it.
+"""``umbra jobs explain ID``: why a job is (not) running, read as a person would ask it; ``umbra jobs
+retry ID``: send a failed job back to the queue.
 
 An HTTP client like ``umbra events tail|replay``: it sees what an API key of
 one organization may see (``jobs:read``) and prints the service's own answer
@@ -69,10 +70,31 @@ def cmd_explain(args) -> int:
     return anyio.run(main)
 
 
+def format_job(job: dict[str, Any]) -> str:
+    """One line for a job: its id, status, and where its runs stand."""
+    line = f"{job['id']}  {job['status']}  attempt {job['attempt']} of at most {job['max_attempts']} runs"
+    return line + (f"  (last error: {job['error']})" if job.get("error") else "")
+
+
+def cmd_retry(args) -> int:
+    async def main() -> int:
+        from umbra.agent.client import raise_for_error
+
+        body = {} if args.max_attempts is None else {"max_attempts": args.max_attempts}
+        async with _client(args, scope="jobs:write") as client:
+            answer = await client.post(f"/v1/jobs/{args.job_id}/retry", json=body)
+            raise_for_error(answer)
+        job = answer.json()
+        print(to_json_text(job) if args.json else printable(format_job(job)))
+        return 0
+
+    return anyio.run(main)
+
+
 def _jobs_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """The ``jobs`` command group's subcommands, created here unless another registrar already did."""
     if "jobs" not in sub.choices:
-        group = sub.add_parser("jobs", help="read jobs: why one is or is not running")
+        group = sub.add_parser("jobs", help="jobs: why one is or is not running; retry a failed one")
         return group.add_subparsers(dest="jobs_command", required=True)
     for action in sub.choices["jobs"]._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -80,20 +102,31 @@ def _jobs_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAct
     raise RuntimeError("the jobs command group has no subcommands")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def _job_command(sub: argparse._SubParsersAction, name: str, *, func, scope: str, json_help: str, **texts: str):
+    """A ``jobs`` subcommand about one job, through the API with an API key holding ``scope``."""
     from umbra.cli import _uuid
 
-    p = _jobs_subparsers(sub).add_parser(
-        "explain",
-        help="why a job is or is not running",
-        description="Explain a job: a summary, the devices that could run it ranked best first, and every other "
-        "device with the first rule it fails (GET /v1/jobs/{id}/explain).",
-    )
+    p = _jobs_subparsers(sub).add_parser(name, **texts)
     p.add_argument("job_id", type=_uuid)
     p.add_argument("--server", default=None, help=SERVER_HELP)
-    p.add_argument("--api-key", default=None, help="API key with jobs:read (default UMBRA_API_KEY)")
-    p.add_argument("--json", action="store_true", help="print the explain answer as JSON")
-    p.set_defaults(func=cmd_explain)
+    p.add_argument("--api-key", default=None, help=f"API key with {scope} (default UMBRA_API_KEY)")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=func)
+    return p
 
 
-__all__ = ["cmd_explain", "format_explanation", "register"]
+def register(sub: argparse._SubParsersAction) -> None:
+    _job_command(sub, "explain", func=cmd_explain, scope="jobs:read", json_help="print the explain answer as JSON",
+                 help="why a job is or is not running",
+                 description="Explain a job: a summary, the devices that could run it ranked best first, and every other "
+                 "device with the first rule it fails (GET /v1/jobs/{id}/explain).")  # fmt: skip
+    retry = _job_command(sub, "retry", func=cmd_retry, scope="jobs:write", json_help="print the retried job as JSON",
+                         help="send a failed job back to the queue",
+                         description="Retry a failed job: the same job queued again in its place, with more runs, its "
+                         "history going on (POST /v1/jobs/{id}/retry). Refused for a job that did not fail or belongs "
+                         "to a tree.")  # fmt: skip
+    retry.add_argument("--max-attempts", type=int, default=None,
+                       help="runs the retry grants, 1..100 (default: as many as the job was submitted with)")  # fmt: skip
+
+
+__all__ = ["cmd_explain", "cmd_retry", "format_explanation", "format_job", "register"]

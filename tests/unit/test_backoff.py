@@ -9,8 +9,8 @@ import pytest
 
 from umbra.domain.backoff import backoff_seconds, should_retry
 from umbra.domain.jobs import (
-    AGENT_STOPPING, JobWasCancelled, NotHolder, UnchargedEnds, check_holder, decide_failure, decide_give_back,
-    decide_lease_expiry,
+    AGENT_STOPPING, JobNotRetryable, JobWasCancelled, NotHolder, UnchargedEnds, check_holder, decide_failure,
+    decide_give_back, decide_lease_expiry, decide_retry,
 )  # fmt: skip
 from umbra.events.types import JobFailed, JobReleased, JobRequeued
 
@@ -127,3 +127,29 @@ def test_fencing_refuses_everyone_but_the_holder_at_its_attempt():
         check_holder(status="cancelled", lease_owner=node, attempt=2, node_id=node, claimed_attempt=2)
     with pytest.raises(NotHolder):  # cancelled, but this caller never held that attempt
         check_holder(status="cancelled", lease_owner=node, attempt=2, node_id=node, claimed_attempt=1)
+
+
+def test_a_retry_grants_exactly_the_runs_it_names_past_the_charged_ones():
+    """The new budget is the runs charged so far plus the grant: a job failed at its third claim, one of which
+    was given back unheard and one cut short by a revocation, has one charged run, so a grant of two makes
+    ``max_attempts`` three, and its next two charged failures are what the grant allows."""
+    ends = UnchargedEnds(unheard=1, interrupted=1)
+    retried = decide_retry(status="failed", attempt=3, max_attempts=3, parent_job_id=None, children_total=0, grant=2,
+                           by="key:x", ends=ends)  # fmt: skip
+    assert (retried.attempt, retried.max_attempts, retried.by) == (3, 3, "key:x")
+    first = decide_failure(attempt=4, max_attempts=retried.max_attempts, error="e", retry=True, now=NOW, ends=ends)
+    second = decide_failure(attempt=5, max_attempts=retried.max_attempts, error="e", retry=True, now=NOW, ends=ends)
+    assert (type(first), type(second)) == (JobRequeued, JobFailed)
+
+
+@pytest.mark.parametrize("status", ["queued", "running", "blocked", "complete", "cancelled", "partial"])
+def test_only_a_failed_job_is_retried(status):
+    with pytest.raises(JobNotRetryable) as refused:
+        decide_retry(status=status, attempt=1, max_attempts=3, parent_job_id=None, children_total=0, grant=3, by=None)
+    assert (refused.value.code, refused.value.extra["status"]) == ("job_not_retryable", status)
+
+
+def test_a_job_of_a_tree_is_not_retried_on_its_own():
+    for tree in ({"parent_job_id": uuid4(), "children_total": 0}, {"parent_job_id": None, "children_total": 2}):
+        with pytest.raises(JobNotRetryable):
+            decide_retry(status="failed", attempt=1, max_attempts=3, grant=3, by=None, **tree)

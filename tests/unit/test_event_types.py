@@ -13,7 +13,7 @@ from umbra.events.types import EVENT_TYPES, JobSubmitted, decode_event, encode_e
 PERMANENT_TAGS = {
     "job.submitted", "job.claimed", "job.lease_renewed", "job.completed", "job.failed", "job.requeued",
     "job.lease_expired", "job.released", "job.blocked", "job.unblocked", "job.decomposed", "job.settled",
-    "job.cancelled", "node.created", "node.paired", "node.heartbeat", "node.went_offline", "node.draining",
+    "job.cancelled", "job.retried", "node.created", "node.paired", "node.heartbeat", "node.went_offline", "node.draining",
     "node.retired", "node.revoked",
 }
 

@@ -11,7 +11,7 @@ import pytest
 from umbra.events.store import RecordedEvent
 from umbra.events.types import (
     JobBlocked, JobCancelled, JobClaimed, JobCompleted, JobDecomposed, JobFailed, JobLeaseExpired, JobLeaseRenewed,
-    JobEvent, JobReleased, JobRequeued, JobSettled, JobSubmitted, JobUnblocked, NodeDraining, Placement, Requirements,
+    JobEvent, JobReleased, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, NodeDraining, Placement, Requirements,
 )  # fmt: skip
 from umbra.projections.jobs import COLUMNS, TRANSITION_COLUMNS, fold, to_json
 
@@ -114,6 +114,19 @@ def test_cancelling_a_running_job_keeps_the_holder_so_it_can_be_told():
     assert (row.status, row.lease_owner, row.attempt, row.lease_expires_at) == ("cancelled", NODE, 1, None)
 
 
+def test_a_retried_job_is_queued_again_released_with_its_new_budget_and_its_last_error():
+    log = Log()
+    log(submitted())
+    log(claimed(1, log))
+    log(JobFailed(attempt=1, error="driver crashed"))
+    row = log(JobRetried(attempt=1, max_attempts=3, by="key:x"))
+    assert (row.status, row.attempt, row.max_attempts, row.error) == ("queued", 1, 3, "driver crashed")
+    assert (row.lease_owner, row.placement, row.finished_at, row.result, row.not_before) == (None, None, None, None, None)
+    assert row.started_at == log.at(2)  # when it first ran
+    row = log(JobBlocked(reason="no_eligible_device"))
+    assert (row.status, row.blocked_at) == ("blocked", log.at(5))  # blocked from the retry on, not before
+
+
 def test_a_stream_must_start_with_submission_and_hold_only_job_events():
     with pytest.raises(ValueError):
         Log()(JobCancelled())
@@ -175,6 +188,7 @@ AFTER_SUBMISSION = [
     JobDecomposed(attempt=1, children=(uuid4(), uuid4())),
     JobSettled(outcome="partial", detail="1 of 2 failed", children_total=2, children_failed=1),
     JobCancelled(by="user:x", reason="not needed"),
+    JobRetried(attempt=1, max_attempts=4, by="key:x"),
 ]
 
 

@@ -1,0 +1,60 @@
+"""Retrying a failed job: an operator's second chance, recorded in the job's own history.
+
+A job fails for good when its runs are spent or its handler says retrying
+will not help; the fault is often outside it (a bad driver on one node, a
+model registry entry fixed since, a dependency that was down for an hour).
+Submitting it again makes a new job with a new id, and the first one's
+history says nothing of the second. A retry puts the same job back in its
+place in the queue (``job.retried``), with more runs, so an auditor replaying
+it sees the failure, who retried it, and what came after.
+"""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import psycopg
+
+from umbra.domain.jobs import decide_retry
+from umbra.errors import NotFound
+from umbra.events import store
+from umbra.events.types import JobBlocked, JobSubmitted
+from umbra.projections import jobs as queue
+from umbra.projections.jobs import Change, JobRow
+
+from .blocked import BlockingJudge
+from .claims import uncharged_claims
+from .jobs import record_and_settle
+
+
+async def retry(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, *, actor: str | None,
+                max_attempts: int | None = None, request_id: str | None = None) -> JobRow:  # fmt: skip
+    """Send a failed job back to the queue with ``max_attempts`` more runs (default: as many as it was
+    submitted with), blocked at once if nothing in the fleet could run it now, as a submission is.
+
+    Refused (409 ``job_not_retryable``, nothing written) unless the job failed
+    and belongs to no tree (:func:`umbra.domain.jobs.decide_retry`).
+    """
+    async with conn.transaction():
+        judge = await BlockingJudge.load(conn, organization_id)  # the capacity lock before the row, as a submission
+        row = await queue.load(conn, job_id, organization_id, lock=True)
+        if row is None:
+            raise NotFound("job_not_found", f"No job {job_id}.")
+        grant = max_attempts if max_attempts is not None else await _submitted_max_attempts(conn, row)
+        ends = (await uncharged_claims(conn, [job_id])).get(job_id) if row.status == "failed" else None
+        retried = decide_retry(status=row.status, attempt=row.attempt, max_attempts=row.max_attempts,
+                               parent_job_id=row.parent_job_id, children_total=row.children_total, grant=grant, by=actor,
+                               **({"ends": ends} if ends is not None else {}))  # fmt: skip
+        reason = judge.reason(row.requires)
+        events = [retried] if reason is None else [retried, JobBlocked(reason=reason)]
+        rows, position = await record_and_settle(conn, [Change(job_id, organization_id, row, events)],
+                                                 metadata=store.event_metadata(actor, request_id))  # fmt: skip
+        await store.publish(conn, [(organization_id, position, 1 if reason is None else 0)])
+        return rows[0]
+
+
+async def _submitted_max_attempts(conn: psycopg.AsyncConnection, row: JobRow) -> int:
+    """The runs the job was submitted with (its row's ``max_attempts`` has grown by any earlier retry)."""
+    submitted = await store.read_stream(conn, store.job_stream(row.id), types=["job.submitted"])
+    first = submitted[0].event if submitted else None
+    return first.max_attempts if isinstance(first, JobSubmitted) else row.max_attempts
