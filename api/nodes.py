@@ -17,13 +17,13 @@ from starlette.requests import Request
 
 from umbra.compute import credentials, heartbeat, nodes
 from umbra.compute.jobs import Kinds
-from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, as_device, label_given_twice
+from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, Label, as_device, label_given_twice
 from umbra.domain.heartbeat import HeartbeatReport
-from umbra.domain.nodes import is_busy
+from umbra.domain.nodes import MAX_CORDON_REASON, is_busy
 from umbra.errors import InvalidRequest
 from umbra.events.types import Device
 
-from .http import authenticated, authorized, json_response, path_uuid, read_json, request_id
+from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
 from .routing import endpoint
 
 Devices = Annotated[list[DeviceReport], Meta(max_length=MAX_DEVICES)]
@@ -54,6 +54,17 @@ class HeartbeatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 raise ValueError("agent_started_at is out of range in UTC") from None
 
 
+class CordonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/nodes/{id}/cordon``: the device (its label), and why, for whoever reads the node next."""
+
+    device: Label
+    reason: Annotated[str, Meta(min_length=1, max_length=MAX_CORDON_REASON)] | None = None
+
+
+class UncordonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    device: Label
+
+
 class HeartbeatOut(msgspec.Struct, kw_only=True):
     node_id: UUID
     status: str
@@ -78,6 +89,8 @@ class NodeOut(msgspec.Struct, kw_only=True):
     updated_at: str
     #: The job kinds its agent takes, as its heartbeat last reported them; null: not reported.
     kinds: list[str] | None = None
+    #: Its devices an operator took out of service, by label, with the reason given (null: none given).
+    cordoned: dict[str, str | None] = {}
 
 
 class NodeList(msgspec.Struct, kw_only=True):
@@ -107,6 +120,7 @@ def node_out(view: nodes.NodeView) -> NodeOut:
         created_at=rfc3339(s.created_at),
         updated_at=rfc3339(s.updated_at),
         kinds=None if s.kinds is None else list(s.kinds),
+        cordoned=dict(s.cordoned),
     )
 
 
@@ -193,6 +207,28 @@ async def _revoke(request, conn, who, node_id):
         request.app.state.services.token_cache.forget_credential(credential_id)
 
 
+async def cordon(request: Request):
+    who = await authorized(request, "nodes:admin")
+    node_id = path_uuid(request, "id", code="node_not_found")
+    body = await read_json(request, CordonRequest)  # read with no connection held
+    async with acting_as(request, who) as conn:
+        await nodes.cordon_device(conn, who.organization_id, node_id, body.device, reason=body.reason, actor=who.actor,
+                                  request_id=request_id(request))  # fmt: skip
+        view = await nodes.node_view(conn, node_id, organization_id=who.organization_id, stale_seconds=_stale(request))
+    return json_response(node_out(view))
+
+
+async def uncordon(request: Request):
+    who = await authorized(request, "nodes:admin")
+    node_id = path_uuid(request, "id", code="node_not_found")
+    body = await read_json(request, UncordonRequest)
+    async with acting_as(request, who) as conn:
+        await nodes.uncordon_device(conn, who.organization_id, node_id, body.device, actor=who.actor,
+                                    request_id=request_id(request))  # fmt: skip
+        view = await nodes.node_view(conn, node_id, organization_id=who.organization_id, stale_seconds=_stale(request))
+    return json_response(node_out(view))
+
+
 def _admin_route(verb: str, command, summary: str, errors: dict[int, str] | None = None):
     return endpoint(
         "POST",
@@ -248,4 +284,13 @@ routes = [
                  errors={409: "The node is retired (`node_retired`); retirement is final."}),
     _admin_route("retire", _retire, "Retire a node for good."),
     _admin_route("revoke", _revoke, "Revoke the node's credentials; they fail on their next request."),
+    endpoint("POST", "/v1/nodes/{id}/cordon", cordon,
+             summary="Take one device of the node out of service; the node's other devices go on taking work.",
+             auth="api_key", scopes=("nodes:admin",), body=CordonRequest, response=NodeOut,
+             errors={404: "No such node (`node_not_found`) or device (`device_not_found`).",
+                     409: "The node is retired (`node_retired`)."}),
+    endpoint("POST", "/v1/nodes/{id}/uncordon", uncordon,
+             summary="Put a cordoned device back in service.",
+             auth="api_key", scopes=("nodes:admin",), body=UncordonRequest, response=NodeOut,
+             errors={404: "No such node (`node_not_found`) or device (`device_not_found`)."}),
 ]

@@ -36,7 +36,7 @@ from uuid import UUID
 import psycopg
 
 from umbra.db import PreparedStatement, begin_with, commit_with, run_together, uuid_array
-from umbra.domain.eligibility import NodeView, is_busy, takes_kind
+from umbra.domain.eligibility import NodeView, in_service, takes_kind
 from umbra.domain.jobs import check_holder, repeats_completion
 from umbra.domain.node_status import effective_status
 from umbra.domain.placement import after_placement, best_placement, takes_memory
@@ -47,7 +47,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .auth import live_node_credentials, revoked
-from .blocked import LATEST_DEVICES, decode_devices, RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
+from .blocked import CORDONED_LABELS, LATEST_DEVICES, decode_devices, RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
 from .claims import (
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
     frees_room, models_for_shapes, node_metadata, shapes_take_memory,
@@ -138,7 +138,7 @@ _LIVE_COLUMN = "(SELECT array_agg(id) FROM node_credentials WHERE id = ANY(%(cre
 _LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE SKIP LOCKED"
 _NODES_QUERY = f"""
 SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(),
-       {RUNNING_TAKING_MEMORY}, {_LIVE_COLUMN}
+       {CORDONED_LABELS}, {RUNNING_TAKING_MEMORY}, {_LIVE_COLUMN}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.id = ANY(%(ids)s)
 """
@@ -403,14 +403,15 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> tu
     stale = {c.node_id: c.stale_seconds for c in claimers}
     nodes = {
         nid: (org, NodeView(id=nid, name=name, trust_domain=trust, devices=decode_devices(devices),
-                            status=effective_status(status, last_seen, now, stale_seconds=stale[nid])))
-        for nid, org, name, status, trust, devices, last_seen, now, _running in records
+                            status=effective_status(status, last_seen, now, stale_seconds=stale[nid]),
+                            cordoned=frozenset(cordoned)))
+        for nid, org, name, status, trust, devices, last_seen, now, cordoned, _running in records
         if nid in stale  # a refused claimer's node was read with the others
     }  # fmt: skip
     by_org: dict[UUID, list[tuple[Command, NodeView]]] = {}
     for command in claimers:
         org, node = nodes.get(command.node_id, (None, None))
-        if node is None or org != command.organization_id or node.status != "online" or all(is_busy(d) for d in node.devices):
+        if node is None or org != command.organization_id or node.status != "online" or not in_service(node):
             continue  # outcome stays None: nothing this node may take
         by_org.setdefault(command.organization_id, []).append((command, node))
     return by_org, {record[0]: record[-1] for record in records}
@@ -446,7 +447,7 @@ async def _bounded_by_running_jobs(
     views = dict(zip(node_ids, bounded))
     return [
         (command, views[node.id]) for command, node in waiting
-        if node.id in views and not all(is_busy(d) for d in views[node.id].devices)
+        if node.id in views and in_service(views[node.id])
     ]
 
 

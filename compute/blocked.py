@@ -70,8 +70,10 @@ RUNNING_TAKING_MEMORY = """(
 #: a move of free memory within the heartbeat's tolerance records no event. ``n`` is the node's row and ``l``
 #: its liveness row.
 LATEST_DEVICES = "coalesce(l.devices, n.devices)::text"
+#: The labels of a node's cordoned devices (``n`` is the node's row), as eligibility reads them.
+CORDONED_LABELS = "ARRAY(SELECT jsonb_object_keys(n.cordoned))"
 _NODES = f"""
-SELECT n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {{running}}
+SELECT n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {CORDONED_LABELS}, {{running}}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.organization_id = %s AND (%s::uuid IS NULL OR n.id = %s) AND (%s OR n.status NOT IN ('draining', 'retired'))
 ORDER BY n.name
@@ -136,10 +138,11 @@ async def read_nodes(
                 status=effective_status(status, last_seen, now, stale_seconds=stale_seconds),
                 trust_domain=trust_domain,
                 devices=decode_devices(devices),
+                cordoned=frozenset(cordoned),
             ),
             running_jobs(running),
         )
-        for nid, name, status, trust_domain, devices, last_seen, now, running in await cursor.fetchall()
+        for nid, name, status, trust_domain, devices, last_seen, now, cordoned, running in await cursor.fetchall()
     ]
     if models is None:
         return [node for node, _ in nodes]

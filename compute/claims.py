@@ -57,7 +57,7 @@ import psycopg
 
 from umbra import metrics
 from umbra.db import uuid_array
-from umbra.domain.eligibility import is_busy, takes_kind
+from umbra.domain.eligibility import in_service, takes_kind
 from umbra.domain.jobs import (
     AGENT_STOPPING, UnchargedEnds, check_holder, decide_failure, decide_give_back, decide_lease_expiry,
     decomposition_repeat_needs_log, failure_repeat_needs_log, repeats_completion, repeats_decomposition, repeats_failure,
@@ -68,7 +68,8 @@ from umbra.domain.placement import best_placement, takes_memory
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
-    JobClaimed, JobCompleted, JobDecomposed, JobLeaseExpired, JobLeaseRenewed, JobReleased, JobRequeued, Placement, Requirements,
+    JobClaimed, JobCompleted, JobDecomposed, JobLeaseExpired, JobLeaseRenewed, JobReleased, JobRequeued, JobRetried, Placement,
+    Requirements,
 )  # fmt: skip
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
@@ -483,7 +484,7 @@ async def claim(
         if shapes_take_memory(shapes, kinds):
             await hold_node_memory(conn, organization_id, node_id)  # then its running jobs are read as the last claim left them
         nodes = await read_nodes(conn, organization_id, node_id=node_id, stale_seconds=stale_seconds, models=models)
-        if not nodes or nodes[0].status != "online" or all(is_busy(d) for d in nodes[0].devices):
+        if not nodes or nodes[0].status != "online" or not in_service(nodes[0]):
             return None
         node = nodes[0]
         judged: dict[str, Placement | None] = {}
@@ -618,12 +619,25 @@ async def uncharged_claims(conn: psycopg.AsyncConnection, job_ids: Sequence[UUID
 
     Read from the log, by each job's stream, only where a failure, an ended
     lease or a give-back has to judge whether attempts remain: rare next to
-    claims, so the queue's rows carry no counter for it. Jobs with none are
-    left out.
+    claims, so the queue's rows carry no counter for it. A retried job's ends
+    are counted from its last retry on, with those before as the retry froze
+    them. Jobs with none are left out.
     """
-    counted = await store.count_by_stream(conn, [store.job_stream(job_id) for job_id in job_ids], _UNCHARGED_CLAIM_ENDS)
-    return {queue.job_id_of(stream): UnchargedEnds(unheard=released - stopping, interrupted=stopping + revoked)
-            for stream, (released, stopping, revoked) in counted.items()}  # fmt: skip
+    streams = [store.job_stream(job_id) for job_id in job_ids]
+    retries = await store.last_by_stream(conn, streams, _tag(JobRetried))
+    counted = await store.count_by_stream(conn, streams, _UNCHARGED_CLAIM_ENDS,
+                                          after={stream: retry.version for stream, retry in retries.items()})  # fmt: skip
+    ends = {}
+    for stream in streams:
+        retry = retries[stream].event if stream in retries else None
+        released, stopping, revoked = counted.get(stream, (0, 0, 0))
+        if retry is not None or stream in counted:
+            ends[queue.job_id_of(stream)] = UnchargedEnds(
+                unheard=released - stopping, interrupted=stopping + revoked,
+                retried_at=retry.attempt if isinstance(retry, JobRetried) else 0,
+                uncharged_before=retry.uncharged if isinstance(retry, JobRetried) else 0,
+            )  # fmt: skip
+    return ends
 
 
 async def end_leases(

@@ -19,8 +19,9 @@ import psycopg
 
 from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.eligibility import NodeView as EligibilityView
+from umbra.domain.eligibility import is_schedulable
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
-from umbra.domain.nodes import after_went_offline, check_drain, check_retire, is_schedulable
+from umbra.domain.nodes import after_went_offline, check_drain, check_retire, decide_cordon, decide_uncordon
 from umbra.errors import NotFound
 from umbra.events import store
 from umbra.events.types import Device, Event, NodeDraining, NodeRetired, NodeWentOffline
@@ -95,14 +96,15 @@ async def _views(conn: psycopg.AsyncConnection, rows: Sequence[tuple], stale_sec
         if reported is not None:  # as last reported, every beat (migration 0034), not as last folded
             state = dataclasses.replace(state, devices=decode_devices(reported))
         status = effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds)
-        judged = EligibilityView(id=state.id, name=state.name, status=status, trust_domain=state.trust_domain, devices=state.devices)
+        judged = EligibilityView(id=state.id, name=state.name, status=status, trust_domain=state.trust_domain, devices=state.devices,
+                                 cordoned=state.cordoned_labels)  # fmt: skip
         read.append((state, status, last_seen_at, judged, running_jobs(running)))
     bounded: dict[UUID, EligibilityView] = {}
     for organization_id in {state.organization_id for state, *_ in read}:
         mine = [(judged, running) for state, _, _, judged, running in read if state.organization_id == organization_id]
         bounded.update((view.id, view) for view in await with_running_jobs_read(conn, organization_id, mine, {}))
     return [
-        NodeView(state, status, last_seen_at, is_schedulable(status, bounded[state.id].devices), bounded[state.id].devices)
+        NodeView(state, status, last_seen_at, is_schedulable(bounded[state.id]), bounded[state.id].devices)
         for state, status, last_seen_at, _, _ in read
     ]
 
@@ -271,7 +273,7 @@ async def change_node(
     request_id: str | None,
     then: Callable[[psycopg.AsyncConnection], Awaitable[list[tuple[UUID, int, int]]]] | None = None,
 ) -> tuple[NodeState, list[Event]]:
-    """An administrator's change of a node that can stop it taking work (drain, retire, revoke).
+    """An administrator's change of what a node may take (drain, retire, revoke, a device's cordon).
 
     Takes the node's claim guard and the organization's capacity lock before
     anything is read, so no claim commits for the node after this answers and
@@ -334,6 +336,36 @@ async def retire_node(
 ) -> NodeState:
     """Take the node out of service for good. Idempotent."""
     state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeRetired(by=actor), check_retire), actor, request_id)
+    return state
+
+
+async def cordon_device(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, device: str, *,
+                        reason: str | None = None, actor: str | None = None, request_id: str | None = None) -> NodeState:  # fmt: skip
+    """Take one of the node's devices out of service (:func:`umbra.domain.nodes.decide_cordon`). Through
+    :func:`change_node`: no claim for the node commits after this answers, and waiting jobs only that device
+    could run are blocked."""
+
+    async def decide(conn: psycopg.AsyncConnection, state: NodeState) -> list[Event]:
+        return decide_cordon(stored=state.status, labels={d.label for d in state.devices}, cordoned=dict(state.cordoned),
+                             device=device, reason=reason, by=actor)  # fmt: skip
+
+    state, _ = await change_node(conn, organization_id, node_id, decide, actor, request_id)
+    return state
+
+
+async def uncordon_device(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, device: str, *,
+                          actor: str | None = None, request_id: str | None = None) -> NodeState:  # fmt: skip
+    """Put a cordoned device back in service; the jobs it alone could run are unblocked."""
+
+    async def decide(conn: psycopg.AsyncConnection, state: NodeState) -> list[Event]:
+        return decide_uncordon(labels={d.label for d in state.devices}, cordoned=dict(state.cordoned), device=device, by=actor)
+
+    async def wake(conn: psycopg.AsyncConnection) -> list[tuple[UUID, int, int]]:
+        # A device back in service may take queued work no other device has taken: a parked long-poll of the
+        # node (or another, the token passing on) looks again, rather than at the safety poll.
+        return [(organization_id, 0, 1)]
+
+    state, _ = await change_node(conn, organization_id, node_id, decide, actor, request_id, then=wake)
     return state
 
 

@@ -18,12 +18,15 @@ its claim. Rules, in the order they are checked:
    naming no trust domains accepts every node of its organization: nodes are
    already the organization's own, and ``trust_domains`` narrows further when
    the submitter asks;
-3. every model the job names is registered (``model_not_registered``);
-4. the device supports every accelerator the job and its models require
+3. an operator has not taken the device out of service (``device_cordoned``:
+   a GPU throwing ECC errors is cordoned alone, while the node's other devices
+   go on working);
+4. every model the job names is registered (``model_not_registered``);
+5. the device supports every accelerator the job and its models require
    (``accelerator_missing``);
-5. a non-CPU device with no free VRAM is busy (``device_busy``): a resident
+6. a non-CPU device with no free VRAM is busy (``device_busy``): a resident
    model holds its memory whether or not it is generating;
-6. memory: the job fits the VRAM available to it → ``via vram`` (never on a
+7. memory: the job fits the VRAM available to it → ``via vram`` (never on a
    ``cpu`` device, which has none); else, on a unified-memory device (``cpu``,
    ``gpu_integrated``), it fits the RAM available to it → ``via ram``, the
    slow path. A discrete GPU out of VRAM is *not* eligible: the work would
@@ -67,6 +70,7 @@ REASONS = (
     "ram_insufficient",
     "device_busy",
     "model_not_registered",
+    "device_cordoned",
 )
 
 #: Devices whose memory *is* system RAM.
@@ -90,6 +94,8 @@ class NodeView:
     #: waits for them too). See :func:`umbra.domain.placement.after_placement`.
     in_use: frozenset[tuple[str, str]] = frozenset()
     loading: frozenset[tuple[str, str]] = frozenset()
+    #: Labels of the devices an operator took out of service (``node.device_cordoned``).
+    cordoned: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +163,8 @@ def judge_device(
         return replace(base, reason=f"node_{node.status}")
     if requires.trust_domains and node.trust_domain not in requires.trust_domains:
         return replace(base, reason="trust_domain")
+    if device.label in node.cordoned:
+        return replace(base, reason="device_cordoned")
     if missing_models(requires, models):
         return replace(base, reason="model_not_registered")
     if not required_accelerators(requires, models) <= set(device.accelerators):
@@ -233,6 +241,17 @@ def _evictions(device: Device, requires: Requirements, shortfall_mb: int, in_use
     return tuple(sorted(chosen))
 
 
+def in_service(node: NodeView) -> bool:
+    """Whether one of the node's devices may take work now: neither cordoned nor busy (the node's own
+    status aside)."""
+    return any(not is_busy(d) and d.label not in node.cordoned for d in node.devices)
+
+
+def is_schedulable(node: NodeView) -> bool:
+    """Effectively online, with a device that may take work now (:func:`in_service`)."""
+    return node.status == "online" and in_service(node)
+
+
 def judge_node(node: NodeView, requires: Requirements, models: Mapping[str, RegisteredModel]) -> list[Verdict]:
     """Verdicts for every device of ``node``, in the node's device order."""
     return [judge_device(node, device, requires, models) for device in node.devices]
@@ -248,7 +267,8 @@ def at_capacity(node: NodeView) -> NodeView:
         msgspec.structs.replace(d, vram_free_mb=d.vram_total_mb, ram_free_mb=d.ram_total_mb, resident_models=())
         for d in node.devices
     )
-    return NodeView(id=node.id, name=node.name, status="online", trust_domain=node.trust_domain, devices=devices)
+    return NodeView(id=node.id, name=node.name, status="online", trust_domain=node.trust_domain, devices=devices,
+                    cordoned=node.cordoned)  # fmt: skip
 
 
 def blocking_reason(
@@ -273,6 +293,12 @@ def blocking_reason(
     verdicts = [v for node in candidates for v in judge_node(node, requires, models)]
     if any(v.eligible for v in verdicts):
         return None
+    back = _fits_if_uncordoned(requires, models, candidates)
+    if back is not None:
+        return f"no_eligible_device: {back}"
+    if any(node.cordoned for node in candidates):  # the cordons change nothing: say what the whole fleet lacks
+        candidates = [replace(node, cordoned=frozenset()) for node in candidates]
+        verdicts = [v for node in candidates for v in judge_node(node, requires, models)]
     return "no_eligible_device: " + "; ".join(_shortfalls(requires, models, candidates, verdicts))
 
 
@@ -325,6 +351,18 @@ def _shortfalls(
         if outside is not None:
             clauses.append(outside)
     return clauses
+
+
+def _fits_if_uncordoned(requires: Requirements, models: Mapping[str, RegisteredModel], nodes: Sequence[NodeView]) -> str | None:
+    """A clause naming the first cordoned device that could run the job if it were put back in service: then
+    that is what the job waits for, not a bigger card."""
+    for node in nodes:
+        if not node.cordoned:
+            continue
+        for verdict in judge_node(replace(node, cordoned=frozenset()), requires, models):
+            if verdict.eligible and verdict.device_label in node.cordoned:
+                return f"{node.name}/{verdict.device_label} would fit but is cordoned"
+    return None
 
 
 def _fits_outside_trust_domains(

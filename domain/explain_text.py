@@ -74,6 +74,9 @@ def refusal_clauses(
     if lacking:
         wanted = ", ".join(sorted(required_accelerators(requires, models)))
         clauses.append(f"{_count(lacking, 'device')} {'lacks' if lacking == 1 else 'lack'} {wanted}")
+    cordoned = sum(1 for r in refused if r.reason == "device_cordoned")
+    if cordoned:
+        clauses.append(f"{_count(cordoned, 'device')} {_be(cordoned)} cordoned")
     if any(r.reason == "model_not_registered" for r in refused):
         clauses.append(f"model {', '.join(missing_models(requires, models))} is not registered")
     outside = len({r.node_id for r in refused if r.reason == "trust_domain"})

@@ -173,11 +173,21 @@ class UnchargedEnds:
 
     unheard: int = 0
     interrupted: int = 0
+    #: At the job's last retry (``job.retried``), if it had one: its attempt then, and how many of its claims up
+    #: to then were not charged. The ends before the retry count there, frozen: ``unheard`` and
+    #: ``interrupted`` count only those since. Counted again under the retry's larger ``max_attempts``, an
+    #: interruption charged when the job failed would be free again, and a retry grant more runs than it said.
+    retried_at: int = 0
+    uncharged_before: int = 0
+
+    def interruption_cap(self, max_attempts: int) -> int:
+        """How many interruptions since the last retry (or ever) are free: as many as the runs granted since."""
+        return max_attempts - (self.retried_at - self.uncharged_before)
 
     def count(self, max_attempts: int, *, interrupting: bool = False) -> int:
         """The claims not charged against ``max_attempts``; ``interrupting``: the run ending now is
         itself an interruption, counted with the earlier ones."""
-        return self.unheard + min(self.interrupted + interrupting, max_attempts)
+        return self.uncharged_before + self.unheard + min(self.interrupted + interrupting, self.interruption_cap(max_attempts))
 
 
 def decide_failure(
@@ -232,7 +242,7 @@ def decide_give_back(
     ``max_attempts`` interruptions it is charged as the retryable failure the
     agent reported before it could give jobs back.
     """
-    if ends.interrupted < max_attempts:
+    if ends.interrupted < ends.interruption_cap(max_attempts):
         return JobReleased(attempt=attempt, reason=AGENT_STOPPING)
     return decide_failure(attempt=attempt, max_attempts=max_attempts, error=STOPPED_ERROR, retry=True, now=now, ends=ends)
 
@@ -264,7 +274,9 @@ def decide_retry(
 
     The budget counts charged runs (:class:`UnchargedEnds`), so the new
     ``max_attempts`` is the runs charged so far plus ``grant``: exactly
-    ``grant`` more, however the earlier ones ended.
+    ``grant`` more, however the earlier ones ended. The claims not charged up
+    to now are recorded with it (``uncharged``), frozen: the ends after the
+    retry are counted against the runs it granted.
     """
     if status != "failed":
         raise JobNotRetryable(f"Only a failed job can be retried; this one is {status}.", status)
@@ -274,8 +286,8 @@ def decide_retry(
     if children_total:
         raise JobNotRetryable("A job that made children is not retried: its outcome is its children's. Submit it "
                               "again.", status)  # fmt: skip
-    charged = max(0, attempt - ends.count(max_attempts))
-    return JobRetried(attempt=attempt, max_attempts=charged + grant, by=by)
+    uncharged = min(attempt, ends.count(max_attempts))
+    return JobRetried(attempt=attempt, max_attempts=attempt - uncharged + grant, uncharged=uncharged, by=by)
 
 
 LEASE_EXPIRED_ERROR = "lease expired: the holding node stopped renewing"

@@ -7,10 +7,10 @@ transition did.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Collection, Mapping
 
-from umbra.errors import Conflict
-from umbra.events.types import Device
+from umbra.errors import Conflict, InvalidRequest, NotFound
+from umbra.events.types import Device, Event, NodeDeviceCordoned, NodeDeviceUncordoned
 
 #: Statuses a heartbeat promotes to ``online``. ``draining`` and ``retired`` are
 #: an administrator's intent: a node still beating must not re-advertise itself
@@ -25,11 +25,6 @@ def is_busy(device: Device) -> bool:
     models cannot take another model, and reads as constrained, not idle.
     """
     return device.kind != "cpu" and device.vram_free_mb <= 0
-
-
-def is_schedulable(effective_status: str, devices: Iterable[Device]) -> bool:
-    """Effectively online and at least one device that is not busy."""
-    return effective_status == "online" and any(not is_busy(d) for d in devices)
 
 
 def after_heartbeat(stored: str) -> str:
@@ -72,3 +67,44 @@ def check_drain(stored: str) -> bool:
 def check_retire(stored: str) -> bool:
     """Whether a retire request records anything: False when already retired."""
     return stored != "retired"
+
+
+#: The longest reason a cordon may give.
+MAX_CORDON_REASON = 500
+
+
+def decide_cordon(*, stored: str, labels: Collection[str], cordoned: Mapping[str, str | None], device: str,
+                  reason: str | None, by: str | None) -> list[Event]:  # fmt: skip
+    """Take one device out of service: nothing new is placed on it, the node's other devices go on.
+
+    What runs there runs on (its agent reports it as ever); a GPU throwing ECC
+    errors or waiting for a driver stops taking work without draining the
+    whole machine. Nothing is recorded when the device is already cordoned
+    for the same reason (a new reason is recorded). A device the node does
+    not report → ``device_not_found``; a retired node → ``node_retired``, as
+    for a drain.
+    """
+    if reason is not None and not 0 < len(reason) <= MAX_CORDON_REASON:
+        raise InvalidRequest(f"reason: 1 to {MAX_CORDON_REASON} characters, or none.", field="reason")
+    if stored == "retired":
+        raise Conflict("node_retired", "This node is retired; retirement is final and its devices take no work anyway.")
+    if device not in labels:
+        raise _no_device(device)
+    if device in cordoned and cordoned[device] == reason:
+        return []
+    return [NodeDeviceCordoned(device=device, reason=reason, by=by)]
+
+
+def decide_uncordon(*, labels: Collection[str], cordoned: Mapping[str, str | None], device: str, by: str | None) -> list[Event]:
+    """Put a cordoned device back in service; nothing is recorded for one that is not cordoned. A device
+    neither reported nor cordoned → ``device_not_found`` (one the node stopped reporting can still be
+    uncordoned)."""
+    if device in cordoned:
+        return [NodeDeviceUncordoned(device=device, by=by)]
+    if device not in labels:
+        raise _no_device(device)
+    return []
+
+
+def _no_device(device: str) -> NotFound:
+    return NotFound("device_not_found", f"The node reports no device {device!r}.", device=device)

@@ -438,22 +438,35 @@ async def read_stream(
 
 
 async def count_by_stream(
-    conn: psycopg.AsyncConnection, streams: Sequence[str], matching: Sequence[tuple[str, Mapping[str, Any]]]
+    conn: psycopg.AsyncConnection, streams: Sequence[str], matching: Sequence[tuple[str, Mapping[str, Any]]], *,
+    after: Mapping[str, int] | None = None,
 ) -> dict[str, list[int]]:
     """How many events each of ``streams`` holds that match each of ``matching`` (a type, and fields its
-    data must hold, ``{}``: any), in ``matching``'s order; an event may match several. Streams with none
-    are left out."""
+    data must hold, ``{}``: any), in ``matching``'s order; an event may match several. Only those past the
+    version ``after`` gives a stream, if it gives one. Streams with none are left out."""
     types, data = [t for t, _ in matching], [Jsonb(dict(fields)) for _, fields in matching]
+    names = list(streams)
+    since = [(after or {}).get(stream, 0) for stream in names]
     cursor = await conn.execute(
-        "SELECT e.stream, m.i, count(*) FROM events e"
+        "SELECT e.stream, m.i, count(*) FROM unnest(%s::text[], %s::bigint[]) AS s(stream, after)"
+        " JOIN events e ON e.stream = s.stream AND e.version > s.after"
         " JOIN unnest(%s::text[], %s::jsonb[]) WITH ORDINALITY AS m(type, data, i) ON e.type = m.type AND e.data @> m.data"
-        " WHERE e.stream = ANY(%s) GROUP BY e.stream, m.i",
-        (types, data, list(streams)),
+        " GROUP BY e.stream, m.i",
+        (names, since, types, data),
     )
     counted: dict[str, list[int]] = {}
     for stream, index, count in await cursor.fetchall():
         counted.setdefault(stream, [0] * len(matching))[index - 1] = count
     return counted
+
+
+async def last_by_stream(conn: psycopg.AsyncConnection, streams: Sequence[str], type_: str) -> dict[str, RecordedEvent]:
+    """Each of ``streams``' last event of ``type_``; streams with none are left out."""
+    cursor = await conn.execute(
+        f"SELECT DISTINCT ON (stream) {_COLUMNS} FROM events WHERE stream = ANY(%s) AND type = %s ORDER BY stream, version DESC",
+        (list(streams), type_),
+    )
+    return {recorded.stream: recorded for recorded in map(_recorded, await cursor.fetchall())}
 
 
 async def read_log(
@@ -589,6 +602,8 @@ __all__ = [
     "RecordedEvent",
     "append",
     "append_many",
+    "count_by_stream",
+    "last_by_stream",
     "appending",
     "head_position",
     "EVERYTHING",

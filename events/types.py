@@ -188,13 +188,16 @@ class JobRetried(_Event, tag="job.retried"):
     """An operator sent a failed job back to the queue.
 
     ``max_attempts`` is its run budget from here on: the runs it was charged
-    so far and those the retry grants. ``attempt`` (the fencing token) goes on
-    counting from where it stood, so a report from a run before the failure
+    so far and those the retry grants; ``uncharged`` the claims up to the
+    retry that were not charged, counted once, here (see
+    ``umbra.domain.jobs.UnchargedEnds``). ``attempt`` (the fencing token) goes
+    on counting from where it stood, so a report from a run before the failure
     still names a stale attempt.
     """
 
     attempt: int
     max_attempts: int
+    uncharged: int = 0
     by: str | None = None
 
 
@@ -241,6 +244,21 @@ class NodeRetired(_Event, tag="node.retired"):
     by: str | None = None
 
 
+class NodeDeviceCordoned(_Event, tag="node.device_cordoned"):
+    """An operator took one device of the node out of service (by its label); the others go on."""
+
+    device: str
+    reason: str | None = None
+    by: str | None = None
+
+
+class NodeDeviceUncordoned(_Event, tag="node.device_uncordoned"):
+    """The device takes work again."""
+
+    device: str
+    by: str | None = None
+
+
 class NodeCredentialRevoked(_Event, tag="node.revoked"):
     credential_id: UUID | None = None
     by: str | None = None
@@ -270,6 +288,8 @@ NodeEvent = Union[
     NodeDraining,
     NodeRetired,
     NodeCredentialRevoked,
+    NodeDeviceCordoned,
+    NodeDeviceUncordoned,
 ]
 Event = Union[JobEvent, NodeEvent]
 

@@ -27,6 +27,8 @@ from umbra.events.types import (
     Device,
     NodeCreated,
     NodeCredentialRevoked,
+    NodeDeviceCordoned,
+    NodeDeviceUncordoned,
     NodeDraining,
     NodeHeartbeat,
     NodePaired,
@@ -56,12 +58,20 @@ class NodeState:
     updated_at: datetime
     #: The job kinds its agent takes, as last reported (sorted); None: not reported (every kind).
     kinds: tuple[str, ...] | None = None
+    #: Devices an operator took out of service, by label, each with the reason given (None: none given),
+    #: sorted by label.
+    cordoned: tuple[tuple[str, str | None], ...] = ()
 
     def as_row(self) -> dict[str, Any]:
         """The comparable row shape shared by :func:`rebuild` and :func:`live`."""
         row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         row["devices"] = msgspec.to_builtins(self.devices)
+        row["cordoned"] = dict(self.cordoned)
         return row
+
+    @property
+    def cordoned_labels(self) -> frozenset[str]:
+        return frozenset(label for label, _ in self.cordoned)
 
 
 def fold(state: NodeState | None, recorded: RecordedEvent) -> NodeState:
@@ -109,6 +119,11 @@ def fold(state: NodeState | None, recorded: RecordedEvent) -> NodeState:
         return dataclasses.replace(state, status="retired", **stamp)
     if isinstance(event, NodeCredentialRevoked):
         return dataclasses.replace(state, status=after_revoked(state.status), **stamp)
+    if isinstance(event, NodeDeviceCordoned):
+        others = tuple(pair for pair in state.cordoned if pair[0] != event.device)
+        return dataclasses.replace(state, cordoned=tuple(sorted((*others, (event.device, event.reason)))), **stamp)
+    if isinstance(event, NodeDeviceUncordoned):
+        return dataclasses.replace(state, cordoned=tuple(pair for pair in state.cordoned if pair[0] != event.device), **stamp)
     if isinstance(event, UnknownEvent):  # a newer writer's: skipped, the stream's version still advances
         return dataclasses.replace(state, **stamp)
     raise ValueError(f"{recorded.stream} v{recorded.version}: {recorded.type} is not a node event")
@@ -116,20 +131,20 @@ def fold(state: NodeState | None, recorded: RecordedEvent) -> NodeState:
 
 _COLUMNS = (
     "id, organization_id, name, status, trust_domain, locality, transport, agent_version, agent_started_at, "
-    "last_heartbeat_at, devices, version, position, created_at, updated_at, kinds"
+    "last_heartbeat_at, devices, version, position, created_at, updated_at, kinds, cordoned"
 )
 
 _WRITE = f"""
 INSERT INTO nodes ({_COLUMNS})
 VALUES (%(id)s, %(organization_id)s, %(name)s, %(status)s, %(trust_domain)s, %(locality)s, %(transport)s,
         %(agent_version)s, %(agent_started_at)s, %(last_heartbeat_at)s, %(devices)s::jsonb, %(version)s,
-        %(position)s, %(created_at)s, %(updated_at)s, %(kinds)s)
+        %(position)s, %(created_at)s, %(updated_at)s, %(kinds)s, %(cordoned)s::jsonb)
 ON CONFLICT (id) DO UPDATE SET
     name = EXCLUDED.name, status = EXCLUDED.status, trust_domain = EXCLUDED.trust_domain,
     locality = EXCLUDED.locality, transport = EXCLUDED.transport, agent_version = EXCLUDED.agent_version,
     agent_started_at = EXCLUDED.agent_started_at, last_heartbeat_at = EXCLUDED.last_heartbeat_at,
     devices = EXCLUDED.devices, version = EXCLUDED.version, position = EXCLUDED.position,
-    updated_at = EXCLUDED.updated_at, kinds = EXCLUDED.kinds
+    updated_at = EXCLUDED.updated_at, kinds = EXCLUDED.kinds, cordoned = EXCLUDED.cordoned
 """
 
 
@@ -138,6 +153,7 @@ async def write(conn: psycopg.AsyncConnection, state: NodeState) -> None:
     params = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
     params["devices"] = msgspec.json.encode(state.devices).decode()
     params["kinds"] = None if state.kinds is None else list(state.kinds)
+    params["cordoned"] = msgspec.json.encode(dict(state.cordoned)).decode()
     await conn.execute(_WRITE, params)
 
 
@@ -149,6 +165,7 @@ def from_row(row: tuple) -> NodeState:
     values = list(row[:WIDTH])
     values[10] = msgspec.convert(values[10], _devices_type)
     values[15] = None if values[15] is None else tuple(values[15])
+    values[16] = tuple(sorted(values[16].items())) if values[16] else ()
     return NodeState(*values)
 
 

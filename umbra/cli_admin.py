@@ -1,4 +1,4 @@
-"""``umbra admin`` commands for nodes: pairing codes, drain, retire, revoke.
+"""``umbra admin`` commands for nodes: pairing codes, drain, retire, revoke, a device's cordon.
 
 They talk to the database directly (like ``create-org``) and call the same
 commands as the HTTP API, so a node drained from the shell records the same
@@ -68,7 +68,8 @@ def _pairing_checked(check: str, convert=str):
 
 
 def _node_json(state) -> dict:
-    return {"node_id": str(state.id), "name": state.name, "stored_status": state.status}
+    out = {"node_id": str(state.id), "name": state.name, "stored_status": state.status}
+    return {**out, "cordoned": [label for label, _ in state.cordoned]} if state.cordoned else out
 
 
 def _node_command(name: str):
@@ -81,6 +82,12 @@ def _node_command(name: str):
             out = _node_json(state)
         elif name == "retire":
             state = await nodes.retire_node(conn, args.org, args.node_id, actor=CLI_ACTOR)
+            out = _node_json(state)
+        elif name == "cordon":
+            state = await nodes.cordon_device(conn, args.org, args.node_id, args.device, reason=args.reason, actor=CLI_ACTOR)
+            out = _node_json(state)
+        elif name == "uncordon":
+            state = await nodes.uncordon_device(conn, args.org, args.node_id, args.device, actor=CLI_ACTOR)
             out = _node_json(state)
         else:
             state, revoked = await credentials.revoke_node(conn, args.org, args.node_id, actor=CLI_ACTOR)
@@ -99,6 +106,8 @@ _NODE_HELP = {
     "drain": "let the node finish its current work and take no new",
     "retire": "take the node out of service for good",
     "revoke": "revoke the node's credentials; its agent is refused at once",
+    "cordon": "take one device of the node out of service; its other devices go on taking work",
+    "uncordon": "put a cordoned device back in service",
 }
 
 
@@ -129,5 +138,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         p = admin.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         p.add_argument("--org", type=_uuid, required=True, help="organization id")
         p.add_argument("node_id", type=_uuid, help="node id")
+        if name in ("cordon", "uncordon"):
+            p.add_argument("device", help="the device's label, as the node reports it (e.g. gpu0)")
+        if name == "cordon":
+            p.add_argument("--reason", default=None, help="why, for whoever reads the node next (e.g. ECC errors)")
         p.add_argument("--json", action="store_true", help="print JSON")
         p.set_defaults(func=_with_database(_node_command(name)))

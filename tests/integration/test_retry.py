@@ -9,9 +9,16 @@ import psycopg
 import pytest
 
 from tests.helpers import bearer, run_umbra
+from umbra.compute import claims, retries
 from umbra.compute.accounts import create_api_key, create_organization
+from umbra.compute.sweeper import sweep_once
+from umbra.errors import Conflict
+from umbra.projections.verify import verify
+from umbra.settings import load_settings
 
-from .queue_support import http_claim, http_complete, http_pair
+from .queue_support import CPU64, add_node, beat, http_claim, http_complete, http_pair, set_clock, submit
+
+SETTINGS = load_settings({})
 
 pytestmark = pytest.mark.anyio
 
@@ -198,3 +205,134 @@ async def test_the_cli_retries_a_failed_job(client, org, live_server):
     refused = await anyio.to_thread.run_sync(lambda: run_umbra("jobs", "retry", job["id"], "--server", live_server.url,
                                                                env={"UMBRA_API_KEY": key}))  # fmt: skip
     assert refused.returncode != 0 and "job_not_retryable" in refused.stderr, (refused.stdout, refused.stderr)
+
+
+# -- the run budget across ends that are not charged ------------------------------------------------------
+
+
+async def test_a_revocation_charged_before_a_retry_stays_charged_after_it(client, org, conn):
+    """A job allowed one run is revoked out from under two nodes: the first revocation is free, the second is
+    charged and fails it. Retried with one run, that run's retryable failure fails it for good: the retry's
+    larger ``max_attempts`` does not make the charged revocation free again (which bought a second run), and
+    explain counts it as the run it was."""
+    org_id, key = org
+    nodes = [await http_pair(client, key, name=f"box{i}") for i in range(3)]
+    job = (await client.post("/v1/jobs", json={"kind": "render", "max_attempts": 1}, headers=bearer(key))).json()
+    for node_id, credential in nodes[:2]:
+        assert (await http_claim(client, credential))["id"] == job["id"]
+        assert (await client.post(f"/v1/nodes/{node_id}/revoke", headers=bearer(key))).status_code == 200
+    assert (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["status"] == "failed"
+    retried = await client.post(f"/v1/jobs/{job['id']}/retry", json={"max_attempts": 1}, headers=bearer(key))
+    assert (retried.status_code, retried.json()["max_attempts"]) == (200, 2), retried.text
+    held = await http_claim(client, nodes[2][1])
+    told = (await client.get(f"/v1/jobs/{job['id']}/explain", headers=bearer(key))).json()["summary"]
+    assert "run 2 of 2" in told and "1 earlier claim not charged" in told, told
+    failed = await client.post(f"/v1/agent/jobs/{job['id']}/fail", json={"attempt": held["attempt"], "error": "again",
+                                                                         "retry": True}, headers=bearer(nodes[2][1]))  # fmt: skip
+    assert failed.json()["status"] == "failed", failed.json()
+    assert await verify(conn, org_id) == []
+
+
+async def test_after_a_retry_interruptions_are_free_only_as_many_times_as_the_runs_it_granted(client, org):
+    """A one-run job given back twice by a stopping agent (the second charged: it failed) and retried with the
+    default grant (one run) starts its count afresh, as if submitted with one run: the next give-back is free
+    (queued again), the one after is charged and fails it."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = (await client.post("/v1/jobs", json={"kind": "render", "max_attempts": 1}, headers=bearer(key))).json()
+
+    async def give_back() -> str:
+        held = await http_claim(client, credential)
+        back = await client.post(f"/v1/agent/jobs/{job['id']}/release", json={"attempt": held["attempt"]},
+                                 headers=bearer(credential))  # fmt: skip
+        assert back.status_code == 200, back.text
+        return back.json()["status"]
+
+    assert [await give_back(), await give_back()] == ["queued", "failed"]
+    retried = await client.post(f"/v1/jobs/{job['id']}/retry", headers=bearer(key))
+    assert (retried.status_code, retried.json()["max_attempts"]) == (200, 2), retried.text
+    assert [await give_back(), await give_back()] == ["queued", "failed"]
+
+
+# -- fencing, races, the sweeper, reads ---------------------------------------------------------------------
+
+
+async def test_the_old_holders_reports_after_a_retry_are_refused_and_change_nothing(client, org, db_url):
+    """The node whose run failed, reporting on that attempt after the retry (a completion, a renewal, a failure,
+    a give-back, children), is refused 409 and writes nothing, while the job waits and once it runs again.
+    (Its own failure sent again is refused too: the job no longer stands as that failure left it.)"""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = await failed_job(client, key, credential)
+    assert (await client.post(f"/v1/jobs/{job['id']}/retry", headers=bearer(key))).status_code == 200
+    path = f"/v1/agent/jobs/{job['id']}"
+    stale = (("complete", {"attempt": 1, "result": {}}), ("renew", {"attempt": 1}),
+             ("fail", {"attempt": 1, "error": "driver crashed", "retry": False}), ("release", {"attempt": 1}),
+             ("children", {"attempt": 1, "children": [{"kind": "x"}]}))  # fmt: skip
+    for claimed_again in (False, True):
+        if claimed_again:
+            again = await http_claim(client, credential)
+            assert again["attempt"] == 2
+        before = await written(db_url)
+        for verb, body in stale:
+            answer = await client.post(f"{path}/{verb}", json=body, headers=bearer(credential))
+            assert (answer.status_code, answer.json()["error"]) == (409, "job_not_claimed_by_this_node"), (verb, answer.text)
+        assert await written(db_url) == before
+    assert (await http_complete(client, credential, again))["status"] == "complete"
+
+
+async def test_retries_at_once_retry_the_job_once(client, org):
+    """Four retries of one failed job sent at once: one is answered 200, the others 409 (it is queued by then),
+    and one ``job.retried`` is recorded."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = await failed_job(client, key, credential)
+    answers = []
+
+    async def send() -> None:
+        answers.append(await client.post(f"/v1/jobs/{job['id']}/retry", headers=bearer(key)))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(send)
+    assert sorted(a.status_code for a in answers) == [200, 409, 409, 409], [a.text for a in answers]
+    assert [e["type"] for e in await events_of(client, key, job["id"])].count("job.retried") == 1
+
+
+async def test_jobs_failed_by_the_sweeper_are_retried_and_keep_their_fencing(conn, org):
+    """A job failed because its lease ran out is retried at its attempt; its late holder is refused, the next
+    claim is attempt 2. A job failed by the blocked timeout (never claimed) comes back blocked, its deadline
+    running from the retry."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "w", [CPU64])
+    lapsed = await submit(conn, org_id, max_attempts=1)
+    assert (await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=30)).job_id == lapsed.id
+    stuck = await submit(conn, org_id, requires={"accelerators": ["cuda"]})
+    assert stuck.status == "blocked"
+    await set_clock(conn, SETTINGS.blocked_timeout_seconds + 1)
+    swept = await sweep_once(conn, SETTINGS)
+    assert (swept.leases_failed, swept.blocked_failed) == (1, 1)
+    row = await retries.retry(conn, org_id, lapsed.id, actor="key:test")
+    assert (row.status, row.attempt, row.max_attempts) == ("queued", 1, 2)
+    with pytest.raises(Conflict):
+        await claims.complete(conn, organization_id=org_id, node_id=node, job_id=lapsed.id, attempt=1, result={})
+    await beat(conn, org_id, node, [CPU64])
+    again = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=30)
+    assert (again.job_id, again.attempt) == (lapsed.id, 2)
+    row = await retries.retry(conn, org_id, stuck.id, actor="key:test")
+    assert (row.status, row.attempt, row.max_attempts) == ("blocked", 0, 3)
+    assert (await sweep_once(conn, SETTINGS)).blocked_failed == 0  # its deadline runs from the retry
+    assert await verify(conn, org_id) == []
+
+
+async def test_as_of_reads_the_job_as_it_stood_on_each_side_of_the_retry(client, org):
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = await failed_job(client, key, credential)
+    retried = (await client.post(f"/v1/jobs/{job['id']}/retry", json={"max_attempts": 5}, headers=bearer(key))).json()
+    history = await events_of(client, key, job["id"])
+    at = {e["type"]: e["position"] for e in history}
+    then = (await client.get(f"/v1/jobs/{job['id']}", params={"as_of": at["job.failed"]}, headers=bearer(key))).json()
+    after = (await client.get(f"/v1/jobs/{job['id']}", params={"as_of": at["job.retried"]}, headers=bearer(key))).json()
+    assert (then, after) == (job, retried)
+    assert (after["status"], after["max_attempts"]) == ("queued", 6)

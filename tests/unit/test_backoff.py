@@ -136,10 +136,33 @@ def test_a_retry_grants_exactly_the_runs_it_names_past_the_charged_ones():
     ends = UnchargedEnds(unheard=1, interrupted=1)
     retried = decide_retry(status="failed", attempt=3, max_attempts=3, parent_job_id=None, children_total=0, grant=2,
                            by="key:x", ends=ends)  # fmt: skip
-    assert (retried.attempt, retried.max_attempts, retried.by) == (3, 3, "key:x")
-    first = decide_failure(attempt=4, max_attempts=retried.max_attempts, error="e", retry=True, now=NOW, ends=ends)
-    second = decide_failure(attempt=5, max_attempts=retried.max_attempts, error="e", retry=True, now=NOW, ends=ends)
+    assert (retried.attempt, retried.max_attempts, retried.uncharged, retried.by) == (3, 3, 2, "key:x")
+    since = UnchargedEnds(retried_at=3, uncharged_before=2)  # as the log reads after the retry: nothing ended since
+    first = decide_failure(attempt=4, max_attempts=retried.max_attempts, error="e", retry=True, now=NOW, ends=since)
+    second = decide_failure(attempt=5, max_attempts=retried.max_attempts, error="e", retry=True, now=NOW, ends=since)
     assert (type(first), type(second)) == (JobRequeued, JobFailed)
+
+
+def test_an_interruption_charged_before_a_retry_stays_charged_after_it():
+    """A job allowed one run, revoked twice (the first free, the second charged: it failed), retried with one
+    run: that run's retryable failure fails it, and a third revocation after the retry is free only as one of
+    the runs the retry granted, once."""
+    before = UnchargedEnds(interrupted=2)
+    failed = decide_lease_expiry(attempt=2, max_attempts=1, node_id=uuid4(), now=NOW, delay_seconds=0,
+                                 ends=UnchargedEnds(interrupted=1), cause="node_revoked")  # fmt: skip
+    assert not failed.requeued
+    retried = decide_retry(status="failed", attempt=2, max_attempts=1, parent_job_id=None, children_total=0, grant=1,
+                           by=None, ends=before)  # fmt: skip
+    assert (retried.max_attempts, retried.uncharged) == (2, 1)
+    since = UnchargedEnds(retried_at=2, uncharged_before=1)
+    assert type(decide_failure(attempt=3, max_attempts=2, error="e", retry=True, now=NOW, ends=since)) is JobFailed
+    revoked = decide_lease_expiry(attempt=3, max_attempts=2, node_id=uuid4(), now=NOW, delay_seconds=0, ends=since,
+                                  cause="node_revoked")  # fmt: skip
+    assert revoked.requeued  # the first interruption since the retry: free
+    again = UnchargedEnds(interrupted=1, retried_at=2, uncharged_before=1)
+    assert not decide_lease_expiry(attempt=4, max_attempts=2, node_id=uuid4(), now=NOW, delay_seconds=0, ends=again,
+                                   cause="node_revoked").requeued  # fmt: skip
+    assert type(decide_give_back(attempt=4, max_attempts=2, now=NOW, ends=again)) is not JobReleased
 
 
 @pytest.mark.parametrize("status", ["queued", "running", "blocked", "complete", "cancelled", "partial"])

@@ -214,3 +214,27 @@ def test_a_device_outside_the_jobs_trust_domains_that_would_fit_is_named():
         "local-box/gpu0 would fit but is outside trust domain secure (in local)")  # fmt: skip
     assert blocking_reason(Requirements(trust_domains=("secure",)), MODELS, [node(GPU)]) == (
         "no_eligible_device: no node in trust domain secure")
+
+
+def test_a_cordoned_device_is_ineligible_and_the_nodes_others_are_not():
+    """A cordoned GPU fails ``device_cordoned`` before any capability or memory rule; the CPU beside it is judged
+    as ever."""
+    box = NodeView(id=uuid4(), name="box", status="online", trust_domain="local", devices=(GPU, CPU), cordoned=frozenset({"gpu0"}))
+    gpu, cpu = judge_node(box, Requirements(ram_min_mb=1000), MODELS)
+    assert (gpu.eligible, gpu.reason, cpu.eligible) == (False, "device_cordoned", True)
+    assert "device_cordoned" in REASONS
+
+
+def test_a_job_only_a_cordoned_device_could_run_is_blocked_naming_it():
+    """Blocking judges the fleet as it may take work: a CUDA job whose only CUDA card is cordoned is blocked,
+    and the reason says that card would fit; with the card back, nothing blocks it."""
+    cordoned = NodeView(id=uuid4(), name="box", status="online", trust_domain="local", devices=(GPU, CPU),
+                        cordoned=frozenset({"gpu0"}))  # fmt: skip
+    needs_cuda = Requirements(vram_min_mb=16000, accelerators=("cuda",))
+    reason = blocking_reason(needs_cuda, MODELS, [cordoned])
+    assert reason is not None and "box/gpu0 would fit but is cordoned" in reason, reason
+    assert blocking_reason(needs_cuda, MODELS, [node(GPU, CPU)]) is None
+    too_big = Requirements(vram_min_mb=40000, accelerators=("cuda",))
+    # It would not fit the card anyway: the reason is the fleet's shortfall, as with the card in service.
+    assert blocking_reason(too_big, MODELS, [cordoned]) == blocking_reason(too_big, MODELS, [node(GPU, CPU)])
+    assert "needs 40000 MB VRAM" in blocking_reason(too_big, MODELS, [cordoned])

@@ -14,7 +14,7 @@ PERMANENT_TAGS = {
     "job.submitted", "job.claimed", "job.lease_renewed", "job.completed", "job.failed", "job.requeued",
     "job.lease_expired", "job.released", "job.blocked", "job.unblocked", "job.decomposed", "job.settled",
     "job.cancelled", "job.retried", "node.created", "node.paired", "node.heartbeat", "node.went_offline", "node.draining",
-    "node.retired", "node.revoked",
+    "node.retired", "node.revoked", "node.device_cordoned", "node.device_uncordoned",
 }
 
 

@@ -1,7 +1,8 @@
-"""Explain, pure: the ten reason codes, the ranking, device-less nodes, and the sentences."""
+"""Explain, pure: the eleven reason codes, the ranking, device-less nodes, and the sentences."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timezone
 from uuid import uuid4
 
@@ -27,7 +28,11 @@ def node(*devices: Device, name: str = "box", status: str = "online", trust_doma
 
 
 def only_reason(device: Device, *, status: str = "online", trust_domain: str = "local", **requires) -> str | None:
-    eligible, ineligible = survey([node(device, status=status, trust_domain=trust_domain)], Requirements(**requires), MODELS)
+    """``status`` ``cordoned``: the node online, the device cordoned."""
+    judged = node(device, status="online" if status == "cordoned" else status, trust_domain=trust_domain)
+    if status == "cordoned":
+        judged = dataclasses.replace(judged, cordoned=frozenset({device.label}))
+    eligible, ineligible = survey([judged], Requirements(**requires), MODELS)
     assert len(eligible) + len(ineligible) == 1
     return ineligible[0].reason if ineligible else None
 
@@ -45,10 +50,13 @@ REASON_TABLE = [
     (IGPU, "online", "local", {"vram_min_mb": 8000, "ram_min_mb": 40000}, "ram_insufficient"),
     (FULL_GPU, "online", "local", {}, "device_busy"),
     (GPU, "online", "local", {"models": ("llama",)}, "model_not_registered"),
+    (GPU, "cordoned", "local", {}, "device_cordoned"),
     # The first failing rule wins: offline before trust domain, trust domain before memory.
     (GPU, "offline", "cloud", {"trust_domains": ("local",)}, "node_offline"),
     (GPU, "online", "cloud", {"trust_domains": ("local",), "vram_min_mb": 99999}, "trust_domain"),
     (FULL_GPU, "online", "local", {"accelerators": ("rocm",)}, "accelerator_missing"),
+    (GPU, "cordoned", "cloud", {"trust_domains": ("local",)}, "trust_domain"),
+    (FULL_GPU, "cordoned", "local", {"models": ("llama",)}, "device_cordoned"),
     # Eligible combinations have no reason.
     (GPU, "online", "local", {"models": ("gemma",)}, None),
     (IGPU, "online", "local", {"vram_min_mb": 8000}, None),

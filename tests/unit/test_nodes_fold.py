@@ -8,14 +8,17 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from umbra.domain.models import RegisteredModel
-from umbra.domain.nodes import check_drain, check_retire, is_busy, is_schedulable
-from umbra.errors import Conflict
+from umbra.domain.eligibility import NodeView, is_schedulable
+from umbra.domain.nodes import check_drain, check_retire, decide_cordon, decide_uncordon, is_busy
+from umbra.errors import Conflict, NotFound
 from umbra.events.store import RecordedEvent
 from umbra.events.types import (
     Device,
     JobCancelled,
     NodeCreated,
     NodeCredentialRevoked,
+    NodeDeviceCordoned,
+    NodeDeviceUncordoned,
     NodeDraining,
     NodeHeartbeat,
     NodePaired,
@@ -103,10 +106,15 @@ def test_busy_and_schedulable():
     full_igpu = Device(kind="gpu_integrated", label="i", vram_free_mb=0, ram_free_mb=4000)
     cpu = Device(kind="cpu", label="c", ram_total_mb=16000, ram_free_mb=100)
     assert is_busy(full_gpu) and is_busy(full_igpu) and not is_busy(cpu) and not is_busy(GPU)
-    assert not is_schedulable("online", [full_gpu])
-    assert is_schedulable("online", [full_gpu, cpu])
-    assert not is_schedulable("offline", [GPU])
-    assert not is_schedulable("online", [])
+
+    def node(status: str, *devices: Device, cordoned: frozenset[str] = frozenset()) -> NodeView:
+        return NodeView(id=uuid.uuid4(), name="n", status=status, trust_domain="local", devices=devices, cordoned=cordoned)
+
+    assert not is_schedulable(node("online", full_gpu))
+    assert is_schedulable(node("online", full_gpu, cpu))
+    assert not is_schedulable(node("offline", GPU))
+    assert not is_schedulable(node("online"))
+    assert not is_schedulable(node("online", full_gpu, cpu, cordoned=frozenset({"c"})))  # its one free device cordoned
 
 
 def test_admin_transition_rules():
@@ -123,3 +131,28 @@ def test_an_unmeasured_ram_floor_falls_back_to_the_vram_floor():
     # 0 is no measurement of a model with weights (as the reference reads it): the VRAM floor stands in.
     assert RegisteredModel(slug="m", vram_min_mb=16000, ram_min_mb=0).ram_floor_mb == 16000
     assert RegisteredModel(slug="m", vram_min_mb=0, ram_min_mb=0).ram_floor_mb == 0
+
+
+def test_cordons_fold_by_label_with_their_latest_reason():
+    state = fold_all(NodeCreated(name="n"), NodeDeviceCordoned(device="gpu1", reason="ECC"),
+                     NodeDeviceCordoned(device="gpu0"), NodeDeviceCordoned(device="gpu1", reason="Xid 79"))  # fmt: skip
+    assert state.cordoned == (("gpu0", None), ("gpu1", "Xid 79")) and state.cordoned_labels == {"gpu0", "gpu1"}
+    assert fold_all(NodeCreated(name="n"), NodeDeviceCordoned(device="gpu0"), NodeDeviceUncordoned(device="gpu0")).cordoned == ()
+
+
+def test_cordon_rules():
+    """A cordon records once per reason; a device the node does not report is not found (uncordoning one it
+    stopped reporting still works); a retired node is refused; an uncordon of a device in service records nothing."""
+    kept = {"labels": {"gpu0", "cpu"}, "by": "key:x"}
+    assert decide_cordon(stored="online", cordoned={}, device="gpu0", reason="ECC", **kept) == [
+        NodeDeviceCordoned(device="gpu0", reason="ECC", by="key:x")]
+    assert decide_cordon(stored="online", cordoned={"gpu0": "ECC"}, device="gpu0", reason="ECC", **kept) == []
+    assert len(decide_cordon(stored="draining", cordoned={"gpu0": "ECC"}, device="gpu0", reason="fan", **kept)) == 1
+    with pytest.raises(NotFound):
+        decide_cordon(stored="online", cordoned={}, device="gpu9", reason=None, **kept)
+    with pytest.raises(Conflict):
+        decide_cordon(stored="retired", cordoned={}, device="gpu0", reason=None, **kept)
+    assert decide_uncordon(cordoned={"gpu9": None}, device="gpu9", **kept) == [NodeDeviceUncordoned(device="gpu9", by="key:x")]
+    assert decide_uncordon(cordoned={}, device="gpu0", **kept) == []
+    with pytest.raises(NotFound):
+        decide_uncordon(cordoned={}, device="gpu9", **kept)

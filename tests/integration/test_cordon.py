@@ -1,0 +1,197 @@
+"""A device taken out of service alone (``POST /v1/nodes/{id}/cordon``, ``/uncordon``): a GPU throwing ECC
+errors stops taking work while the node's other devices go on; what runs there runs on; work only it could
+run is blocked, with a reason that names it, until it is back; the node's history records who did it and why."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import psycopg
+import pytest
+
+from tests.helpers import bearer, run_umbra
+from umbra.compute.accounts import create_api_key, create_organization
+
+from .queue_support import CPU64, GPU24
+
+pytestmark = pytest.mark.anyio
+
+DEVICES = [msgspec.to_builtins(GPU24), msgspec.to_builtins(CPU64)]
+GPU_JOB = {"kind": "render", "requires": {"vram_min_mb": 16000, "accelerators": ["cuda"]}}
+CPU_JOB = {"kind": "tally", "requires": {"ram_min_mb": 1000}}
+
+
+async def pair(client, key: str, name: str = "gpu-box") -> tuple[str, dict]:
+    """A node with a 24 GB GPU (``gpu0``) and a CPU (``cpu``), paired and online: its id and credential headers."""
+    issued = await client.post("/v1/pairings", json={"name": name}, headers=bearer(key))
+    redeemed = (await client.post("/v1/pairings/redeem", json={"code": issued.json()["code"], "name": name,
+                                                               "agent_version": "1", "devices": DEVICES})).json()  # fmt: skip
+    node = bearer(redeemed["credential"])
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": DEVICES, "agent_version": "1"}, headers=node)
+    assert beat.status_code == 200, beat.text
+    return redeemed["node_id"], node
+
+
+async def written(db_url) -> tuple[int, int, int]:
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        return await (await c.execute("SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM jobs),"
+                                      " (SELECT count(*) FROM nodes WHERE cordoned <> '{}')")).fetchone()  # fmt: skip
+
+
+async def submit(client, key: str, job: dict) -> dict:
+    answer = await client.post("/v1/jobs", json=job, headers=bearer(key))
+    assert answer.status_code == 201, answer.text
+    return answer.json()
+
+
+async def job(client, key: str, job_id: str) -> dict:
+    return (await client.get(f"/v1/jobs/{job_id}", headers=bearer(key))).json()
+
+
+async def test_a_cordoned_gpu_takes_no_new_work_while_the_nodes_cpu_goes_on(client, org):
+    """Cordoned, the node's GPU is passed over: a GPU job only it could run is blocked at once, its reason
+    naming the cordoned card; a CPU job is still claimed by the same node. Put back, the GPU job is queued
+    again and claimed there. The Node object says what is cordoned and why."""
+    _, key = org
+    node_id, node = await pair(client, key)
+    cordoned = await client.post(f"/v1/nodes/{node_id}/cordon", json={"device": "gpu0", "reason": "ECC errors"},
+                                 headers=bearer(key))  # fmt: skip
+    assert cordoned.status_code == 200, cordoned.text
+    assert (cordoned.json()["cordoned"], cordoned.json()["schedulable"]) == ({"gpu0": "ECC errors"}, True)
+    gpu_job = await submit(client, key, GPU_JOB)
+    assert gpu_job["status"] == "blocked"
+    blocked_reason = (await client.get(f"/v1/jobs/{gpu_job['id']}/explain", headers=bearer(key))).json()["summary"]
+    assert "gpu-box/gpu0 would fit but is cordoned" in blocked_reason, blocked_reason
+    cpu_job = await submit(client, key, CPU_JOB)
+    claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node)
+    assert (claimed.status_code, claimed.json()["job"]["id"], claimed.json()["placement"]["device_id"]) == (200, cpu_job["id"], "cpu")
+
+    back = await client.post(f"/v1/nodes/{node_id}/uncordon", json={"device": "gpu0"}, headers=bearer(key))
+    assert (back.status_code, back.json()["cordoned"]) == (200, {})
+    assert (await job(client, key, gpu_job["id"]))["status"] == "queued"
+    claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node)
+    assert (claimed.json()["job"]["id"], claimed.json()["placement"]["device_id"]) == (gpu_job["id"], "gpu0")
+
+
+async def test_work_running_on_a_device_runs_on_when_it_is_cordoned(client, org):
+    """A job already running on the GPU is its holder's still: renewed and completed as before."""
+    _, key = org
+    node_id, node = await pair(client, key)
+    running = await submit(client, key, GPU_JOB)
+    held = (await client.post("/v1/agent/claim", params={"wait": 0}, headers=node)).json()["job"]
+    assert held["id"] == running["id"]
+    assert (await client.post(f"/v1/nodes/{node_id}/cordon", json={"device": "gpu0"}, headers=bearer(key))).status_code == 200
+    renewed = await client.post(f"/v1/agent/jobs/{held['id']}/renew", json={"attempt": 1}, headers=node)
+    done = await client.post(f"/v1/agent/jobs/{held['id']}/complete", json={"attempt": 1, "result": {}}, headers=node)
+    assert (renewed.status_code, done.status_code, done.json()["status"]) == (200, 200, "complete")
+
+
+async def test_explain_names_the_cordoned_device_and_another_node_takes_the_work(client, org):
+    """With a second node's GPU free, a GPU job is queued, not blocked; explain lists the cordoned GPU as
+    ineligible (``device_cordoned``) and the other as the place it will run."""
+    _, key = org
+    first, _ = await pair(client, key, "first")
+    await pair(client, key, "second")
+    await client.post(f"/v1/nodes/{first}/cordon", json={"device": "gpu0", "reason": "Xid 79"}, headers=bearer(key))
+    queued = await submit(client, key, GPU_JOB)
+    assert queued["status"] == "queued"
+    explained = (await client.get(f"/v1/jobs/{queued['id']}/explain", headers=bearer(key))).json()
+    refused = {(r["node_id"], r["device_label"]): r["reason"] for r in explained["ineligible"]}
+    assert refused[(first, "gpu0")] == "device_cordoned", refused
+    assert [(e["device_label"]) for e in explained["eligible"]] == ["gpu0"]
+    assert explained["eligible"][0]["node_id"] != first
+
+
+async def test_a_cordon_is_recorded_once_and_verify_agrees(client, org):
+    """The node's stream holds each change once, with who made it and why: the same cordon again records
+    nothing, a new reason is recorded, an uncordon of a device not cordoned records nothing. The views rebuilt
+    from the log equal the live ones."""
+    _, key = org
+    node_id, _ = await pair(client, key)
+    path = f"/v1/nodes/{node_id}"
+    for body in ({"device": "gpu0", "reason": "ECC"}, {"device": "gpu0", "reason": "ECC"}, {"device": "gpu0", "reason": "Xid 48"}):
+        assert (await client.post(f"{path}/cordon", json=body, headers=bearer(key))).status_code == 200
+    for _ in range(2):
+        assert (await client.post(f"{path}/uncordon", json={"device": "gpu0"}, headers=bearer(key))).status_code == 200
+    history = (await client.get(f"{path}/events", headers=bearer(key))).json()["events"]
+    changes = [(e["type"], e["data"].get("reason")) for e in history if "cordon" in e["type"]]
+    assert changes == [("node.device_cordoned", "ECC"), ("node.device_cordoned", "Xid 48"), ("node.device_uncordoned", None)]
+    assert all(e["data"]["by"] for e in history if "cordon" in e["type"])
+    verified = await client.post("/v1/projections/verify", headers=bearer(key))
+    assert verified.json() == {"ok": True, "differences": []}, verified.text
+
+
+async def test_who_may_cordon_and_what_a_bad_request_gets(client, org, conn, db_url):
+    """No credential → 401; a key without ``nodes:admin`` → 403; the node's own credential → 403; another
+    organization's node or none → 404 ``node_not_found``; a device the node does not report → 404
+    ``device_not_found``; a body not as the contract says → 422; a retired node → 409 ``node_retired``. None
+    of these writes anything."""
+    org_id, key = org
+    node_id, node = await pair(client, key)
+    _, other_key = await create_organization(conn, "other")
+    reader = await create_api_key(conn, org_id, ["jobs:read"])
+    path = f"/v1/nodes/{node_id}/cordon"
+    body = {"device": "gpu0"}
+    before = await written(db_url)
+    assert (await client.post(path, json=body)).status_code == 401
+    assert (await client.post(path, json=body, headers=bearer(reader))).status_code == 403
+    assert (await client.post(path, json=body, headers=node)).status_code == 403
+    for url, headers in ((path, bearer(other_key)), ("/v1/nodes/00000000-0000-0000-0000-000000000000/cordon", bearer(key))):
+        gone = await client.post(url, json=body, headers=headers)
+        assert (gone.status_code, gone.json()["error"]) == (404, "node_not_found"), url
+    for verb in ("cordon", "uncordon"):
+        missing = await client.post(f"/v1/nodes/{node_id}/{verb}", json={"device": "gpu7"}, headers=bearer(key))
+        assert (missing.status_code, missing.json()["error"]) == (404, "device_not_found"), verb
+    for bad, field in (({}, "device"), ({"device": ""}, "device"), ({"device": "gpu0", "reason": ""}, "reason"),
+                       ({"device": "gpu0", "reason": "x" * 501}, "reason"), ({"device": "gpu0", "why": "x"}, None)):  # fmt: skip
+        refused = await client.post(path, json=bad, headers=bearer(key))
+        assert (refused.status_code, refused.json()["error"], refused.json().get("field")) == (422, "invalid_request", field), bad
+    assert await written(db_url) == before
+    assert (await client.post(f"/v1/nodes/{node_id}/retire", headers=bearer(key))).status_code == 200
+    before = await written(db_url)
+    retired = await client.post(path, json=body, headers=bearer(key))
+    assert (retired.status_code, retired.json()["error"]) == (409, "node_retired")
+    assert await written(db_url) == before
+
+
+async def test_a_parked_long_poll_takes_work_its_device_gets_back(client, org):
+    """A node whose only GPU is cordoned long-polls while a GPU job is blocked; put back in service, the
+    device's job is claimed by that poll at once, not at the safety poll."""
+    _, key = org
+    node_id, node = await pair(client, key)
+    await client.post(f"/v1/nodes/{node_id}/cordon", json={"device": "gpu0"}, headers=bearer(key))
+    waiting = await submit(client, key, GPU_JOB)
+    answers = []
+    async with anyio.create_task_group() as tg:
+
+        async def poll() -> None:
+            answers.append(await client.post("/v1/agent/claim", params={"wait": 20}, headers=node))
+
+        tg.start_soon(poll)
+        await anyio.sleep(0.5)
+        started = anyio.current_time()
+        await client.post(f"/v1/nodes/{node_id}/uncordon", json={"device": "gpu0"}, headers=bearer(key))
+    (claimed,) = answers
+    assert (claimed.status_code, claimed.json()["job"]["id"]) == (200, waiting["id"]), claimed.text
+    assert anyio.current_time() - started < 5
+
+
+async def test_the_cli_cordons_and_uncordons_a_device(client, org, db_url):
+    """``umbra admin cordon|uncordon --org ORG NODE DEVICE`` records the same events, attributed to ``cli``."""
+    org_id, key = org
+    node_id, _ = await pair(client, key)
+    env = {"UMBRA_DATABASE_URL": db_url}
+    done = await anyio.to_thread.run_sync(lambda: run_umbra("admin", "cordon", "--org", str(org_id), node_id, "gpu0",
+                                                            "--reason", "fan failing", "--json", env=env))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert '"cordoned": ["gpu0"]' in done.stdout, done.stdout
+    node = (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()
+    assert node["cordoned"] == {"gpu0": "fan failing"}
+    undone = await anyio.to_thread.run_sync(lambda: run_umbra("admin", "uncordon", "--org", str(org_id), node_id, "gpu0",
+                                                              env=env))  # fmt: skip
+    assert undone.returncode == 0, undone.stderr
+    history = (await client.get(f"/v1/nodes/{node_id}/events", headers=bearer(key))).json()["events"]
+    assert [e["data"]["by"] for e in history if "cordon" in e["type"]] == ["cli", "cli"]
+    missing = await anyio.to_thread.run_sync(lambda: run_umbra("admin", "cordon", "--org", str(org_id), node_id, "gpu9",
+                                                               env=env))  # fmt: skip
+    assert missing.returncode != 0 and "device_not_found" in missing.stderr, missing.stderr
