@@ -398,13 +398,16 @@
       h("span", { class: "figure" }, `${mb(used)} / ${mb(total)}`));
   }
 
-  function deviceBlock(device) {
+  function deviceBlock(device, cordoned) {
     const unified = device.kind !== "gpu_discrete";
     const busy = device.busy === true;  // the server's reading (a non-CPU device with no free VRAM)
     const models = device.resident_models || [];
+    // Taken out of service by an operator (the node's "cordoned": {label: reason}); null reason: none given.
+    const out = Object.prototype.hasOwnProperty.call(cordoned, device.label);
     return h("div", { class: "device", "data-device": device.label },
       h("div", { class: "device-head" },
-        h("span", { class: "device-label" }, device.label, busy ? [" ", h("span", { class: "busy" }, "busy")] : null),
+        h("span", { class: "device-label" }, device.label, busy ? [" ", h("span", { class: "busy" }, "busy")] : null,
+          out ? [" ", h("span", { class: "busy", title: cordoned[device.label] || "no reason given" }, "cordoned")] : null),
         h("span", { class: "device-kind" }, device.kind.replace("_", " "), (device.accelerators || []).length ? ` · ${device.accelerators.join(", ")}` : "")),
       device.vram_total_mb > 0 ? meter("VRAM", device.vram_total_mb, device.vram_free_mb) : null,
       unified && device.ram_total_mb > 0 ? meter("RAM", device.ram_total_mb, device.ram_free_mb) : null,
@@ -429,7 +432,7 @@
         n.agent_version ? h("span", {}, `agent ${n.agent_version}`) : null,
         h("span", { "data-ago": n.last_heartbeat_at || "" }, `heartbeat ${ago(n.last_heartbeat_at)}`),
         n.schedulable === false && n.status === "online" ? h("span", { class: "busy" }, "no free device") : null),
-      (n.devices || []).map(deviceBlock))));
+      (n.devices || []).map((device) => deviceBlock(device, n.cordoned || {})))));
   }
 
   function tick() {

@@ -145,6 +145,28 @@ def test_a_device_the_api_calls_busy_is_marked_busy(served, browser, clients):
     expect(card.locator('.device[data-device="igpu0"] .busy')).to_have_count(1)
 
 
+def test_a_cordoned_device_is_marked_cordoned_with_its_reason(served, browser, clients):
+    """A device an operator cordoned carries a "cordoned" mark whose title is the reason given; its neighbour,
+    in service, carries none."""
+    from playwright.sync_api import expect
+
+    _, key = _organization(served.settings.database_url, "cordons")
+    api = clients(served.url, key)
+    gpu = {"kind": "gpu_discrete", "label": "gpu0", "vram_total_mb": 24576, "vram_free_mb": 24000, "accelerators": ["cuda"]}
+    cpu = {"kind": "cpu", "label": "cpu", "ram_total_mb": 65536, "ram_free_mb": 60000}
+    _pair(api, clients, served.url, "rig", [gpu, cpu])
+    node_id = api.get("/v1/nodes").json()["nodes"][0]["id"]
+    assert api.post(f"/v1/nodes/{node_id}/cordon", json={"device": "gpu0", "reason": "ECC errors"}).status_code == 200
+
+    page = browser.new_context().new_page()
+    page.goto(f"{served.url}/#key={key}")
+    card = page.locator("article.node").filter(has_text="rig")
+    mark = card.locator('.device[data-device="gpu0"] .busy')
+    expect(mark).to_have_text("cordoned")
+    expect(mark).to_have_attribute("title", "ECC errors")
+    expect(card.locator('.device[data-device="cpu"] .busy')).to_have_count(0)
+
+
 def test_a_snapshot_read_with_the_previous_key_does_not_come_back_after_a_key_change(served, browser, clients):
     """A snapshot still being read with the previous key when the key changes is not shown: it is the other
     organization's, at a higher position, and every later view of the new one would be dropped as stale."""
