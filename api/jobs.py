@@ -9,11 +9,12 @@ from starlette.responses import Response
 from umbra.compute import jobs, retries
 from umbra.compute.jobs import BatchRequest, JobRequest, MaxAttempts
 from umbra.errors import InvalidRequest, NotFound
+from umbra.events.types import JOB_STATUSES
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobOut
 
 from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
-from .params import query_int, query_value
+from .params import query_int, query_statuses, query_value
 from .routing import endpoint
 
 #: Page size bounds for ``GET /v1/jobs``.
@@ -66,8 +67,7 @@ async def submit_batch(request: Request) -> Response:
 
 async def list_jobs(request: Request) -> Response:
     async with authenticated(request, "jobs:read") as (who, conn):
-        # A list, comma-separated or repeated (``?status=queued&status=running``, as HTTP libraries send one).
-        statuses = jobs.parse_statuses(",".join(request.query_params.getlist("status")) or None)
+        statuses = query_statuses(request, JOB_STATUSES)
         limit = query_int(request, "limit", default=DEFAULT_LIMIT, minimum=1, maximum=MAX_LIMIT)
         after = query_int(request, "after", default=0, minimum=0, maximum=2**63 - 1)
         rows, cursor = await jobs.list_jobs(conn, who.organization_id, statuses=statuses, limit=limit, after=after)

@@ -21,9 +21,10 @@ from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, Label, as_dev
 from umbra.domain.heartbeat import HeartbeatReport
 from umbra.domain.nodes import MAX_CORDON_REASON, is_busy
 from umbra.errors import InvalidRequest
-from umbra.events.types import Device
+from umbra.events.types import NODE_STATUSES, Device
 
 from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
+from .params import query_statuses
 from .routing import endpoint
 
 Devices = Annotated[list[DeviceReport], Meta(max_length=MAX_DEVICES)]
@@ -165,7 +166,8 @@ async def agent_offline(request: Request):
 
 async def list_nodes(request: Request):
     async with authenticated(request, "jobs:read", "nodes:admin") as (who, conn):
-        views = await nodes.load_schedulable_view(conn, who.organization_id, stale_seconds=_stale(request))
+        statuses = query_statuses(request, NODE_STATUSES)
+        views = await nodes.load_schedulable_view(conn, who.organization_id, stale_seconds=_stale(request), statuses=statuses)
     return json_response(NodeList(nodes=[node_out(v) for v in views]))
 
 
@@ -269,6 +271,7 @@ routes = [
         summary="The organization's nodes with effective status and schedulability.",
         auth="api_key",
         scopes=("jobs:read", "nodes:admin"),
+        query={"status": (str, False, "comma-separated effective statuses, e.g. online,draining (default: every node)")},
         response=NodeList,
     ),
     endpoint(

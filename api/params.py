@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Collection
 
 from starlette.requests import Request
 
@@ -23,6 +24,28 @@ def query_value(request: Request, name: str) -> str | None:
     if len(values) > 1:
         raise InvalidRequest(f"{name} may be given once, got {len(values)} values.", field=name)
     return values[0] if values else None
+
+
+def parse_statuses(raw: str | None, known: Collection[str]) -> list[str] | None:
+    """A ``status`` filter among ``known``: absent or blank is no filter; a list with an empty item is refused.
+
+    Dropping empty items would turn ``status=,`` into a filter that matches nothing.
+    """
+    if raw is None or not raw.strip():
+        return None
+    statuses = [s.strip() for s in raw.split(",")]
+    if "" in statuses:
+        raise InvalidRequest(f"status must be comma-separated statuses with no empty item; got {raw[:100]!r}.", field="status")
+    unknown = [s for s in statuses if s not in known]
+    if unknown:
+        raise InvalidRequest(f"status must be among {', '.join(known)}; unknown: {', '.join(unknown)}.", field="status")
+    return statuses
+
+
+def query_statuses(request: Request, known: Collection[str]) -> list[str] | None:
+    """``?status=``, comma-separated or repeated (``?status=queued&status=running``, as HTTP libraries send a
+    list), among ``known`` (:func:`parse_statuses`)."""
+    return parse_statuses(",".join(request.query_params.getlist("status")) or None, known)
 
 
 def query_int(request: Request, name: str, *, default: int, minimum: int, maximum: int) -> int:

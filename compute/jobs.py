@@ -36,7 +36,7 @@ from umbra.domain.settlement import settle
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
-    JOB_STATUSES, TERMINAL_JOB_STATUSES, Event, JobBlocked, JobClaimed, JobDecomposed, JobLeaseExpired, JobLeaseRenewed,
+    TERMINAL_JOB_STATUSES, Event, JobBlocked, JobClaimed, JobDecomposed, JobLeaseExpired, JobLeaseRenewed,
     JobReleased, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, Requirements,
 )  # fmt: skip
 from umbra.projections import jobs as queue
@@ -562,22 +562,6 @@ async def get_job(
     if row is None:
         raise NotFound("job_not_found", f"No job {job_id}" + (f" at position {as_of}." if as_of is not None else "."))
     return row
-
-
-def parse_statuses(raw: str | None) -> list[str] | None:
-    """The ``status`` filter: absent or blank is no filter; a list with an empty item is refused.
-
-    Dropping empty items would turn ``status=,`` into a filter that matches nothing.
-    """
-    if raw is None or not raw.strip():
-        return None
-    statuses = [s.strip() for s in raw.split(",")]
-    if "" in statuses:
-        raise InvalidRequest(f"status must be comma-separated statuses with no empty item; got {raw[:100]!r}.", field="status")
-    unknown = [s for s in statuses if s not in JOB_STATUSES]
-    if unknown:
-        raise InvalidRequest(f"status must be among {', '.join(JOB_STATUSES)}; unknown: {', '.join(unknown)}.", field="status")
-    return statuses
 
 
 async def list_jobs(

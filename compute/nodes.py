@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Collection, Sequence
 from uuid import UUID
 
 import psycopg
@@ -20,7 +20,7 @@ import psycopg
 from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.eligibility import NodeView as EligibilityView
 from umbra.domain.eligibility import is_schedulable
-from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
+from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status, stored_statuses_for
 from umbra.domain.nodes import after_went_offline, check_drain, check_retire, decide_cordon, decide_uncordon
 from umbra.errors import NotFound
 from umbra.events import store
@@ -81,6 +81,7 @@ _VIEW = f"""
 SELECT {projection.COLUMNS}, l.last_seen_at, umbra_now(), {RUNNING_TAKING_MEMORY}, l.devices::text
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE (%(node)s::uuid IS NULL OR n.id = %(node)s) AND (%(org)s::uuid IS NULL OR n.organization_id = %(org)s)
+  AND (%(stored)s::text[] IS NULL OR n.status = ANY(%(stored)s::text[]))
 ORDER BY n.name, n.id
 """
 
@@ -110,15 +111,22 @@ async def _views(conn: psycopg.AsyncConnection, rows: Sequence[tuple], stale_sec
 
 
 async def load_schedulable_view(
-    conn: psycopg.AsyncConnection, organization_id: UUID, *, stale_seconds: int = DEFAULT_STALE_SECONDS
+    conn: psycopg.AsyncConnection, organization_id: UUID, *, stale_seconds: int = DEFAULT_STALE_SECONDS,
+    statuses: Collection[str] | None = None,
 ) -> list[NodeView]:
-    """Every node of one organization with its effective status, devices and models.
+    """Every node of one organization with its effective status, devices and models; with ``statuses``, only
+    the nodes whose effective status is one of them.
 
-    All nodes, not only schedulable ones: eligibility and ``explain`` need the
-    offline, draining and retired ones to say why they were passed over.
+    All nodes by default, not only schedulable ones: eligibility and ``explain`` need the offline, draining
+    and retired ones to say why they were passed over. Nodes are never deleted, so a filter that leaves out
+    the retired ones leaves them out of the read too: an effective status follows from the stored one and the
+    node's silence (:func:`umbra.domain.node_status.effective_status`), so only the stored statuses that can
+    lead to a wanted one are read.
     """
-    rows = await (await conn.execute(_VIEW, {"node": None, "org": organization_id})).fetchall()
-    return await _views(conn, rows, stale_seconds)
+    stored = None if statuses is None else sorted(stored_statuses_for(statuses))
+    rows = await (await conn.execute(_VIEW, {"node": None, "org": organization_id, "stored": stored})).fetchall()
+    views = await _views(conn, rows, stale_seconds)
+    return views if statuses is None else [view for view in views if view.status in statuses]
 
 
 async def node_view(
@@ -129,7 +137,7 @@ async def node_view(
     stale_seconds: int = DEFAULT_STALE_SECONDS,
 ) -> NodeView | None:
     """One node, or None; pass ``organization_id`` whenever a caller's tenant is known."""
-    row = await (await conn.execute(_VIEW, {"node": node_id, "org": organization_id})).fetchone()
+    row = await (await conn.execute(_VIEW, {"node": node_id, "org": organization_id, "stored": None})).fetchone()
     return None if row is None else (await _views(conn, [row], stale_seconds))[0]
 
 

@@ -10,6 +10,7 @@ pairing flow's intent and never expire. Callers pass the database clock.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Collection
 
 DEFAULT_STALE_SECONDS = 45
 
@@ -22,3 +23,9 @@ def effective_status(
     if last_seen_at is None or now - last_seen_at > timedelta(seconds=stale_seconds):
         return "offline"
     return "online"
+
+
+def stored_statuses_for(effective: Collection[str]) -> set[str]:
+    """The stored statuses that can read as one of ``effective``: each itself, and a stored ``online`` for
+    ``offline`` too (a node gone silent reads offline before the sweeper records it)."""
+    return set(effective) | ({"online"} if "offline" in effective else set())

@@ -444,3 +444,33 @@ async def test_explain_gives_every_listed_device_one_of_the_contracts_reasons(cl
     assert explained["ineligible"] and all(item["reason"] in REASONS for item in explained["ineligible"]), explained
     assert [item["node_id"] for item in explained["ineligible"]] == [node_id]
     assert "1 node reports no devices" in explained["summary"], explained["summary"]
+
+
+async def test_the_node_list_filters_by_effective_status(client, org, conn):
+    """``?status=`` (comma-separated or repeated) keeps the nodes whose *effective* status is one of them: a node
+    stored online but silent past the stale threshold is listed as offline, not online; retired nodes leave
+    the list when not asked for. An unknown or empty status → 422 naming it."""
+    _, key = org
+    names = {}
+    for name in ("live", "quiet", "old", "fresh"):
+        names[name], credential = await pair(client, key, name)
+        if name != "fresh":
+            beat = await client.post("/v1/agent/heartbeat", json={"devices": [GPU, CPU], "agent_version": "1.0"},
+                                     headers=bearer(credential))  # fmt: skip
+            assert beat.status_code == 200
+    await conn.execute("UPDATE node_liveness SET last_seen_at = now() - interval '1 hour' WHERE node_id = %s", (names["quiet"],))
+    assert (await client.post(f"/v1/nodes/{names['old']}/retire", headers=bearer(key))).status_code == 200
+
+    async def listed(*params: tuple[str, str]) -> list[tuple[str, str]]:
+        answer = await client.get("/v1/nodes", params=list(params), headers=bearer(key))
+        assert answer.status_code == 200, answer.text
+        return [(n["name"], n["status"]) for n in answer.json()["nodes"]]
+
+    assert await listed() == [("fresh", "provisioning"), ("live", "online"), ("old", "retired"), ("quiet", "offline")]
+    assert await listed(("status", "online")) == [("live", "online")]
+    assert await listed(("status", "offline,provisioning")) == [("fresh", "provisioning"), ("quiet", "offline")]
+    assert await listed(("status", "online"), ("status", "offline")) == [("live", "online"), ("quiet", "offline")]
+    assert await listed(("status", "retired")) == [("old", "retired")]
+    for bad in ("gone", "online,", "queued"):
+        refused = await client.get("/v1/nodes", params={"status": bad}, headers=bearer(key))
+        assert (refused.status_code, refused.json()["error"], refused.json()["field"]) == (422, "invalid_request", "status")
