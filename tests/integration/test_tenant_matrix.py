@@ -32,7 +32,9 @@ import pytest
 
 from umbra.api.agent_jobs import ChildrenRequest, CompleteRequest, FailRequest, GiveBackRequest, RenewRequest
 from umbra.api.app import all_routes
+from umbra.api.jobs import RetryRequest
 from umbra.api.models import ModelRequest
+from umbra.api.nodes import CordonRequest, UncordonRequest
 from umbra.compute.accounts import create_api_key, create_organization, create_project
 from umbra.compute.auth import API_KEY_SCOPES
 from tests.helpers import bearer
@@ -61,6 +63,9 @@ BODIES: dict[type, dict[str, Any]] = {
     GiveBackRequest: {"attempt": 1},
     ChildrenRequest: {"attempt": 1, "children": [{"kind": "echo"}]},
     ModelRequest: {"vram_min_mb": 777},
+    RetryRequest: {"max_attempts": 2},
+    CordonRequest: {"device": "cpu0", "reason": "stolen"},
+    UncordonRequest: {"device": "cpu0"},
 }
 
 #: Path prefix → the kind of object the route's ``{id}`` names.
