@@ -611,6 +611,60 @@ async def test_a_stop_while_a_claims_answer_is_on_its_way_gives_the_claim_back(s
     assert (done["status"], done["placement"]["node_id"]) == ("complete", other["node_id"])
 
 
+class HoldCompletionAnswers(httpx.AsyncBaseTransport):
+    """The real transport, except that the first completion's answer that names a next claim is held back
+    until ``release`` is set: the agent is stopped while that answer is on its way."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.answer_arrived = anyio.Event()
+        self.release = anyio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        held = request.url.path.endswith("/complete") and request.url.params.get("claim_next") == "true"
+        if held and not self.answer_arrived.is_set():
+            await response.aread()
+            if b'"next_claim":{' in response.content:
+                self.answer_arrived.set()
+                await self.release.wait()
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_next_job_that_arrives_after_a_stop_is_given_back_unstarted(server, api):
+    """A completion that claimed the node's next job answers after the agent began stopping: the next job is
+    not started (to be cut off at the end of the grace) but given back at once, unheard (``answer_unread``,
+    not charged: a job allowed one run still completes), and another agent runs it."""
+    first = await pair(server, api, "box-finishing")
+    other = await pair(server, api, "box-next")
+    transport = HoldCompletionAnswers()
+    started: list[str] = []
+
+    async def noted(claim):
+        started.append(claim.job_id)
+        return {"n": claim.payload["n"]}
+
+    async with running_agent(server, first["credential"], {"noted": noted}, transport=transport) as agent:
+        batch = await api.post("/v1/jobs/batch", json={"jobs": [{"kind": "noted", "payload": {"n": n}, "max_attempts": 1}
+                                                                for n in range(2)]})  # fmt: skip
+        done, following = (job["id"] for job in batch.json()["jobs"])
+        with anyio.fail_after(10):
+            await transport.answer_arrived.wait()
+        agent.stop()
+        transport.release.set()
+    assert started == [done], started
+    assert (await api.get(f"/v1/jobs/{done}")).json()["status"] == "complete"
+    back = (await api.get(f"/v1/jobs/{following}")).json()
+    assert (back["status"], back["lease_owner"], back["attempt"]) == ("queued", None, 1), back
+    assert [(e["type"], e["data"].get("reason")) for e in await job_events(api, following)][-1] == ("job.released", "answer_unread")
+    async with running_agent(server, other["credential"], {"noted": noted}):
+        ran = await eventually(lambda: job_in(api, following, "complete", "failed"), timeout=15)
+    assert (ran["status"], ran["attempt"], ran["placement"]["node_id"]) == ("complete", 2, other["node_id"])
+
+
 async def test_a_handler_error_naming_a_file_that_is_not_utf8_fails_the_job_and_the_agent_runs_on(server, api):
     """A message holding a lone surrogate (a file name ``os.fsdecode`` made of bytes that are not UTF-8)
     cannot be sent as JSON as it is: it is made storable, as a NUL is, and the job fails with it. Ending the

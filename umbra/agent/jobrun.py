@@ -281,6 +281,11 @@ class JobRun:
         if outcome.status != "complete":
             return outcome
         job, following = outcome.detail
+        if following is not None and not self._claim_next():
+            # The agent began stopping while the completion was on its way: the job it claimed next is given
+            # back unstarted (answer_unread, not charged) rather than started only to be cut off by the grace.
+            await give_back_unread(self.client, request_id)
+            following = None
         return Outcome(claim.job_id, claim.kind, "complete", job, following)
 
     async def _fail(self, message: str, *, retry: bool) -> Outcome:
