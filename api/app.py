@@ -86,7 +86,7 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
             # Agents' claims, renewals and completions share transactions; their hints
             # are sent after commit, outside the data transactions.
             notifier = HintNotifier(pool)
-            app.state.group_commit = GroupCommit(pool, notifier)
+            app.state.group_commit = GroupCommit(pool, notifier, affinity_seconds=settings.model_affinity_seconds)
             app.state.stop_streams = lambda: (waiters.stop(), log_watch.stop())
             async with anyio.create_task_group() as tg:
                 # A lost LISTEN connection means, as a rule, that PostgreSQL restarted or failed over,

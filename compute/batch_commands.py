@@ -49,6 +49,7 @@ from umbra.projections.jobs import JobRow
 from .auth import live_node_credentials, revoked
 from .blocked import CORDONED_LABELS, LATEST_DEVICES, decode_devices, RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
 from .claims import (
+    claim_rank,
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
     frees_room, models_for_shapes, node_metadata, shapes_take_memory,
 )  # fmt: skip
@@ -158,7 +159,8 @@ _RUNNING = PreparedStatement("umbra_batch_running", f"SELECT n.id, {RUNNING_TAKI
 _FAMILY = (_HELD, _GUARDS, _NODES, _SHAPES, _NODE_MEMORY, _RUNNING, store.APPEND_AT, queue.TRANSITIONS)
 
 
-async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> tuple[list[_Staged], list[Command]]:
+async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command], *,
+                affinity_seconds: int = 0) -> tuple[list[_Staged], list[Command]]:  # fmt: skip
     """Begin the batch's transaction, load and decide every command; returns the staged changes and the commands deferred to the next batch.
 
     The reads that do not depend on each other (the held rows, the claiming
@@ -219,7 +221,7 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command]) -> t
                 org_waiting = waiting.get(org, [])
                 if org_waiting:
                     org_waiting = await _bounded_by_running_jobs(conn, org, org_waiting, running, ending, shapes, registry)
-                staged += await _claim_for_org(conn, org, org_waiting, shapes, registry, claimers)
+                staged += await _claim_for_org(conn, org, org_waiting, shapes, registry, claimers, affinity_seconds)
     return staged, deferred
 
 
@@ -452,7 +454,8 @@ async def _bounded_by_running_jobs(
 
 
 async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list[tuple[Command, NodeView]],
-                         shapes: Sequence[str], models: Mapping[str, Any], claimers: Sequence[Command]) -> list[_Staged]:  # fmt: skip
+                         shapes: Sequence[str], models: Mapping[str, Any], claimers: Sequence[Command],
+                         affinity_seconds: int = 0) -> list[_Staged]:  # fmt: skip
     judged: dict[int, dict[str, Placement | None]] = {id(command): {} for command, _ in waiting}  # by command, shape
     # Each claimer's node as its next job finds it: shared by the claimers of one node (two agents on one
     # node), so what one's job takes, the other's next job finds taken.
@@ -521,7 +524,8 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     left = {id(command): command.count for command, _ in waiting}
     named = [command.kinds for command, _ in waiting]
     any_kind_of = None if not named or None in named else frozenset().union(*named)  # type: ignore[arg-type]
-    scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE), kinds=any_kind_of)
+    scan = ClaimableScan(conn, org, shapes, runnable, per_shape=min(max(SHAPE_PAGE, want), SCAN_PAGE), kinds=any_kind_of,
+                         waited=affinity_seconds > 0)  # fmt: skip
     locked_here: set[UUID] = set()  # rows this transaction has locked for a claimer: it could lock them again
     only = scan.only_shape()
     if only is not None and all(placement_for(command, only) is not None for command, _ in waiting):
@@ -550,10 +554,11 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
     async for page in scan.pages():
         shape_of: dict[UUID, str] = {}
         by_shape: dict[str, list[UUID]] = {}  # each shape's rows, in queue order
-        for job_id, _priority, _seq, shape in page:
+        for job_id, _priority, _seq, shape, *_ in page:
             shape_of[job_id] = shape
             by_shape.setdefault(shape, []).append(job_id)
         order = {job_id: index for index, job_id in enumerate(shape_of)}
+        rank = claim_rank(page, affinity_seconds) if affinity_seconds else None
         taking_memory = {shape for shape in by_shape if takes_memory(decode_shape(shape)[1])}
         tried = set(locked_here)  # rows of this page no claimer may be promised: taken, or held elsewhere
         ready: dict[UUID, tuple[JobRow, datetime]] = {}  # rows this batch has locked and not handed out yet
@@ -576,8 +581,9 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                     saw_eligible.add(id(command))
                 unpromised = [[j for j in by_shape[shape] if j not in tried and j not in taken_by_promise][:want]
                               for shape in shapes_here]  # fmt: skip
+                in_rank = order.__getitem__ if rank is None else rank(lambda shape, command=command: placement_for(command, shape))
                 ids = (unpromised[0] if len(unpromised) == 1
-                       else sorted((j for ids in unpromised for j in ids), key=order.__getitem__)[:want])  # fmt: skip
+                       else sorted((j for ids in unpromised for j in ids), key=in_rank)[:want])  # fmt: skip
                 if taking_memory.intersection(shapes_here):
                     view = promised_views.get(node.id, node_views[node.id])
                     ids, promised_views[node.id] = fitting(view, ids, shape_of, left[id(command)])

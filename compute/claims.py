@@ -45,6 +45,7 @@ job's stream says who ended that attempt, read only then
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ from umbra.domain.jobs import (
 )  # fmt: skip
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
-from umbra.domain.placement import best_placement, takes_memory
+from umbra.domain.placement import best_placement, defers, takes_memory
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
@@ -108,10 +109,10 @@ MIN_SHAPE_ROWS = 2
 
 #: The first ``limit`` claimable rows after (priority, seq) of each of the given shapes,
 #: by ``jobs_by_shape``; the caller merges them (:class:`ClaimableScan`).
-SHAPES_SCAN = """
-SELECT j.id, j.priority, j.seq, s.shape FROM unnest(%(shapes)s::text[]) AS s(shape)
+_SHAPES_SCAN = """
+SELECT j.id, j.priority, j.seq, s.shape{outer} FROM unnest(%(shapes)s::text[]) AS s(shape)
 CROSS JOIN LATERAL (
-    SELECT id, priority, seq FROM jobs
+    SELECT id, priority, seq{waited} FROM jobs
     WHERE organization_id = %(org)s AND status = 'queued'
       AND kind = s.shape::jsonb->>0 AND requires = s.shape::jsonb->1
       AND (not_before IS NULL OR not_before <= umbra_now())
@@ -123,8 +124,8 @@ ORDER BY j.priority, j.seq
 """
 #: One page of the organization's claimable jobs in claim order by ``jobs_claimable``,
 #: skipping shapes already judged ineligible (the fallback for many shapes).
-CLAIMABLE_SCAN = """
-SELECT id, priority, seq, jsonb_build_array(kind, requires)::text FROM jobs
+_CLAIMABLE_SCAN = """
+SELECT id, priority, seq, jsonb_build_array(kind, requires)::text{waited} FROM jobs
 WHERE organization_id = %(org)s AND status = 'queued'
   AND (not_before IS NULL OR not_before <= umbra_now())
   AND (priority, seq) > (%(priority)s, %(seq)s)
@@ -133,6 +134,13 @@ WHERE organization_id = %(org)s AND status = 'queued'
 ORDER BY priority, seq
 LIMIT %(limit)s
 """
+#: The scans' rows as :data:`ScanRow`, or with a fifth column, the seconds each job has waited in the queue
+#: since it last became queued (its row's last change), for model affinity (:func:`defers`). Only a claimer
+#: that judges affinity reads it.
+_WAITED = ", extract(epoch FROM umbra_now() - updated_at)::float8 AS waited"
+SHAPES_SCAN = _SHAPES_SCAN.format(outer="", waited="")
+SHAPES_SCAN_WAITED = _SHAPES_SCAN.format(outer=", j.waited", waited=_WAITED)
+CLAIMABLE_SCAN, CLAIMABLE_SCAN_WAITED = (_CLAIMABLE_SCAN.format(waited=w) for w in ("", _WAITED))
 #: The rows among ``ids`` that are still queued and due, in claim order (:func:`lock_queued`).
 _QUEUED_AMONG = f"""
 SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
@@ -193,8 +201,9 @@ _LOCK_BY_ID = f"SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs WHERE id = %s 
 
 _FIRST = (-(2**31), 0)
 
-#: A claimable row as the scans return it: id, priority, seq, shape (:func:`decode_shape`).
-ScanRow = tuple[UUID, int, int, str]
+#: A claimable row as the scans return it: id, priority, seq, shape (:func:`decode_shape`), and with
+#: ``waited`` (:class:`ClaimableScan`) the seconds it has waited in the queue.
+ScanRow = tuple[Any, ...]
 
 _shape = msgspec.json.Decoder(tuple[str, Requirements])
 
@@ -262,8 +271,10 @@ class ClaimableScan:
 
     def __init__(self, conn: psycopg.AsyncConnection, organization_id: UUID, shapes: Sequence[str],
                  runnable: Callable[[str], bool], *, per_shape: int | None = None,
-                 kinds: Collection[str] | None = None) -> None:  # fmt: skip
+                 kinds: Collection[str] | None = None, waited: bool = False) -> None:  # fmt: skip
         self._conn = conn
+        #: Rows carry the seconds they have waited (a fifth column), for model affinity.
+        self._waited = waited
         self._org = organization_id
         self._shapes = shapes
         self._runnable = runnable
@@ -322,7 +333,7 @@ class ClaimableScan:
             if not accepted:
                 return
             params = {"org": self._org, "shapes": accepted, "priority": after[0], "seq": after[1], "limit": per_shape}
-            rows: list[ScanRow] = await (await self._conn.execute(SHAPES_SCAN, params)).fetchall()
+            rows: list[ScanRow] = await (await self._conn.execute(SHAPES_SCAN_WAITED if self._waited else SHAPES_SCAN, params)).fetchall()
             page, accepted = _merged_page(rows, per_shape)
             if not scanned and not rows and every_shape:
                 self.nothing_due = True
@@ -335,7 +346,7 @@ class ClaimableScan:
         for _ in range(pages):
             params = {"org": self._org, "priority": walk.after[0], "seq": walk.after[1], "skip": walk.skip,
                       "limit": SCAN_PAGE, "kinds": self._kinds}  # fmt: skip
-            rows: list[ScanRow] = await (await self._conn.execute(CLAIMABLE_SCAN, params)).fetchall()
+            rows: list[ScanRow] = await (await self._conn.execute(CLAIMABLE_SCAN_WAITED if self._waited else CLAIMABLE_SCAN, params)).fetchall()
             if walk.after == _FIRST and not rows and self._kinds is None:
                 self.nothing_due = True
             page = [row for row in rows if walk.judge(row[3], self._runnable)]
@@ -391,7 +402,7 @@ def _merged_page(rows: list[ScanRow], per_shape: int) -> tuple[list[ScanRow], li
     """
     counts: dict[str, int] = {}
     last: dict[str, tuple[int, int]] = {}
-    for _id, priority, seq, shape in rows:
+    for _id, priority, seq, shape, *_ in rows:
         counts[shape] = counts.get(shape, 0) + 1
         last[shape] = (priority, seq)
     full = [shape for shape, count in counts.items() if count >= per_shape]
@@ -471,11 +482,13 @@ async def claim(
     stale_seconds: int = DEFAULT_STALE_SECONDS,
     request_id: str | None = None,
     kinds: frozenset[str] | None = None,
+    affinity_seconds: int = 0,
 ) -> ClaimResult | None:
     """Claim the first queued job of the organization this node is eligible for, or ``None``.
 
     With ``kinds``, only a job of one of those kinds: an agent names the kinds
-    it has handlers for, and the others wait for an agent that has them."""
+    it has handlers for, and the others wait for an agent that has them. With
+    ``affinity_seconds``, in the order :func:`claim_rank` gives (model affinity)."""
     async with conn.transaction():
         if not await share_claim_guards(conn, node_id, organization_id):
             return None  # the node or the registry is being changed: read them once that has committed
@@ -494,18 +507,49 @@ async def claim(
             judged[shape] = best_placement(node, requires, models) if takes_kind(kinds, kind) else None
             return judged[shape] is not None
 
-        scan = ClaimableScan(conn, organization_id, shapes, runnable, kinds=kinds)
+        scan = ClaimableScan(conn, organization_id, shapes, runnable, kinds=kinds, waited=affinity_seconds > 0)
         only = scan.only_shape()
         if only is not None and (locked := await lock_first_of_shape(conn, organization_id, only)):
             return await _take(conn, locked[0], node_id, judged[only], lease_seconds, request_id)  # type: ignore[arg-type]
         async for page in scan.pages():
-            shape_of = {job_id: requires for job_id, _priority, _seq, requires in page}
-            locked = next(iter(await lock_queued(conn, organization_id, list(shape_of), first_only=True)), None)
-            if locked is not None:
-                placement = judged[shape_of[locked[0]]]
-                assert placement is not None
-                return await _take(conn, locked, node_id, placement, lease_seconds, request_id)
+            shape_of = {row[0]: row[3] for row in page}
+            for ids in _in_rank(page, claim_rank(page, affinity_seconds)(judged.get)) if affinity_seconds else [list(shape_of)]:
+                locked = next(iter(await lock_queued(conn, organization_id, ids, first_only=True)), None)
+                if locked is not None:
+                    placement = judged[shape_of[locked[0]]]
+                    assert placement is not None
+                    return await _take(conn, locked, node_id, placement, lease_seconds, request_id)
         return None
+
+
+def claim_rank(page: Sequence[ScanRow], affinity_seconds: int) -> Callable[[Callable[[str], Placement | None]], Callable[[UUID], tuple]]:
+    """The order in which a claimer takes a page's rows, given its placement of each shape: a sort key.
+
+    Claim order, (priority, seq), except with model affinity (``affinity_seconds``
+    above 0, the page read with ``waited``): within a priority, the jobs the
+    claimer's node would pass over for now (:func:`umbra.domain.placement.defers`)
+    come after the others, each group in queue order.
+    """
+    rows = {row[0]: (index, row) for index, row in enumerate(page)}
+
+    def for_claimer(placement_of: Callable[[str], Placement | None]) -> Callable[[UUID], tuple]:
+        def key(job_id: UUID) -> tuple:
+            index, row = rows[job_id]
+            placed = placement_of(row[3])
+            later = (affinity_seconds > 0 and placed is not None and len(row) > 4
+                     and defers(decode_shape(row[3])[1], placed, waited_seconds=row[4], affinity_seconds=affinity_seconds))  # fmt: skip
+            return (row[1], later, index)
+
+        return key
+
+    return for_claimer
+
+
+def _in_rank(page: Sequence[ScanRow], key: Callable[[UUID], tuple]) -> list[list[UUID]]:
+    """The page's ids in groups of equal priority and deferral, in ``key`` order: each group is locked in queue
+    order by :func:`lock_queued`, the first group with a free row winning."""
+    ranked = sorted((row[0] for row in page), key=key)
+    return [list(group) for _, group in itertools.groupby(ranked, key=lambda job_id: key(job_id)[:2])]
 
 
 async def _take(

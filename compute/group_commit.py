@@ -129,8 +129,10 @@ class GroupCommit:
     """The per-process batcher. Start :meth:`run` in the server's task group, then call the commands."""
 
     def __init__(self, pool: AsyncConnectionPool, notifier: HintNotifier, *, workers: int = WORKERS,
-                 max_batch: int = MAX_BATCH) -> None:  # fmt: skip
+                 max_batch: int = MAX_BATCH, affinity_seconds: int = 0) -> None:  # fmt: skip
         self._pool = pool
+        #: ``UMBRA_MODEL_AFFINITY_SECONDS``: how claims order the jobs they may take (``claims.claim_rank``).
+        self._affinity_seconds = affinity_seconds
         self._notifier = notifier
         self._workers = workers
         self._max_batch = max_batch
@@ -369,7 +371,7 @@ class GroupCommit:
             async with self._pool.connection() as conn:
                 connection = conn
                 try:
-                    staged, deferred = await batch_commands.stage(conn, commands)  # sends BEGIN
+                    staged, deferred = await batch_commands.stage(conn, commands, affinity_seconds=self._affinity_seconds)  # sends BEGIN
                     hints = await batch_commands.write(conn, staged)  # sends COMMIT
                 except BaseException:
                     if not conn.broken:
@@ -457,6 +459,7 @@ class GroupCommit:
                                 conn, node_id=command.node_id, organization_id=command.organization_id,
                                 lease_seconds=command.lease_seconds, stale_seconds=command.stale_seconds,
                                 request_id=command.request_id, kinds=command.kinds,
+                                affinity_seconds=self._affinity_seconds,
                             )  # fmt: skip
                         except Exception:
                             if not command.claims:

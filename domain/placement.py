@@ -114,6 +114,23 @@ def best_placement(node: NodeView, requires: Requirements, models: Mapping[str, 
     return ranked[0] if ranked else None
 
 
+def defers(requires: Requirements, placement: Placement, *, waited_seconds: float, affinity_seconds: float) -> bool:
+    """Model affinity: whether a node passes over this job for now, for one of the same priority whose
+    models it holds.
+
+    Loading a model costs a GPU seconds to minutes; in queue order a node with
+    model A resident takes the next job for B and evicts A, while the node
+    that holds B takes the next job for A, and the cards spend their time
+    loading. With an affinity of ``affinity_seconds``, a job naming models
+    that this node would have to load is claimed after the jobs of the same
+    priority it can start at once (its models resident, or naming none), until
+    it has been queued that long: a node that holds its models has that long
+    to take it, and it never waits longer (delay scheduling, as Spark's
+    locality wait). A node with nothing else to take takes it at once.
+    """
+    return affinity_seconds > 0 and bool(requires.models) and not placement.resident and waited_seconds < affinity_seconds
+
+
 def takes_memory(requires: Requirements) -> bool:
     """Whether a job of ``requires`` takes memory where it is placed: a job that names no model and no
     floor takes none, however many of it one claim places on a device."""

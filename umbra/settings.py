@@ -50,6 +50,10 @@ class Settings:
     #: ``UMBRA_LEASE_SECONDS``. Lease granted by a claim and by each renew. Only has
     #: to exceed the agent's renew interval plus slack; it is not a work timeout.
     lease_seconds: int = 60
+    #: ``UMBRA_MODEL_AFFINITY_SECONDS``. 0 (the default): each node claims in queue order. Above 0, a node
+    #: takes a job whose models are resident on it before an older job of the same priority that would make
+    #: it load one, unless that job has been queued this long (``umbra.domain.placement.defers``).
+    model_affinity_seconds: int = 0
     #: ``UMBRA_HEARTBEAT_INTERVAL_SECONDS``. Interval agents are told to heartbeat at.
     heartbeat_interval_seconds: int = 10
     #: ``UMBRA_HEARTBEAT_STALE_SECONDS``. A stored ``online`` node silent this long
@@ -193,6 +197,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         port=_int(env, "UMBRA_PORT", 8080, minimum=0, maximum=65535),
         pool_size=_int(env, "UMBRA_POOL_SIZE", 10, minimum=2),
         lease_seconds=_int(env, "UMBRA_LEASE_SECONDS", 60, minimum=1),
+        model_affinity_seconds=_int(env, "UMBRA_MODEL_AFFINITY_SECONDS", 0, minimum=0, maximum=3600),
         heartbeat_interval_seconds=interval,
         heartbeat_stale_seconds=stale,
         heartbeat_event_seconds=_int(env, "UMBRA_HEARTBEAT_EVENT_SECONDS", 300, minimum=0),

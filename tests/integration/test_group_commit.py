@@ -488,10 +488,10 @@ async def test_a_second_batch_starts_while_one_runs_only_for_a_queue_worth_it(db
     first_may_go = anyio.Event()
     real_stage = batch_commands.stage
 
-    async def stage(conn, commands):
+    async def stage(conn, commands, **options):
         if any(c.job_id == held.job_id for c in commands):
             await first_may_go.wait()  # the first batch, still running
-        return await real_stage(conn, commands)
+        return await real_stage(conn, commands, **options)
 
     monkeypatch.setattr(batch_commands, "stage", stage)
 

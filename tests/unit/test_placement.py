@@ -10,7 +10,7 @@ import pytest
 from umbra.domain.eligibility import NodeView, judge_device
 from umbra.domain.explain import survey
 from umbra.domain.models import RegisteredModel
-from umbra.domain.placement import RunningJob, after_placement, best_placement, placements, with_running_jobs
+from umbra.domain.placement import RunningJob, after_placement, best_placement, defers, placements, with_running_jobs
 from umbra.events.types import Device, Requirements, ResidentModel
 
 MODELS = {"m": RegisteredModel(slug="m", vram_min_mb=4000, vram_preferred_mb=8000, load_seconds=12.5)}
@@ -291,3 +291,30 @@ def test_no_running_job_leaves_the_node_as_reported():
     assert with_running_jobs(box, [], MODELS) is box
     gone = running(node(gpu("gone", 1.0)), Requirements(vram_min_mb=16000))
     assert with_running_jobs(box, [gone], MODELS).devices == box.devices  # a device the report no longer lists
+
+
+def test_model_affinity_defers_only_young_jobs_naming_models_the_node_must_load():
+    """Passed over for now: a job naming a model this node would load, queued less than the affinity. Never a
+    job naming none, one whose models are resident, one that waited the affinity, nor anything with it off."""
+    box = node(gpu("g0", 1.0, resident=[("m", 8000)]), gpu("g1", 1.0))
+    resident = best_placement(box, Requirements(models=("m",)), MODELS)
+    loading = best_placement(node(gpu("g1", 1.0)), Requirements(models=("m",)), MODELS)
+    bare = best_placement(box, Requirements(), MODELS)
+    assert resident.resident and not loading.resident
+    assert defers(Requirements(models=("m",)), loading, waited_seconds=5, affinity_seconds=30)
+    assert not defers(Requirements(models=("m",)), loading, waited_seconds=30, affinity_seconds=30)
+    assert not defers(Requirements(models=("m",)), loading, waited_seconds=5, affinity_seconds=0)
+    assert not defers(Requirements(models=("m",)), resident, waited_seconds=5, affinity_seconds=30)
+    assert not defers(Requirements(), bare, waited_seconds=0, affinity_seconds=30)
+
+
+def test_claim_rank_puts_deferred_jobs_after_the_others_of_their_priority_only():
+    from umbra.compute.claims import claim_rank
+
+    load, hold = '["chat",{"models":["llama"]}]', '["chat",{"models":["m"]}]'
+    page = [("a", 0, 1, load, 2.0), ("b", 0, 2, hold, 1.0), ("c", 1, 3, hold, 0.5), ("d", 0, 4, load, 90.0)]
+    placed = {load: best_placement(node(gpu("g1", 1.0)), Requirements(models=("m",)), MODELS),
+              hold: best_placement(node(gpu("g0", 1.0, resident=[("m", 8000)])), Requirements(models=("m",)), MODELS)}
+    key = claim_rank(page, 30)(placed.get)
+    assert sorted("abcd", key=key) == ["b", "d", "a", "c"]  # d waited past the affinity: in its place
+    assert sorted("abcd", key=claim_rank(page, 0)(placed.get)) == ["a", "b", "d", "c"]  # off: queue order
