@@ -296,16 +296,20 @@ def blocking_reason(
     back = _fits_if_uncordoned(requires, models, candidates)
     if back is not None:
         return f"no_eligible_device: {back}"
+    fleet = candidates
     if any(node.cordoned for node in candidates):  # the cordons change nothing: say what the whole fleet lacks
         candidates = [replace(node, cordoned=frozenset()) for node in candidates]
         verdicts = [v for node in candidates for v in judge_node(node, requires, models)]
-    return "no_eligible_device: " + "; ".join(_shortfalls(requires, models, candidates, verdicts))
+    return "no_eligible_device: " + "; ".join(_shortfalls(requires, models, candidates, verdicts, fleet=fleet))
 
 
 def _shortfalls(
-    requires: Requirements, models: Mapping[str, RegisteredModel], nodes: Sequence[NodeView], verdicts: Sequence[Verdict]
+    requires: Requirements, models: Mapping[str, RegisteredModel], nodes: Sequence[NodeView], verdicts: Sequence[Verdict],
+    *, fleet: Sequence[NodeView],
 ) -> list[str]:
-    """The clauses of a blocking reason, each true of the devices the job's trust domains allow.
+    """The clauses of a blocking reason, each true of the devices the job's trust domains allow. ``nodes`` are
+    judged for what they lack (their cordons set aside when those change nothing), ``fleet`` as it stands for
+    a device outside the trust domains that could run the job: a cordoned one could not.
 
     Memory clauses name the largest such device; the accelerator clause is
     said only when none of them has the accelerators (a CPU lacking CUDA
@@ -347,7 +351,7 @@ def _shortfalls(
     if "trust_domain" in reasons and not clauses:
         clauses.append(f"no node in trust domain {', '.join(requires.trust_domains)}")
     if "trust_domain" in reasons:
-        outside = _fits_outside_trust_domains(requires, models, nodes)
+        outside = _fits_outside_trust_domains(requires, models, fleet)
         if outside is not None:
             clauses.append(outside)
     return clauses

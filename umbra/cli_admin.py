@@ -69,7 +69,7 @@ def _pairing_checked(check: str, convert=str):
 
 def _node_json(state) -> dict:
     out = {"node_id": str(state.id), "name": state.name, "stored_status": state.status}
-    return {**out, "cordoned": [label for label, _ in state.cordoned]} if state.cordoned else out
+    return {**out, "cordoned": dict(state.cordoned)} if state.cordoned else out
 
 
 def _node_command(name: str):
@@ -96,7 +96,10 @@ def _node_command(name: str):
             print(json.dumps(out))
         else:  # the name is the node's: it may hold what a terminal would act on
             for key, value in out.items():
-                print(printable(f"{key}: {','.join(value) if isinstance(value, list) else value}"))
+                shown = ",".join(value) if isinstance(value, list) else value
+                if isinstance(value, dict):  # cordoned devices, with their reasons
+                    shown = ", ".join(label if why is None else f"{label} ({why})" for label, why in value.items())
+                print(printable(f"{key}: {shown}"))
         return 0
 
     return run

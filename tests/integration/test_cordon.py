@@ -11,23 +11,29 @@ import pytest
 
 from tests.helpers import bearer, run_umbra
 from umbra.compute.accounts import create_api_key, create_organization
+from umbra.events.types import Device
 
 from .queue_support import CPU64, GPU24
 
 pytestmark = pytest.mark.anyio
 
 DEVICES = [msgspec.to_builtins(GPU24), msgspec.to_builtins(CPU64)]
+TWO_GPUS = [msgspec.to_builtins(GPU24), msgspec.to_builtins(msgspec.structs.replace(GPU24, label="gpu1")), DEVICES[1]]
+IGPU = Device(kind="gpu_integrated", label="igpu", vram_total_mb=8192, vram_free_mb=8000, ram_total_mb=65536,
+              ram_free_mb=60000, accelerators=("metal",), throughput_factor=3.0)  # fmt: skip
+UNIFIED = [msgspec.to_builtins(CPU64), msgspec.to_builtins(IGPU)]
 GPU_JOB = {"kind": "render", "requires": {"vram_min_mb": 16000, "accelerators": ["cuda"]}}
 CPU_JOB = {"kind": "tally", "requires": {"ram_min_mb": 1000}}
 
 
-async def pair(client, key: str, name: str = "gpu-box") -> tuple[str, dict]:
-    """A node with a 24 GB GPU (``gpu0``) and a CPU (``cpu``), paired and online: its id and credential headers."""
+async def pair(client, key: str, name: str = "gpu-box", devices: list = DEVICES) -> tuple[str, dict]:
+    """A node with (by default) a 24 GB GPU (``gpu0``) and a CPU (``cpu``), paired and online: its id and
+    credential headers."""
     issued = await client.post("/v1/pairings", json={"name": name}, headers=bearer(key))
     redeemed = (await client.post("/v1/pairings/redeem", json={"code": issued.json()["code"], "name": name,
-                                                               "agent_version": "1", "devices": DEVICES})).json()  # fmt: skip
+                                                               "agent_version": "1", "devices": devices})).json()  # fmt: skip
     node = bearer(redeemed["credential"])
-    beat = await client.post("/v1/agent/heartbeat", json={"devices": DEVICES, "agent_version": "1"}, headers=node)
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": devices, "agent_version": "1"}, headers=node)
     assert beat.status_code == 200, beat.text
     return redeemed["node_id"], node
 
@@ -184,7 +190,7 @@ async def test_the_cli_cordons_and_uncordons_a_device(client, org, db_url):
     done = await anyio.to_thread.run_sync(lambda: run_umbra("admin", "cordon", "--org", str(org_id), node_id, "gpu0",
                                                             "--reason", "fan failing", "--json", env=env))  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert '"cordoned": ["gpu0"]' in done.stdout, done.stdout
+    assert '"cordoned": {"gpu0": "fan failing"}' in done.stdout, done.stdout
     node = (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()
     assert node["cordoned"] == {"gpu0": "fan failing"}
     undone = await anyio.to_thread.run_sync(lambda: run_umbra("admin", "uncordon", "--org", str(org_id), node_id, "gpu0",
@@ -195,3 +201,65 @@ async def test_the_cli_cordons_and_uncordons_a_device(client, org, db_url):
     missing = await anyio.to_thread.run_sync(lambda: run_umbra("admin", "cordon", "--org", str(org_id), node_id, "gpu9",
                                                                env=env))  # fmt: skip
     assert missing.returncode != 0 and "device_not_found" in missing.stderr, missing.stderr
+
+
+async def test_claims_of_several_jobs_never_use_the_cordoned_card(client, org):
+    """A node with two GPUs, gpu0 cordoned: a claim of five, a completion that claims the next and a report
+    that claims three place nothing on gpu0."""
+    _, key = org
+    node_id, node = await pair(client, key, devices=TWO_GPUS)
+    await client.post(f"/v1/nodes/{node_id}/cordon", json={"device": "gpu0"}, headers=bearer(key))
+    for job in [GPU_JOB] * 3 + [CPU_JOB] * 2:
+        await submit(client, key, job)
+    claimed = (await client.post("/v1/agent/claim", params={"wait": 0, "max": 5}, headers=node)).json()["claims"]
+    places = sorted((c["job"]["kind"], c["placement"]["device_id"]) for c in claimed)
+    assert [kind for kind, _ in places] == ["render", "tally", "tally"], places  # one 16 GB render per card
+    assert "gpu0" not in {device for _, device in places}, places
+    gpu_job = next(c["job"] for c in claimed if c["job"]["kind"] == "render")
+    chained = await client.post(f"/v1/agent/jobs/{gpu_job['id']}/complete", params={"claim_next": "true"},
+                                json={"attempt": gpu_job["attempt"], "result": {}}, headers=node)  # fmt: skip
+    following = chained.json()["next_claim"]
+    assert following["placement"]["device_id"] == "gpu1", chained.text
+    reported = await client.post("/v1/agent/complete", params={"claim_next": 3}, headers=node, json={
+        "results": [{"job_id": following["job"]["id"], "attempt": following["job"]["attempt"], "result": {}}]})
+    assert [c["placement"]["device_id"] for c in reported.json()["next_claims"]] == ["gpu1"], reported.text
+
+
+async def test_a_job_on_a_cordoned_integrated_gpu_still_holds_the_ram_it_shares(client, org):
+    """Unified memory: a 40 GB job runs on the integrated GPU, which is then cordoned; the CPU beside it shares
+    that RAM (64 GB), so a second 40 GB job is not placed on the CPU while the first runs."""
+    _, key = org
+    node_id, node = await pair(client, key, "mac", devices=UNIFIED)
+    first = await submit(client, key, {"kind": "gen", "requires": {"vram_min_mb": 40000, "accelerators": ["metal"]}})
+    held = (await client.post("/v1/agent/claim", params={"wait": 0}, headers=node)).json()
+    assert (held["job"]["id"], held["placement"]["device_id"]) == (first["id"], "igpu")
+    await client.post(f"/v1/nodes/{node_id}/cordon", json={"device": "igpu", "reason": "driver"}, headers=bearer(key))
+    assert (await submit(client, key, {"kind": "crunch", "requires": {"ram_min_mb": 40000}}))["status"] == "queued"
+    assert (await client.post("/v1/agent/claim", params={"wait": 0}, headers=node)).status_code == 204
+
+
+async def test_no_claim_lands_on_the_card_once_its_cordon_has_answered(client, org, db_url):
+    """Four agents claim from a two-GPU node while gpu0 is cordoned under them: no ``job.claimed`` on gpu0
+    comes after the cordon in the log (its change holds the node's claim guard), and claims go on, on gpu1."""
+    _, key = org
+    node_id, node = await pair(client, key, devices=TWO_GPUS)
+    light = {"kind": "light", "requires": {"accelerators": ["cuda"]}}  # takes no memory: many fit one card
+    assert (await client.post("/v1/jobs/batch", json={"jobs": [light] * 300}, headers=bearer(key))).status_code == 201
+    stop = anyio.Event()
+
+    async def claimer() -> None:
+        while not stop.is_set():
+            await client.post("/v1/agent/claim", params={"wait": 0, "max": 3}, headers=node)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(claimer)
+        await anyio.sleep(0.3)
+        assert (await client.post(f"/v1/nodes/{node_id}/cordon", json={"device": "gpu0"}, headers=bearer(key))).status_code == 200
+        await anyio.sleep(0.5)
+        stop.set()
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        [(cordoned_at,)] = await (await c.execute("SELECT position FROM events WHERE type = 'node.device_cordoned'")).fetchall()
+        after = await (await c.execute("SELECT data->'placement'->>'device_id', count(*) FROM events WHERE type = 'job.claimed'"
+                                       " AND position > %s GROUP BY 1", (cordoned_at,))).fetchall()  # fmt: skip
+    assert dict(after).keys() == {"gpu1"}, after

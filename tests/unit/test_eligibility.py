@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from uuid import uuid4
 
 import msgspec
@@ -238,3 +239,16 @@ def test_a_job_only_a_cordoned_device_could_run_is_blocked_naming_it():
     # It would not fit the card anyway: the reason is the fleet's shortfall, as with the card in service.
     assert blocking_reason(too_big, MODELS, [cordoned]) == blocking_reason(too_big, MODELS, [node(GPU, CPU)])
     assert "needs 40000 MB VRAM" in blocking_reason(too_big, MODELS, [cordoned])
+
+
+def test_a_blocked_reason_never_offers_a_cordoned_device_as_the_fix():
+    """A job for trust domain ``secure``, whose node's card is too small; the card that would fit is in
+    ``local`` and cordoned: widening the trust domains would not run it, so the reason does not say so."""
+    vault = NodeView(id=uuid4(), name="vault", status="online", trust_domain="secure",
+                     devices=(msgspec.structs.replace(GPU, vram_total_mb=8192, vram_free_mb=8000),))  # fmt: skip
+    local = NodeView(id=uuid4(), name="box", status="online", trust_domain="local", devices=(GPU,), cordoned=frozenset({"gpu0"}))
+    needs = Requirements(vram_min_mb=16000, accelerators=("cuda",), trust_domains=("secure",))
+    reason = blocking_reason(needs, MODELS, [vault, local])
+    assert reason is not None and "outside trust domain" not in reason and "largest is 8192 MB" in reason, reason
+    in_service = blocking_reason(needs, MODELS, [vault, dataclasses.replace(local, cordoned=frozenset())])
+    assert "box/gpu0 would fit but is outside trust domain secure" in in_service, in_service
