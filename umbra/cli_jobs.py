@@ -1,5 +1,5 @@
 """``umbra jobs explain ID``: why a job is (not) running, read as a person would ask it; ``umbra jobs
-retry ID``: send a failed job back to the queue.
+retry ID`` and ``retry-failed``: send failed jobs back to the queue.
 
 An HTTP client like ``umbra events tail|replay``: it sees what an API key of
 one organization may see (``jobs:read``) and prints the service's own answer
@@ -91,6 +91,49 @@ def cmd_retry(args) -> int:
     return anyio.run(main)
 
 
+def cmd_retry_failed(args) -> int:
+    """Retry every failed job (of ``--kind``, if given): after an outage that failed a thousand jobs (a driver
+    rolled out broken, a registry entry fixed since), what one ``retry`` does for one. Failed jobs are listed
+    first, in submission order, then retried one by one; those the server refuses (a child, a job that made
+    children, one retried or cancelled meanwhile) are counted with the reason and left as they are."""
+
+    async def main() -> int:
+        from umbra.agent.client import ServiceError, raise_for_error
+
+        body = {} if args.max_attempts is None else {"max_attempts": args.max_attempts}
+        async with _client(args, scope="jobs:write") as client:
+            failed, after = [], 0
+            while True:
+                page = await _get_json(client, "/v1/jobs", status="failed", limit=1000, after=after)
+                failed += [job["id"] for job in page["jobs"] if args.kind is None or job["kind"] == args.kind]
+                if page["next"] is None:
+                    break
+                after = int(page["next"])
+            retried: list[str] = []
+            refused: list[dict[str, str]] = []
+            for job_id in failed:
+                answer = await client.post(f"/v1/jobs/{job_id}/retry", json=body)
+                try:
+                    raise_for_error(answer)
+                except ServiceError as exc:
+                    if exc.status not in (404, 409):
+                        raise  # the request, the key or the server, not this job: stop here, the rest untouched
+                    refused.append({"id": job_id, "error": exc.code, "message": exc.message})
+                    continue
+                retried.append(job_id)
+                if not args.json:
+                    print(printable(format_job(answer.json())))
+        if args.json:
+            print(to_json_text({"retried": retried, "refused": refused}))
+        else:
+            for refusal in refused:
+                print(printable(f"{refusal['id']}  not retried: {refusal['error']}: {refusal['message']}"))
+            print(f"retried {len(retried)} of {len(failed)} failed job(s)")
+        return 0
+
+    return anyio.run(main)
+
+
 def _jobs_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """The ``jobs`` command group's subcommands, created here unless another registrar already did."""
     if "jobs" not in sub.choices:
@@ -128,5 +171,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     retry.add_argument("--max-attempts", type=int, default=None,
                        help="runs the retry grants, 1..100 (default: as many as the job was submitted with)")  # fmt: skip
 
+    p = _jobs_subparsers(sub).add_parser(
+        "retry-failed", help="send every failed job (of one kind) back to the queue",
+        description="Retry every failed job, or those of --kind: each as `umbra jobs retry` would, in submission "
+        "order. Jobs the server will not retry (children, jobs that made children) are listed and left as they are.")  # fmt: skip
+    p.add_argument("--kind", default=None, help="only jobs of this kind")
+    p.add_argument("--max-attempts", type=int, default=None,
+                   help="runs each retry grants, 1..100 (default: as many as each job was submitted with)")  # fmt: skip
+    p.add_argument("--server", default=None, help=SERVER_HELP)
+    p.add_argument("--api-key", default=None, help="API key with jobs:read and jobs:write (default UMBRA_API_KEY)")
+    p.add_argument("--json", action="store_true", help='print {"retried": [id, ...], "refused": [...]} as JSON')
+    p.set_defaults(func=cmd_retry_failed)
 
-__all__ = ["cmd_explain", "cmd_retry", "format_explanation", "format_job", "register"]
+
+__all__ = ["cmd_explain", "cmd_retry", "cmd_retry_failed", "format_explanation", "format_job", "register"]

@@ -4,6 +4,8 @@ not fail or belongs to a tree."""
 
 from __future__ import annotations
 
+import json
+
 import anyio
 import psycopg
 import pytest
@@ -336,3 +338,30 @@ async def test_as_of_reads_the_job_as_it_stood_on_each_side_of_the_retry(client,
     after = (await client.get(f"/v1/jobs/{job['id']}", params={"as_of": at["job.retried"]}, headers=bearer(key))).json()
     assert (then, after) == (job, retried)
     assert (after["status"], after["max_attempts"]) == ("queued", 6)
+
+
+async def test_the_cli_retries_every_failed_job_of_a_kind(client, org, live_server):
+    """``umbra jobs retry-failed --kind render``: every failed render job is queued again, in submission order;
+    a failed job of another kind and a failed child are left as they are, the child listed as not retried."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    renders = [await failed_job(client, key, credential) for _ in range(3)]
+    other = await failed_job(client, key, credential, kind="encode")
+    parent = (await client.post("/v1/jobs", json={"kind": "render"}, headers=bearer(key))).json()
+    held = await http_claim(client, credential)
+    split = await client.post(f"/v1/agent/jobs/{parent['id']}/children", headers=bearer(credential),
+                              json={"attempt": held["attempt"], "children": [{"kind": "render", "max_attempts": 1}]})
+    child = split.json()["children"][0]
+    page = await http_claim(client, credential)
+    await client.post(f"/v1/agent/jobs/{child['id']}/fail", json={"attempt": page["attempt"], "error": "torn", "retry": False},
+                      headers=bearer(credential))  # fmt: skip
+    done = await anyio.to_thread.run_sync(lambda: run_umbra("jobs", "retry-failed", "--kind", "render", "--json", "--server",
+                                                            live_server.url, env={"UMBRA_API_KEY": key}))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["retried"] == [job["id"] for job in renders], answer
+    assert [(r["id"], r["error"]) for r in answer["refused"]] == [(child["id"], "job_not_retryable")], answer
+    statuses = {job_id: (await client.get(f"/v1/jobs/{job_id}", headers=bearer(key))).json()["status"]
+                for job_id in [*answer["retried"], other["id"], child["id"]]}  # fmt: skip
+    assert [statuses[job["id"]] for job in renders] == ["queued"] * 3
+    assert (statuses[other["id"]], statuses[child["id"]]) == ("failed", "failed")
