@@ -14,7 +14,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobOut
 
 from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
-from .params import query_int, query_statuses, query_value
+from .params import query_int, query_kinds, query_statuses, query_value
 from .routing import endpoint
 
 #: Page size bounds for ``GET /v1/jobs``.
@@ -68,9 +68,10 @@ async def submit_batch(request: Request) -> Response:
 async def list_jobs(request: Request) -> Response:
     async with authenticated(request, "jobs:read") as (who, conn):
         statuses = query_statuses(request, JOB_STATUSES)
+        kinds = query_kinds(request)
         limit = query_int(request, "limit", default=DEFAULT_LIMIT, minimum=1, maximum=MAX_LIMIT)
         after = query_int(request, "after", default=0, minimum=0, maximum=2**63 - 1)
-        rows, cursor = await jobs.list_jobs(conn, who.organization_id, statuses=statuses, limit=limit, after=after)
+        rows, cursor = await jobs.list_jobs(conn, who.organization_id, statuses=statuses, kinds=kinds, limit=limit, after=after)
     return json_response({"jobs": [queue.job_out(row) for row in rows], "next": str(cursor) if cursor else None})
 
 
@@ -115,7 +116,7 @@ routes = [
              errors=PROJECT_NOT_FOUND),
     endpoint("GET", "/v1/jobs", list_jobs, summary="List jobs in submission order, paged by cursor.",
              auth="api_key", scopes=("jobs:read",),
-             query={"status": (str, False, "comma-separated statuses, e.g. queued,running"),
+             query={"status": (str, False, "comma-separated statuses, e.g. queued,running"), "kind": (list[str], False, "repeatable: only jobs of these kinds"),
                     "limit": (int, False, f"page size, 1..{MAX_LIMIT}, default {DEFAULT_LIMIT}"),
                     "after": (int, False, "the previous page's `next` cursor")}, response=JobPage),
     endpoint("GET", "/v1/jobs/{id}", get_job,

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import os
 import re
-from typing import Annotated, Any, Iterator, Mapping, Sequence
+from typing import Annotated, Any, Collection, Iterator, Mapping, Sequence
 from uuid import UUID
 
 import anyio
@@ -542,7 +542,8 @@ async def ever_held(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID |
 
 _LIST = f"""
 SELECT {queue.SELECT_LIST} FROM jobs
-WHERE organization_id = %s AND (%s::text[] IS NULL OR status = ANY(%s)) AND seq > %s
+WHERE organization_id = %s AND (%s::text[] IS NULL OR status = ANY(%s)) AND (%s::text[] IS NULL OR kind = ANY(%s))
+  AND seq > %s
 ORDER BY seq LIMIT %s
 """
 
@@ -565,9 +566,12 @@ async def get_job(
 
 
 async def list_jobs(
-    conn: psycopg.AsyncConnection, organization_id: UUID, *, statuses: list[str] | None, limit: int, after: int
+    conn: psycopg.AsyncConnection, organization_id: UUID, *, statuses: list[str] | None, limit: int, after: int,
+    kinds: Collection[str] | None = None,
 ) -> tuple[list[JobRow], int | None]:
-    """A page in submission order; the cursor is the last job's ``seq`` (None at the end)."""
-    cursor = await conn.execute(_LIST, (organization_id, statuses, statuses, after, limit))
+    """A page in submission order (of ``statuses`` and ``kinds``, if given); the cursor is the last job's ``seq``
+    (None at the end)."""
+    named = None if kinds is None else sorted(kinds)
+    cursor = await conn.execute(_LIST, (organization_id, statuses, statuses, named, named, after, limit))
     rows = [queue.from_db(r) for r in await cursor.fetchall()]
     return rows, (rows[-1].seq if len(rows) == limit else None)

@@ -104,8 +104,9 @@ def cmd_retry_failed(args) -> int:
         async with _client(args, scope="jobs:write") as client:
             failed, after = [], 0
             while True:
-                page = await _get_json(client, "/v1/jobs", status="failed", limit=1000, after=after)
-                failed += [job["id"] for job in page["jobs"] if args.kind is None or job["kind"] == args.kind]
+                kinds = {} if args.kind is None else {"kind": args.kind}
+                page = await _get_json(client, "/v1/jobs", status="failed", limit=1000, after=after, **kinds)
+                failed += [job["id"] for job in page["jobs"]]
                 if page["next"] is None:
                     break
                 after = int(page["next"])

@@ -185,6 +185,33 @@ async def test_listing_pages_by_cursor_and_filters_by_status(client, org):
     assert (await client.get("/v1/jobs", params={"limit": 0}, headers=bearer(key))).status_code == 422
 
 
+async def test_listing_filters_by_kind_repeated_and_with_status(client, org):
+    """``?kind=`` (repeatable) keeps the jobs of those kinds, with ``status`` too, paged as ever; an empty kind
+    → 422 naming it."""
+    _, key = org
+    await http_pair(client, key)  # a node that can run them: queued, not blocked
+    jobs = [{"kind": kind, "payload": {"i": i}} for i, kind in enumerate(["render", "encode", "render", "tally", "render"])]
+    await client.post("/v1/jobs/batch", json={"jobs": jobs}, headers=bearer(key))
+
+    async def listed(**params) -> list[int]:
+        seen, cursor = [], None
+        while True:
+            query = [*params.items(), ("limit", 2), *([("after", cursor)] if cursor else [])]
+            query = [(name, v) for name, value in query for v in (value if isinstance(value, list) else [value])]
+            page = (await client.get("/v1/jobs", params=query, headers=bearer(key))).json()
+            seen += [j["payload"]["i"] for j in page["jobs"]]
+            if page["next"] is None:
+                return seen
+            cursor = page["next"]
+
+    assert await listed(kind="render") == [0, 2, 4]
+    assert await listed(kind=["encode", "tally"]) == [1, 3]
+    assert await listed(kind="render", status="queued") == [0, 2, 4]
+    assert await listed(kind="render", status="failed") == []
+    refused = await client.get("/v1/jobs", params={"kind": ""}, headers=bearer(key))
+    assert (refused.status_code, refused.json()["field"]) == (422, "kind")
+
+
 async def test_a_status_filter_with_an_empty_item_is_refused(client, org):
     """``status=,`` would filter on nothing and answer an empty page; an absent or blank ``status`` is no filter."""
     _, key = org
