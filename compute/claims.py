@@ -135,9 +135,9 @@ ORDER BY priority, seq
 LIMIT %(limit)s
 """
 #: The scans' rows as :data:`ScanRow`, or with a fifth column, the seconds each job has waited in the queue
-#: since it last became queued (its row's last change), for model affinity (:func:`defers`). Only a claimer
-#: that judges affinity reads it.
-_WAITED = ", extract(epoch FROM umbra_now() - updated_at)::float8 AS waited"
+#: since it last became queued (its row's last change) or, if later, since it fell due (a retry's back-off,
+#: a delayed submission), for model affinity (:func:`defers`). Only a claimer that judges affinity reads it.
+_WAITED = ", extract(epoch FROM umbra_now() - greatest(updated_at, not_before))::float8 AS waited"
 SHAPES_SCAN = _SHAPES_SCAN.format(outer="", waited="")
 SHAPES_SCAN_WAITED = _SHAPES_SCAN.format(outer=", j.waited", waited=_WAITED)
 CLAIMABLE_SCAN, CLAIMABLE_SCAN_WAITED = (_CLAIMABLE_SCAN.format(waited=w) for w in ("", _WAITED))
@@ -338,7 +338,11 @@ class ClaimableScan:
             if not scanned and not rows and every_shape:
                 self.nothing_due = True
             if page:
-                yield page
+                # With the rows' waits read (model affinity), every row read is offered: the heads of the shapes
+                # past the cut too, so a job whose models a node holds is found however many loads of its
+                # priority are queued ahead of it (its claimer ranks by priority first: the rows not read, all
+                # past the cut, cannot outrank it). Those not taken are read again with the next page.
+                yield rows if self._waited else page
                 after = (page[-1][1], page[-1][2])
 
     async def _ordered_pages(self, walk: _Walk, pages: int) -> AsyncIterator[list[ScanRow]]:
