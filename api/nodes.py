@@ -14,6 +14,7 @@ from uuid import UUID
 import msgspec
 from msgspec import Meta
 from starlette.requests import Request
+from starlette.responses import Response
 
 from umbra.compute import credentials, heartbeat, nodes
 from umbra.compute.jobs import Kinds
@@ -209,26 +210,26 @@ async def _revoke(request, conn, who, node_id):
         request.app.state.services.token_cache.forget_credential(credential_id)
 
 
-async def cordon(request: Request):
+async def _device_change(request: Request, body_type: type, change) -> Response:
+    """A change of one device (a cordon, an uncordon): the credential, the node's id and the body first (read
+    with no connection held), then ``change(conn, who, node_id, body)`` and the node as it leaves it."""
     who = await authorized(request, "nodes:admin")
     node_id = path_uuid(request, "id", code="node_not_found")
-    body = await read_json(request, CordonRequest)  # read with no connection held
+    body = await read_json(request, body_type)
     async with acting_as(request, who) as conn:
-        await nodes.cordon_device(conn, who.organization_id, node_id, body.device, reason=body.reason, actor=who.actor,
-                                  request_id=request_id(request))  # fmt: skip
+        await change(conn, who, node_id, body)
         view = await nodes.node_view(conn, node_id, organization_id=who.organization_id, stale_seconds=_stale(request))
     return json_response(node_out(view))
 
 
-async def uncordon(request: Request):
-    who = await authorized(request, "nodes:admin")
-    node_id = path_uuid(request, "id", code="node_not_found")
-    body = await read_json(request, UncordonRequest)
-    async with acting_as(request, who) as conn:
-        await nodes.uncordon_device(conn, who.organization_id, node_id, body.device, actor=who.actor,
-                                    request_id=request_id(request))  # fmt: skip
-        view = await nodes.node_view(conn, node_id, organization_id=who.organization_id, stale_seconds=_stale(request))
-    return json_response(node_out(view))
+async def cordon(request: Request) -> Response:
+    return await _device_change(request, CordonRequest, lambda conn, who, node_id, body: nodes.cordon_device(
+        conn, who.organization_id, node_id, body.device, reason=body.reason, actor=who.actor, request_id=request_id(request)))
+
+
+async def uncordon(request: Request) -> Response:
+    return await _device_change(request, UncordonRequest, lambda conn, who, node_id, body: nodes.uncordon_device(
+        conn, who.organization_id, node_id, body.device, actor=who.actor, request_id=request_id(request)))
 
 
 def _admin_route(verb: str, command, summary: str, errors: dict[int, str] | None = None):

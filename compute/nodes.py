@@ -18,8 +18,7 @@ from uuid import UUID
 import psycopg
 
 from umbra.db import organization_lock_key, service_lock_wait
-from umbra.domain.eligibility import NodeView as EligibilityView
-from umbra.domain.eligibility import is_schedulable
+from umbra.domain.eligibility import NodeView as EligibilityView, is_schedulable
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status, stored_statuses_for
 from umbra.domain.nodes import after_went_offline, check_drain, check_retire, decide_cordon, decide_uncordon
 from umbra.errors import NotFound

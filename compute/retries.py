@@ -15,7 +15,7 @@ from uuid import UUID
 
 import psycopg
 
-from umbra.domain.jobs import decide_retry
+from umbra.domain.jobs import UnchargedEnds, decide_retry
 from umbra.errors import NotFound
 from umbra.events import store
 from umbra.events.types import JobBlocked, JobSubmitted
@@ -40,11 +40,12 @@ async def retry(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UU
         row = await queue.load(conn, job_id, organization_id, lock=True)
         if row is None:
             raise NotFound("job_not_found", f"No job {job_id}.")
-        grant = max_attempts if max_attempts is not None else await _submitted_max_attempts(conn, row)
-        ends = (await uncharged_claims(conn, [job_id])).get(job_id) if row.status == "failed" else None
+        failed = row.status == "failed"  # else refused below: nothing more to read
+        grant = max_attempts if max_attempts is not None else (await _submitted_max_attempts(conn, row) if failed else 1)
+        ends = (await uncharged_claims(conn, [job_id])).get(job_id, UnchargedEnds()) if failed else UnchargedEnds()
         retried = decide_retry(status=row.status, attempt=row.attempt, max_attempts=row.max_attempts,
                                parent_job_id=row.parent_job_id, children_total=row.children_total, grant=grant, by=actor,
-                               **({"ends": ends} if ends is not None else {}))  # fmt: skip
+                               ends=ends)  # fmt: skip
         reason = judge.reason(row.requires)
         events = [retried] if reason is None else [retried, JobBlocked(reason=reason)]
         rows, position = await record_and_settle(conn, [Change(job_id, organization_id, row, events)],
