@@ -5,10 +5,12 @@ run is blocked, with a reason that names it, until it is back; the node's histor
 from __future__ import annotations
 
 import anyio
+import httpx
 import msgspec
 import psycopg
 import pytest
 
+from tests.conftest import LiveServer
 from tests.helpers import bearer, run_umbra
 from umbra.compute.accounts import create_api_key, create_organization
 from umbra.events.types import Device
@@ -160,26 +162,32 @@ async def test_who_may_cordon_and_what_a_bad_request_gets(client, org, conn, db_
     assert await written(db_url) == before
 
 
-async def test_a_parked_long_poll_takes_work_its_device_gets_back(client, org):
-    """A node whose only GPU is cordoned long-polls while a GPU job is blocked; put back in service, the
-    device's job is claimed by that poll at once, not at the safety poll."""
+async def test_a_parked_long_poll_takes_work_its_device_gets_back(db_url, org):
+    """A node whose only GPU is cordoned long-polls while a GPU job waits, queued for another GPU node that is
+    offline now (so nothing unblocks when the card comes back); put back in service, the card's job is claimed
+    by that poll at once, woken by the uncordon's own hint: the safety poll is 30 s away."""
     _, key = org
-    node_id, node = await pair(client, key)
-    await client.post(f"/v1/nodes/{node_id}/cordon", json={"device": "gpu0"}, headers=bearer(key))
-    waiting = await submit(client, key, GPU_JOB)
-    answers = []
-    async with anyio.create_task_group() as tg:
+    with LiveServer(db_url, UMBRA_POLL_FALLBACK_SECONDS="30") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            node_id, node = await pair(client, key)
+            _, away = await pair(client, key, "gpu-box-away")
+            assert (await client.post("/v1/agent/offline", headers=away)).json()["status"] == "offline"
+            await client.post(f"/v1/nodes/{node_id}/cordon", json={"device": "gpu0"}, headers=bearer(key))
+            waiting = await submit(client, key, GPU_JOB)
+            assert waiting["status"] == "queued"  # the node away could run it
+            answers = []
+            async with anyio.create_task_group() as tg:
 
-        async def poll() -> None:
-            answers.append(await client.post("/v1/agent/claim", params={"wait": 20}, headers=node))
+                async def poll() -> None:
+                    answers.append(await client.post("/v1/agent/claim", params={"wait": 20}, headers=node))
 
-        tg.start_soon(poll)
-        await anyio.sleep(0.5)
-        started = anyio.current_time()
-        await client.post(f"/v1/nodes/{node_id}/uncordon", json={"device": "gpu0"}, headers=bearer(key))
-    (claimed,) = answers
-    assert (claimed.status_code, claimed.json()["job"]["id"]) == (200, waiting["id"]), claimed.text
-    assert anyio.current_time() - started < 5
+                tg.start_soon(poll)
+                await anyio.sleep(0.5)
+                started = anyio.current_time()
+                await client.post(f"/v1/nodes/{node_id}/uncordon", json={"device": "gpu0"}, headers=bearer(key))
+            (claimed,) = answers
+            assert (claimed.status_code, claimed.json()["job"]["id"]) == (200, waiting["id"]), claimed.text
+            assert anyio.current_time() - started < 5
 
 
 async def test_the_cli_cordons_and_uncordons_a_device(client, org, db_url):

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 
 import anyio
+import httpx
 import psycopg
 import pytest
 
+from tests.conftest import LiveServer
 from tests.helpers import bearer, run_umbra
 from umbra.compute import claims, retries
 from umbra.compute.accounts import create_api_key, create_organization
@@ -174,25 +176,27 @@ async def test_a_retried_job_nothing_could_run_now_is_blocked_at_once(client, or
     assert history[-2:] == ["job.retried", "job.blocked"]
 
 
-async def test_a_retry_wakes_a_parked_long_poll(client, org):
-    """A node long-polling when the job is retried takes it at once, woken by the retry's hint rather than by
-    the safety poll."""
+async def test_a_retry_wakes_a_parked_long_poll(db_url, org):
+    """A node long-polling when the job is retried takes it at once, woken by the retry's hint: the server's
+    safety poll is 30 s away."""
     _, key = org
-    _, credential = await http_pair(client, key)
-    job = await failed_job(client, key, credential)
-    answers = []
-    async with anyio.create_task_group() as tg:
+    with LiveServer(db_url, UMBRA_POLL_FALLBACK_SECONDS="30") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            _, credential = await http_pair(client, key)
+            job = await failed_job(client, key, credential)
+            answers = []
+            async with anyio.create_task_group() as tg:
 
-        async def poll() -> None:
-            answers.append(await client.post("/v1/agent/claim", params={"wait": 20}, headers=bearer(credential)))
+                async def poll() -> None:
+                    answers.append(await client.post("/v1/agent/claim", params={"wait": 20}, headers=bearer(credential)))
 
-        tg.start_soon(poll)
-        await anyio.sleep(0.5)
-        started = anyio.current_time()
-        assert (await client.post(f"/v1/jobs/{job['id']}/retry", headers=bearer(key))).status_code == 200
-    (claimed,) = answers
-    assert claimed.status_code == 200 and claimed.json()["job"]["id"] == job["id"], claimed.text
-    assert anyio.current_time() - started < 5  # the safety poll comes far later
+                tg.start_soon(poll)
+                await anyio.sleep(0.5)
+                started = anyio.current_time()
+                assert (await client.post(f"/v1/jobs/{job['id']}/retry", headers=bearer(key))).status_code == 200
+            (claimed,) = answers
+            assert claimed.status_code == 200 and claimed.json()["job"]["id"] == job["id"], claimed.text
+            assert anyio.current_time() - started < 5
 
 
 async def test_the_cli_retries_a_failed_job(client, org, live_server):
