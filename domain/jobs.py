@@ -176,7 +176,7 @@ class UnchargedEnds:
     #: At the job's last retry (``job.retried``), if it had one: its attempt then, and how many of its claims up
     #: to then were not charged. The ends before the retry count there, frozen: ``unheard`` and
     #: ``interrupted`` count only those since. Counted again under the retry's larger ``max_attempts``, an
-    #: interruption charged when the job failed would be free again, and a retry grant more runs than it said.
+    #: interruption charged when the job failed would be free again, and the retry would grant more runs than it said.
     retried_at: int = 0
     uncharged_before: int = 0
 
