@@ -267,7 +267,10 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
              for s in staged]  # fmt: skip
     last: dict[UUID, int] = {}
     children = [item for item in staged if item.state.parent_job_id]
-    append, recorded = store.append_statement(batch, recorded_at=staged[0].at)
+    # The transaction's clock, or later: a job read after its last change committed, in a batch begun before
+    # that change's transaction, would otherwise have its event recorded before the one it follows.
+    at = max(staged[0].at, max(item.state.updated_at for item in staged))
+    append, recorded = store.append_statement(batch, recorded_at=at)
     rows = [queue.fold(item.state, event_record, job_id=item.state.id) for item, event_record in zip(staged, recorded)]
     writes = [append, (queue.TRANSITIONS, queue.transition_params(rows))]
     positions, _ = await (run_together(conn, writes) if children else commit_with(conn, writes))

@@ -298,8 +298,9 @@ def append_statement(batch: Sequence[PendingAppend], *, recorded_at: datetime) -
     append, the writes that follow from it and the ``COMMIT`` travel in one
     round trip (``db.commit_with``): the ordering lock is then held only
     while PostgreSQL runs them, not across round trips and the caller's own
-    work. Every event is recorded at ``recorded_at``, which must be the
-    transaction's ``umbra_now()`` (the column's default). The events come
+    work. Every event is recorded at ``recorded_at``: the transaction's
+    ``umbra_now()`` (the column's default), or later, never before the last
+    event of any of the streams it appends to. The events come
     back as they will be recorded, at position 0 until :func:`appended`
     reads their positions from the statement's rows. A stream not at its
     expected version fails the statement, and with it the transaction:
