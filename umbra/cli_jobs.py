@@ -76,15 +76,19 @@ def format_job(job: dict[str, Any]) -> str:
     return line + (f"  (last error: {job['error']})" if job.get("error") else "")
 
 
+async def _retry(client, job_id, max_attempts: int | None) -> dict[str, Any]:
+    """``POST /v1/jobs/{id}/retry``: the job as it now stands; a refusal raises ``ServiceError``."""
+    from umbra.agent.client import raise_for_error
+
+    answer = await client.post(f"/v1/jobs/{job_id}/retry", json={} if max_attempts is None else {"max_attempts": max_attempts})
+    raise_for_error(answer)
+    return answer.json()
+
+
 def cmd_retry(args) -> int:
     async def main() -> int:
-        from umbra.agent.client import raise_for_error
-
-        body = {} if args.max_attempts is None else {"max_attempts": args.max_attempts}
         async with _client(args, scope="jobs:write") as client:
-            answer = await client.post(f"/v1/jobs/{args.job_id}/retry", json=body)
-            raise_for_error(answer)
-        job = answer.json()
+            job = await _retry(client, args.job_id, args.max_attempts)
         print(to_json_text(job) if args.json else printable(format_job(job)))
         return 0
 
@@ -98,9 +102,8 @@ def cmd_retry_failed(args) -> int:
     children, one retried or cancelled meanwhile) are counted with the reason and left as they are."""
 
     async def main() -> int:
-        from umbra.agent.client import ServiceError, raise_for_error
+        from umbra.agent.client import ServiceError
 
-        body = {} if args.max_attempts is None else {"max_attempts": args.max_attempts}
         async with _client(args, scope="jobs:write") as client:
             failed, after = [], 0
             while True:
@@ -113,9 +116,8 @@ def cmd_retry_failed(args) -> int:
             retried: list[str] = []
             refused: list[dict[str, str]] = []
             for job_id in failed:
-                answer = await client.post(f"/v1/jobs/{job_id}/retry", json=body)
                 try:
-                    raise_for_error(answer)
+                    job = await _retry(client, job_id, args.max_attempts)
                 except ServiceError as exc:
                     if exc.status not in (404, 409):
                         raise  # the request, the key or the server, not this job: stop here, the rest untouched
@@ -123,7 +125,7 @@ def cmd_retry_failed(args) -> int:
                     continue
                 retried.append(job_id)
                 if not args.json:
-                    print(printable(format_job(answer.json())))
+                    print(printable(format_job(job)))
         if args.json:
             print(to_json_text({"retried": retried, "refused": refused}))
         else:
