@@ -70,8 +70,9 @@ RUNNING_TAKING_MEMORY = """(
 #: a move of free memory within the heartbeat's tolerance records no event. ``n`` is the node's row and ``l``
 #: its liveness row.
 LATEST_DEVICES = "coalesce(l.devices, n.devices)::text"
-#: The labels of a node's cordoned devices (``n`` is the node's row), as eligibility reads them.
-CORDONED_LABELS = "ARRAY(SELECT jsonb_object_keys(n.cordoned))"
+#: A node's cordoned devices, ``{label: reason}`` (``n`` is the node's row): eligibility reads the labels,
+#: the set of the mapping's keys (``{}`` for nearly every node; no subquery per node to list them).
+CORDONED_LABELS = "n.cordoned"
 _NODES = f"""
 SELECT n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {CORDONED_LABELS}, {{running}}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id

@@ -115,16 +115,19 @@ INSERT INTO events (stream, version, type, organization_id, data, metadata, reco
 SELECT r.stream,
        -- A stream not at its expected version gets a NULL version: the statement fails, and the
        -- transaction with it, before any statement sent after it in the same message runs.
-       -- A scalar subquery with LIMIT is probed per row through events_stream_version;
-       -- written as OR EXISTS, the planner may hash a scan of the whole log instead.
-       CASE WHEN r.expected = 0
-              OR coalesce((SELECT true FROM events e WHERE e.stream = r.stream AND e.version = r.expected LIMIT 1), false)
-            THEN r.version END,
-       r.type, r.org, r.data, r.meta, coalesce(%(at)s, umbra_now())
+       CASE WHEN r.expected = 0 OR prior.recorded_at IS NOT NULL THEN r.version END,
+       -- Never before the event it follows: a transaction that began before that one committed
+       -- would otherwise stamp its event with its own, earlier, start.
+       r.type, r.org, r.data, r.meta, greatest(coalesce(%(at)s, umbra_now()), prior.recorded_at)
 FROM ordering_guard,
      ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb)
        AS (stream text, version int, type text, org uuid, data jsonb, meta jsonb, expected int)) WITH ORDINALITY
        AS r(stream, version, type, org, data, meta, expected, n)
+     -- The stream's event at the expected version, probed per row through events_stream_version
+     -- (written as OR EXISTS, the planner may hash a scan of the whole log instead).
+     LEFT JOIN LATERAL (
+       SELECT e.recorded_at FROM events e WHERE e.stream = r.stream AND e.version = r.expected LIMIT 1
+     ) AS prior ON true
 ORDER BY r.n
 RETURNING position, recorded_at
 """
@@ -151,14 +154,19 @@ COPY_MIN_EVENTS = 256
 
 # COPY cannot return positions, so the copy path allocates them first: under the
 # same ordering lock (taken here and held to commit), one nextval per event, and
-# the transaction's clock, which is what the recorded_at default would have
-# stored. The expected-version probe is the INSERT path's, per existing stream.
+# the time every event of the batch is recorded at: the transaction's clock (the
+# recorded_at default), or the latest event of a stream it appends to, if later
+# (as the INSERT path). The expected-version probe is the INSERT path's, per
+# existing stream.
 _RESERVE_GUARDED = f"""
 WITH ordering_guard AS ({_ORDERING_LOCK}),
-     reserved AS (SELECT nextval('events_position_seq') AS p FROM ordering_guard, generate_series(1, %(n)s))
-SELECT (SELECT array_agg(p ORDER BY p) FROM reserved), umbra_now(), umbra_now()::text,
-       (SELECT count(*) FROM unnest(%(streams)s::text[], %(versions)s::int[]) AS x(stream, version)
-        WHERE (SELECT true FROM events e WHERE e.stream = x.stream AND e.version = x.version LIMIT 1) IS NULL)
+     reserved AS (SELECT nextval('events_position_seq') AS p FROM ordering_guard, generate_series(1, %(n)s)),
+     prior AS (SELECT (SELECT e.recorded_at FROM events e WHERE e.stream = x.stream AND e.version = x.version LIMIT 1) AS at
+               FROM unnest(%(streams)s::text[], %(versions)s::int[]) AS x(stream, version)),
+     clock AS (SELECT greatest(umbra_now(), (SELECT max(at) FROM prior)) AS at)
+SELECT (SELECT array_agg(p ORDER BY p) FROM reserved), clock.at, clock.at::text,
+       (SELECT count(*) FROM prior WHERE at IS NULL)
+FROM clock
 """
 _RESERVE_UNGUARDED = _RESERVE_GUARDED.replace(
     f"WITH ordering_guard AS ({_ORDERING_LOCK}),\n     reserved", "WITH reserved"
@@ -299,8 +307,10 @@ def append_statement(batch: Sequence[PendingAppend], *, recorded_at: datetime) -
     round trip (``db.commit_with``): the ordering lock is then held only
     while PostgreSQL runs them, not across round trips and the caller's own
     work. Every event is recorded at ``recorded_at``: the transaction's
-    ``umbra_now()`` (the column's default), or later, never before the last
-    event of any of the streams it appends to. The events come
+    ``umbra_now()`` (the column's default), or later. The caller gives a time
+    no earlier than the last event of any of the streams it appends to (the
+    statement would record that event's time instead, later than the events
+    returned here say, as every append never records before it). The events come
     back as they will be recorded, at position 0 until :func:`appended`
     reads their positions from the statement's rows. A stream not at its
     expected version fails the statement, and with it the transaction:

@@ -60,9 +60,10 @@ async def set_clock(conn, seconds: float) -> None:
     await conn.execute("SELECT set_config('umbra.clock_offset', %s, false)", (f"{seconds} seconds",))
 
 
-async def http_pair(client, key: str, name: str = "box") -> tuple[str, str]:
-    """``(node_id, credential)`` of a node paired and heartbeated online through the routes, with one CPU64."""
-    devices = [CPU64_JSON]
+async def http_pair(client, key: str, name: str = "box", devices: Sequence[dict] | None = None) -> tuple[str, str]:
+    """``(node_id, credential)`` of a node paired and heartbeated online through the routes, with ``devices``
+    (one CPU64 unless given)."""
+    devices = list(devices) if devices is not None else [CPU64_JSON]
     issued = await client.post("/v1/pairings", json={"name": name}, headers=bearer(key))
     redeemed = await client.post("/v1/pairings/redeem", json={"code": issued.json()["code"], "name": name,
                                                               "agent_version": "1", "devices": devices})  # fmt: skip

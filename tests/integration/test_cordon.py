@@ -15,7 +15,7 @@ from tests.helpers import bearer, run_umbra
 from umbra.compute.accounts import create_api_key, create_organization
 from umbra.events.types import Device
 
-from .queue_support import CPU64, GPU24
+from .queue_support import CPU64, GPU24, http_pair
 
 pytestmark = pytest.mark.anyio
 
@@ -31,13 +31,8 @@ CPU_JOB = {"kind": "tally", "requires": {"ram_min_mb": 1000}}
 async def pair(client, key: str, name: str = "gpu-box", devices: list = DEVICES) -> tuple[str, dict]:
     """A node with (by default) a 24 GB GPU (``gpu0``) and a CPU (``cpu``), paired and online: its id and
     credential headers."""
-    issued = await client.post("/v1/pairings", json={"name": name}, headers=bearer(key))
-    redeemed = (await client.post("/v1/pairings/redeem", json={"code": issued.json()["code"], "name": name,
-                                                               "agent_version": "1", "devices": devices})).json()  # fmt: skip
-    node = bearer(redeemed["credential"])
-    beat = await client.post("/v1/agent/heartbeat", json={"devices": devices, "agent_version": "1"}, headers=node)
-    assert beat.status_code == 200, beat.text
-    return redeemed["node_id"], node
+    node_id, credential = await http_pair(client, key, name, devices)
+    return node_id, bearer(credential)
 
 
 async def written(db_url) -> tuple[int, int, int]:

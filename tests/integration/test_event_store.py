@@ -97,6 +97,34 @@ async def test_append_refuses_a_taken_first_version(conn, org, append_path):
     assert await store.read_stream(conn, other) == []
 
 
+async def test_an_event_is_never_recorded_before_the_event_it_follows(db_url, org, append_path):
+    """Within a stream, time never runs backwards, whichever transaction began first.
+
+    An append is recorded at its transaction's clock, read when it began; one that began
+    before the stream's last event committed would have stamped its event before that one
+    (a job cancelled before it was submitted). It takes the later of the two. A new
+    stream in the same batch keeps its transaction's clock (through COPY, a batch's events
+    share one time, the latest).
+    """
+    org_id, _ = org
+    stream, fresh = store.job_stream(uuid.uuid4()), store.job_stream(uuid.uuid4())
+    async with (await psycopg.AsyncConnection.connect(db_url) as early,
+                await psycopg.AsyncConnection.connect(db_url, autocommit=True) as late):  # fmt: skip
+        [(began,)] = await (await early.execute("SELECT umbra_now()")).fetchall()  # early's transaction, and its clock, begin
+        await anyio.sleep(0.01)
+        [first] = await store.append(late, stream, 0, [_submitted()], organization_id=org_id)
+        assert first.recorded_at > began
+        recorded = await store.append_many(early, [store.PendingAppend(stream, 1, [JobCancelled(by="early")], org_id),
+                                                   store.PendingAppend(fresh, 0, [_submitted(1)], org_id)])  # fmt: skip
+        await early.commit()
+        followed, new = recorded
+        assert followed.recorded_at == first.recorded_at
+        assert new.recorded_at == (began if append_path == "insert" else first.recorded_at)
+        read = {r.stream: r for r in [*await store.read_stream(late, stream), *await store.read_stream(late, fresh)]}
+        assert [read[stream].recorded_at, read[fresh].recorded_at] == [followed.recorded_at, new.recorded_at]
+        assert read[stream] == followed
+
+
 async def test_an_append_sent_with_the_commit_records_at_the_given_time_and_returns_positions(conn, org):
     """``append_statement``: folded before appending, so the events' time is given and only positions come back."""
     org_id, _ = org

@@ -158,6 +158,10 @@ async def test_who_may_retry_and_what_a_bad_request_gets(client, org, conn, db_u
         refused = await client.post(path, json=bad, headers=bearer(key))
         assert (refused.status_code, refused.json()["error"]) == (422, "invalid_request"), bad
         assert refused.json().get("field") == field, refused.json()
+    # The order docs/API.md gives: the id's form, then the body, then the job it names.
+    bad = {"max_attempts": 0}
+    for other, answer in (("/v1/jobs/not-a-uuid/retry", 404), ("/v1/jobs/00000000-0000-0000-0000-000000000000/retry", 422)):
+        assert (await client.post(other, json=bad, headers=bearer(key))).status_code == answer, other
     assert await written(db_url) == before
     assert (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["status"] == "failed"
 
