@@ -9,6 +9,9 @@ Each tick, in separate command transactions:
   ``node.went_offline``;
 * **blocked past the schedule timeout** → ``job.failed`` (reason
   ``blocked_timeout``, error = the blocking reason), so parents still settle;
+* **running past ``max_runtime_s``** by more than a lease, counted from the
+  current claim → ``job.failed`` (reason ``runtime_exceeded``;
+  :func:`umbra.domain.jobs.decide_overrun`), whatever the holder does;
 * **delayed jobs now due** → one hint per organization, so long-polls waiting
   for work wake when a backoff or lease-expiry delay ends rather than at their
   next poll;
@@ -44,6 +47,7 @@ from anyio.abc import TaskStatus
 
 from umbra import jitter, metrics
 from umbra.db import assume_service_role, bound_lock_waits, connect, database_away, lock_wait_ended
+from umbra.domain.jobs import decide_overrun
 from umbra.events import store
 from umbra.events.types import JobFailed
 from umbra.projections import jobs as queue
@@ -82,6 +86,22 @@ WHERE status = 'blocked' AND blocked_at <= umbra_now() - make_interval(secs => %
 ORDER BY blocked_at, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
+#: A page of held jobs with a ``max_runtime_s`` whose current claim is older than it and the grace, after
+#: ``after_id``, with that claim's time. ``started_at`` (the first claim's) narrows them before the log is
+#: read. Only jobs with a limit, which the other jobs' rows answer from the leases' index.
+_OVERRUN = f"""
+SELECT {queue.SELECT_LIST}, claimed.recorded_at, umbra_now() FROM jobs
+CROSS JOIN LATERAL (
+    SELECT e.recorded_at FROM events e
+    WHERE e.stream = 'job:' || jobs.id::text AND e.type = 'job.claimed' ORDER BY e.version DESC LIMIT 1
+) AS claimed
+WHERE status = 'running' AND lease_expires_at IS NOT NULL AND requires ? 'max_runtime_s'
+  AND started_at <= umbra_now() - make_interval(secs => (requires ->> 'max_runtime_s')::float8 + %(grace)s)
+  AND claimed.recorded_at <= umbra_now() - make_interval(secs => (requires ->> 'max_runtime_s')::float8 + %(grace)s)
+  AND (%(after_id)s::uuid IS NULL OR id > %(after_id)s::uuid)
+ORDER BY id LIMIT %(limit)s
+FOR UPDATE OF jobs SKIP LOCKED
+"""
 _WAITING_ORGS = """
 SELECT o.id FROM organizations o
 WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.organization_id = o.id AND j.status = 'queued')
@@ -103,6 +123,7 @@ class SweepReport:
     leases_failed: int = 0
     nodes_offline: int = 0
     blocked_failed: int = 0
+    runtime_failed: int = 0
     jobs_woken: int = 0
     jobs_unblocked: int = 0
     jobs_blocked: int = 0
@@ -112,7 +133,7 @@ class SweepReport:
 
     @property
     def actions(self) -> int:
-        return self.leases_requeued + self.leases_failed + self.nodes_offline + self.blocked_failed
+        return self.leases_requeued + self.leases_failed + self.nodes_offline + self.blocked_failed + self.runtime_failed
 
 
 async def sweep_once(
@@ -141,6 +162,11 @@ async def sweep_once(
         while (after := await _fail_blocked(conn, settings, report, after)) is not None:
             pass
 
+    async def fail_overrun() -> None:
+        after: _Page = None
+        while (after := await _fail_overrun(conn, settings, report, after)) is not None:
+            pass
+
     async def mark_stale_nodes() -> None:
         report.nodes_offline = await _mark_stale_nodes(conn, settings)
 
@@ -153,6 +179,7 @@ async def sweep_once(
     await _step("expire_leases", expire_leases)
     await _step("mark_stale_nodes", mark_stale_nodes)
     await _step("fail_blocked", fail_blocked)
+    await _step("fail_overrun", fail_overrun)
     if since is not None:
         await _step("announce_due", lambda: _announce_due(conn, since, report))
     await _step("refresh_statistics", refresh_statistics)
@@ -167,6 +194,7 @@ async def sweep_once(
         await _step("prune_pairing", prune_pairing)
     for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
                           ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed),
+                          ("runtime_exceeded", report.runtime_failed),
                           ("job_unblocked", report.jobs_unblocked), ("job_blocked", report.jobs_blocked),
                           ("pairing_pruned", report.pairing_rows_pruned),
                           ("jobs_analysed", int(report.statistics_refreshed))):
@@ -174,7 +202,7 @@ async def sweep_once(
     if report.actions:
         log.info("sweep", extra={"action": "sweep", "leases_requeued": report.leases_requeued,
                                  "leases_failed": report.leases_failed, "nodes_offline": report.nodes_offline,
-                                 "blocked_failed": report.blocked_failed})  # fmt: skip
+                                 "blocked_failed": report.blocked_failed, "runtime_failed": report.runtime_failed})  # fmt: skip
     return report
 
 
@@ -257,6 +285,30 @@ async def _fail_blocked(conn: psycopg.AsyncConnection, settings: Settings, repor
             report.blocked_failed += len(rows)
             await store.publish(conn, _hints(rows, lambda r: False))
     return _next_page(found, _BLOCKED_AT)
+
+
+async def _fail_overrun(conn: psycopg.AsyncConnection, settings: Settings, report: SweepReport, after: _Page) -> _Page:
+    """Fail one page of jobs running past their ``max_runtime_s`` by more than a lease; returns where the
+    next page starts (None: done). The grace is the lease a well-behaved agent would end the job within.
+    Pages on past the rows it leaves, as :func:`_expire_leases` does."""
+    width = len(queue.COLUMNS)
+    async with conn.transaction():
+        found = await (await conn.execute(_OVERRUN, {"grace": settings.lease_seconds, **_after(after)})).fetchall()
+        records = await _settling_free(conn, found)
+        changes = []
+        for record in records:
+            row, claimed_at, now = queue.from_db(record[:width]), record[width], record[width + 1]
+            event = decide_overrun(attempt=row.attempt, max_runtime_s=row.requires.max_runtime_s, claimed_at=claimed_at,
+                                   now=now, grace_seconds=settings.lease_seconds)  # fmt: skip
+            if event is not None:
+                changes.append(Change(row.id, row.organization_id, row, [event]))
+        rows, _ = await record_and_settle(conn, changes, metadata=_METADATA) if changes else ([], None)
+        report.runtime_failed += len(rows)
+        await store.publish(conn, _hints(rows, lambda r: False))
+    for change in changes:  # each was recorded, or the transaction failed and nothing reaches here
+        log.warning("job ran past its max_runtime_s; failed", extra={"action": "runtime_exceeded", "job_id": str(change.job_id),
+                    "node_id": str(change.state.lease_owner)})  # fmt: skip
+    return _next_page(found, 0)
 
 
 _PARENT = queue.COLUMNS.index("parent_job_id")

@@ -1,4 +1,4 @@
-"""Pure decisions about one job: fencing, repeated reports, failure, lease expiry, cancellation, retry.
+"""Pure decisions about one job: fencing, repeated reports, failure, lease expiry, overrun, cancellation, retry.
 
 Each function takes the facts it needs as plain values and either returns the
 event to append or raises the refusal; the command modules load and lock the
@@ -224,6 +224,29 @@ def decide_lease_expiry(
         return JobLeaseExpired(attempt=attempt, node_id=node_id, requeued=True,
                                not_before=now + timedelta(seconds=delay_seconds), cause=cause)  # fmt: skip
     return JobLeaseExpired(attempt=attempt, node_id=node_id, requeued=False, cause=cause)
+
+
+def decide_overrun(
+    *, attempt: int, max_runtime_s: int | None, claimed_at: datetime, now: datetime, grace_seconds: int
+) -> JobFailed | None:
+    """A job still running ``grace_seconds`` past its ``max_runtime_s``, counted from its current claim, fails.
+
+    The agent stops a job at its ``max_runtime_s`` and fails it itself; the
+    controller does it too, one grace later, so that an agent that does not
+    (a bug, a handler deaf to cancellation, another client of the protocol)
+    cannot hold a GPU for ever by renewing. The grace covers the claim's way
+    to the agent and the failure's way back. Counted from the claim being run,
+    not the first: a job requeued after a lost node has its whole time again.
+    For good (``runtime_exceeded``), as the agent fails it: a job that ran out
+    its time once would run it out again. None while it may still run.
+    """
+    if max_runtime_s is None:
+        return None
+    ran = (now - claimed_at).total_seconds()
+    if ran < max_runtime_s + grace_seconds:
+        return None
+    return JobFailed(attempt=attempt, reason="runtime_exceeded",
+                     error=f"The job exceeded its max_runtime_s ({max_runtime_s} s): still running {ran:.0f} s after its claim.")  # fmt: skip
 
 
 #: ``job.released``'s reason when a stopping agent gives back a job it had started.

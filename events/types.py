@@ -126,7 +126,7 @@ class JobFailed(_Event, tag="job.failed"):
 
     attempt: int
     error: str
-    reason: Literal["not_retryable", "attempts_exhausted", "lease_expired", "blocked_timeout"] = "not_retryable"
+    reason: Literal["not_retryable", "attempts_exhausted", "lease_expired", "blocked_timeout", "runtime_exceeded"] = "not_retryable"
 
 
 class JobRequeued(_Event, tag="job.requeued"):

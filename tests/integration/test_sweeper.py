@@ -14,6 +14,7 @@ from umbra.compute.accounts import create_organization
 from umbra.compute.claims import ChildRequest
 from umbra.compute.sweeper import SWEEPER_LOCK_KEY, sweep_once
 from umbra.db import connect
+from umbra.errors import Conflict
 from umbra.events import store
 from umbra.projections import jobs as queue
 from umbra.settings import load_settings
@@ -89,6 +90,44 @@ async def test_a_job_blocked_past_the_timeout_fails_with_its_reason(conn, org):
     assert (await sweep_once(conn, settings)).blocked_failed == 1
     row = await queue.load(conn, job.id, org_id)
     assert (row.status, row.error) == ("failed", job.blocked_reason)
+
+
+async def test_a_job_running_a_lease_past_its_max_runtime_fails_for_good_counted_from_its_current_claim(conn, org):
+    """Whatever its holder does (here it keeps a long lease and says nothing), a job with ``max_runtime_s`` is
+    failed one lease (the grace) after its current claim passed it; one without a limit runs on; one claimed
+    again after a lost node has its whole time again. The old holder's report is refused after."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    limited = await submit(conn, org_id, requires={"max_runtime_s": 120})
+    unlimited = await submit(conn, org_id)
+    again = await submit(conn, org_id, requires={"max_runtime_s": 120})
+    held = await claim(conn, org_id, node, lease_seconds=3600)
+    await claim(conn, org_id, node, lease_seconds=3600)
+    await claim(conn, org_id, node, lease_seconds=30)  # ``again``: its node is lost, the lease runs out
+    await set_clock(conn, 31)
+    assert (await sweep_once(conn, SETTINGS)).leases_requeued == 1
+    reclaimed_at = 31 + SETTINGS.lease_expired_delay_seconds
+    await set_clock(conn, reclaimed_at)
+    assert (await claim(conn, org_id, node, lease_seconds=3600)).job_id == again.id
+    grace = SETTINGS.lease_seconds
+    await set_clock(conn, 120 + grace - 1)
+    assert (await sweep_once(conn, SETTINGS)).runtime_failed == 0
+    await set_clock(conn, 120 + grace + 1)
+    assert (await sweep_once(conn, SETTINGS)).runtime_failed == 1
+    [*_, failed] = await store.read_stream(conn, store.job_stream(limited.id))
+    assert (failed.type, failed.event.reason, failed.metadata["actor"]) == ("job.failed", "runtime_exceeded", "sweeper")
+    row = await queue.load(conn, limited.id, org_id)
+    assert (row.status, row.lease_expires_at) == ("failed", None) and row.error.startswith("The job exceeded its max_runtime_s (120 s)")
+    with pytest.raises(Conflict) as refused:
+        await claims.complete(conn, organization_id=org_id, node_id=node, job_id=limited.id, attempt=held.attempt, result=1)
+    assert refused.value.code == "job_not_claimed_by_this_node"
+    assert (await queue.load(conn, again.id, org_id)).status == "running"  # its first claim is long past; its own is not
+    await set_clock(conn, reclaimed_at + 120 + grace + 1)
+    assert (await sweep_once(conn, SETTINGS)).runtime_failed == 1
+    assert (await queue.load(conn, again.id, org_id)).status == "failed"
+    await set_clock(conn, 3500)  # within its hour's lease
+    assert (await sweep_once(conn, SETTINGS)).runtime_failed == 0
+    assert (await queue.load(conn, unlimited.id, org_id)).status == "running"
 
 
 async def test_jobs_that_became_due_since_the_last_tick_are_announced_once(db_url, conn, org):

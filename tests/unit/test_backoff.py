@@ -10,7 +10,7 @@ import pytest
 from umbra.domain.backoff import backoff_seconds, should_retry
 from umbra.domain.jobs import (
     AGENT_STOPPING, JobNotRetryable, JobWasCancelled, NotHolder, UnchargedEnds, check_holder, decide_failure,
-    decide_give_back, decide_lease_expiry, decide_retry,
+    decide_give_back, decide_lease_expiry, decide_overrun, decide_retry,
 )  # fmt: skip
 from umbra.events.types import JobFailed, JobReleased, JobRequeued
 
@@ -176,3 +176,16 @@ def test_a_job_of_a_tree_is_not_retried_on_its_own():
     for tree in ({"parent_job_id": uuid4(), "children_total": 0}, {"parent_job_id": None, "children_total": 2}):
         with pytest.raises(JobNotRetryable):
             decide_retry(status="failed", attempt=1, max_attempts=3, grant=3, by=None, **tree)
+
+
+def test_a_job_fails_for_good_one_grace_past_its_runtime_counted_from_its_current_claim():
+    claimed = NOW - timedelta(seconds=150)
+    decide = lambda **kw: decide_overrun(**{"attempt": 2, "max_runtime_s": 100, "claimed_at": claimed, "now": NOW,  # noqa: E731
+                                            "grace_seconds": 60, **kw})  # fmt: skip
+    assert decide() is None  # 150 s < 100 s + 60 s: the agent may still be reporting its own failure
+    assert decide(grace_seconds=50) == JobFailed(
+        attempt=2, reason="runtime_exceeded",
+        error="The job exceeded its max_runtime_s (100 s): still running 150 s after its claim.")  # fmt: skip
+    assert decide(now=claimed + timedelta(seconds=160)).reason == "runtime_exceeded"  # exactly at the limit
+    assert decide(now=claimed + timedelta(seconds=159.9)) is None
+    assert decide(max_runtime_s=None, now=NOW + timedelta(days=30)) is None  # no limit, none enforced
