@@ -1,4 +1,4 @@
-"""Job routes for submitters and readers (API keys): submit, batch, list, read, cancel, retry."""
+"""Job routes for submitters and readers (API keys): submit, batch, list, read, cancel, retry, priority."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from umbra.compute import jobs, retries
-from umbra.compute.jobs import BatchRequest, JobRequest, MaxAttempts
+from umbra.compute import jobs, priorities, retries
+from umbra.compute.jobs import BatchRequest, JobRequest, MaxAttempts, Priority
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events.types import JOB_STATUSES
 from umbra.projections import jobs as queue
@@ -40,6 +40,13 @@ class RetryRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     #: Runs the retry grants; by default as many as the job was submitted with.
     max_attempts: MaxAttempts | None = None
+
+
+class PriorityRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/jobs/{id}/priority``'s body."""
+
+    #: The job's priority from now on (lower runs first), in the range a submission takes.
+    priority: Priority
 
 
 #: A submission naming a project this organization does not have.
@@ -106,6 +113,16 @@ async def retry_job(request: Request) -> Response:
     return json_response(queue.job_out(row))
 
 
+async def reprioritize_job(request: Request) -> Response:
+    who = await authorized(request, "jobs:write")
+    job_id = path_uuid(request, code="job_not_found")
+    body = await read_json(request, PriorityRequest)  # read with no connection held
+    async with acting_as(request, who) as conn:  # not revoked while the body arrived
+        row = await priorities.reprioritize(conn, who.organization_id, job_id, body.priority, actor=who.actor,
+                                            request_id=request_id(request))  # fmt: skip
+    return json_response(queue.job_out(row))
+
+
 routes = [
     endpoint("POST", "/v1/jobs", submit_job, summary="Submit a job (an idempotency key already used returns its job, 200).",
              auth="api_key", scopes=("jobs:write",), body=JobRequest, success=(201, 200), response=JobOut,
@@ -132,4 +149,8 @@ routes = [
              summary="Send a failed job back to the queue with more runs (job.retried); its history goes on.",
              auth="api_key", scopes=("jobs:write",), body=RetryRequest, response=JobOut,
              errors={409: "Not a failed job, or one of a tree (`job_not_retryable`); nothing changes."}),
+    endpoint("POST", "/v1/jobs/{id}/priority", reprioritize_job,
+             summary="Move a job that has not ended to another priority (job.reprioritized); same priority: nothing recorded.",
+             auth="api_key", scopes=("jobs:write",), body=PriorityRequest, response=JobOut,
+             errors={409: "The job ended (`job_terminal`) or made children (`job_not_reprioritizable`); nothing changes."}),
 ]  # fmt: skip

@@ -37,7 +37,7 @@ from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
     TERMINAL_JOB_STATUSES, Event, JobBlocked, JobClaimed, JobDecomposed, JobLeaseExpired, JobLeaseRenewed,
-    JobReleased, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, Requirements,
+    JobReleased, JobReprioritized, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, Requirements,
 )  # fmt: skip
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
@@ -411,7 +411,7 @@ async def ancestors_held_elsewhere(conn: psycopg.AsyncConnection, children: Sequ
 
 #: Job events after which the job is still open: a change of only these settles no parent.
 _KEEP_OPEN = (JobSubmitted, JobClaimed, JobLeaseRenewed, JobRequeued, JobReleased, JobBlocked, JobUnblocked, JobDecomposed,
-              JobRetried)
+              JobRetried, JobReprioritized)
 
 
 def may_end(events: Sequence[Event]) -> bool:

@@ -1,4 +1,5 @@
-"""Pure decisions about one job: fencing, repeated reports, failure, lease expiry, overrun, cancellation, retry.
+"""Pure decisions about one job: fencing, repeated reports, failure, lease expiry, overrun, cancellation, retry,
+priority.
 
 Each function takes the facts it needs as plain values and either returns the
 event to append or raises the refusal; the command modules load and lock the
@@ -20,6 +21,7 @@ from umbra.events.types import (
     JobFailed,
     JobLeaseExpired,
     JobReleased,
+    JobReprioritized,
     JobRequeued,
     JobRetried,
 )
@@ -42,8 +44,8 @@ class JobWasCancelled(Conflict):
 
 
 class JobIsTerminal(Conflict):
-    def __init__(self, status: str) -> None:
-        super().__init__("job_terminal", f"The job already ended ({status}); there is nothing to cancel.", status=status)
+    def __init__(self, status: str, change: str = "nothing to cancel") -> None:
+        super().__init__("job_terminal", f"The job already ended ({status}); there is {change}.", status=status)
 
 
 def check_holder(*, status: str, lease_owner: UUID | None, attempt: int, node_id: UUID, claimed_attempt: int) -> None:
@@ -311,6 +313,31 @@ def decide_retry(
                               "again.", status)  # fmt: skip
     uncharged = min(attempt, ends.count(max_attempts))
     return JobRetried(attempt=attempt, max_attempts=attempt - uncharged + grant, uncharged=uncharged, by=by)
+
+
+class JobNotReprioritizable(Conflict):
+    def __init__(self, message: str, status: str) -> None:
+        super().__init__("job_not_reprioritizable", message, status=status)
+
+
+def decide_reprioritize(*, status: str, priority: int, new: int, children_total: int, by: str | None) -> JobReprioritized | None:
+    """Someone moves a job that has not ended to priority ``new`` (lower runs first); None when it is there.
+
+    A queued or blocked job takes its place among the jobs of its new priority,
+    by submission; a running one keeps running, and the new priority is the one
+    it waits with if it comes back to the queue (a lost node, a retryable
+    failure). Refused for a job that ended (409 ``job_terminal``: there is no
+    queue left to move in) and for a job that made children: it runs nothing
+    itself, and its children, each with its own priority, are what wait.
+    """
+    if status in TERMINAL_JOB_STATUSES:
+        raise JobIsTerminal(status, "no queue to move it in")
+    if children_total:
+        raise JobNotReprioritizable("A job that made children runs nothing itself: change its children's "
+                                    "priority.", status)  # fmt: skip
+    if new == priority:
+        return None
+    return JobReprioritized(priority=new, previous=priority, by=by)
 
 
 LEASE_EXPIRED_ERROR = "lease expired: the holding node stopped renewing"

@@ -201,6 +201,15 @@ class JobRetried(_Event, tag="job.retried"):
     by: str | None = None
 
 
+class JobReprioritized(_Event, tag="job.reprioritized"):
+    """Someone moved a job that has not ended to another priority: ``priority`` from here on, ``previous``
+    the one it replaced. Among the jobs of its new priority it keeps its submission order."""
+
+    priority: int
+    previous: int
+    by: str | None = None
+
+
 # -- node stream events --------------------------------------------------------
 
 
@@ -279,6 +288,7 @@ JobEvent = Union[
     JobSettled,
     JobCancelled,
     JobRetried,
+    JobReprioritized,
 ]
 NodeEvent = Union[
     NodeCreated,

@@ -38,6 +38,7 @@ from umbra.events.types import (
     JobLeaseRenewed,
     JobReleased,
     JobRequeued,
+    JobReprioritized,
     JobRetried,
     JobSettled,
     JobSubmitted,
@@ -214,6 +215,8 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
             # Back in its place in the queue; its error stays, the failure it came back from, until a run ends.
             return dict(status="queued", max_attempts=e.max_attempts, result=None, not_before=None, finished_at=None,
                         blocked_reason=None, blocked_at=None, **_RELEASED)  # fmt: skip
+        case JobReprioritized():
+            return dict(priority=e.priority)
     raise ValueError(f"not a job event: {type(e).__name__}")
 
 
@@ -373,7 +376,7 @@ async def write_rows(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> N
 #: and a transition's write leaves them alone, a large payload's out-of-line value included.
 #: ``tests/unit/test_jobs_fold.py`` folds every event type and checks that nothing else moves.
 TRANSITION_COLUMNS = (
-    "status", "attempt", "max_attempts", "not_before", "lease_owner", "lease_expires_at", "result", "error", "placement",
+    "status", "priority", "attempt", "max_attempts", "not_before", "lease_owner", "lease_expires_at", "result", "error", "placement",
     "blocked_reason", "blocked_at", "children_total", "version", "position", "updated_at", "started_at", "finished_at",
 )  # fmt: skip
 #: Sent for each row: the position is not, it is read from the log (below).

@@ -1,5 +1,6 @@
 """``umbra jobs explain ID``: why a job is (not) running, read as a person would ask it; ``umbra jobs
-retry ID`` and ``retry-failed``: send failed jobs back to the queue.
+retry ID`` and ``retry-failed``: send failed jobs back to the queue; ``umbra jobs priority ID N``: move
+a job to another priority.
 
 An HTTP client like ``umbra events tail|replay``: it sees what an API key of
 one organization may see (``jobs:read``) and prints the service's own answer
@@ -95,6 +96,20 @@ def cmd_retry(args) -> int:
     return anyio.run(main)
 
 
+def cmd_priority(args) -> int:
+    async def main() -> int:
+        from umbra.agent.client import raise_for_error
+
+        async with _client(args, scope="jobs:write") as client:
+            answer = await client.post(f"/v1/jobs/{args.job_id}/priority", json={"priority": args.priority})
+            raise_for_error(answer)
+        job = answer.json()
+        print(to_json_text(job) if args.json else printable(f"{job['id']}  {job['status']}  priority {job['priority']}"))
+        return 0
+
+    return anyio.run(main)
+
+
 def cmd_retry_failed(args) -> int:
     """Retry every failed job (of ``--kind``, if given): after an outage that failed a thousand jobs (a driver
     rolled out broken, a registry entry fixed since), what one ``retry`` does for one. Failed jobs are listed
@@ -140,7 +155,7 @@ def cmd_retry_failed(args) -> int:
 def _jobs_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """The ``jobs`` command group's subcommands, created here unless another registrar already did."""
     if "jobs" not in sub.choices:
-        group = sub.add_parser("jobs", help="jobs: why one is or is not running; retry a failed one")
+        group = sub.add_parser("jobs", help="jobs: why one is or is not running; retry a failed one; reprioritize")
         return group.add_subparsers(dest="jobs_command", required=True)
     for action in sub.choices["jobs"]._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -174,6 +189,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     retry.add_argument("--max-attempts", type=int, default=None,
                        help="runs the retry grants, 1..100 (default: as many as the job was submitted with)")  # fmt: skip
 
+    priority = _job_command(sub, "priority", func=cmd_priority, scope="jobs:write", json_help="print the job as JSON",
+                            help="move a job that has not ended to another priority",
+                            description="Give a queued, blocked or running job another priority (lower runs first): "
+                            "it takes its place among the jobs of that priority by submission (POST "
+                            "/v1/jobs/{id}/priority). Refused for a job that ended or made children.")  # fmt: skip
+    priority.add_argument("priority", type=int, help="the new priority (lower runs first; submissions default to 100)")
+
     p = _jobs_subparsers(sub).add_parser(
         "retry-failed", help="send every failed job (of one kind) back to the queue",
         description="Retry every failed job, or those of --kind: each as `umbra jobs retry` would, in submission "
@@ -187,4 +209,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_retry_failed)
 
 
-__all__ = ["cmd_explain", "cmd_retry", "cmd_retry_failed", "format_explanation", "format_job", "register"]
+__all__ = ["cmd_explain", "cmd_priority", "cmd_retry", "cmd_retry_failed", "format_explanation", "format_job", "register"]

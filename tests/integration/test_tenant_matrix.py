@@ -32,7 +32,7 @@ import pytest
 
 from umbra.api.agent_jobs import ChildrenRequest, CompleteRequest, FailRequest, GiveBackRequest, RenewRequest
 from umbra.api.app import all_routes
-from umbra.api.jobs import RetryRequest
+from umbra.api.jobs import PriorityRequest, RetryRequest
 from umbra.api.models import ModelRequest
 from umbra.api.nodes import CordonRequest, UncordonRequest
 from umbra.compute.accounts import create_api_key, create_organization, create_project
@@ -64,6 +64,7 @@ BODIES: dict[type, dict[str, Any]] = {
     ChildrenRequest: {"attempt": 1, "children": [{"kind": "echo"}]},
     ModelRequest: {"vram_min_mb": 777},
     RetryRequest: {"max_attempts": 2},
+    PriorityRequest: {"priority": 1},
     CordonRequest: {"device": "cpu0", "reason": "stolen"},
     UncordonRequest: {"device": "cpu0"},
 }

@@ -11,7 +11,7 @@ import pytest
 from umbra.events.store import RecordedEvent
 from umbra.events.types import (
     JobBlocked, JobCancelled, JobClaimed, JobCompleted, JobDecomposed, JobFailed, JobLeaseExpired, JobLeaseRenewed,
-    JobEvent, JobReleased, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, NodeDraining, Placement, Requirements,
+    JobEvent, JobReleased, JobReprioritized, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, NodeDraining, Placement, Requirements,
 )  # fmt: skip
 from umbra.projections.jobs import COLUMNS, TRANSITION_COLUMNS, fold, to_json
 
@@ -189,6 +189,7 @@ AFTER_SUBMISSION = [
     JobSettled(outcome="partial", detail="1 of 2 failed", children_total=2, children_failed=1),
     JobCancelled(by="user:x", reason="not needed"),
     JobRetried(attempt=1, max_attempts=4, by="key:x"),
+    JobReprioritized(priority=5, previous=100, by="key:x"),
 ]
 
 
