@@ -1,6 +1,6 @@
 """``umbra jobs explain ID``: why a job is (not) running, read as a person would ask it; ``umbra jobs
 retry ID`` and ``retry-failed``: send failed jobs back to the queue; ``umbra jobs priority ID N``: move
-a job to another priority.
+a job to another priority; ``umbra jobs cancel ID`` and ``cancel-waiting``: withdraw work.
 
 An HTTP client like ``umbra events tail|replay``: it sees what an API key of
 one organization may see (``jobs:read``) and prints the service's own answer
@@ -77,34 +77,77 @@ def format_job(job: dict[str, Any]) -> str:
     return line + (f"  (last error: {job['error']})" if job.get("error") else "")
 
 
-async def _retry(client, job_id, max_attempts: int | None) -> dict[str, Any]:
-    """``POST /v1/jobs/{id}/retry``: the job as it now stands; a refusal raises ``ServiceError``."""
+async def _send(client, job_id, verb: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/jobs/{id}/{verb}``: the job as it now stands; a refusal raises ``ServiceError``."""
     from umbra.agent.client import raise_for_error
 
-    answer = await client.post(f"/v1/jobs/{job_id}/retry", json={} if max_attempts is None else {"max_attempts": max_attempts})
+    answer = await client.post(f"/v1/jobs/{job_id}/{verb}", json=body)
     raise_for_error(answer)
     return answer.json()
 
 
-def cmd_retry(args) -> int:
+def _one_job(args, verb: str, body: dict[str, Any], line) -> int:
+    """Send ``verb`` for ``args.job_id`` and print the job as it then stands (``line(job)``, or JSON)."""
+
     async def main() -> int:
         async with _client(args, scope="jobs:write") as client:
-            job = await _retry(client, args.job_id, args.max_attempts)
-        print(to_json_text(job) if args.json else printable(format_job(job)))
+            job = await _send(client, args.job_id, verb, body)
+        print(to_json_text(job) if args.json else printable(line(job)))
         return 0
 
     return anyio.run(main)
 
 
+def cmd_retry(args) -> int:
+    return _one_job(args, "retry", {} if args.max_attempts is None else {"max_attempts": args.max_attempts}, format_job)
+
+
 def cmd_priority(args) -> int:
+    return _one_job(args, "priority", {"priority": args.priority},
+                    lambda job: f"{job['id']}  {job['status']}  priority {job['priority']}")  # fmt: skip
+
+
+def cmd_cancel(args) -> int:
+    return _one_job(args, "cancel", {}, format_job)
+
+
+def _every_job(args, *, statuses: str, verb: str, body: dict[str, Any], done_key: str) -> int:
+    """Send ``verb`` for every job of ``statuses`` (of ``args.kind``, if given): listed first, in submission
+    order, then one by one. Those the server refuses for the job's own sake (404, 409: ended, retried or
+    moved meanwhile, or not a job the verb applies to) are counted with the reason and left as they are;
+    any other refusal (the key, the request, the server) stops the run, the rest untouched."""
+
     async def main() -> int:
-        from umbra.agent.client import raise_for_error
+        from umbra.agent.client import ServiceError
 
         async with _client(args, scope="jobs:write") as client:
-            answer = await client.post(f"/v1/jobs/{args.job_id}/priority", json={"priority": args.priority})
-            raise_for_error(answer)
-        job = answer.json()
-        print(to_json_text(job) if args.json else printable(f"{job['id']}  {job['status']}  priority {job['priority']}"))
+            listed, after = [], 0
+            while True:
+                kinds = {} if args.kind is None else {"kind": args.kind}
+                page = await _get_json(client, "/v1/jobs", status=statuses, limit=1000, after=after, **kinds)
+                listed += [job["id"] for job in page["jobs"]]
+                if page["next"] is None:
+                    break
+                after = int(page["next"])
+            done: list[str] = []
+            refused: list[dict[str, str]] = []
+            for job_id in listed:
+                try:
+                    job = await _send(client, job_id, verb, body)
+                except ServiceError as exc:
+                    if exc.status not in (404, 409):
+                        raise
+                    refused.append({"id": job_id, "error": exc.code, "message": exc.message})
+                    continue
+                done.append(job_id)
+                if not args.json:
+                    print(printable(format_job(job)))
+        if args.json:
+            print(to_json_text({done_key: done, "refused": refused}))
+        else:
+            for refusal in refused:
+                print(printable(f"{refusal['id']}  not {done_key}: {refusal['error']}: {refusal['message']}"))
+            print(f"{done_key} {len(done)} of {len(listed)} {statuses.replace(',', ' or ')} job(s)")
         return 0
 
     return anyio.run(main)
@@ -112,50 +155,23 @@ def cmd_priority(args) -> int:
 
 def cmd_retry_failed(args) -> int:
     """Retry every failed job (of ``--kind``, if given): after an outage that failed a thousand jobs (a driver
-    rolled out broken, a registry entry fixed since), what one ``retry`` does for one. Failed jobs are listed
-    first, in submission order, then retried one by one; those the server refuses (a child, a job that made
-    children, one retried or cancelled meanwhile) are counted with the reason and left as they are."""
+    rolled out broken, a registry entry fixed since), what one ``retry`` does for one. Children and jobs
+    that made children are refused by the server and left as they are."""
+    return _every_job(args, statuses="failed", verb="retry", done_key="retried",
+                      body={} if args.max_attempts is None else {"max_attempts": args.max_attempts})  # fmt: skip
 
-    async def main() -> int:
-        from umbra.agent.client import ServiceError
 
-        async with _client(args, scope="jobs:write") as client:
-            failed, after = [], 0
-            while True:
-                kinds = {} if args.kind is None else {"kind": args.kind}
-                page = await _get_json(client, "/v1/jobs", status="failed", limit=1000, after=after, **kinds)
-                failed += [job["id"] for job in page["jobs"]]
-                if page["next"] is None:
-                    break
-                after = int(page["next"])
-            retried: list[str] = []
-            refused: list[dict[str, str]] = []
-            for job_id in failed:
-                try:
-                    job = await _retry(client, job_id, args.max_attempts)
-                except ServiceError as exc:
-                    if exc.status not in (404, 409):
-                        raise  # the request, the key or the server, not this job: stop here, the rest untouched
-                    refused.append({"id": job_id, "error": exc.code, "message": exc.message})
-                    continue
-                retried.append(job_id)
-                if not args.json:
-                    print(printable(format_job(job)))
-        if args.json:
-            print(to_json_text({"retried": retried, "refused": refused}))
-        else:
-            for refusal in refused:
-                print(printable(f"{refusal['id']}  not retried: {refusal['error']}: {refusal['message']}"))
-            print(f"retried {len(retried)} of {len(failed)} failed job(s)")
-        return 0
-
-    return anyio.run(main)
+def cmd_cancel_waiting(args) -> int:
+    """Cancel every queued or blocked job (of ``--kind``, if given): a batch submitted by mistake, or work no
+    longer wanted, withdrawn before it runs. Running jobs are left to finish (``umbra jobs cancel ID`` stops
+    one)."""
+    return _every_job(args, statuses="queued,blocked", verb="cancel", body={}, done_key="cancelled")
 
 
 def _jobs_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """The ``jobs`` command group's subcommands, created here unless another registrar already did."""
     if "jobs" not in sub.choices:
-        group = sub.add_parser("jobs", help="jobs: why one is or is not running; retry a failed one; reprioritize")
+        group = sub.add_parser("jobs", help="jobs: explain, retry, reprioritize, cancel")
         return group.add_subparsers(dest="jobs_command", required=True)
     for action in sub.choices["jobs"]._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -196,17 +212,36 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "/v1/jobs/{id}/priority). Refused for a job that ended or made children.")  # fmt: skip
     priority.add_argument("priority", type=int, help="the new priority (lower runs first; submissions default to 100)")
 
-    p = _jobs_subparsers(sub).add_parser(
-        "retry-failed", help="send every failed job (of one kind) back to the queue",
+    _job_command(sub, "cancel", func=cmd_cancel, scope="jobs:write", json_help="print the cancelled job as JSON",
+                 help="cancel a job",
+                 description="Cancel a job (POST /v1/jobs/{id}/cancel): a queued or blocked one ends at once; a running "
+                 "one ends, and its agent learns so at its next renewal and stops it. A job that made children "
+                 "cancels its open children too. Refused for a job that already ended.")  # fmt: skip
+
+    retry_failed = _every_job_command(
+        sub, "retry-failed", func=cmd_retry_failed, done_key="retried",
+        help="send every failed job (of one kind) back to the queue",
         description="Retry every failed job, or those of --kind: each as `umbra jobs retry` would, in submission "
         "order. Jobs the server will not retry (children, jobs that made children) are listed and left as they are.")  # fmt: skip
+    retry_failed.add_argument("--max-attempts", type=int, default=None,
+                              help="runs each retry grants, 1..100 (default: as many as each job was submitted with)")  # fmt: skip
+    _every_job_command(
+        sub, "cancel-waiting", func=cmd_cancel_waiting, done_key="cancelled",
+        help="cancel every queued or blocked job (of one kind)",
+        description="Cancel every job not yet running, or those of --kind: each as `umbra jobs cancel` would, in "
+        "submission order. Running jobs are left to finish. Jobs that started or ended meanwhile are listed and "
+        "left as they are.")  # fmt: skip
+
+
+def _every_job_command(sub: argparse._SubParsersAction, name: str, *, func, done_key: str, **texts: str):
+    """A ``jobs`` subcommand sent for every job of a status (:func:`_every_job`), of ``--kind`` if given."""
+    p = _jobs_subparsers(sub).add_parser(name, **texts)
     p.add_argument("--kind", default=None, help="only jobs of this kind")
-    p.add_argument("--max-attempts", type=int, default=None,
-                   help="runs each retry grants, 1..100 (default: as many as each job was submitted with)")  # fmt: skip
     p.add_argument("--server", default=None, help=SERVER_HELP)
     p.add_argument("--api-key", default=None, help="API key with jobs:read and jobs:write (default UMBRA_API_KEY)")
-    p.add_argument("--json", action="store_true", help='print {"retried": [id, ...], "refused": [...]} as JSON')
-    p.set_defaults(func=cmd_retry_failed)
+    p.add_argument("--json", action="store_true", help=f'print {{"{done_key}": [id, ...], "refused": [...]}} as JSON')
+    p.set_defaults(func=func)
+    return p
 
 
-__all__ = ["cmd_explain", "cmd_priority", "cmd_retry", "cmd_retry_failed", "format_explanation", "format_job", "register"]
+__all__ = ["cmd_cancel", "cmd_cancel_waiting", "cmd_explain", "cmd_priority", "cmd_retry", "cmd_retry_failed", "format_explanation", "format_job", "register"]

@@ -1,0 +1,46 @@
+"""``umbra jobs cancel ID`` and ``umbra jobs cancel-waiting [--kind K]``: withdrawing work from the shell,
+through the API with an API key."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+
+from tests.helpers import bearer, run_umbra
+
+from .queue_support import http_claim, http_pair
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_cli_cancels_one_job_and_every_waiting_job_of_a_kind_leaving_running_work_alone(client, org, live_server):
+    """``cancel-waiting --kind render`` cancels the queued render jobs, in submission order, and leaves the
+    running render job, the other kind's job and the job already cancelled (by ``cancel ID``) as they are."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+
+    async def submitted(kind: str) -> dict:
+        return (await client.post("/v1/jobs", json={"kind": kind}, headers=bearer(key))).json()
+
+    running = await submitted("render")
+    assert (await http_claim(client, credential))["id"] == running["id"]
+    waiting = [await submitted("render") for _ in range(3)]
+    other = await submitted("encode")
+
+    def umbra(*args: str):
+        return run_umbra("jobs", *args, "--server", live_server.url, env={"UMBRA_API_KEY": key})
+
+    one = await anyio.to_thread.run_sync(lambda: umbra("cancel", waiting[0]["id"]))
+    assert one.returncode == 0 and one.stdout.split()[:2] == [waiting[0]["id"], "cancelled"], (one.stdout, one.stderr)
+    again = await anyio.to_thread.run_sync(lambda: umbra("cancel", waiting[0]["id"]))
+    assert again.returncode != 0 and "job_terminal" in again.stderr, (again.stdout, again.stderr)
+    every = await anyio.to_thread.run_sync(lambda: umbra("cancel-waiting", "--kind", "render", "--json"))
+    assert every.returncode == 0, every.stderr
+    assert json.loads(every.stdout) == {"cancelled": [job["id"] for job in waiting[1:]], "refused": []}, every.stdout
+    statuses = {job["id"]: (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["status"]
+                for job in [running, *waiting, other]}  # fmt: skip
+    assert [statuses[job["id"]] for job in (running, *waiting, other)] == ["running", *["cancelled"] * 3, "queued"]
+    plain = await anyio.to_thread.run_sync(lambda: umbra("cancel-waiting"))
+    assert plain.returncode == 0 and plain.stdout.splitlines()[-1] == "cancelled 1 of 1 queued or blocked job(s)", plain.stdout
