@@ -27,6 +27,7 @@ from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
 from umbra.compute.jobs import check_json_depth
 from umbra.errors import InvalidRequest, Unauthenticated, UmbraError
+from umbra.events.types import Progress
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobOut
 
@@ -38,8 +39,19 @@ from .routing import endpoint
 Attempt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 
 
+class ProgressRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How far the job is, sent with a renewal: either field may be left out."""
+
+    #: The fraction done, 0 to 1.
+    fraction: Annotated[float, Meta(ge=0, le=1)] | None = None
+    #: A line for people ("epoch 4 of 10").
+    message: Annotated[str, Meta(max_length=500)] | None = None
+
+
 class RenewRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     attempt: Attempt
+    #: An addition: recorded with the renewal (``job.lease_renewed``) and shown on the Job until the next.
+    progress: ProgressRequest | None = None
 
 
 class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -119,9 +131,11 @@ async def renew(request: Request) -> Response:
     job_id = path_uuid(request, code="job_not_found")
     body = await read_json(request, RenewRequest)
     asked_at = time.monotonic()  # before the renewal's transaction: the lease left is measured from here
+    progress = None if body.progress is None else Progress(fraction=body.progress.fraction, message=body.progress.message)
     row = await request.app.state.group_commit.renew(
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
         lease_seconds=services.settings.lease_seconds, credential_id=who.credential_id, request_id=request_id(request),
+        progress=progress,
     )  # fmt: skip
     return json_response({"lease_expires_at": queue.timestamp(row.lease_expires_at), "attempt": row.attempt},
                          headers=lease_left_header(request, row, asked_at))

@@ -42,7 +42,7 @@ from umbra.domain.node_status import effective_status
 from umbra.domain.placement import after_placement, best_placement, takes_memory
 from umbra.errors import NotFound, UmbraError
 from umbra.events import store
-from umbra.events.types import Event, JobClaimed, JobCompleted, JobLeaseRenewed, Placement
+from umbra.events.types import Event, JobClaimed, JobCompleted, JobLeaseRenewed, Placement, Progress
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
@@ -69,6 +69,8 @@ class Command:
     lease_seconds: int = 60
     stale_seconds: int = 45
     result: Any = None
+    #: What a renewal says of the job's progress, if anything.
+    progress: Progress | None = None
     #: The node credential the request authenticated with, if the caller left its revocation check to
     #: the batch: the batch reads it in its own transaction, so a revoked credential is refused at its
     #: next command without a query of its own per request (``None``: already checked by the caller).
@@ -344,7 +346,8 @@ def decide_held(command: Command, row: JobRow | None, now: datetime) -> Event:
     check_holder(status=row.status, lease_owner=row.lease_owner, attempt=row.attempt, node_id=command.node_id,
                  claimed_attempt=command.attempt)  # fmt: skip
     if command.kind == "renew":
-        return JobLeaseRenewed(attempt=command.attempt, lease_expires_at=now + timedelta(seconds=command.lease_seconds))
+        return JobLeaseRenewed(attempt=command.attempt, lease_expires_at=now + timedelta(seconds=command.lease_seconds),
+                               progress=command.progress)  # fmt: skip
     return JobCompleted(attempt=command.attempt, result=command.result)
 
 

@@ -50,9 +50,10 @@ log = logging.getLogger(__name__)
 #: submission order (``seq``; NULL: none), by ``jobs_held_taking_memory``, whose predicate is repeated here whole, or the
 #: planner cannot use it. A column of the nodes' reads that judge claims (``n`` is the node's row).
 #:
-#: With them, the jobs cancelled while they ran there since the node last reported its devices
-#: (``jobs_cancelled_taking_memory``, migration 0035): such a job's handler runs on until its agent hears of
-#: the cancel at its next renewal, and its memory with it. The node's next report shows what it still holds.
+#: With them, the jobs that ended there under their holder since the node last reported its devices (cancelled
+#: while they ran, failed past their ``max_runtime_s``: ``jobs_ended_under_holder_taking_memory``, migration
+#: 0040): such a job's handler runs on until its agent hears of it at its next renewal, and its memory with it.
+#: The node's next report shows what it still holds.
 RUNNING_TAKING_MEMORY = """(
     SELECT json_agg(json_build_array(j.id, j.requires, j.placement) ORDER BY j.seq)::text FROM (
         SELECT id, requires, placement, seq FROM jobs
@@ -61,7 +62,7 @@ RUNNING_TAKING_MEMORY = """(
           AND placement IS NOT NULL
         UNION ALL
         SELECT id, requires, placement, seq FROM jobs
-        WHERE lease_owner = n.id AND status = 'cancelled' AND placement IS NOT NULL
+        WHERE lease_owner = n.id AND ended_under_holder AND placement IS NOT NULL
           AND (requires ? 'models' OR requires ? 'vram_min_mb' OR requires ? 'ram_min_mb')
           AND finished_at > (SELECT coalesce(reported_at, last_seen_at) FROM node_liveness WHERE node_id = n.id)
     ) j

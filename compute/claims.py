@@ -70,7 +70,7 @@ from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
     JobClaimed, JobCompleted, JobDecomposed, JobLeaseExpired, JobLeaseRenewed, JobReleased, JobRequeued, JobRetried, Placement,
-    Requirements,
+    Progress, Requirements,
 )  # fmt: skip
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
@@ -135,9 +135,10 @@ ORDER BY priority, seq
 LIMIT %(limit)s
 """
 #: The scans' rows as :data:`ScanRow`, or with a fifth column, the seconds each job has waited in the queue
-#: since it last became queued (its row's last change) or, if later, since it fell due (a retry's back-off,
-#: a delayed submission), for model affinity (:func:`defers`). Only a claimer that judges affinity reads it.
-_WAITED = ", extract(epoch FROM umbra_now() - greatest(updated_at, not_before))::float8 AS waited"
+#: since it was submitted or, if later, since it fell due (a retry's back-off, a delayed submission), for
+#: model affinity (:func:`defers`). Only a claimer that judges affinity reads it. Not since its row's last
+#: change: a job moved to another priority, or unblocked, has waited all along, and started its wait over.
+_WAITED = ", extract(epoch FROM umbra_now() - greatest(created_at, not_before))::float8 AS waited"
 SHAPES_SCAN = _SHAPES_SCAN.format(outer="", waited="")
 SHAPES_SCAN_WAITED = _SHAPES_SCAN.format(outer=", j.waited", waited=_WAITED)
 CLAIMABLE_SCAN, CLAIMABLE_SCAN_WAITED = (_CLAIMABLE_SCAN.format(waited=w) for w in ("", _WAITED))
@@ -771,12 +772,12 @@ async def attempt_ended_by(conn: psycopg.AsyncConnection, job_id: UUID, attempt:
 
 async def renew(
     conn: psycopg.AsyncConnection, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int,
-    request_id: str | None = None,
+    request_id: str | None = None, progress: Progress | None = None,
 ) -> JobRow:
-    """Extend the holder's lease to ``now + lease_seconds`` (database clock)."""
+    """Extend the holder's lease to ``now + lease_seconds`` (database clock), recording ``progress`` if given."""
     async with conn.transaction():
         row, now = await _held(conn, organization_id, job_id, node_id, attempt)
-        event = JobLeaseRenewed(attempt=attempt, lease_expires_at=now + timedelta(seconds=lease_seconds))
+        event = JobLeaseRenewed(attempt=attempt, lease_expires_at=now + timedelta(seconds=lease_seconds), progress=progress)
         [renewed] = await queue.record(conn, [Change(row.id, organization_id, row, [event])],
                                        metadata=node_metadata(node_id, request_id))  # fmt: skip
         await store.publish(conn, [(organization_id, renewed.position, 0)])
@@ -946,7 +947,7 @@ async def _repeats_failure(conn: psycopg.AsyncConnection, row: JobRow, node_id: 
     if failure_repeat_needs_log(status=row.status, attempt=row.attempt, claimed_attempt=attempt):
         requeued_by, _ = await attempt_ended_by(conn, row.id, attempt, JobRequeued)
     return repeats_failure(status=row.status, lease_owner=row.lease_owner, attempt=row.attempt, node_id=node_id,
-                           claimed_attempt=attempt, requeued_by=requeued_by)  # fmt: skip
+                           claimed_attempt=attempt, requeued_by=requeued_by, ended_under_holder=row.ended_under_holder)  # fmt: skip
 
 
 class ChildRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

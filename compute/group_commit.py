@@ -41,6 +41,7 @@ from psycopg_pool import AsyncConnectionPool
 from umbra import metrics
 from umbra.errors import DatabaseUnavailable
 from umbra.events import store
+from umbra.events.types import Progress
 from umbra.projections.jobs import JobRow
 
 from . import batch_commands, claims
@@ -247,9 +248,10 @@ class GroupCommit:
         return answers, list(follow.claims)
 
     async def renew(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, lease_seconds: int,
-                    credential_id: UUID | None = None, request_id: str | None = None) -> JobRow:  # fmt: skip
+                    credential_id: UUID | None = None, request_id: str | None = None,
+                    progress: Progress | None = None) -> JobRow:  # fmt: skip
         return await self._call(Command("renew", organization_id, node_id, job_id, attempt, lease_seconds=lease_seconds,
-                                        credential_id=credential_id, request_id=request_id))  # fmt: skip
+                                        credential_id=credential_id, request_id=request_id, progress=progress))  # fmt: skip
 
     async def complete(self, *, organization_id: UUID, node_id: UUID, job_id: UUID, attempt: int, result: Any,
                        credential_id: UUID | None = None, request_id: str | None = None) -> JobRow:  # fmt: skip
@@ -477,7 +479,7 @@ class GroupCommit:
                     command.outcome = await claims.renew(
                         conn, organization_id=command.organization_id, node_id=command.node_id,
                         job_id=command.job_id, attempt=command.attempt, lease_seconds=command.lease_seconds,
-                        request_id=command.request_id,
+                        request_id=command.request_id, progress=command.progress,
                     )  # fmt: skip
                 else:
                     command.outcome, recorded = await claims.record_completion(

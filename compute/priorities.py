@@ -24,15 +24,17 @@ from .jobs import record_and_settle
 
 async def reprioritize(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, priority: int, *,
                        actor: str | None, request_id: str | None = None) -> JobRow:  # fmt: skip
-    """Give a job that has not ended ``priority``; the job as it then stands.
+    """Give a waiting (queued or blocked) job ``priority``; the job as it then stands.
 
     Nothing is recorded when it already has that priority. Refused (409,
-    nothing written) for a job that ended or made children
-    (:func:`umbra.domain.jobs.decide_reprioritize`). The hint it publishes
-    counts nothing claimable: the job was claimable, or not, before.
+    nothing written) for a job running, ended or that made children
+    (:func:`umbra.domain.jobs.decide_reprioritize`). A queued job due now
+    is announced claimable: a claimer that looked while this transaction
+    held its row skipped it, and would otherwise wait for its next poll.
     """
     async with conn.transaction():
         row = await queue.load(conn, job_id, organization_id, lock=True)
+        [(now,)] = await (await conn.execute("SELECT umbra_now()")).fetchall()
         if row is None:
             raise NotFound("job_not_found", f"No job {job_id}.")
         event = decide_reprioritize(status=row.status, priority=row.priority, new=priority,
@@ -41,5 +43,7 @@ async def reprioritize(conn: psycopg.AsyncConnection, organization_id: UUID, job
             return row
         rows, position = await record_and_settle(conn, [Change(job_id, organization_id, row, [event])],
                                                  metadata=store.event_metadata(actor, request_id))  # fmt: skip
-        await store.publish(conn, [(organization_id, position, 0)])
-        return rows[0]
+        moved = rows[0]
+        due = moved.status == "queued" and (moved.not_before is None or moved.not_before <= now)
+        await store.publish(conn, [(organization_id, position, 1 if due else 0)])
+        return moved

@@ -88,7 +88,9 @@ FOR UPDATE SKIP LOCKED
 """
 #: A page of held jobs with a ``max_runtime_s`` whose current claim is older than it and the grace, after
 #: ``after_id``, with that claim's time. ``started_at`` (the first claim's) narrows them before the log is
-#: read. Only jobs with a limit, which the other jobs' rows answer from the leases' index.
+#: read. Only jobs with a limit, which the other jobs' rows answer from the leases' index. Compared in
+#: seconds, as numbers: a limit of any size (a submission takes any) never overflows a timestamp or an
+#: interval, which stopped the pass, for every organization, while such a job ran.
 _OVERRUN = f"""
 SELECT {queue.SELECT_LIST}, claimed.recorded_at, umbra_now() FROM jobs
 CROSS JOIN LATERAL (
@@ -96,8 +98,8 @@ CROSS JOIN LATERAL (
     WHERE e.stream = 'job:' || jobs.id::text AND e.type = 'job.claimed' ORDER BY e.version DESC LIMIT 1
 ) AS claimed
 WHERE status = 'running' AND lease_expires_at IS NOT NULL AND requires ? 'max_runtime_s'
-  AND started_at <= umbra_now() - make_interval(secs => (requires ->> 'max_runtime_s')::float8 + %(grace)s)
-  AND claimed.recorded_at <= umbra_now() - make_interval(secs => (requires ->> 'max_runtime_s')::float8 + %(grace)s)
+  AND extract(epoch FROM umbra_now() - started_at) >= (requires ->> 'max_runtime_s')::numeric + %(grace)s
+  AND extract(epoch FROM umbra_now() - claimed.recorded_at) >= (requires ->> 'max_runtime_s')::numeric + %(grace)s
   AND (%(after_id)s::uuid IS NULL OR id > %(after_id)s::uuid)
 ORDER BY id LIMIT %(limit)s
 FOR UPDATE OF jobs SKIP LOCKED

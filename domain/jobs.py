@@ -99,7 +99,8 @@ def failure_repeat_needs_log(*, status: str, attempt: int, claimed_attempt: int)
 
 
 def repeats_failure(
-    *, status: str, lease_owner: UUID | None, attempt: int, node_id: UUID, claimed_attempt: int, requeued_by: UUID | None = None
+    *, status: str, lease_owner: UUID | None, attempt: int, node_id: UUID, claimed_attempt: int, requeued_by: UUID | None = None,
+    ended_under_holder: bool = False,
 ) -> bool:
     """Whether a failure is one the job has already recorded, sent again by the node that reported it.
 
@@ -113,6 +114,9 @@ def repeats_failure(
     * ``failed``: ``job.failed`` keeps the holder on the row, so the row
       alone tells. An expired lease that failed the job clears the holder,
       and a blocked job that timed out had none: neither was this node's.
+      The controller's failure past ``max_runtime_s`` keeps the holder (its
+      handler may run on, and hold memory, until it hears) and says so
+      (``ended_under_holder``): the holder's own failure then is no repeat.
     * ``queued`` (or ``blocked`` since): ``requeued_by`` is the node whose
       claim at ``claimed_attempt`` ended in its own retryable failure
       (``job.requeued``), read from the log when
@@ -124,7 +128,7 @@ def repeats_failure(
     if attempt != claimed_attempt:
         return False
     if status == "failed":
-        return lease_owner == node_id
+        return lease_owner == node_id and not ended_under_holder
     return status in _REQUEUED and requeued_by == node_id
 
 
@@ -321,20 +325,25 @@ class JobNotReprioritizable(Conflict):
 
 
 def decide_reprioritize(*, status: str, priority: int, new: int, children_total: int, by: str | None) -> JobReprioritized | None:
-    """Someone moves a job that has not ended to priority ``new`` (lower runs first); None when it is there.
+    """Someone moves a waiting job to priority ``new`` (lower runs first); None when it is there already.
 
     A queued or blocked job takes its place among the jobs of its new priority,
-    by submission; a running one keeps running, and the new priority is the one
-    it waits with if it comes back to the queue (a lost node, a retryable
-    failure). Refused for a job that ended (409 ``job_terminal``: there is no
-    queue left to move in) and for a job that made children: it runs nothing
-    itself, and its children, each with its own priority, are what wait.
+    by submission. Refused for a job that ended (409 ``job_terminal``: there
+    is no queue left to move in), for a job that made children (it runs
+    nothing itself: its children, each with its own priority, are what wait)
+    and for a running job (409 ``job_not_reprioritizable``): it has its
+    device already, and its claim must stand untouched until its agent
+    acts on it, or a claim whose answer was lost could no longer be told
+    apart and given back.
     """
     if status in TERMINAL_JOB_STATUSES:
         raise JobIsTerminal(status, "no queue to move it in")
     if children_total:
         raise JobNotReprioritizable("A job that made children runs nothing itself: change its children's "
                                     "priority.", status)  # fmt: skip
+    if status == "running":
+        raise JobNotReprioritizable("A running job has its device already; only a waiting (queued or blocked) "
+                                    "job moves.", status)  # fmt: skip
     if new == priority:
         return None
     return JobReprioritized(priority=new, previous=priority, by=by)

@@ -111,9 +111,21 @@ class JobClaimed(_Event, tag="job.claimed"):
     lease_expires_at: datetime
 
 
-class JobLeaseRenewed(_Event, tag="job.lease_renewed"):
+class Progress(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How far a running job is, as its holder last said: the fraction done (0 to 1) and a line for people
+    ("epoch 4 of 10"). Either may be left out."""
+
+    fraction: float | None = None
+    message: str | None = None
+
+
+class JobLeaseRenewed(_Event, tag="job.lease_renewed", omit_defaults=True):
+    """The holder extended its lease; with ``progress``, it also said how far the job is (left out when it
+    said nothing)."""
+
     attempt: int
     lease_expires_at: datetime
+    progress: Progress | None = None
 
 
 class JobCompleted(_Event, tag="job.completed"):

@@ -44,6 +44,7 @@ from umbra.events.types import (
     JobSubmitted,
     JobUnblocked,
     Placement,
+    Progress,
     Requirements,
     UnknownEvent,
 )
@@ -83,6 +84,11 @@ class JobRow:
     updated_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    #: How far the current run is, as its holder last said (a renewal's ``progress``); None until it says.
+    progress: Progress | None
+    #: Ended while its holder ran it, without the holder's word (cancelled while running, failed past its
+    #: ``max_runtime_s``): the handler runs on until its agent hears, and holds its memory till then.
+    ended_under_holder: bool
 
 
 COLUMNS = tuple(f.name for f in fields(JobRow))
@@ -146,7 +152,7 @@ def _submitted(recorded: RecordedEvent, e: JobSubmitted, job_id: UUID) -> JobRow
     return _build((
         job_id, recorded.organization_id, e.kind, "queued", e.requested_by, e.priority, e.requires, e.payload,
         e.project_id, e.lang, 0, e.max_attempts, None, e.parent_job_id, e.idempotency_key, None, None,
-        None, None, None, None, None, 0, position, recorded.version, position, at, at, None, None,
+        None, None, None, None, None, 0, position, recorded.version, position, at, at, None, None, None, False,
     ))  # fmt: skip
 
 
@@ -177,14 +183,17 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
         case JobClaimed():
             return dict(
                 status="running", attempt=e.attempt, lease_owner=e.node_id, lease_expires_at=e.lease_expires_at,
-                placement=e.placement, started_at=s.started_at or at,
+                placement=e.placement, started_at=s.started_at or at, progress=None, ended_under_holder=False,
             )  # fmt: skip
-        case JobLeaseRenewed():
+        case JobLeaseRenewed() if e.progress is not None:
+            return dict(lease_expires_at=e.lease_expires_at, progress=e.progress)
+        case JobLeaseRenewed():  # said nothing of progress: what it last said stands
             return dict(lease_expires_at=e.lease_expires_at)
         case JobCompleted():
             return dict(status="complete", result=e.result, error=None, lease_expires_at=None, finished_at=at)
         case JobFailed():
-            return dict(status="failed", error=e.error, lease_expires_at=None, finished_at=at)
+            return dict(status="failed", error=e.error, lease_expires_at=None, finished_at=at,
+                        ended_under_holder=e.reason == "runtime_exceeded")  # fmt: skip
         case JobRequeued():
             return dict(status="queued", error=e.error, not_before=e.not_before, **_RELEASED)
         case JobLeaseExpired() if e.requeued:
@@ -210,11 +219,12 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
                            finished_at=at)  # fmt: skip
         case JobCancelled():
             # The holder is kept so its next renew/complete learns "cancelled".
-            return dict(status="cancelled", lease_expires_at=None, finished_at=at)
+            return dict(status="cancelled", lease_expires_at=None, finished_at=at,
+                        ended_under_holder=s.status == "running" and s.lease_owner is not None)  # fmt: skip
         case JobRetried():
             # Back in its place in the queue; its error stays, the failure it came back from, until a run ends.
             return dict(status="queued", max_attempts=e.max_attempts, result=None, not_before=None, finished_at=None,
-                        blocked_reason=None, blocked_at=None, **_RELEASED)  # fmt: skip
+                        blocked_reason=None, blocked_at=None, ended_under_holder=False, **_RELEASED)  # fmt: skip
         case JobReprioritized():
             return dict(priority=e.priority)
     raise ValueError(f"not a job event: {type(e).__name__}")
@@ -278,6 +288,8 @@ class JobOut(msgspec.Struct):
     started_at: datetime | None
     finished_at: datetime | None
     position: int
+    #: An addition: how far the current run is, as its holder last said (``{"fraction"?, "message"?}``).
+    progress: Progress | None
 
 
 def job_out(row: JobRow) -> JobOut:
@@ -287,7 +299,7 @@ def job_out(row: JobRow) -> JobOut:
         row.project_id, row.lang, row.attempt, row.max_attempts, _utc(row.not_before), row.parent_job_id,
         row.idempotency_key, row.requested_by, row.lease_owner, _utc(row.lease_expires_at), row.result, row.error,
         row.placement, row.blocked_reason, _utc(row.created_at), _utc(row.started_at),
-        _utc(row.finished_at), row.position,
+        _utc(row.finished_at), row.position, row.progress,
     )  # fmt: skip
 
 
@@ -319,9 +331,10 @@ def placement_json(placement: Placement | None) -> dict[str, Any] | None:
 
 # -- reading and writing rows -----------------------------------------------------
 
-_JSON_COLUMNS = frozenset({"requires", "payload", "result", "placement"})
+_JSON_COLUMNS = frozenset({"requires", "payload", "result", "placement", "progress"})
 SELECT_LIST = ", ".join(f"{c}::text" if c in _JSON_COLUMNS else c for c in COLUMNS)
-_JSON_TYPES = {"requires": Requirements, "payload": dict[str, Any], "result": Any, "placement": Placement | None}
+_JSON_TYPES = {"requires": Requirements, "payload": dict[str, Any], "result": Any, "placement": Placement | None,
+               "progress": Progress | None}  # fmt: skip
 _decoders = {name: documents.decoder(t) for name, t in _JSON_TYPES.items()}
 _decoder_at = [(COLUMNS.index(name), decoder) for name, decoder in _decoders.items()]
 _WIDTH = len(COLUMNS)
@@ -348,7 +361,8 @@ _SQL_TYPES = {
     "seq": "bigint", "position": "bigint", "not_before": "timestamptz", "lease_expires_at": "timestamptz",
     "blocked_at": "timestamptz", "created_at": "timestamptz", "updated_at": "timestamptz",
     "started_at": "timestamptz", "finished_at": "timestamptz",
-    "requires": "jsonb", "payload": "jsonb", "result": "jsonb", "placement": "jsonb",
+    "requires": "jsonb", "payload": "jsonb", "result": "jsonb", "placement": "jsonb", "progress": "jsonb",
+    "ended_under_holder": "boolean",
 }  # fmt: skip
 #: Rows travel as one JSON document (msgspec encodes 10,000 rows in milliseconds;
 #: psycopg's per-element array dumping took most of a batch submit's time).
@@ -378,6 +392,7 @@ async def write_rows(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> N
 TRANSITION_COLUMNS = (
     "status", "priority", "attempt", "max_attempts", "not_before", "lease_owner", "lease_expires_at", "result", "error", "placement",
     "blocked_reason", "blocked_at", "children_total", "version", "position", "updated_at", "started_at", "finished_at",
+    "progress", "ended_under_holder",
 )  # fmt: skip
 #: Sent for each row: the position is not, it is read from the log (below).
 _TRANSITION_KEYS = ("id", *(c for c in TRANSITION_COLUMNS if c != "position"))
@@ -456,7 +471,8 @@ def _copy_line(r: JobRow, memo: dict[Any, str]) -> str:
         f"{N if r.blocked_reason is None else copy_text(r.blocked_reason)}\t"
         f"{N if r.blocked_at is None else _at(r.blocked_at, memo)}\t"
         f"{r.children_total}\t{r.seq}\t{r.version}\t{r.position}\t{_at(r.created_at, memo)}\t{_at(r.updated_at, memo)}\t"
-        f"{N if r.started_at is None else _at(r.started_at, memo)}\t{N if r.finished_at is None else _at(r.finished_at, memo)}\n"
+        f"{N if r.started_at is None else _at(r.started_at, memo)}\t{N if r.finished_at is None else _at(r.finished_at, memo)}\t"
+        f"{N if r.progress is None else copy_json(_encoder.encode(r.progress))}\t{'t' if r.ended_under_holder else 'f'}\n"
     )
 
 

@@ -206,10 +206,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="runs the retry grants, 1..100 (default: as many as the job was submitted with)")  # fmt: skip
 
     priority = _job_command(sub, "priority", func=cmd_priority, scope="jobs:write", json_help="print the job as JSON",
-                            help="move a job that has not ended to another priority",
-                            description="Give a queued, blocked or running job another priority (lower runs first): "
-                            "it takes its place among the jobs of that priority by submission (POST "
-                            "/v1/jobs/{id}/priority). Refused for a job that ended or made children.")  # fmt: skip
+                            help="move a waiting job to another priority",
+                            description="Give a queued or blocked job another priority (lower runs first): it takes "
+                            "its place among the jobs of that priority by submission (POST /v1/jobs/{id}/priority). "
+                            "Refused for a job running, ended or that made children.")  # fmt: skip
     priority.add_argument("priority", type=int, help="the new priority (lower runs first; submissions default to 100)")
 
     _job_command(sub, "cancel", func=cmd_cancel, scope="jobs:write", json_help="print the cancelled job as JSON",

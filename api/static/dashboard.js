@@ -258,6 +258,15 @@
     return node ? node.name : shortId(nodeId);
   }
 
+  // How far a running job is, as its agent last said with a renewal: "40% epoch 4 of 10", or a dash.
+  function progressCell(progress) {
+    if (!progress || (progress.fraction == null && !progress.message)) return h("span", { class: "reason" }, "—");
+    const percent = progress.fraction == null ? null : `${Math.round(progress.fraction * 100)}%`;
+    return h("span", { class: "progress", title: progress.message || "" },
+      percent ? h("span", { class: "num" }, percent) : null, percent && progress.message ? " " : null,
+      progress.message ? h("span", { class: "reason" }, progress.message) : null);
+  }
+
   function placementCell(placement) {
     if (!placement) return h("span", { class: "reason" }, "—");
     // A CPU always runs from RAM: only a device with VRAM of its own running from RAM is the slow path.
@@ -293,6 +302,7 @@
     $("running-table").tBodies[0].replaceChildren(...running.map((j) => h("tr", { "data-job": j.id },
       h("td", { class: "id", title: j.id }, shortId(j.id)),
       h("td", {}, j.kind),
+      h("td", { class: "progress-cell" }, progressCell(j.progress)),
       h("td", {}, nodeName(j.placement.node_id || j.lease_owner), " ", h("span", { class: "id nowrap" }, `· ${j.placement.device_id || j.placement.device_kind || ""}`)),
       h("td", {}, placementCell(j.placement)),
       h("td", { class: "num" }, `${j.attempt}/${j.max_attempts}`),

@@ -128,6 +128,11 @@ def test_dashboard_shows_the_live_queue_and_nodes_without_reloading(restartable_
         expect(row).to_contain_text("mac-studio")
         expect(row).to_contain_text("placed:gpu_integrated")
         expect(row.locator(".badge.slow")).to_have_count(0)
+        expect(row.locator(".progress-cell")).to_have_text("—")
+        renewed = node.post(f"/v1/agent/jobs/{fast['id']}/renew",
+                            json={"attempt": 1, "progress": {"fraction": 0.4, "message": "epoch 4 of 10"}})
+        assert renewed.status_code == 200, renewed.text
+        expect(row.locator(".progress-cell")).to_have_text("40% epoch 4 of 10")
 
         slow = api.post("/v1/jobs", json={"kind": "echo", "payload": {}, "requires": {"vram_min_mb": 30000}}).json()
         assert node.post("/v1/agent/claim", params={"wait": 5}).json()["job"]["id"] == slow["id"]

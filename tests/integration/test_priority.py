@@ -1,19 +1,24 @@
-"""Moving a job to another priority (``POST /v1/jobs/{id}/priority``): the queue's order changes with it, the
-move is in the job's own history, and a refusal writes nothing."""
+"""Moving a waiting job to another priority (``POST /v1/jobs/{id}/priority``): the queue's order changes with it,
+the move is in the job's own history, a claimer it held up is woken, and a refusal writes nothing."""
 
 from __future__ import annotations
 
+import uuid
+
 import anyio
+import httpx
 import psycopg
 import pytest
 
+from tests.conftest import LiveServer
 from tests.helpers import bearer, run_umbra
 from umbra.compute import claims, priorities
 from umbra.compute.accounts import create_api_key, create_organization
 from umbra.errors import Conflict
 from umbra.projections.verify import verify
 
-from .queue_support import CPU64, add_node, http_claim, http_complete, http_pair, set_clock, submit
+from .queue_support import CPU64, add_node, beat, http_claim, http_complete, http_pair, set_clock, submit
+from .test_model_affinity import HOLDS_MISTRAL, fleet, take
 
 pytestmark = pytest.mark.anyio
 
@@ -21,6 +26,10 @@ pytestmark = pytest.mark.anyio
 async def written(db_url) -> tuple[int, int]:
     async with await psycopg.AsyncConnection.connect(db_url) as c:
         return await (await c.execute("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM events)")).fetchone()
+
+
+async def written_by(conn) -> tuple[int, int]:
+    return await (await conn.execute("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM events)")).fetchone()
 
 
 async def submitted(client, key: str, name: str, **fields) -> dict:
@@ -63,22 +72,42 @@ async def test_the_same_priority_again_records_nothing(client, org, db_url):
     assert await written(db_url) == before
 
 
-async def test_a_running_job_keeps_running_and_waits_with_its_new_priority_if_it_comes_back(conn, org):
-    """Its run goes on; requeued (a retryable failure), it waits behind the jobs its new priority puts ahead."""
+async def test_a_moved_job_keeps_the_wait_it_has_for_model_affinity(conn, org):
+    """With affinity (60 s), llama's job, queued first at 200, is moved to 100 after 61 s beside mistral's, on a
+    node holding mistral: it has waited past the affinity, so it is taken in its place (first), not made to
+    wait the affinity again from the move."""
     org_id, _ = org
-    node = await add_node(conn, org_id, "n", [CPU64])
-    running = await submit(conn, org_id, priority=1)
-    held = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
-    assert held.job_id == running.id
-    later = await submit(conn, org_id, priority=100)
-    row = await priorities.reprioritize(conn, org_id, running.id, 500, actor="ops")
-    assert (row.status, row.priority, row.lease_owner) == ("running", 500, node)
-    await claims.fail(conn, organization_id=org_id, node_id=node, job_id=running.id, attempt=held.attempt, error="oom",
-                      retry=True)  # fmt: skip
-    await set_clock(conn, 6)  # past its backoff
-    assert (await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)).job_id == later.id
-    assert (await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)).job_id == running.id
-    assert await verify(conn, org_id) == []
+    node = await fleet(conn, org_id)
+    llama = await submit(conn, org_id, "chat", requires={"models": ["llama"]}, priority=200)
+    await submit(conn, org_id, "chat", requires={"models": ["mistral"]}, priority=100)
+    await set_clock(conn, 61)
+    await beat(conn, org_id, node, [HOLDS_MISTRAL])
+    await priorities.reprioritize(conn, org_id, llama.id, 100, actor="ops")
+    assert await take(conn, org_id, node, 60) == "llama"
+
+
+async def test_a_claimer_parked_while_a_move_held_the_job_is_woken_when_it_commits(db_url, org):
+    """A long-poll that looked while the move's transaction held the only queued job skipped it and parked;
+    the move's commit announces the job claimable, so the poll takes it then, not at its 30 s safety poll."""
+    org_id, key = org
+    with LiveServer(db_url, UMBRA_POLL_FALLBACK_SECONDS="30") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            _, credential = await http_pair(client, key)
+            job = await submitted(client, key, "a")
+            answered: dict = {}
+
+            async def poll():
+                started = anyio.current_time()
+                answer = await client.post("/v1/agent/claim", params={"wait": 8}, headers=bearer(credential))
+                answered["status"], answered["took"] = answer.status_code, anyio.current_time() - started
+
+            async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as operator:
+                async with anyio.create_task_group() as tg:
+                    async with operator.transaction():
+                        await priorities.reprioritize(operator, org_id, uuid.UUID(job["id"]), 5, actor="ops")
+                        tg.start_soon(poll)
+                        await anyio.sleep(1.0)  # the claim has looked, skipped the held row and parked
+            assert answered["status"] == 200 and answered["took"] < 4, answered
 
 
 async def test_who_may_move_a_job_and_what_a_bad_request_gets(client, org, conn, db_url):
@@ -111,11 +140,17 @@ async def test_who_may_move_a_job_and_what_a_bad_request_gets(client, org, conn,
     assert (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["priority"] == 100
 
 
-async def test_a_job_that_made_children_is_refused_and_its_children_can_be_moved(conn, org):
+async def test_a_running_job_and_one_that_made_children_are_refused_and_the_children_can_be_moved(conn, org):
+    """A running job has its device (its claim stands untouched until its agent acts on it); a container runs
+    nothing itself. Both → 409 ``job_not_reprioritizable``, nothing written; a waiting child moves."""
     org_id, _ = org
     node = await add_node(conn, org_id, "n", [CPU64])
     parent = await submit(conn, org_id)
     held = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
+    before = await written_by(conn)
+    with pytest.raises(Conflict) as refused:
+        await priorities.reprioritize(conn, org_id, parent.id, 1, actor="ops")
+    assert (refused.value.code, await written_by(conn)) == ("job_not_reprioritizable", before)
     [child, _] = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=held.attempt,
                                            children=[claims.ChildRequest(kind="part"), claims.ChildRequest(kind="part")])  # fmt: skip
     with pytest.raises(Conflict) as refused:

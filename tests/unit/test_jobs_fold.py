@@ -11,7 +11,7 @@ import pytest
 from umbra.events.store import RecordedEvent
 from umbra.events.types import (
     JobBlocked, JobCancelled, JobClaimed, JobCompleted, JobDecomposed, JobFailed, JobLeaseExpired, JobLeaseRenewed,
-    JobEvent, JobReleased, JobReprioritized, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, NodeDraining, Placement, Requirements,
+    JobEvent, JobReleased, JobReprioritized, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, NodeDraining, Placement, Progress, Requirements,
 )  # fmt: skip
 from umbra.projections.jobs import COLUMNS, TRANSITION_COLUMNS, fold, to_json
 
@@ -62,6 +62,21 @@ def test_claim_renew_complete():
     assert row.lease_expires_at == log.at(99)
     row = log(JobCompleted(attempt=1, result={"ok": True}))
     assert (row.status, row.result, row.lease_expires_at, row.finished_at, row.version) == ("complete", {"ok": True}, None, log.at(4), 4)
+
+
+def test_progress_is_what_the_holder_last_said_and_a_new_run_starts_without_it():
+    log = Log()
+    log(submitted())
+    assert log(claimed(1, log)).progress is None
+    said = Progress(fraction=0.25, message="epoch 1 of 4")
+    assert log(JobLeaseRenewed(attempt=1, lease_expires_at=log.at(90), progress=said)).progress == said
+    assert log(JobLeaseRenewed(attempt=1, lease_expires_at=log.at(95))).progress == said  # said nothing: it stands
+    log(JobRequeued(attempt=1, error="oom", not_before=log.at(50)))
+    assert log(claimed(2, log)).progress is None
+    later = Progress(message="loading")
+    row = log(JobLeaseRenewed(attempt=2, lease_expires_at=log.at(99), progress=later))
+    assert log(JobCompleted(attempt=2, result=1)).progress == later  # the finished run's last word is kept
+    assert to_json(row)["progress"] == {"message": "loading"}
 
 
 def test_requeue_release_and_expiry_return_the_job_to_the_queue_released():
@@ -171,7 +186,7 @@ def test_the_job_object_encodes_the_same_as_its_plain_json_with_utc_timestamps()
     assert plain["requires"] == {"vram_min_mb": 5, "ram_min_mb": 0, "models": ["m"], "trust_domains": [],
                                  "accelerators": [], "max_runtime_s": None, "prefer_node": str(NODE)}  # fmt: skip
     assert plain["placement"]["node_id"] == str(NODE) and plain["payload"] == {"a": [1, "x"]}
-    assert list(plain)[:3] == ["id", "organization_id", "kind"] and list(plain)[-1] == "position"
+    assert list(plain)[:3] == ["id", "organization_id", "kind"] and list(plain)[-2:] == ["position", "progress"]
 
 
 AFTER_SUBMISSION = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import email.utils
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 from urllib.parse import quote
@@ -39,6 +39,28 @@ class ServiceError(UmbraError):
         self.retry_after = retry_after
 
 
+#: The longest progress message the server takes; a longer one is cut to it.
+PROGRESS_MESSAGE_MAX = 500
+
+
+class ProgressNote:
+    """What a handler last said of its job's progress, and what the renewals have carried to the server.
+
+    A handler running in a worker thread writes :attr:`said` while the renewal task reads it: each is one
+    object, replaced whole, never changed in place."""
+
+    __slots__ = ("said", "sent")
+
+    def __init__(self) -> None:
+        self.said: dict[str, Any] | None = None
+        self.sent: dict[str, Any] | None = None
+
+    def unsent(self) -> dict[str, Any] | None:
+        """What the next renewal should carry: what was said since the last one that arrived, else None."""
+        said = self.said
+        return said if said is not None and said != self.sent else None
+
+
 @dataclass(frozen=True, slots=True)
 class Claim:
     """A claimed job: the Job object, its placement and when the lease ends."""
@@ -48,6 +70,24 @@ class Claim:
     lease_expires_at: datetime
     #: Seconds of lease left when the answer came (see :func:`lease_left`).
     lease_seconds: float
+    progress_note: ProgressNote = field(default_factory=ProgressNote, compare=False, repr=False)
+
+    def report_progress(self, fraction: float | None = None, message: str | None = None) -> None:
+        """Say how far the job is: ``fraction`` done (0 to 1) and a line for people ("epoch 4 of 10").
+
+        For a handler, from its task or its worker thread; it never waits on the network. The lease's
+        next renewal (every third of the lease) carries what was said last; the Job object shows it
+        (``progress``) and the renewal's event keeps it in the job's history. A message past
+        :data:`PROGRESS_MESSAGE_MAX` characters is cut to it.
+        """
+        if fraction is not None and (isinstance(fraction, bool) or not 0 <= float(fraction) <= 1):
+            raise ValueError(f"progress fraction must be between 0 and 1, not {fraction!r}")
+        said: dict[str, Any] = {}
+        if fraction is not None:
+            said["fraction"] = float(fraction)
+        if message is not None:
+            said["message"] = str(message)[:PROGRESS_MESSAGE_MAX]
+        self.progress_note.said = said
 
     @property
     def job_id(self) -> str:
@@ -289,9 +329,11 @@ class AgentClient:
         released = answer.get("released") if isinstance(answer, dict) else None
         return [str(job_id) for job_id in released] if isinstance(released, list) else []
 
-    async def renew(self, job_id: str, attempt: int) -> float:
-        """Extend the lease; returns the seconds of it left (see :func:`lease_left`)."""
-        response = await self._post(f"/v1/agent/jobs/{job_id}/renew", {"attempt": attempt})
+    async def renew(self, job_id: str, attempt: int, *, progress: dict[str, Any] | None = None) -> float:
+        """Extend the lease, saying how far the job is if ``progress`` is given; returns the seconds of the
+        lease left (see :func:`lease_left`)."""
+        body: dict[str, Any] = {"attempt": attempt} if progress is None else {"attempt": attempt, "progress": progress}
+        response = await self._post(f"/v1/agent/jobs/{job_id}/renew", body)
         return _read(response, lambda body: lease_left(body, response))
 
     async def complete(self, job_id: str, attempt: int, result: Any) -> dict[str, Any]:

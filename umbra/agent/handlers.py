@@ -5,6 +5,11 @@ returning the job's result (any JSON value), or :class:`Decompose` to split the
 job into children. It may be ``async`` or plain; a plain one runs in a worker
 thread so it never stalls heartbeats or lease renewal.
 
+Progress: a long handler may say how far it is with
+``claim.report_progress(fraction, message)`` (from its task or its worker
+thread); the lease's next renewal carries it to the server, where the Job and
+the dashboard show it and the renewal's event keeps it.
+
 Failures: a handler that raises fails the job with the exception's message.
 Whether the server should retry is the handler's call: raise
 :class:`RetryableError` (or any exception with ``retryable = True``) for a

@@ -355,8 +355,11 @@ class JobRun:
         failures = 0
         while True:
             await anyio.sleep(max(0.2, interval))
+            progress = claim.progress_note.unsent()
             try:
-                interval = await self.client.renew(claim.job_id, claim.attempt) / 3
+                interval = await self.client.renew(claim.job_id, claim.attempt, progress=progress) / 3
+                if progress is not None:
+                    claim.progress_note.sent = progress
                 failures = 0
                 continue
             except ServiceError as exc:

@@ -1,0 +1,119 @@
+"""A running job's progress: said by its agent with a renewal (``progress`` on ``POST
+/v1/agent/jobs/{id}/renew``), kept in the renewal's event, shown on the Job until the next; a new run
+starts without it."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+import psycopg
+import pytest
+
+from tests.conftest import LiveServer
+from tests.helpers import bearer, eventually
+from umbra.agent.client import AgentClient
+from umbra.agent.handlers import BUILTINS, HandlerRegistry
+from umbra.agent.runner import Agent, AgentConfig
+
+from .queue_support import CPU64, CPU64_JSON, http_claim, http_pair
+
+pytestmark = pytest.mark.anyio
+
+
+async def written(db_url) -> tuple[int, int]:
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        return await (await c.execute("SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM jobs WHERE progress IS NOT NULL)")).fetchone()
+
+
+async def test_progress_said_with_a_renewal_is_on_the_job_and_in_its_history_until_the_next_run(client, org, db_url):
+    """Said, it shows on the Job and in ``job.lease_renewed``; a renewal that says nothing leaves it; a
+    requeue and a new claim start the run without it. The views agree with the log throughout."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = (await client.post("/v1/jobs", json={"kind": "render"}, headers=bearer(key))).json()
+    held = await http_claim(client, credential)
+    renew = f"/v1/agent/jobs/{job['id']}/renew"
+    said = {"fraction": 0.4, "message": "epoch 4 of 10"}
+    answer = await client.post(renew, json={"attempt": held["attempt"], "progress": said}, headers=bearer(credential))
+    assert answer.status_code == 200, answer.text
+    read = lambda: client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))  # noqa: E731
+    assert (await read()).json()["progress"] == said
+    assert (await client.post(renew, json={"attempt": held["attempt"]}, headers=bearer(credential))).status_code == 200
+    assert (await read()).json()["progress"] == said
+    only = {"message": "writing checkpoint"}
+    await client.post(renew, json={"attempt": held["attempt"], "progress": only}, headers=bearer(credential))
+    assert (await read()).json()["progress"] == only
+    history = (await client.get(f"/v1/jobs/{job['id']}/events", headers=bearer(key))).json()["events"]
+    renewals = [e["data"].get("progress") for e in history if e["type"] == "job.lease_renewed"]
+    assert renewals == [said, None, only]
+    failed = await client.post(f"/v1/agent/jobs/{job['id']}/fail", json={"attempt": held["attempt"], "error": "oom"},
+                               headers=bearer(credential))  # fmt: skip
+    assert failed.json()["status"] == "queued" and failed.json()["progress"] == only  # the last run's last word
+    verified = await client.post("/v1/projections/verify", headers=bearer(key))
+    assert verified.json() == {"ok": True, "differences": []}, verified.text
+
+
+async def test_a_new_claim_starts_its_run_without_the_last_runs_progress(client, org):
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = (await client.post("/v1/jobs", json={"kind": "render"}, headers=bearer(key))).json()
+    held = await http_claim(client, credential)
+    await client.post(f"/v1/agent/jobs/{job['id']}/renew", json={"attempt": held["attempt"], "progress": {"fraction": 1}},
+                      headers=bearer(credential))  # fmt: skip
+    given_back = await client.post(f"/v1/agent/jobs/{job['id']}/release", json={"attempt": held["attempt"]},
+                                   headers=bearer(credential))  # fmt: skip
+    assert given_back.status_code == 200, given_back.text
+    again = await http_claim(client, credential)
+    assert (again["id"], again["attempt"], again["progress"]) == (job["id"], held["attempt"] + 1, None)
+
+
+async def test_progress_not_as_the_contract_says_is_refused_and_writes_nothing(client, org, db_url):
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = (await client.post("/v1/jobs", json={"kind": "render"}, headers=bearer(key))).json()
+    held = await http_claim(client, credential)
+    before = await written(db_url)
+    for bad, field in (({"fraction": 1.5}, "progress.fraction"), ({"fraction": -0.1}, "progress.fraction"),
+                       ({"fraction": "half"}, "progress.fraction"), ({"message": "x" * 501}, "progress.message"),
+                       ({"percent": 40}, None), ("40%", "progress")):  # fmt: skip
+        refused = await client.post(f"/v1/agent/jobs/{job['id']}/renew", json={"attempt": held["attempt"], "progress": bad},
+                                    headers=bearer(credential))  # fmt: skip
+        assert (refused.status_code, refused.json()["error"]) == (422, "invalid_request"), (bad, refused.text)
+        assert field is None or refused.json().get("field") == field, (bad, refused.json())
+    assert await written(db_url) == before
+
+
+async def test_a_handler_reports_progress_and_the_job_shows_it_while_it_runs(db_url, org):
+    """``claim.report_progress`` from a running handler: the lease's next renewal carries it to the Job."""
+    _, key = org
+    gate = anyio.Event()
+
+    async def train(claim):
+        claim.report_progress(0.5, "epoch 5 of 10")
+        await gate.wait()
+        return {"epochs": 10}
+
+    with LiveServer(db_url, UMBRA_LEASE_SECONDS="3") as server:
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            _, credential = await http_pair(client, key, "trainer", [CPU64_JSON])
+            job = (await client.post("/v1/jobs", json={"kind": "train"}, headers=bearer(key))).json()
+            async with AgentClient(server.url, credential) as agent_client, anyio.create_task_group() as tg:
+                agent = Agent(agent_client, HandlerRegistry({**BUILTINS, "train": train}), lambda: [CPU64],
+                              AgentConfig(agent_version="test-1", claim_wait_seconds=2.0, grace_seconds=5.0))  # fmt: skip
+                await tg.start(agent.run)
+
+                async def progress():
+                    shown = (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()
+                    return shown if shown["progress"] else None
+
+                shown = await eventually(progress, timeout=10)
+                assert (shown["status"], shown["progress"]) == ("running", {"fraction": 0.5, "message": "epoch 5 of 10"})
+                gate.set()
+                done = await eventually(lambda: _status(client, key, job["id"], "complete"), timeout=10)
+                assert done["result"] == {"epochs": 10} and done["progress"] == shown["progress"]
+                agent.stop()
+
+
+async def _status(client, key: str, job_id: str, status: str):
+    job = (await client.get(f"/v1/jobs/{job_id}", headers=bearer(key))).json()
+    return job if job["status"] == status else None

@@ -1,0 +1,122 @@
+"""The controller's side of ``requires.max_runtime_s``: a job still running one lease past it, counted from
+its current claim, is failed by the sweeper (``job.failed``, ``runtime_exceeded``), whatever its holder does.
+Its holder's reports are refused after; its handler may run on until its agent hears, so its memory stays
+counted on its node until the node next reports; a tree settles; no limit, however large, stops the pass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import pytest
+
+from tests.helpers import bearer
+from umbra.compute import claims, jobs
+from umbra.compute.accounts import create_organization
+from umbra.compute.claims import ChildRequest
+from umbra.compute.sweeper import sweep_once
+from umbra.projections import jobs as queue
+from umbra.projections.verify import verify
+from umbra.settings import load_settings
+
+from .queue_support import CPU64, GPU24, add_node, beat, http_claim, http_pair, set_clock, submit
+
+pytestmark = pytest.mark.anyio
+
+SETTINGS = load_settings({})
+GRACE = SETTINGS.lease_seconds
+#: For jobs claimed through the live server, whose leases run on real time: a grace shorter than the lease.
+SHORT = dataclasses.replace(SETTINGS, lease_seconds=1)
+
+
+async def claim(conn, org_id, node_id, lease_seconds=3600):
+    return await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=lease_seconds)
+
+
+async def test_the_holders_every_report_after_is_refused_as_no_longer_its(client, conn, org):
+    """Renew (through the group commit), complete, a report of several, children, fail and give-back: 409
+    ``job_not_claimed_by_this_node``, none recording anything. A failure report is no repeat of its own."""
+    org_id, key = org
+    _, credential = await http_pair(client, key)
+    made = await client.post("/v1/jobs", json={"kind": "render", "requires": {"max_runtime_s": 1}}, headers=bearer(key))
+    job = await http_claim(client, credential)
+    assert job["id"] == made.json()["id"]
+    await set_clock(conn, 5)
+    assert (await sweep_once(conn, SHORT)).runtime_failed == 1
+    attempt, path = job["attempt"], f"/v1/agent/jobs/{job['id']}"
+    answers = {
+        "renew": await client.post(f"{path}/renew", json={"attempt": attempt}, headers=bearer(credential)),
+        "complete": await client.post(f"{path}/complete", json={"attempt": attempt, "result": {}}, headers=bearer(credential)),
+        "fail": await client.post(f"{path}/fail", json={"attempt": attempt, "error": "mine", "retry": False},
+                                  headers=bearer(credential)),
+        "release": await client.post(f"{path}/release", json={"attempt": attempt}, headers=bearer(credential)),
+        "children": await client.post(f"{path}/children", json={"attempt": attempt, "children": [{"kind": "x"}]},
+                                      headers=bearer(credential)),
+    }  # fmt: skip
+    for name, answer in answers.items():
+        assert (name, answer.status_code, answer.json().get("error")) == (name, 409, "job_not_claimed_by_this_node"), answer.text
+    many = await client.post("/v1/agent/complete", json={"results": [{"job_id": job["id"], "attempt": attempt, "result": 1}]},
+                             headers=bearer(credential))  # fmt: skip
+    assert (many.json()["results"][0]["status"], many.json()["results"][0]["error"]) == (409, "job_not_claimed_by_this_node")
+    history = (await client.get(f"/v1/jobs/{job['id']}/events", headers=bearer(key))).json()["events"]
+    assert [e["type"] for e in history][-1] == "job.failed" and history[-1]["data"]["reason"] == "runtime_exceeded"
+    assert await verify(conn, org_id) == []
+
+
+@pytest.mark.parametrize("ended_by", ["cancel", "runtime"])
+async def test_a_job_ended_under_its_holder_keeps_its_memory_until_the_node_next_reports(conn, org, ended_by):
+    """Cancelled while it ran, or failed past its limit: its handler runs on until its agent hears, and fills the
+    card till then. The next 16,000 MB job waits for the node's report that the card is free again."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "one-card", [GPU24])
+    first = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000, "max_runtime_s": 1})
+    assert (await claim(conn, org_id, node)).job_id == first.id
+    waiting = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 16000})
+    assert await claim(conn, org_id, node) is None  # the card is promised to the first
+    if ended_by == "cancel":
+        await jobs.cancel(conn, org_id, first.id, actor="test")
+    else:
+        await set_clock(conn, 5)
+        assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 1
+    assert await claim(conn, org_id, node) is None, "a 16,000 MB job went on a card the ended job still fills"
+    await beat(conn, org_id, node, [msgspec.structs.replace(GPU24, vram_free_mb=24000)])  # it stopped
+    assert (await claim(conn, org_id, node)).job_id == waiting.id
+    assert await verify(conn, org_id) == []
+
+
+async def test_no_limit_however_large_stops_the_pass_for_anyone(client, conn, org):
+    """A submission takes any ``max_runtime_s`` of 1 or more: one of 2**62 seconds running in one organization
+    must not stop another organization's overrun from being failed (the pass once overflowed a timestamp)."""
+    org_id, key = org
+    made = await client.post("/v1/jobs", json={"kind": "render", "requires": {"max_runtime_s": 2**62}}, headers=bearer(key))
+    assert made.status_code == 201, made.text
+    await claim(conn, org_id, await add_node(conn, org_id, "n", [CPU64]))
+    other, _ = await create_organization(conn, "other")
+    small = await submit(conn, other, requires={"max_runtime_s": 10})
+    await claim(conn, other, await add_node(conn, other, "b", [CPU64]))
+    await set_clock(conn, 10 + GRACE + 1)
+    assert (await sweep_once(conn, SETTINGS)).runtime_failed == 1
+    assert (await queue.load(conn, small.id, other)).status == "failed"
+    assert (await queue.load(conn, made.json()["id"], org_id)).status == "running"
+
+
+async def test_a_child_past_its_limit_settles_its_parent_and_the_container_itself_is_never_failed(conn, org):
+    """The container (running, released: it runs nothing) has a limit too and outlives it; its child fails
+    past its own, and the parent settles ``partial`` once its other child completes."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    parent = await submit(conn, org_id, "p", requires={"max_runtime_s": 10})
+    held = await claim(conn, org_id, node)
+    limited, plain = await claims.add_children(
+        conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=held.attempt,
+        children=[msgspec.convert({"kind": "part", "requires": {"max_runtime_s": 50}}, ChildRequest), ChildRequest(kind="part")],
+    )  # fmt: skip
+    claimed = {c.job_id: c for c in [await claim(conn, org_id, node), await claim(conn, org_id, node)]}
+    await set_clock(conn, 50 + GRACE + 1)
+    assert (await sweep_once(conn, SETTINGS)).runtime_failed == 1
+    assert [(await queue.load(conn, j, org_id)).status for j in (limited.id, parent.id)] == ["failed", "running"]
+    await claims.complete(conn, organization_id=org_id, node_id=node, job_id=plain.id, attempt=claimed[plain.id].attempt,
+                          result=1)  # fmt: skip
+    settled = await queue.load(conn, parent.id, org_id)
+    assert (settled.status, settled.result["children_failed"]) == ("partial", 1)
+    assert await verify(conn, org_id) == []
