@@ -4,7 +4,14 @@
 -- node next reports its devices (as migration 0035 did for cancelled jobs alone), and a failure report
 -- from that holder is no repeat of its own.
 ALTER TABLE jobs ADD COLUMN ended_under_holder boolean NOT NULL DEFAULT false;
+-- As the fold has it: cancelled with its holder kept (it was running), or failed, last, by the controller
+-- past its max_runtime_s (the job's last event says so; the row does not).
 UPDATE jobs SET ended_under_holder = true WHERE status = 'cancelled' AND lease_owner IS NOT NULL;
+UPDATE jobs j SET ended_under_holder = true
+WHERE j.status = 'failed' AND (
+    SELECT e.type = 'job.failed' AND e.data ->> 'reason' = 'runtime_exceeded' FROM events e
+    WHERE e.stream = 'job:' || j.id::text ORDER BY e.version DESC LIMIT 1
+);
 DROP INDEX jobs_cancelled_taking_memory;
 CREATE INDEX jobs_ended_under_holder_taking_memory ON jobs (lease_owner, finished_at)
 WHERE ended_under_holder AND lease_owner IS NOT NULL AND placement IS NOT NULL

@@ -83,13 +83,15 @@ async def test_progress_not_as_the_contract_says_is_refused_and_writes_nothing(c
     assert await written(db_url) == before
 
 
-async def test_a_handler_reports_progress_and_the_job_shows_it_while_it_runs(db_url, org):
-    """``claim.report_progress`` from a running handler: the lease's next renewal carries it to the Job."""
-    _, key = org
+async def _run_one(db_url, key, say, *, client_cls=AgentClient) -> tuple[dict, dict]:
+    """A live agent runs one ``train`` job whose handler calls ``say(claim)`` and then waits: the job as shown once
+    it shows progress, and as it ends."""
     gate = anyio.Event()
 
     async def train(claim):
-        claim.report_progress(0.5, "epoch 5 of 10")
+        said = say(claim)
+        if said is not None:
+            await said
         await gate.wait()
         return {"epochs": 10}
 
@@ -97,23 +99,58 @@ async def test_a_handler_reports_progress_and_the_job_shows_it_while_it_runs(db_
         async with httpx.AsyncClient(base_url=server.url) as client:
             _, credential = await http_pair(client, key, "trainer", [CPU64_JSON])
             job = (await client.post("/v1/jobs", json={"kind": "train"}, headers=bearer(key))).json()
-            async with AgentClient(server.url, credential) as agent_client, anyio.create_task_group() as tg:
+            async with client_cls(server.url, credential) as agent_client, anyio.create_task_group() as tg:
                 agent = Agent(agent_client, HandlerRegistry({**BUILTINS, "train": train}), lambda: [CPU64],
                               AgentConfig(agent_version="test-1", claim_wait_seconds=2.0, grace_seconds=5.0))  # fmt: skip
                 await tg.start(agent.run)
 
-                async def progress():
+                async def shows(check):
                     shown = (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()
-                    return shown if shown["progress"] else None
+                    return shown if check(shown) else None
 
-                shown = await eventually(progress, timeout=10)
-                assert (shown["status"], shown["progress"]) == ("running", {"fraction": 0.5, "message": "epoch 5 of 10"})
+                running = await eventually(lambda: shows(lambda j: j["progress"]), timeout=10)
                 gate.set()
-                done = await eventually(lambda: _status(client, key, job["id"], "complete"), timeout=10)
-                assert done["result"] == {"epochs": 10} and done["progress"] == shown["progress"]
+                done = await eventually(lambda: shows(lambda j: j["status"] not in ("queued", "running")), timeout=10)
                 agent.stop()
+    return running, done
 
 
-async def _status(client, key: str, job_id: str, status: str):
-    job = (await client.get(f"/v1/jobs/{job_id}", headers=bearer(key))).json()
-    return job if job["status"] == status else None
+async def test_a_handler_reports_progress_and_the_job_shows_it_while_it_runs(db_url, org):
+    """``claim.report_progress`` from a running handler: the lease's next renewal carries it to the Job."""
+    running, done = await _run_one(db_url, org[1], lambda claim: claim.report_progress(0.5, "epoch 5 of 10"))
+    assert (running["status"], running["progress"]) == ("running", {"fraction": 0.5, "message": "epoch 5 of 10"})
+    assert (done["status"], done["attempt"], done["result"]) == ("complete", 1, {"epochs": 10})
+
+
+async def test_a_message_the_server_could_not_store_is_made_storable_and_never_costs_the_run(db_url, org):
+    """A NUL (PostgreSQL cannot store it) and a lone surrogate (a file name ``os.fsdecode`` made of bytes that
+    are not UTF-8; JSON cannot carry it): the renewal once failed (422, or an encoding error in the renewal
+    task) and the agent gave the job up, to run again at the next attempt."""
+    running, done = await _run_one(db_url, org[1], lambda claim: claim.report_progress(0.5, "read a\x00b, \udcff.bin"))
+    assert running["progress"] == {"fraction": 0.5, "message": "read a\ufffdb, \\udcff.bin"}
+    assert (done["status"], done["attempt"]) == ("complete", 1)
+
+
+class RefusedProgress(AgentClient):
+    """Sends its first progress as the server will not take it (a server that takes none would refuse it too)."""
+
+    spoiled = False
+
+    async def renew(self, job_id, attempt, *, progress=None):
+        if progress is not None and not RefusedProgress.spoiled:
+            RefusedProgress.spoiled = True
+            progress = {**progress, "fraction": 2}
+        return await super().renew(job_id, attempt, progress=progress)
+
+
+async def test_a_renewal_whose_progress_is_refused_renews_without_it_and_the_job_runs_on(db_url, org):
+    """What it said is dropped, not the lease: the job runs on at its attempt, and what it says next shows."""
+
+    async def say(claim):
+        claim.report_progress(0.1, "starting")  # sent spoiled: refused
+        await anyio.sleep(1.5)  # past the renewal after the refusal
+        claim.report_progress(0.2, "going")
+
+    running, done = await _run_one(db_url, org[1], say, client_cls=RefusedProgress)
+    assert RefusedProgress.spoiled and running["progress"] == {"fraction": 0.2, "message": "going"}
+    assert (done["status"], done["attempt"]) == ("complete", 1), done

@@ -6,12 +6,13 @@ counted on its node until the node next reports; a tree settles; no limit, howev
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from tests.helpers import bearer
-from umbra.compute import claims, jobs
+from umbra.compute import claims, jobs, retries
 from umbra.compute.accounts import create_organization
 from umbra.compute.claims import ChildRequest
 from umbra.compute.sweeper import sweep_once
@@ -119,4 +120,37 @@ async def test_a_child_past_its_limit_settles_its_parent_and_the_container_itsel
                           result=1)  # fmt: skip
     settled = await queue.load(conn, parent.id, org_id)
     assert (settled.status, settled.result["children_failed"]) == ("partial", 1)
+    assert await verify(conn, org_id) == []
+
+
+async def test_the_migration_that_added_the_mark_backfills_it_as_the_fold_has_it(conn, org):
+    """Migration 0040 gave every row ``ended_under_holder = false`` and then set it as the log says: a job
+    cancelled while it ran, and one the controller failed past its limit (the last event says so). A database
+    upgraded with such jobs then agrees with its log (``verify``), and their memory is counted."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "card", [GPU24])
+    over = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 1000, "max_runtime_s": 1})
+    await claim(conn, org_id, node)
+    cancelled = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 1000})
+    await claim(conn, org_id, node)
+    await jobs.cancel(conn, org_id, cancelled.id, actor="test")
+    retried_then_failed = await submit(conn, org_id, kind="infer", requires={"max_runtime_s": 1})
+    first = await claim(conn, org_id, node)
+    await set_clock(conn, 5)
+    assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 2
+    await retries.retry(conn, org_id, retried_then_failed.id, actor="ops")
+    again = await claim(conn, org_id, node)
+    assert again.job_id == retried_then_failed.id and again.attempt == first.attempt + 1
+    await claims.fail(conn, organization_id=org_id, node_id=node, job_id=again.job_id, attempt=again.attempt, error="x",
+                      retry=False)  # fmt: skip
+    marked = {job_id: (await queue.load(conn, job_id, org_id)).ended_under_holder
+              for job_id in (over.id, cancelled.id, retried_then_failed.id)}  # fmt: skip
+    assert marked == {over.id: True, cancelled.id: True, retried_then_failed.id: False}
+    migration = (Path(__file__).parents[2] / "migrations" / "0040_jobs_ended_under_their_holder.sql").read_text()
+    statements = [s.strip() for s in "\n".join(line for line in migration.splitlines() if not line.startswith("--")).split(";")]
+    await conn.execute("UPDATE jobs SET ended_under_holder = false")  # as the column came in
+    for statement in statements:
+        if statement.startswith("UPDATE jobs"):
+            await conn.execute(statement)
+    assert {job_id: (await queue.load(conn, job_id, org_id)).ended_under_holder for job_id in marked} == marked
     assert await verify(conn, org_id) == []

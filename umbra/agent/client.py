@@ -43,6 +43,14 @@ class ServiceError(UmbraError):
 PROGRESS_MESSAGE_MAX = 500
 
 
+def storable_text(text: str, limit: int) -> str:
+    """``text`` as the server can take it: PostgreSQL cannot store NUL (U+FFFD instead), nor JSON carry a lone
+    surrogate (a file name ``os.fsdecode`` made of bytes that are not UTF-8; escaped), and a field has its
+    length (cut, ending with an ellipsis). Either would have made the request itself fail."""
+    text = text.replace("\x00", "\ufffd").encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 class ProgressNote:
     """What a handler last said of its job's progress, and what the renewals have carried to the server.
 
@@ -77,8 +85,8 @@ class Claim:
 
         For a handler, from its task or its worker thread; it never waits on the network. The lease's
         next renewal (every third of the lease) carries what was said last; the Job object shows it
-        (``progress``) and the renewal's event keeps it in the job's history. A message past
-        :data:`PROGRESS_MESSAGE_MAX` characters is cut to it.
+        (``progress``) and the renewal's event keeps it in the job's history. The message is made
+        storable (:func:`storable_text`; cut to :data:`PROGRESS_MESSAGE_MAX` characters).
         """
         if fraction is not None and (isinstance(fraction, bool) or not 0 <= float(fraction) <= 1):
             raise ValueError(f"progress fraction must be between 0 and 1, not {fraction!r}")
@@ -86,7 +94,7 @@ class Claim:
         if fraction is not None:
             said["fraction"] = float(fraction)
         if message is not None:
-            said["message"] = str(message)[:PROGRESS_MESSAGE_MAX]
+            said["message"] = storable_text(str(message), PROGRESS_MESSAGE_MAX)
         self.progress_note.said = said
 
     @property

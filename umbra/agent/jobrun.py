@@ -50,7 +50,7 @@ import msgspec
 
 from umbra.domain.jobs import STOPPED_ERROR
 
-from .client import HTTP_ERROR, AgentClient, Claim, ServiceError
+from .client import HTTP_ERROR, AgentClient, Claim, ServiceError, storable_text
 from .handlers import Decompose, HandlerRegistry, PermanentError, is_retryable
 
 log = logging.getLogger(__name__)
@@ -291,11 +291,9 @@ class JobRun:
     async def _fail(self, message: str, *, retry: bool) -> Outcome:
         claim = self.claim
         status = "retrying" if retry else "failed"
-        # PostgreSQL cannot store NUL, nor JSON carry a lone surrogate (a file name os.fsdecode made of bytes
-        # that are not UTF-8): either would make the report itself fail, and the job wait out its lease.
-        message = message.replace("\x00", "\ufffd").encode("utf-8", "backslashreplace").decode("utf-8")
-        if len(message) > MAX_ERROR_CHARS:
-            message = message[: MAX_ERROR_CHARS - 1] + "…"
+        # Made storable: a message the server could not take would make the report itself fail, and the job
+        # wait out its lease.
+        message = storable_text(message, MAX_ERROR_CHARS)
         return await self._report(status, self.client.fail, claim.job_id, claim.attempt, message, retry=retry)
 
     async def _give_back(self) -> Outcome:
@@ -363,6 +361,14 @@ class JobRun:
                 failures = 0
                 continue
             except ServiceError as exc:
+                if progress is not None and exc.status == 422:
+                    # What it said of its progress was refused, not the lease (a server that takes none, a value
+                    # it will not take): dropped, and the lease renewed without it at once. It never costs the run.
+                    log.warning("progress refused; renewing without it", extra={"action": "progress_refused",
+                                "job_id": claim.job_id, "code": exc.code})  # fmt: skip
+                    claim.progress_note.sent = progress
+                    interval = 0
+                    continue
                 if exc.status == 401:
                     self._on_rejected(exc)
                 if exc.status == 401 or refused_for_good(exc):
