@@ -131,7 +131,9 @@ async def renew(request: Request) -> Response:
     job_id = path_uuid(request, code="job_not_found")
     body = await read_json(request, RenewRequest)
     asked_at = time.monotonic()  # before the renewal's transaction: the lease left is measured from here
-    progress = None if body.progress is None else Progress(fraction=body.progress.fraction, message=body.progress.message)
+    said = body.progress
+    # An empty object says nothing: as if left out, what was said last stands.
+    progress = None if said is None or said == ProgressRequest() else Progress(fraction=said.fraction, message=said.message)
     row = await request.app.state.group_commit.renew(
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
         lease_seconds=services.settings.lease_seconds, credential_id=who.credential_id, request_id=request_id(request),

@@ -14,7 +14,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobOut
 
 from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
-from .params import query_int, query_kinds, query_statuses, query_value
+from .params import query_bool, query_int, query_kinds, query_statuses, query_value
 from .routing import endpoint
 
 #: Page size bounds for ``GET /v1/jobs``.
@@ -99,7 +99,9 @@ async def get_job(request: Request) -> Response:
 async def cancel_job(request: Request) -> Response:
     async with authenticated(request, "jobs:write") as (who, conn):
         job_id = path_uuid(request, code="job_not_found")
-        row = await jobs.cancel(conn, who.organization_id, job_id, actor=who.actor, request_id=request_id(request))
+        if_waiting = query_bool(request, "if_waiting", default=False)
+        row = await jobs.cancel(conn, who.organization_id, job_id, actor=who.actor, request_id=request_id(request),
+                                if_waiting=if_waiting)  # fmt: skip
     return json_response(queue.job_out(row))
 
 
@@ -144,13 +146,17 @@ routes = [
     endpoint("POST", "/v1/jobs/{id}/cancel", cancel_job,
              summary="Cancel a job (a running holder learns on its next renew/complete); terminal → 409 job_terminal.",
              auth="api_key", scopes=("jobs:write",), response=JobOut,
-             errors={409: "The job already ended (`job_terminal`); nothing changes."}),
+             query={"if_waiting": (bool, False, "only while it waits (queued or blocked): running → 409 job_running")},
+             errors={409: "The job already ended (`job_terminal`), or runs and `if_waiting` was asked (`job_running`); "
+                          "nothing changes."}),
     endpoint("POST", "/v1/jobs/{id}/retry", retry_job,
              summary="Send a failed job back to the queue with more runs (job.retried); its history goes on.",
              auth="api_key", scopes=("jobs:write",), body=RetryRequest, response=JobOut,
              errors={409: "Not a failed job, or one of a tree (`job_not_retryable`); nothing changes."}),
     endpoint("POST", "/v1/jobs/{id}/priority", reprioritize_job,
-             summary="Move a job that has not ended to another priority (job.reprioritized); same priority: nothing recorded.",
+             summary="Move a waiting (queued or blocked) job to another priority (job.reprioritized); same priority: "
+                     "nothing recorded.",
              auth="api_key", scopes=("jobs:write",), body=PriorityRequest, response=JobOut,
-             errors={409: "The job ended (`job_terminal`) or made children (`job_not_reprioritizable`); nothing changes."}),
+             errors={409: "The job ended (`job_terminal`), runs or made children (`job_not_reprioritizable`); nothing "
+                          "changes."}),
 ]  # fmt: skip

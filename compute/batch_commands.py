@@ -47,7 +47,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
 from .auth import live_node_credentials, revoked
-from .blocked import CORDONED_LABELS, LATEST_DEVICES, decode_devices, RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
+from .blocked import CORDONED, LATEST_DEVICES, decode_devices, RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
 from .claims import (
     claim_rank,
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
@@ -141,7 +141,7 @@ _LIVE_COLUMN = "(SELECT array_agg(id) FROM node_credentials WHERE id = ANY(%(cre
 _LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE SKIP LOCKED"
 _NODES_QUERY = f"""
 SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(),
-       {CORDONED_LABELS}, {RUNNING_TAKING_MEMORY}, {_LIVE_COLUMN}
+       {CORDONED}, {RUNNING_TAKING_MEMORY}, {_LIVE_COLUMN}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.id = ANY(%(ids)s)
 """

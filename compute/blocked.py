@@ -73,9 +73,9 @@ RUNNING_TAKING_MEMORY = """(
 LATEST_DEVICES = "coalesce(l.devices, n.devices)::text"
 #: A node's cordoned devices, ``{label: reason}`` (``n`` is the node's row): eligibility reads the labels,
 #: the set of the mapping's keys (``{}`` for nearly every node; no subquery per node to list them).
-CORDONED_LABELS = "n.cordoned"
+CORDONED = "n.cordoned"
 _NODES = f"""
-SELECT n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {CORDONED_LABELS}, {{running}}
+SELECT n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {CORDONED}, {{running}}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.organization_id = %s AND (%s::uuid IS NULL OR n.id = %s) AND (%s OR n.status NOT IN ('draining', 'retired'))
 ORDER BY n.name

@@ -459,8 +459,9 @@ _OPEN_DESCENDANT_IDS = f"{_TREE}\nSELECT jobs.id FROM jobs JOIN tree USING (id)\
 
 
 async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, *, actor: str | None,
-                 request_id: str | None = None) -> JobRow:  # fmt: skip
+                 request_id: str | None = None, if_waiting: bool = False) -> JobRow:  # fmt: skip
     """Cancel a job: queued or blocked ends at once; running ends and its holder learns on next renew/complete.
+    ``if_waiting``: a running job is refused instead (``decide_cancel``), judged under the row's lock.
 
     Cancelling a container cancels its open descendants too (they are locked
     first, deepest first, so the child-before-parent lock order holds).
@@ -487,12 +488,12 @@ async def cancel(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: U
                 row = await queue.load(conn, job_id, organization_id)
                 if row is None:
                     raise NotFound("job_not_found", f"No job {job_id}.")
-                decide_cancel(status=row.status, by=actor)  # refuse early, before taking locks
+                decide_cancel(status=row.status, by=actor, if_waiting=if_waiting)  # refuse early, before taking locks
                 descendants = [queue.from_db(r) for r in await (await conn.execute(_OPEN_DESCENDANTS, {"root": job_id})).fetchall()]
                 row = await queue.load(conn, job_id, organization_id, lock=True)
                 assert row is not None
                 if await _open_descendant_ids(conn, job_id) <= {d.id for d in descendants}:
-                    return await _cancel_locked(conn, organization_id, row, descendants, actor, request_id)
+                    return await _cancel_locked(conn, organization_id, row, descendants, actor, request_id, if_waiting)
         except psycopg.errors.DeadlockDetected:
             deadlocks += 1
             if deadlocks > DEADLOCK_RETRIES:
@@ -510,8 +511,8 @@ async def _open_descendant_ids(conn: psycopg.AsyncConnection, job_id: UUID) -> s
 
 
 async def _cancel_locked(conn: psycopg.AsyncConnection, organization_id: UUID, row: JobRow, descendants: list[JobRow],
-                         actor: str | None, request_id: str | None) -> JobRow:  # fmt: skip
-    changes = [Change(row.id, organization_id, row, [decide_cancel(status=row.status, by=actor)])]
+                         actor: str | None, request_id: str | None, if_waiting: bool) -> JobRow:  # fmt: skip
+    changes = [Change(row.id, organization_id, row, [decide_cancel(status=row.status, by=actor, if_waiting=if_waiting)])]
     changes += [
         Change(d.id, organization_id, d, [decide_cancel(status=d.status, by=actor, reason="parent_cancelled")])
         for d in descendants

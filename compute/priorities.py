@@ -34,7 +34,6 @@ async def reprioritize(conn: psycopg.AsyncConnection, organization_id: UUID, job
     """
     async with conn.transaction():
         row = await queue.load(conn, job_id, organization_id, lock=True)
-        [(now,)] = await (await conn.execute("SELECT umbra_now()")).fetchall()
         if row is None:
             raise NotFound("job_not_found", f"No job {job_id}.")
         event = decide_reprioritize(status=row.status, priority=row.priority, new=priority,
@@ -43,7 +42,7 @@ async def reprioritize(conn: psycopg.AsyncConnection, organization_id: UUID, job
             return row
         rows, position = await record_and_settle(conn, [Change(job_id, organization_id, row, [event])],
                                                  metadata=store.event_metadata(actor, request_id))  # fmt: skip
-        moved = rows[0]
-        due = moved.status == "queued" and (moved.not_before is None or moved.not_before <= now)
+        moved = rows[0]  # its updated_at is the move's time: now, on the database's clock
+        due = moved.status == "queued" and (moved.not_before is None or moved.not_before <= moved.updated_at)
         await store.publish(conn, [(organization_id, position, 1 if due else 0)])
         return moved

@@ -87,7 +87,7 @@ ORDER BY blocked_at, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
 #: A page of held jobs with a ``max_runtime_s`` whose current claim is older than it and the grace, after
-#: ``after_id``, with that claim's time. ``started_at`` (the first claim's) narrows them before the log is
+#: ``(after_at, after_id)`` (their first claim's time and id), with that claim's time. ``started_at`` (the first claim's) narrows them before the log is
 #: read. Only jobs with a limit, which the other jobs' rows answer from the leases' index. Compared in
 #: seconds, as numbers: a limit of any size (a submission takes any) never overflows a timestamp or an
 #: interval, which stopped the pass, for every organization, while such a job ran.
@@ -100,8 +100,8 @@ CROSS JOIN LATERAL (
 WHERE status = 'running' AND lease_expires_at IS NOT NULL AND requires ? 'max_runtime_s'
   AND extract(epoch FROM umbra_now() - started_at) >= (requires ->> 'max_runtime_s')::numeric + %(grace)s
   AND extract(epoch FROM umbra_now() - claimed.recorded_at) >= (requires ->> 'max_runtime_s')::numeric + %(grace)s
-  AND (%(after_id)s::uuid IS NULL OR id > %(after_id)s::uuid)
-ORDER BY id LIMIT %(limit)s
+  AND (%(after_at)s::timestamptz IS NULL OR (started_at, id) > (%(after_at)s, %(after_id)s::uuid))
+ORDER BY started_at, id LIMIT %(limit)s
 FOR UPDATE OF jobs SKIP LOCKED
 """
 _WAITING_ORGS = """
@@ -224,6 +224,7 @@ def _after(page: _Page) -> dict[str, Any]:
 
 _LEASE_EXPIRES_AT = queue.COLUMNS.index("lease_expires_at")
 _BLOCKED_AT = queue.COLUMNS.index("blocked_at")
+_STARTED_AT = queue.COLUMNS.index("started_at")
 
 
 async def _step(name: str, run: Callable[[], Awaitable[None]], **fields: str) -> None:
@@ -310,7 +311,7 @@ async def _fail_overrun(conn: psycopg.AsyncConnection, settings: Settings, repor
     for change in changes:  # each was recorded, or the transaction failed and nothing reaches here
         log.warning("job ran past its max_runtime_s; failed", extra={"action": "runtime_exceeded", "job_id": str(change.job_id),
                     "node_id": str(change.state.lease_owner)})  # fmt: skip
-    return _next_page(found, 0)
+    return _next_page(found, _STARTED_AT)
 
 
 _PARENT = queue.COLUMNS.index("parent_job_id")

@@ -276,9 +276,19 @@ def decide_give_back(
     return decide_failure(attempt=attempt, max_attempts=max_attempts, error=STOPPED_ERROR, retry=True, now=now, ends=ends)
 
 
-def decide_cancel(*, status: str, by: str | None, reason: str | None = None) -> JobCancelled:
+class JobIsRunning(Conflict):
+    def __init__(self) -> None:
+        super().__init__("job_running", "The job is running; it was to be cancelled only while it waited.",
+                         status="running")  # fmt: skip
+
+
+def decide_cancel(*, status: str, by: str | None, reason: str | None = None, if_waiting: bool = False) -> JobCancelled:
+    """Cancel a job that has not ended. ``if_waiting``: only if it waits (queued or blocked), so that a bulk
+    withdrawal listed before a claim never stops a run the claim started (409 ``job_running``)."""
     if status in TERMINAL_JOB_STATUSES:
         raise JobIsTerminal(status)
+    if if_waiting and status == "running":
+        raise JobIsRunning()
     return JobCancelled(by=by, reason=reason)
 
 

@@ -214,8 +214,8 @@ class JobRetried(_Event, tag="job.retried"):
 
 
 class JobReprioritized(_Event, tag="job.reprioritized"):
-    """Someone moved a job that has not ended to another priority: ``priority`` from here on, ``previous``
-    the one it replaced. Among the jobs of its new priority it keeps its submission order."""
+    """Someone moved a waiting (queued or blocked) job to another priority: ``priority`` from here on,
+    ``previous`` the one it replaced. Among the jobs of its new priority it keeps its submission order."""
 
     priority: int
     previous: int

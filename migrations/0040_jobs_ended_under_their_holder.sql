@@ -7,8 +7,9 @@ ALTER TABLE jobs ADD COLUMN ended_under_holder boolean NOT NULL DEFAULT false;
 -- As the fold has it: cancelled with its holder kept (it was running), or failed, last, by the controller
 -- past its max_runtime_s (the job's last event says so; the row does not).
 UPDATE jobs SET ended_under_holder = true WHERE status = 'cancelled' AND lease_owner IS NOT NULL;
+-- The log is read only for failed jobs that kept a holder and had a limit: what such a failure always has.
 UPDATE jobs j SET ended_under_holder = true
-WHERE j.status = 'failed' AND (
+WHERE j.status = 'failed' AND j.lease_owner IS NOT NULL AND j.requires ? 'max_runtime_s' AND (
     SELECT e.type = 'job.failed' AND e.data ->> 'reason' = 'runtime_exceeded' FROM events e
     WHERE e.stream = 'job:' || j.id::text ORDER BY e.version DESC LIMIT 1
 );

@@ -77,11 +77,11 @@ def format_job(job: dict[str, Any]) -> str:
     return line + (f"  (last error: {job['error']})" if job.get("error") else "")
 
 
-async def _send(client, job_id, verb: str, body: dict[str, Any]) -> dict[str, Any]:
+async def _send(client, job_id, verb: str, body: dict[str, Any], params: dict[str, str] | None = None) -> dict[str, Any]:
     """``POST /v1/jobs/{id}/{verb}``: the job as it now stands; a refusal raises ``ServiceError``."""
     from umbra.agent.client import raise_for_error
 
-    answer = await client.post(f"/v1/jobs/{job_id}/{verb}", json=body)
+    answer = await client.post(f"/v1/jobs/{job_id}/{verb}", json=body, params=params)
     raise_for_error(answer)
     return answer.json()
 
@@ -111,11 +111,13 @@ def cmd_cancel(args) -> int:
     return _one_job(args, "cancel", {}, format_job)
 
 
-def _every_job(args, *, statuses: str, verb: str, body: dict[str, Any], done_key: str) -> int:
-    """Send ``verb`` for every job of ``statuses`` (of ``args.kind``, if given): listed first, in submission
-    order, then one by one. Those the server refuses for the job's own sake (404, 409: ended, retried or
-    moved meanwhile, or not a job the verb applies to) are counted with the reason and left as they are;
-    any other refusal (the key, the request, the server) stops the run, the rest untouched."""
+def _every_job(args, *, statuses: str, verb: str, body: dict[str, Any], done_key: str,
+               params: dict[str, str] | None = None) -> int:  # fmt: skip
+    """Send ``verb`` (with ``params``) for every job of ``statuses`` (of ``args.kind``, if given): listed
+    first, in submission order, then one by one. Those the server refuses for the job's own sake (404, 409:
+    ended, retried, claimed or moved meanwhile, or not a job the verb applies to) are counted with the
+    reason and left as they are; any other refusal (the key, the request, the server) stops the run, the
+    rest untouched."""
 
     async def main() -> int:
         from umbra.agent.client import ServiceError
@@ -133,7 +135,7 @@ def _every_job(args, *, statuses: str, verb: str, body: dict[str, Any], done_key
             refused: list[dict[str, str]] = []
             for job_id in listed:
                 try:
-                    job = await _send(client, job_id, verb, body)
+                    job = await _send(client, job_id, verb, body, params)
                 except ServiceError as exc:
                     if exc.status not in (404, 409):
                         raise
@@ -164,8 +166,9 @@ def cmd_retry_failed(args) -> int:
 def cmd_cancel_waiting(args) -> int:
     """Cancel every queued or blocked job (of ``--kind``, if given): a batch submitted by mistake, or work no
     longer wanted, withdrawn before it runs. Running jobs are left to finish (``umbra jobs cancel ID`` stops
-    one)."""
-    return _every_job(args, statuses="queued,blocked", verb="cancel", body={}, done_key="cancelled")
+    one): each cancel asks ``if_waiting``, so a job claimed after the listing is refused, not stopped."""
+    return _every_job(args, statuses="queued,blocked", verb="cancel", body={}, done_key="cancelled",
+                      params={"if_waiting": "true"})  # fmt: skip
 
 
 def _jobs_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:

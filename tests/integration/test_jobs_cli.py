@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import anyio
+import psycopg
 import pytest
 
 from tests.helpers import bearer, run_umbra
@@ -44,3 +45,23 @@ async def test_the_cli_cancels_one_job_and_every_waiting_job_of_a_kind_leaving_r
     assert [statuses[job["id"]] for job in (running, *waiting, other)] == ["running", *["cancelled"] * 3, "queued"]
     plain = await anyio.to_thread.run_sync(lambda: umbra("cancel-waiting"))
     assert plain.returncode == 0 and plain.stdout.splitlines()[-1] == "cancelled 1 of 1 queued or blocked job(s)", plain.stdout
+
+
+async def test_a_cancel_if_waiting_refuses_a_running_job_and_writes_nothing(client, org, db_url):
+    """``?if_waiting=true`` (what ``cancel-waiting`` sends): a job claimed after it was listed is not stopped;
+    409 ``job_running``, nothing written. A waiting job is cancelled as without it."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    running = (await client.post("/v1/jobs", json={"kind": "render"}, headers=bearer(key))).json()
+    assert (await http_claim(client, credential))["id"] == running["id"]
+    waiting = (await client.post("/v1/jobs", json={"kind": "render"}, headers=bearer(key))).json()
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        before = await (await c.execute("SELECT count(*) FROM events")).fetchone()
+    refused = await client.post(f"/v1/jobs/{running['id']}/cancel", params={"if_waiting": "true"}, headers=bearer(key))
+    assert (refused.status_code, refused.json()["error"], refused.json()["status"]) == (409, "job_running", "running")
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        assert await (await c.execute("SELECT count(*) FROM events")).fetchone() == before
+    cancelled = await client.post(f"/v1/jobs/{waiting['id']}/cancel", params={"if_waiting": "true"}, headers=bearer(key))
+    assert (cancelled.status_code, cancelled.json()["status"]) == (200, "cancelled")
+    bad = await client.post(f"/v1/jobs/{waiting['id']}/cancel", params={"if_waiting": "perhaps"}, headers=bearer(key))
+    assert (bad.status_code, bad.json()["field"]) == (422, "if_waiting")

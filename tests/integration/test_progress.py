@@ -43,9 +43,11 @@ async def test_progress_said_with_a_renewal_is_on_the_job_and_in_its_history_unt
     only = {"message": "writing checkpoint"}
     await client.post(renew, json={"attempt": held["attempt"], "progress": only}, headers=bearer(credential))
     assert (await read()).json()["progress"] == only
+    await client.post(renew, json={"attempt": held["attempt"], "progress": {}}, headers=bearer(credential))
+    assert (await read()).json()["progress"] == only  # an empty object says nothing
     history = (await client.get(f"/v1/jobs/{job['id']}/events", headers=bearer(key))).json()["events"]
     renewals = [e["data"].get("progress") for e in history if e["type"] == "job.lease_renewed"]
-    assert renewals == [said, None, only]
+    assert renewals == [said, None, only, None]
     failed = await client.post(f"/v1/agent/jobs/{job['id']}/fail", json={"attempt": held["attempt"], "error": "oom"},
                                headers=bearer(credential))  # fmt: skip
     assert failed.json()["status"] == "queued" and failed.json()["progress"] == only  # the last run's last word

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from tests.helpers import bearer
-from umbra.compute import claims, jobs, retries
+from umbra.compute import claims, jobs, retries, sweeper
 from umbra.compute.accounts import create_organization
 from umbra.compute.claims import ChildRequest
 from umbra.compute.sweeper import sweep_once
@@ -154,3 +154,18 @@ async def test_the_migration_that_added_the_mark_backfills_it_as_the_fold_has_it
             await conn.execute(statement)
     assert {job_id: (await queue.load(conn, job_id, org_id)).ended_under_holder for job_id in marked} == marked
     assert await verify(conn, org_id) == []
+
+
+async def test_a_pass_pages_through_every_overrun_and_fails_each_once(conn, org, monkeypatch):
+    """Pages of two (``SWEEP_BATCH``): five jobs past their limit, two within it; one tick fails the five."""
+    monkeypatch.setattr(sweeper, "SWEEP_BATCH", 2)
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    over = [await submit(conn, org_id, requires={"max_runtime_s": 10}) for _ in range(5)]
+    within = [await submit(conn, org_id, requires={"max_runtime_s": 1000}) for _ in range(2)]
+    for _ in range(7):
+        await claim(conn, org_id, node)
+    await set_clock(conn, 10 + GRACE + 1)
+    assert (await sweep_once(conn, SETTINGS, reexamine=False)).runtime_failed == 5
+    assert [(await queue.load(conn, j.id, org_id)).status for j in over + within] == ["failed"] * 5 + ["running"] * 2
+    assert (await sweep_once(conn, SETTINGS, reexamine=False)).runtime_failed == 0

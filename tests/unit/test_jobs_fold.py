@@ -194,6 +194,8 @@ AFTER_SUBMISSION = [
     JobLeaseRenewed(attempt=1, lease_expires_at=T0 + timedelta(minutes=9)),
     JobCompleted(attempt=1, result={"ok": True}),
     JobFailed(attempt=1, error="boom"),
+    JobFailed(attempt=1, error="The job exceeded its max_runtime_s", reason="runtime_exceeded"),
+    JobLeaseRenewed(attempt=1, lease_expires_at=T0 + timedelta(minutes=9), progress=Progress(fraction=0.5)),
     JobRequeued(attempt=1, error="flaky", not_before=T0 + timedelta(seconds=30)),
     JobLeaseExpired(attempt=1, node_id=NODE, requeued=True, not_before=T0 + timedelta(seconds=30)),
     JobLeaseExpired(attempt=1, node_id=NODE, requeued=False),

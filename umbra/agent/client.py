@@ -88,6 +88,8 @@ class Claim:
         (``progress``) and the renewal's event keeps it in the job's history. The message is made
         storable (:func:`storable_text`; cut to :data:`PROGRESS_MESSAGE_MAX` characters).
         """
+        if fraction is None and message is None:
+            raise ValueError("say a fraction done, a message, or both")
         if fraction is not None and (isinstance(fraction, bool) or not 0 <= float(fraction) <= 1):
             raise ValueError(f"progress fraction must be between 0 and 1, not {fraction!r}")
         said: dict[str, Any] = {}
