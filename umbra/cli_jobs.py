@@ -12,11 +12,12 @@ first rule it fails.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import anyio
 
-from .cli_events import SERVER_HELP, _client, _get_json, printable, to_json_text
+from .cli_events import PAGE_SIZE, SERVER_HELP, _client, _get_json, printable, to_json_text
 
 
 def _where(entry: dict[str, Any]) -> str:
@@ -98,6 +99,113 @@ def _one_job(args, verb: str, body: dict[str, Any], line) -> int:
     return anyio.run(main)
 
 
+async def _listed(client, *, statuses: str | None, kind: str | None, limit: int | None = None) -> list[dict[str, Any]]:
+    """``GET /v1/jobs``, page after page: the jobs of ``statuses`` (comma-separated; None: any) and ``kind``
+    (None: any), in submission order, the first ``limit`` of them (None: all)."""
+    listed: list[dict[str, Any]] = []
+    after = 0
+    while limit is None or len(listed) < limit:
+        filters = {"status": statuses} if statuses else {}
+        if kind is not None:
+            filters["kind"] = kind
+        size = PAGE_SIZE if limit is None else min(PAGE_SIZE, limit - len(listed))
+        page = await _get_json(client, "/v1/jobs", limit=size, after=after, **filters)
+        listed += page["jobs"]
+        if page["next"] is None:
+            break
+        after = int(page["next"])
+    return listed
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A ``--payload`` or ``--requires`` argument: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"seconds\": 3}'")
+    return value
+
+
+def cmd_submit(args) -> int:
+    """Submit ``--count`` jobs of one kind: one ``POST /v1/jobs``, or one ``POST /v1/jobs/batch`` of them all.
+    Prints each job's id, a line each (or the jobs as JSON)."""
+    from umbra.agent.client import raise_for_error
+    from umbra.errors import InvalidRequest
+
+    if args.count < 1 or args.count > 10_000:
+        raise InvalidRequest("--count must be 1 to 10000 (a batch's most).")
+    if args.count > 1 and args.idempotency_key is not None:
+        raise InvalidRequest("--idempotency-key names one job: it cannot go with --count.")
+    job: dict[str, Any] = {"kind": args.kind, "payload": args.payload or {}, "requires": args.requires or {}}
+    for field, value in (("priority", args.priority), ("max_attempts", args.max_attempts),
+                         ("idempotency_key", args.idempotency_key)):  # fmt: skip
+        if value is not None:
+            job[field] = value
+
+    async def main() -> int:
+        async with _client(args, scope="jobs:write") as client:
+            if args.count == 1:
+                answer = await client.post("/v1/jobs", json=job)
+                raise_for_error(answer)
+                jobs = [answer.json()]
+            else:
+                answer = await client.post("/v1/jobs/batch", json={"jobs": [job] * args.count})
+                raise_for_error(answer)
+                jobs = answer.json()["jobs"]
+        print(to_json_text(jobs if args.count > 1 else jobs[0]) if args.json else "\n".join(j["id"] for j in jobs))
+        return 0
+
+    return anyio.run(main)
+
+
+def cmd_list(args) -> int:
+    async def main() -> int:
+        async with _client(args, scope="jobs:read") as client:
+            jobs = await _listed(client, statuses=args.status, kind=args.kind, limit=args.limit)
+        if args.json:
+            print(to_json_text(jobs))
+        else:
+            for job in jobs:
+                print(printable(f"{job['kind']:<16} {format_job(job)}"))
+        return 0
+
+    return anyio.run(main)
+
+
+def format_details(job: dict[str, Any]) -> list[str]:
+    """The lines ``umbra jobs show`` prints for one job: what it is, where it stands, where it runs."""
+    lines = [f"{job['id']}  {job['kind']}  {job['status']}  priority {job['priority']}",
+             f"attempt {job['attempt']} of at most {job['max_attempts']} runs"]  # fmt: skip
+    placement = job.get("placement")
+    if placement:
+        lines.append(f"on {placement['node_id']}/{placement['device_id']} ({placement['reason']}), "
+                     f"lease until {job.get('lease_expires_at') or '-'}")  # fmt: skip
+    progress = job.get("progress") or {}
+    if progress:
+        done = f"{round(progress['fraction'] * 100)}%" if progress.get("fraction") is not None else ""
+        lines.append("progress: " + " ".join(part for part in (done, progress.get("message") or "") if part))
+    for name in ("blocked_reason", "error"):
+        if job.get(name):
+            lines.append(f"{name.replace('_', ' ')}: {job[name]}")
+    if job.get("result") is not None:
+        lines.append(f"result: {json.dumps(job['result'], ensure_ascii=False)}")
+    lines.append(f"submitted {job['created_at']}, started {job.get('started_at') or '-'}, "
+                 f"finished {job.get('finished_at') or '-'}")  # fmt: skip
+    return lines
+
+
+def cmd_show(args) -> int:
+    async def main() -> int:
+        async with _client(args, scope="jobs:read") as client:
+            job = await _get_json(client, f"/v1/jobs/{args.job_id}")
+        print(to_json_text(job) if args.json else "\n".join(printable(line) for line in format_details(job)))
+        return 0
+
+    return anyio.run(main)
+
+
 def cmd_retry(args) -> int:
     return _one_job(args, "retry", {} if args.max_attempts is None else {"max_attempts": args.max_attempts}, format_job)
 
@@ -123,14 +231,7 @@ def _every_job(args, *, statuses: str, verb: str, body: dict[str, Any], done_key
         from umbra.agent.client import ServiceError
 
         async with _client(args, scope="jobs:write") as client:
-            listed, after = [], 0
-            while True:
-                kinds = {} if args.kind is None else {"kind": args.kind}
-                page = await _get_json(client, "/v1/jobs", status=statuses, limit=1000, after=after, **kinds)
-                listed += [job["id"] for job in page["jobs"]]
-                if page["next"] is None:
-                    break
-                after = int(page["next"])
+            listed = [job["id"] for job in await _listed(client, statuses=statuses, kind=args.kind)]
             done: list[str] = []
             refused: list[dict[str, str]] = []
             for job_id in listed:
@@ -174,12 +275,21 @@ def cmd_cancel_waiting(args) -> int:
 def _jobs_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """The ``jobs`` command group's subcommands, created here unless another registrar already did."""
     if "jobs" not in sub.choices:
-        group = sub.add_parser("jobs", help="jobs: explain, retry, reprioritize, cancel")
+        group = sub.add_parser("jobs", help="jobs: submit, list, show, explain, retry, reprioritize, cancel")
         return group.add_subparsers(dest="jobs_command", required=True)
     for action in sub.choices["jobs"]._actions:
         if isinstance(action, argparse._SubParsersAction):
             return action
     raise RuntimeError("the jobs command group has no subcommands")
+
+
+def _through_the_api(p: argparse.ArgumentParser, func, *, scope: str, json_help: str) -> None:
+    """The options every ``jobs`` subcommand takes: where the service is, the API key (holding ``scope``),
+    ``--json``; and what runs it."""
+    p.add_argument("--server", default=None, help=SERVER_HELP)
+    p.add_argument("--api-key", default=None, help=f"API key with {scope} (default UMBRA_API_KEY)")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(func=func)
 
 
 def _job_command(sub: argparse._SubParsersAction, name: str, *, func, scope: str, json_help: str, **texts: str):
@@ -188,14 +298,36 @@ def _job_command(sub: argparse._SubParsersAction, name: str, *, func, scope: str
 
     p = _jobs_subparsers(sub).add_parser(name, **texts)
     p.add_argument("job_id", type=_uuid)
-    p.add_argument("--server", default=None, help=SERVER_HELP)
-    p.add_argument("--api-key", default=None, help=f"API key with {scope} (default UMBRA_API_KEY)")
-    p.add_argument("--json", action="store_true", help=json_help)
-    p.set_defaults(func=func)
+    _through_the_api(p, func, scope=scope, json_help=json_help)
     return p
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    p = _jobs_subparsers(sub).add_parser(
+        "submit", help="submit jobs of one kind",
+        description="Submit a job (POST /v1/jobs), or --count of the same at once (POST /v1/jobs/batch); prints "
+        "each job's id.")  # fmt: skip
+    p.add_argument("kind")
+    p.add_argument("--payload", type=_json_object, default=None, help="the job's payload, a JSON object")
+    p.add_argument("--requires", type=_json_object, default=None,
+                   help='its requirements, a JSON object, e.g. \'{"vram_min_mb": 16000, "models": ["llama"]}\'')  # fmt: skip
+    p.add_argument("--priority", type=int, default=None, help="lower runs first (default 100)")
+    p.add_argument("--max-attempts", type=int, default=None, help="runs it may take (default 3)")
+    p.add_argument("--idempotency-key", default=None, help="submitted again with it, the first job is answered")
+    p.add_argument("--count", type=int, default=1, help="how many of it, 1 to 10000 (one batch)")
+    _through_the_api(p, cmd_submit, scope="jobs:write", json_help="print the job (or the list of jobs) as JSON")
+
+    p = _jobs_subparsers(sub).add_parser("list", help="list jobs, in submission order",
+                                         description="List jobs (GET /v1/jobs) in submission order, filtered.")
+    p.add_argument("--status", default=None, help="comma-separated statuses, e.g. queued,running")
+    p.add_argument("--kind", default=None, help="only jobs of this kind")
+    p.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    _through_the_api(p, cmd_list, scope="jobs:read", json_help="print the jobs as JSON")
+
+    _job_command(sub, "show", func=cmd_show, scope="jobs:read", json_help="print the Job object as JSON",
+                 help="a job: where it stands, where it runs, how far it is",
+                 description="Show a job (GET /v1/jobs/{id}): its status and attempts, its placement and lease, its "
+                 "progress, its error or result.")  # fmt: skip
     _job_command(sub, "explain", func=cmd_explain, scope="jobs:read", json_help="print the explain answer as JSON",
                  help="why a job is or is not running",
                  description="Explain a job: a summary, the devices that could run it ranked best first, and every other "
@@ -240,11 +372,10 @@ def _every_job_command(sub: argparse._SubParsersAction, name: str, *, func, done
     """A ``jobs`` subcommand sent for every job of a status (:func:`_every_job`), of ``--kind`` if given."""
     p = _jobs_subparsers(sub).add_parser(name, **texts)
     p.add_argument("--kind", default=None, help="only jobs of this kind")
-    p.add_argument("--server", default=None, help=SERVER_HELP)
-    p.add_argument("--api-key", default=None, help="API key with jobs:read and jobs:write (default UMBRA_API_KEY)")
-    p.add_argument("--json", action="store_true", help=f'print {{"{done_key}": [id, ...], "refused": [...]}} as JSON')
-    p.set_defaults(func=func)
+    _through_the_api(p, func, scope="jobs:read and jobs:write",
+                     json_help=f'print {{"{done_key}": [id, ...], "refused": [...]}} as JSON')  # fmt: skip
     return p
 
 
-__all__ = ["cmd_cancel", "cmd_cancel_waiting", "cmd_explain", "cmd_priority", "cmd_retry", "cmd_retry_failed", "format_explanation", "format_job", "register"]
+__all__ = ["cmd_cancel", "cmd_cancel_waiting", "cmd_explain", "cmd_list", "cmd_priority", "cmd_retry", "cmd_retry_failed",
+           "cmd_show", "cmd_submit", "format_details", "format_explanation", "format_job", "register"]

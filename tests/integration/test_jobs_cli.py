@@ -1,4 +1,4 @@
-"""``umbra jobs cancel ID`` and ``umbra jobs cancel-waiting [--kind K]``: withdrawing work from the shell,
+"""``umbra jobs submit|list|show``, ``cancel ID`` and ``cancel-waiting [--kind K]``: jobs from the shell,
 through the API with an API key."""
 
 from __future__ import annotations
@@ -65,3 +65,29 @@ async def test_a_cancel_if_waiting_refuses_a_running_job_and_writes_nothing(clie
     assert (cancelled.status_code, cancelled.json()["status"]) == (200, "cancelled")
     bad = await client.post(f"/v1/jobs/{waiting['id']}/cancel", params={"if_waiting": "perhaps"}, headers=bearer(key))
     assert (bad.status_code, bad.json()["field"]) == (422, "if_waiting")
+
+
+async def test_the_cli_submits_lists_and_shows_jobs(client, org, live_server):
+    """``submit`` (one, or ``--count`` as one batch) prints the ids; ``list`` shows them filtered, in submission
+    order; ``show`` says where one stands. A payload that is not a JSON object is refused before anything is
+    sent."""
+    _, key = org
+
+    def umbra(*args: str):
+        return run_umbra("jobs", *args, "--server", live_server.url, env={"UMBRA_API_KEY": key})
+
+    one = await anyio.to_thread.run_sync(lambda: umbra("submit", "sleep", "--payload", '{"seconds": 3}', "--priority", "7",
+                                                       "--requires", '{"ram_min_mb": 64}'))  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    [first] = one.stdout.split()
+    many = await anyio.to_thread.run_sync(lambda: umbra("submit", "echo", "--count", "3"))
+    assert many.returncode == 0 and len(many.stdout.split()) == 3, (many.stdout, many.stderr)
+    job = (await client.get(f"/v1/jobs/{first}", headers=bearer(key))).json()
+    assert (job["kind"], job["payload"], job["priority"], job["requires"]["ram_min_mb"]) == ("sleep", {"seconds": 3}, 7, 64)
+    listed = await anyio.to_thread.run_sync(lambda: umbra("list", "--kind", "echo", "--json"))
+    assert [j["id"] for j in json.loads(listed.stdout)] == many.stdout.split(), listed.stdout
+    shown = await anyio.to_thread.run_sync(lambda: umbra("show", first))
+    assert shown.returncode == 0 and shown.stdout.splitlines()[0].split()[:4] == [first, "sleep", job["status"], "priority"]
+    bad = await anyio.to_thread.run_sync(lambda: umbra("submit", "sleep", "--payload", "[1, 2]"))
+    assert bad.returncode != 0 and "JSON object" in bad.stderr, bad.stderr
+    assert len((await client.get("/v1/jobs", headers=bearer(key))).json()["jobs"]) == 4
