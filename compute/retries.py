@@ -16,6 +16,7 @@ from uuid import UUID
 import psycopg
 
 from umbra.domain.jobs import UnchargedEnds, decide_retry
+from umbra.domain.node_status import effective_status
 from umbra.errors import NotFound
 from umbra.events import store
 from umbra.events.types import JobBlocked, JobSubmitted
@@ -45,13 +46,37 @@ async def retry(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UU
         ends = (await uncharged_claims(conn, [job_id])).get(job_id, UnchargedEnds()) if failed else UnchargedEnds()
         retried = decide_retry(status=row.status, attempt=row.attempt, max_attempts=row.max_attempts,
                                parent_job_id=row.parent_job_id, children_total=row.children_total, grant=grant, by=actor,
-                               ends=ends)  # fmt: skip
+                               ends=ends, last_run_may_run_on=failed and await _last_run_may_run_on(conn, row))  # fmt: skip
         reason = judge.reason(row.requires)
         events = [retried] if reason is None else [retried, JobBlocked(reason=reason)]
         rows, position = await record_and_settle(conn, [Change(job_id, organization_id, row, events)],
                                                  metadata=store.event_metadata(actor, request_id))  # fmt: skip
         await store.publish(conn, [(organization_id, position, 1 if reason is None else 0)])
         return rows[0]
+
+
+#: The holder's node as the claims judge it: its stored status, when it was last seen and last reported its
+#: devices, and the database's now.
+_HOLDER = """
+SELECT n.status, l.last_seen_at, coalesce(l.reported_at, l.last_seen_at), umbra_now()
+FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id WHERE n.id = %s
+"""
+
+
+async def _last_run_may_run_on(conn: psycopg.AsyncConnection, row: JobRow) -> bool:
+    """Whether a job that ended under its holder (``ended_under_holder``) may still be running there: its
+    node is alive (online or draining, heard from lately) and has not reported its devices since the job
+    ended. Its memory is counted as taken until then (``RUNNING_TAKING_MEMORY``), and a retry would stop
+    that. A node gone silent, or retired, runs nothing the claims need to count."""
+    if not row.ended_under_holder or row.lease_owner is None or row.finished_at is None:
+        return False
+    found = await (await conn.execute(_HOLDER, (row.lease_owner,))).fetchone()
+    if found is None:
+        return False
+    status, last_seen, reported, now = found
+    heard_lately = effective_status("online", last_seen, now) == "online"
+    alive = status in ("online", "draining") and heard_lately
+    return alive and (reported is None or reported <= row.finished_at)
 
 
 async def _submitted_max_attempts(conn: psycopg.AsyncConnection, row: JobRow) -> int:

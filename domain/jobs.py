@@ -299,7 +299,7 @@ class JobNotRetryable(Conflict):
 
 def decide_retry(
     *, status: str, attempt: int, max_attempts: int, parent_job_id: UUID | None, children_total: int, grant: int,
-    by: str | None, ends: UnchargedEnds = UnchargedEnds(),
+    by: str | None, ends: UnchargedEnds = UnchargedEnds(), last_run_may_run_on: bool = False,
 ) -> JobRetried:
     """An operator sends a failed job back to the queue with ``grant`` more runs.
 
@@ -325,6 +325,11 @@ def decide_retry(
     if children_total:
         raise JobNotRetryable("A job that made children is not retried: its outcome is its children's. Submit it "
                               "again.", status)  # fmt: skip
+    if last_run_may_run_on:
+        # Failed under its holder (past its max_runtime_s): until the node reports, its memory is counted as
+        # taken; a retry now would give it up, and the next job placed there meet the run still holding it.
+        raise JobNotRetryable("Its last run may still hold its device until its node next reports (within a "
+                              "heartbeat); retry it then.", status)  # fmt: skip
     uncharged = min(attempt, ends.count(max_attempts))
     return JobRetried(attempt=attempt, max_attempts=attempt - uncharged + grant, uncharged=uncharged, by=by)
 

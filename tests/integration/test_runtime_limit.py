@@ -16,6 +16,7 @@ from umbra.compute import claims, jobs, retries, sweeper
 from umbra.compute.accounts import create_organization
 from umbra.compute.claims import ChildRequest
 from umbra.compute.sweeper import sweep_once
+from umbra.errors import Conflict
 from umbra.projections import jobs as queue
 from umbra.projections.verify import verify
 from umbra.settings import load_settings
@@ -80,8 +81,14 @@ async def test_a_job_ended_under_its_holder_keeps_its_memory_until_the_node_next
         await set_clock(conn, 5)
         assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 1
     assert await claim(conn, org_id, node) is None, "a 16,000 MB job went on a card the ended job still fills"
+    if ended_by == "runtime":  # a retry now would give up that count: refused until the node reports
+        with pytest.raises(Conflict) as refused:
+            await retries.retry(conn, org_id, first.id, actor="ops")
+        assert refused.value.code == "job_not_retryable" and "next reports" in refused.value.message
     await beat(conn, org_id, node, [msgspec.structs.replace(GPU24, vram_free_mb=24000)])  # it stopped
     assert (await claim(conn, org_id, node)).job_id == waiting.id
+    if ended_by == "runtime":
+        assert (await retries.retry(conn, org_id, first.id, actor="ops")).status == "queued"
     assert await verify(conn, org_id) == []
 
 
@@ -138,6 +145,7 @@ async def test_the_migration_that_added_the_mark_backfills_it_as_the_fold_has_it
     first = await claim(conn, org_id, node)
     await set_clock(conn, 5)
     assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 2
+    await beat(conn, org_id, node, [GPU24])  # the node reports: the failed runs hold nothing, a retry may go
     await retries.retry(conn, org_id, retried_then_failed.id, actor="ops")
     again = await claim(conn, org_id, node)
     assert again.job_id == retried_then_failed.id and again.attempt == first.attempt + 1
@@ -169,3 +177,16 @@ async def test_a_pass_pages_through_every_overrun_and_fails_each_once(conn, org,
     assert (await sweep_once(conn, SETTINGS, reexamine=False)).runtime_failed == 5
     assert [(await queue.load(conn, j.id, org_id)).status for j in over + within] == ["failed"] * 5 + ["running"] * 2
     assert (await sweep_once(conn, SETTINGS, reexamine=False)).runtime_failed == 0
+
+
+async def test_a_job_whose_node_went_silent_is_retried_without_waiting_for_a_report(conn, org):
+    """The node stopped beating (the machine is gone): nothing runs there for the claims to count, and a retry of
+    the job the controller failed under it is not held back for a report that will never come."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "gone", [GPU24])
+    job = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 1000, "max_runtime_s": 1})
+    await claim(conn, org_id, node)
+    await set_clock(conn, 5)
+    assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 1
+    await set_clock(conn, 5 + SETTINGS.heartbeat_stale_seconds + 1)
+    assert (await retries.retry(conn, org_id, job.id, actor="ops")).status in ("queued", "blocked")
