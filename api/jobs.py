@@ -99,6 +99,8 @@ async def get_job(request: Request) -> Response:
 async def cancel_job(request: Request) -> Response:
     async with authenticated(request, "jobs:write") as (who, conn):
         job_id = path_uuid(request, code="job_not_found")
+        if query_value(request, "if_waiting") == "":  # a safety catch left blank is not taken as off
+            raise InvalidRequest("if_waiting must be true or false, not empty.", field="if_waiting")
         if_waiting = query_bool(request, "if_waiting", default=False)
         row = await jobs.cancel(conn, who.organization_id, job_id, actor=who.actor, request_id=request_id(request),
                                 if_waiting=if_waiting)  # fmt: skip

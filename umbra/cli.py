@@ -316,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"umbra: configuration error: {exc}", file=sys.stderr)
         return 2
     except UmbraError as exc:
-        print(f"umbra: {exc.code}: {exc.message}", file=sys.stderr)
+        from .cli_events import printable  # a refusal may echo what was sent: nothing a terminal acts on
+
+        print(printable(f"umbra: {exc.code}: {exc.message}"), file=sys.stderr)
         return failed
     except KeyboardInterrupt:
         return 130

@@ -12,10 +12,11 @@ first rule it fails.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import anyio
+
+from umbra.events import documents
 
 from .cli_events import PAGE_SIZE, SERVER_HELP, _client, _get_json, printable, to_json_text
 
@@ -118,9 +119,10 @@ async def _listed(client, *, statuses: str | None, kind: str | None, limit: int 
 
 
 def _json_object(text: str) -> dict[str, Any]:
-    """A ``--payload`` or ``--requires`` argument: a JSON object."""
+    """A ``--payload`` or ``--requires`` argument: a JSON object, its numbers kept as written
+    (:mod:`umbra.events.documents`: no digit lost to a float, none past a double's range refused)."""
     try:
-        value = json.loads(text)
+        value = documents.decode(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -128,14 +130,44 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+#: The headers of a body encoded here (:mod:`umbra.events.documents`, exact numbers), not by httpx.
+_JSON = {"Content-Type": "application/json"}
+
+
+def _within(low: int, high: int | None = None):
+    """An ``int`` argument from ``low`` to ``high`` (no bound: None); refused by the parser otherwise."""
+
+    def checked(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {low} to {high}" if high is not None else f"must be at least {low}")
+        return value
+
+    return checked
+
+
+#: A batch body's limit (1 MiB, the server's for every body), less room for the envelope.
+_BATCH_BYTES = 1024 * 1024 - 1024
+
+
+def _batches(job: dict[str, Any], count: int) -> list[int]:
+    """How many of ``count`` copies of ``job`` each ``POST /v1/jobs/batch`` carries: as many as fit in a body
+    (and in a batch, 10,000), in order."""
+    size = len(documents.encode(job)) + 1
+    per_batch = max(1, min(10_000, _BATCH_BYTES // size))
+    return [min(per_batch, count - start) for start in range(0, count, per_batch)]
+
+
 def cmd_submit(args) -> int:
-    """Submit ``--count`` jobs of one kind: one ``POST /v1/jobs``, or one ``POST /v1/jobs/batch`` of them all.
+    """Submit ``--count`` jobs of one kind: one ``POST /v1/jobs``, or ``POST /v1/jobs/batch`` of as many as a
+    body holds, batch after batch (each all or nothing; those sent before a refusal stand, their ids printed).
     Prints each job's id, a line each (or the jobs as JSON)."""
     from umbra.agent.client import raise_for_error
     from umbra.errors import InvalidRequest
 
-    if args.count < 1 or args.count > 10_000:
-        raise InvalidRequest("--count must be 1 to 10000 (a batch's most).")
     if args.count > 1 and args.idempotency_key is not None:
         raise InvalidRequest("--idempotency-key names one job: it cannot go with --count.")
     job: dict[str, Any] = {"kind": args.kind, "payload": args.payload or {}, "requires": args.requires or {}}
@@ -145,15 +177,22 @@ def cmd_submit(args) -> int:
             job[field] = value
 
     async def main() -> int:
-        async with _client(args, scope="jobs:write") as client:
-            if args.count == 1:
-                answer = await client.post("/v1/jobs", json=job)
-                raise_for_error(answer)
-                jobs = [answer.json()]
-            else:
-                answer = await client.post("/v1/jobs/batch", json={"jobs": [job] * args.count})
-                raise_for_error(answer)
-                jobs = answer.json()["jobs"]
+        jobs: list[dict[str, Any]] = []
+        try:
+            async with _client(args, scope="jobs:write") as client:
+                if args.count == 1:
+                    answer = await client.post("/v1/jobs", content=documents.encode(job), headers=_JSON)
+                    raise_for_error(answer)
+                    jobs.append(documents.decode(answer.content))
+                for size in _batches(job, args.count) if args.count > 1 else []:
+                    answer = await client.post("/v1/jobs/batch", content=documents.encode({"jobs": [job] * size}),
+                                               headers=_JSON)  # fmt: skip
+                    raise_for_error(answer)
+                    jobs += documents.decode(answer.content)["jobs"]
+        except BaseException:
+            if jobs and not args.json:  # the batches sent before the refusal stand: say which
+                print("\n".join(j["id"] for j in jobs))
+            raise
         print(to_json_text(jobs if args.count > 1 else jobs[0]) if args.json else "\n".join(j["id"] for j in jobs))
         return 0
 
@@ -190,7 +229,7 @@ def format_details(job: dict[str, Any]) -> list[str]:
         if job.get(name):
             lines.append(f"{name.replace('_', ' ')}: {job[name]}")
     if job.get("result") is not None:
-        lines.append(f"result: {json.dumps(job['result'], ensure_ascii=False)}")
+        lines.append(f"result: {documents.encode(job['result']).decode()}")
     lines.append(f"submitted {job['created_at']}, started {job.get('started_at') or '-'}, "
                  f"finished {job.get('finished_at') or '-'}")  # fmt: skip
     return lines
@@ -314,14 +353,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--priority", type=int, default=None, help="lower runs first (default 100)")
     p.add_argument("--max-attempts", type=int, default=None, help="runs it may take (default 3)")
     p.add_argument("--idempotency-key", default=None, help="submitted again with it, the first job is answered")
-    p.add_argument("--count", type=int, default=1, help="how many of it, 1 to 10000 (one batch)")
+    p.add_argument("--count", type=_within(1, 100_000), default=1,
+                   help="how many of it, 1 to 100000 (in batches of as many as a request body holds)")
     _through_the_api(p, cmd_submit, scope="jobs:write", json_help="print the job (or the list of jobs) as JSON")
 
     p = _jobs_subparsers(sub).add_parser("list", help="list jobs, in submission order",
                                          description="List jobs (GET /v1/jobs) in submission order, filtered.")
     p.add_argument("--status", default=None, help="comma-separated statuses, e.g. queued,running")
     p.add_argument("--kind", default=None, help="only jobs of this kind")
-    p.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    p.add_argument("--limit", type=_within(1), default=100, help="at most this many (default 100)")
     _through_the_api(p, cmd_list, scope="jobs:read", json_help="print the jobs as JSON")
 
     _job_command(sub, "show", func=cmd_show, scope="jobs:read", json_help="print the Job object as JSON",

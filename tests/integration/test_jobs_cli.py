@@ -4,12 +4,14 @@ through the API with an API key."""
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 
 import anyio
 import psycopg
 import pytest
 
 from tests.helpers import bearer, run_umbra
+from umbra.events import documents
 
 from .queue_support import http_claim, http_pair
 
@@ -63,8 +65,10 @@ async def test_a_cancel_if_waiting_refuses_a_running_job_and_writes_nothing(clie
         assert await (await c.execute("SELECT count(*) FROM events")).fetchone() == before
     cancelled = await client.post(f"/v1/jobs/{waiting['id']}/cancel", params={"if_waiting": "true"}, headers=bearer(key))
     assert (cancelled.status_code, cancelled.json()["status"]) == (200, "cancelled")
-    bad = await client.post(f"/v1/jobs/{waiting['id']}/cancel", params={"if_waiting": "perhaps"}, headers=bearer(key))
-    assert (bad.status_code, bad.json()["field"]) == (422, "if_waiting")
+    for value in ("perhaps", ""):  # left blank, the safety catch is not taken as off
+        bad = await client.post(f"/v1/jobs/{running['id']}/cancel", params={"if_waiting": value}, headers=bearer(key))
+        assert (bad.status_code, bad.json()["field"]) == (422, "if_waiting"), value
+    assert (await client.get(f"/v1/jobs/{running['id']}", headers=bearer(key))).json()["status"] == "running"
 
 
 async def test_the_cli_submits_lists_and_shows_jobs(client, org, live_server):
@@ -91,3 +95,42 @@ async def test_the_cli_submits_lists_and_shows_jobs(client, org, live_server):
     bad = await anyio.to_thread.run_sync(lambda: umbra("submit", "sleep", "--payload", "[1, 2]"))
     assert bad.returncode != 0 and "JSON object" in bad.stderr, bad.stderr
     assert len((await client.get("/v1/jobs", headers=bearer(key))).json()["jobs"]) == 4
+
+
+async def test_numbers_travel_exactly_batches_fit_a_body_and_arguments_are_checked_first(client, org, live_server):
+    """A payload's numbers go as written, digits and range (as the service keeps them); ``--count`` past what
+    one body holds goes as several batches; a count or limit out of range is refused by the parser (exit 2),
+    and a refusal's message reaches the terminal escaped."""
+    _, key = org
+
+    def umbra(*args: str):
+        return run_umbra("jobs", *args, "--server", live_server.url, env={"UMBRA_API_KEY": key})
+
+    exact = await anyio.to_thread.run_sync(lambda: umbra("submit", "echo", "--payload", '{"x": 0.10000000000000000000000001, "y": 1e400}'))
+    assert exact.returncode == 0, exact.stderr
+    payload = documents.decode((await client.get(f"/v1/jobs/{exact.stdout.strip()}", headers=bearer(key))).content)["payload"]
+    assert payload == {"x": Decimal("0.10000000000000000000000001"), "y": Decimal("1e400")}, payload
+    many = await anyio.to_thread.run_sync(lambda: umbra("submit", "echo", "--count", "6000", "--payload",
+                                                        '{"text": "' + "x" * 300 + '"}'))  # fmt: skip
+    assert many.returncode == 0 and len(set(many.stdout.split())) == 6000, many.stderr  # 2 MB: three bodies
+    for args in (("submit", "echo", "--count", "0"), ("list", "--limit", "0")):
+        refused = await anyio.to_thread.run_sync(lambda: umbra(*args))
+        assert refused.returncode == 2, (args, refused.stderr)
+    escaped = await anyio.to_thread.run_sync(lambda: umbra("list", "--status", "\x1b]0;owned\x07queued"))
+    assert escaped.returncode == 1 and "\x1b" not in escaped.stderr and "\\x1b" in escaped.stderr, escaped.stderr
+
+
+async def test_show_prints_a_result_with_exact_numbers_and_unicode(client, org, live_server):
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = (await client.post("/v1/jobs", json={"kind": "caption"}, headers=bearer(key))).json()
+    held = await http_claim(client, credential)
+    result = {"caption": "café ✓ 日本語", "score": 0.5}
+    done = await client.post(f"/v1/agent/jobs/{job['id']}/complete", json={"attempt": held["attempt"], "result": result},
+                             headers=bearer(credential))  # fmt: skip
+    assert done.status_code == 200, done.text
+    shown = await anyio.to_thread.run_sync(lambda: run_umbra("jobs", "show", job["id"], "--server", live_server.url,
+                                                             env={"UMBRA_API_KEY": key}))  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    [line] = [line for line in shown.stdout.splitlines() if line.startswith("result: ")]
+    assert json.loads(line.removeprefix("result: ")) == result and "café ✓ 日本語" in line, shown.stdout
