@@ -404,8 +404,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub, "cancel-waiting", func=cmd_cancel_waiting, done_key="cancelled",
         help="cancel every queued or blocked job (of one kind)",
         description="Cancel every job not yet running, or those of --kind: each as `umbra jobs cancel` would, in "
-        "submission order. Running jobs are left to finish. Jobs that started or ended meanwhile are listed and "
-        "left as they are.")  # fmt: skip
+        "submission order. Running jobs are left to finish (a job split into children, though, settles once its "
+        "last open child is cancelled). Jobs that started or ended meanwhile are listed and left as they are.")  # fmt: skip
 
 
 def _every_job_command(sub: argparse._SubParsersAction, name: str, *, func, done_key: str, **texts: str):
