@@ -133,7 +133,9 @@ async def renew(request: Request) -> Response:
     asked_at = time.monotonic()  # before the renewal's transaction: the lease left is measured from here
     said = body.progress
     # An empty object says nothing: as if left out, what was said last stands.
-    progress = None if said is None or said == ProgressRequest() else Progress(fraction=said.fraction, message=said.message)
+    progress = None
+    if said is not None and said != ProgressRequest():
+        progress = Progress(fraction=said.fraction, message=said.message)
     row = await request.app.state.group_commit.renew(
         organization_id=who.organization_id, node_id=who.node_id, job_id=job_id, attempt=body.attempt,
         lease_seconds=services.settings.lease_seconds, credential_id=who.credential_id, request_id=request_id(request),

@@ -87,10 +87,11 @@ ORDER BY blocked_at, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
 #: A page of held jobs with a ``max_runtime_s`` whose current claim is older than it and the grace, after
-#: ``(after_at, after_id)`` (their first claim's time and id), with that claim's time. ``started_at`` (the first claim's) narrows them before the log is
-#: read. Only jobs with a limit, which the other jobs' rows answer from the leases' index. Compared in
-#: seconds, as numbers: a limit of any size (a submission takes any) never overflows a timestamp or an
-#: interval, which stopped the pass, for every organization, while such a job ran.
+#: ``(after_at, after_id)`` (their first claim's time and id), with that claim's time. ``started_at`` (the
+#: first claim's) narrows them before the log is read. Only jobs with a limit, which the other jobs' rows
+#: answer from the leases' index. Compared in seconds, as numbers: a limit of any size (a submission takes
+#: any) never overflows a timestamp or an interval, which stopped the pass, for every organization, while
+#: such a job ran.
 _OVERRUN = f"""
 SELECT {queue.SELECT_LIST}, claimed.recorded_at, umbra_now() FROM jobs
 CROSS JOIN LATERAL (

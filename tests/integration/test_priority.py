@@ -28,10 +28,6 @@ async def written(db_url) -> tuple[int, int]:
         return await (await c.execute("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM events)")).fetchone()
 
 
-async def written_by(conn) -> tuple[int, int]:
-    return await (await conn.execute("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM events)")).fetchone()
-
-
 async def submitted(client, key: str, name: str, **fields) -> dict:
     answer = await client.post("/v1/jobs", json={"kind": "render", "payload": {"name": name}, **fields}, headers=bearer(key))
     assert answer.status_code == 201, answer.text
@@ -140,17 +136,17 @@ async def test_who_may_move_a_job_and_what_a_bad_request_gets(client, org, conn,
     assert (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["priority"] == 100
 
 
-async def test_a_running_job_and_one_that_made_children_are_refused_and_the_children_can_be_moved(conn, org):
+async def test_a_running_job_and_one_that_made_children_are_refused_and_the_children_can_be_moved(conn, org, db_url):
     """A running job has its device (its claim stands untouched until its agent acts on it); a container runs
     nothing itself. Both → 409 ``job_not_reprioritizable``, nothing written; a waiting child moves."""
     org_id, _ = org
     node = await add_node(conn, org_id, "n", [CPU64])
     parent = await submit(conn, org_id)
     held = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
-    before = await written_by(conn)
+    before = await written(db_url)
     with pytest.raises(Conflict) as refused:
         await priorities.reprioritize(conn, org_id, parent.id, 1, actor="ops")
-    assert (refused.value.code, await written_by(conn)) == ("job_not_reprioritizable", before)
+    assert (refused.value.code, await written(db_url)) == ("job_not_reprioritizable", before)
     [child, _] = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=held.attempt,
                                            children=[claims.ChildRequest(kind="part"), claims.ChildRequest(kind="part")])  # fmt: skip
     with pytest.raises(Conflict) as refused:
