@@ -190,3 +190,18 @@ async def test_a_job_whose_node_went_silent_is_retried_without_waiting_for_a_rep
     assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 1
     await set_clock(conn, 5 + SETTINGS.heartbeat_stale_seconds + 1)
     assert (await retries.retry(conn, org_id, job.id, actor="ops")).status in ("queued", "blocked")
+
+
+async def test_the_claims_memory_read_reaches_both_kinds_of_job_by_their_partial_indexes(conn, org):
+    """The node read that judges claims (``RUNNING_TAKING_MEMORY``) repeats each partial index's predicate whole,
+    or the planner cannot use it and reads every job: with sequential scans priced out, its plan takes both
+    ``jobs_held_taking_memory`` (running jobs) and ``jobs_ended_under_holder_taking_memory``."""
+    from umbra.compute.blocked import RUNNING_TAKING_MEMORY
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "card", [GPU24])
+    await conn.execute("SET enable_seqscan = off")
+    cursor = await conn.execute(f"EXPLAIN (FORMAT JSON) SELECT {RUNNING_TAKING_MEMORY} FROM nodes n WHERE n.id = %s", (node,))
+    [[plan]] = await cursor.fetchall()
+    text = str(plan)
+    assert "jobs_held_taking_memory" in text and "jobs_ended_under_holder_taking_memory" in text, text
