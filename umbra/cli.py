@@ -182,14 +182,23 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, not {port}")
-    return port
+def _within(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number from ``low`` to ``high`` (no bound: None), refused as an argument
+    (exit 2) otherwise."""
+
+    def checked(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {low} to {high}" if high is not None else f"must be at least {low}")
+        return value
+
+    return checked
+
+
+_port = _within(0, 65535)
 
 
 def _register_bootstrap(sub: argparse._SubParsersAction) -> None:

@@ -134,21 +134,6 @@ def _json_object(text: str) -> dict[str, Any]:
 _JSON = {"Content-Type": "application/json"}
 
 
-def _within(low: int, high: int | None = None):
-    """An ``int`` argument from ``low`` to ``high`` (no bound: None); refused by the parser otherwise."""
-
-    def checked(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {low} to {high}" if high is not None else f"must be at least {low}")
-        return value
-
-    return checked
-
-
 #: A batch body's limit (1 MiB, the server's for every body), less room for the envelope.
 _BATCH_BYTES = 1024 * 1024 - 1024
 
@@ -342,6 +327,8 @@ def _job_command(sub: argparse._SubParsersAction, name: str, *, func, scope: str
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from umbra.cli import _within
+
     p = _jobs_subparsers(sub).add_parser(
         "submit", help="submit jobs of one kind",
         description="Submit a job (POST /v1/jobs), or --count of the same at once (POST /v1/jobs/batch); prints "

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from uuid import UUID
 
 import msgspec
+import psycopg
 
 from tests.helpers import bearer
 from umbra.compute import jobs
@@ -60,6 +61,14 @@ async def set_clock(conn, seconds: float) -> None:
     await conn.execute("SELECT set_config('umbra.clock_offset', %s, false)", (f"{seconds} seconds",))
 
 
+async def written(db_url: str, *also: str) -> tuple[int, ...]:
+    """What a refusal must leave as it found it: the rows of ``jobs``, the events of the log, and a count of
+    each of ``also`` (``"nodes WHERE ..."``: a table and what to count of it), read on a connection of its own."""
+    counts = ["jobs", "events", *also]
+    async with await psycopg.AsyncConnection.connect(db_url) as c:
+        return tuple(await (await c.execute("SELECT " + ", ".join(f"(SELECT count(*) FROM {t})" for t in counts))).fetchone())
+
+
 async def http_pair(client, key: str, name: str = "box", devices: Sequence[dict] | None = None) -> tuple[str, str]:
     """``(node_id, credential)`` of a node paired and heartbeated online through the routes, with ``devices``
     (one CPU64 unless given)."""
@@ -89,4 +98,4 @@ async def http_complete(client, credential: str, job: dict) -> dict:
 
 
 __all__ = ["CPU64", "CPU64_JSON", "CPU8", "GPU24", "ResidentModel", "add_node", "beat", "http_claim", "http_complete", "http_pair",
-           "register_model", "set_clock", "spec", "submit"]  # fmt: skip
+           "register_model", "set_clock", "spec", "submit", "written"]  # fmt: skip

@@ -17,15 +17,10 @@ from umbra.compute.accounts import create_api_key, create_organization
 from umbra.errors import Conflict
 from umbra.projections.verify import verify
 
-from .queue_support import CPU64, add_node, beat, http_claim, http_complete, http_pair, set_clock, submit
+from .queue_support import CPU64, add_node, beat, http_claim, http_complete, http_pair, set_clock, submit, written
 from .test_model_affinity import HOLDS_MISTRAL, fleet, take
 
 pytestmark = pytest.mark.anyio
-
-
-async def written(db_url) -> tuple[int, int]:
-    async with await psycopg.AsyncConnection.connect(db_url) as c:
-        return await (await c.execute("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM events)")).fetchone()
 
 
 async def submitted(client, key: str, name: str, **fields) -> dict:

@@ -8,7 +8,6 @@ import json
 
 import anyio
 import httpx
-import psycopg
 import pytest
 
 from tests.conftest import LiveServer
@@ -20,17 +19,11 @@ from umbra.errors import Conflict
 from umbra.projections.verify import verify
 from umbra.settings import load_settings
 
-from .queue_support import CPU64, add_node, beat, http_claim, http_complete, http_pair, set_clock, submit
+from .queue_support import CPU64, add_node, beat, http_claim, http_complete, http_pair, set_clock, submit, written
 
 SETTINGS = load_settings({})
 
 pytestmark = pytest.mark.anyio
-
-
-async def written(db_url) -> tuple[int, int]:
-    """Rows of ``jobs`` and events in the log: what a refusal must leave as it found them."""
-    async with await psycopg.AsyncConnection.connect(db_url) as c:
-        return (await (await c.execute("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM events)")).fetchone())
 
 
 async def failed_job(client, key: str, credential: str, **fields) -> dict:
