@@ -24,8 +24,8 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from umbra.domain.eligibility import NodeView, blocking_reason, takes_kind
-from umbra.domain.explain import Explanation, QueueStanding, competing_ahead, survey
-from umbra.domain.explain_text import blocked_summary, placed_summary, queued_summary
+from umbra.domain.explain import DependencyStatus, Explanation, QueueStanding, competing_ahead, survey
+from umbra.domain.explain_text import blocked_summary, placed_summary, queued_summary, waiting_summary
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
 from umbra.errors import NotFound
@@ -35,6 +35,7 @@ from umbra.projections.jobs import JobRow
 
 from .blocked import read_models, read_nodes
 from .claims import uncharged_claims
+from .jobs import dependency_statuses_of
 
 #: How long a job may stay blocked before the sweeper fails it (the settings default).
 DEFAULT_BLOCKED_TIMEOUT_SECONDS = 86_400
@@ -90,6 +91,12 @@ async def _waiting(
     blocked_timeout_seconds: int,
 ) -> Explanation:
     eligible, ineligible = survey(nodes, row.requires, models)
+    if row.awaiting_dependencies and row.depends_on:
+        statuses = list((await dependency_statuses_of(conn, row.organization_id, row.depends_on)).items())
+        return Explanation(
+            job_id=row.id, status=row.status, eligible=eligible, ineligible=ineligible, summary=waiting_summary(statuses),
+            dependencies=[DependencyStatus(job_id=job_id, status=status) for job_id, status in statuses],
+        )  # fmt: skip
     if row.status == "blocked":
         current = blocking_reason(row.requires, models, nodes)
         fails_at = row.blocked_at + timedelta(seconds=blocked_timeout_seconds) if row.blocked_at else None

@@ -32,8 +32,8 @@ from umbra import jitter
 from umbra.compute.accounts import project_exists
 from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.jobs import decide_cancel
-from umbra.domain.settlement import settle
-from umbra.errors import InvalidRequest, NotFound
+from umbra.domain.settlement import UNSUCCESSFUL, settle
+from umbra.errors import Conflict, InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
     TERMINAL_JOB_STATUSES, Event, JobBlocked, JobClaimed, JobDecomposed, JobLeaseExpired, JobLeaseRenewed,
@@ -63,6 +63,8 @@ IdempotencyKey = Annotated[str, Meta(min_length=1, max_length=200)]
 
 #: The most jobs one batch may carry.
 MAX_BATCH = 10_000
+#: The most jobs one job may depend on.
+MAX_DEPENDS_ON = 100
 
 
 #: Bytes (UTF-8) of the names a job's kind and requirements may hold in all. The kind and the requirements
@@ -153,6 +155,8 @@ class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     project_id: UUID | None = None
     lang: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
     idempotency_key: IdempotencyKey | None = None
+    #: Jobs of the organization this one runs after: it waits (``blocked``) until every one completes.
+    depends_on: Annotated[list[UUID], Meta(max_length=MAX_DEPENDS_ON)] = []
 
     def __post_init__(self) -> None:
         check_shape_size(self.kind, self.requires)
@@ -198,19 +202,31 @@ def submitted_events(
     requested_by: str | None,
     judge: BlockingJudge,
     parent_job_id: UUID | None = None,
+    depends_on: tuple[UUID, ...] = (),
+    waiting_on: tuple[UUID, ...] = (),
 ) -> list[Event]:
-    """A new job's first events: submitted, and blocked when nothing could ever run it."""
+    """A new job's first events: submitted, and blocked while it waits for ``waiting_on`` (those of the jobs
+    it depends on that have not completed) or when nothing could ever run it. A waiting job is judged
+    against the fleet when it is released (:mod:`umbra.compute.dependencies`), not now."""
     events: list[Event] = [
         JobSubmitted(
             kind=kind, priority=priority, max_attempts=max_attempts, requires=requires, payload=payload,
             project_id=project_id, lang=lang, parent_job_id=parent_job_id, idempotency_key=idempotency_key,
-            requested_by=requested_by,
+            requested_by=requested_by, depends_on=depends_on,
         )
     ]  # fmt: skip
+    if waiting_on:
+        events.append(JobBlocked(reason=waiting_reason(len(waiting_on)), waiting_on=waiting_on))
+        return events
     reason = judge.reason(requires)
     if reason is not None:
         events.append(JobBlocked(reason=reason))
     return events
+
+
+def waiting_reason(count: int) -> str:
+    """The ``blocked_reason`` of a job waiting for ``count`` jobs it depends on."""
+    return f"waiting for {count} job{'s' if count != 1 else ''} it depends on to complete"
 
 
 def new_job_ids(count: int) -> Iterator[UUID]:
@@ -220,9 +236,52 @@ def new_job_ids(count: int) -> Iterator[UUID]:
         yield UUID(bytes=raw[start : start + 16], version=4)
 
 
-def submitted_event_count(requires: Requirements, judge: BlockingJudge) -> int:
-    """How many events :func:`submitted_events` gives a job with these requirements."""
-    return 1 if judge.reason(requires) is None else 2
+def submitted_event_count(requires: Requirements, judge: BlockingJudge, *, waiting: bool = False) -> int:
+    """How many events :func:`submitted_events` gives a job with these requirements (``waiting``: for jobs
+    it depends on)."""
+    return 2 if waiting or judge.reason(requires) is not None else 1
+
+
+_STATUSES = "SELECT id, status FROM jobs WHERE organization_id = %s AND id = ANY(%s::uuid[])"
+
+
+async def dependency_statuses_of(conn: psycopg.AsyncConnection, organization_id: UUID, job_ids: Sequence[UUID]) -> dict[UUID, str]:
+    """The status of each of ``job_ids``, in their order, that the organization has (``missing`` for one it
+    has not; jobs are never deleted, so only a submission meets that, and refuses it)."""
+    found = dict(await (await conn.execute(_STATUSES, (organization_id, list(job_ids)))).fetchall())
+    return {job_id: found.get(job_id, "missing") for job_id in job_ids}
+
+
+async def dependency_statuses(
+    conn: psycopg.AsyncConnection, organization_id: UUID, specs: Sequence[JobRequest], *, batch: bool,
+) -> dict[UUID, str]:
+    """The status of every job the specs depend on; refuses a spec naming a job the organization does not
+    have (404 ``job_not_found``, another organization's included).
+
+    Read without locks: a job that ends after this read is seen by the sweeper's next look at the waiting
+    jobs (:mod:`umbra.compute.dependencies`), which reads every dependency again.
+    """
+    named = list(dict.fromkeys(job_id for spec in specs for job_id in spec.depends_on))
+    if not named:
+        return {}
+    statuses = await dependency_statuses_of(conn, organization_id, named)
+    for index, spec in enumerate(specs):
+        for job_id in spec.depends_on:
+            if statuses[job_id] == "missing":
+                extra = {"index": index} if batch else {}
+                raise NotFound("job_not_found", f"No job {job_id} in this organization to depend on.", **extra)
+    return statuses
+
+
+def waiting_on(depends_on: Sequence[UUID], statuses: Mapping[UUID, str], *, index: int | None = None) -> tuple[UUID, ...]:
+    """Those of ``depends_on`` not complete yet; refuses (409 ``dependency_failed``) a new job that depends on
+    a job which ended otherwise: it would only fail. ``index``: the item's, in a batch."""
+    for job_id in depends_on:
+        if (status := statuses[job_id]) in UNSUCCESSFUL:
+            extra = {} if index is None else {"index": index}
+            raise Conflict("dependency_failed", f"Job {job_id}, which this job would depend on, ended {status}.",
+                           dependency=str(job_id), status=status, **extra)  # fmt: skip
+    return tuple(job_id for job_id in depends_on if statuses[job_id] != "complete")
 
 
 _BY_KEYS = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE organization_id = %s AND idempotency_key = ANY(%s)"
@@ -289,15 +348,16 @@ async def _submit(
                 extra = {"index": index} if batch else {}
                 raise NotFound("project_not_found", f"No project {spec.project_id} in this organization.", **extra)
             checked.add(spec.project_id)
+    dependencies = await dependency_statuses(conn, organization_id, specs, batch=batch)
     keys = list({s.idempotency_key for s in specs if s.idempotency_key})
     await lock_idempotency_keys(conn, organization_id, keys)
     existing = await jobs_by_idempotency_key(conn, organization_id, keys)
     judge: BlockingJudge | None = None
-    fresh: list[tuple[JobRequest, Requirements]] = []
+    fresh: list[tuple[JobRequest, Requirements, tuple[UUID, ...], tuple[UUID, ...]]] = []
     slots: list[JobRow | int] = []
     new_keys: dict[str, int] = {}
     events = 0
-    for spec in specs:
+    for index, spec in enumerate(specs):
         key = spec.idempotency_key
         if key is not None and key in existing:
             slots.append(existing[key])
@@ -307,21 +367,24 @@ async def _submit(
             continue
         judge = judge or await BlockingJudge.load(conn, organization_id)
         requires = spec.requires.to_requirements()
-        events += submitted_event_count(requires, judge)
+        depends_on = tuple(dict.fromkeys(spec.depends_on))
+        waiting = waiting_on(depends_on, dependencies, index=index if batch else None)
+        events += submitted_event_count(requires, judge, waiting=bool(waiting))
         if key is not None:
             new_keys[key] = len(fresh)
         slots.append(len(fresh))
-        fresh.append((spec, requires))
+        fresh.append((spec, requires, depends_on, waiting))
 
     def changes() -> Iterator[Change]:
         # Built while a large batch's COPY streams (see queue.record); the judge
         # is memoised, so it gives the verdicts counted above.
         assert judge is not None
-        for (spec, requires), job_id in zip(fresh, new_job_ids(len(fresh))):
+        for (spec, requires, depends_on, waiting), job_id in zip(fresh, new_job_ids(len(fresh))):
             yield Change(job_id, organization_id, None, submitted_events(
                 kind=spec.kind, payload=spec.payload, requires=requires, priority=spec.priority,
                 max_attempts=spec.max_attempts, project_id=spec.project_id, lang=spec.lang,
                 idempotency_key=spec.idempotency_key, requested_by=actor, judge=judge,
+                depends_on=depends_on, waiting_on=waiting,
             ))  # fmt: skip
 
     rows = await queue.record(conn, changes(), metadata=store.event_metadata(actor, request_id), events=events) if fresh else []

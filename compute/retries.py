@@ -25,7 +25,7 @@ from umbra.projections.jobs import Change, JobRow
 
 from .blocked import BlockingJudge
 from .claims import uncharged_claims
-from .jobs import record_and_settle
+from .jobs import dependency_statuses_of, record_and_settle, waiting_reason
 
 
 async def retry(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, *, actor: str | None,
@@ -44,11 +44,14 @@ async def retry(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UU
         failed = row.status == "failed"  # else refused below: nothing more to read
         grant = max_attempts if max_attempts is not None else (await _submitted_max_attempts(conn, row) if failed else 1)
         ends = (await uncharged_claims(conn, [job_id])).get(job_id, UnchargedEnds()) if failed else UnchargedEnds()
+        dependencies = await dependency_statuses_of(conn, organization_id, row.depends_on) if failed and row.depends_on else {}
         retried = decide_retry(status=row.status, attempt=row.attempt, max_attempts=row.max_attempts,
                                parent_job_id=row.parent_job_id, children_total=row.children_total, grant=grant, by=actor,
-                               ends=ends, last_run_may_run_on=failed and await _last_run_may_run_on(conn, row))  # fmt: skip
-        reason = judge.reason(row.requires)
-        events = [retried] if reason is None else [retried, JobBlocked(reason=reason)]
+                               ends=ends, last_run_may_run_on=failed and await _last_run_may_run_on(conn, row),
+                               dependencies=dependencies)  # fmt: skip
+        waiting = tuple(dependency for dependency, status in dependencies.items() if status != "complete")
+        reason = waiting_reason(len(waiting)) if waiting else judge.reason(row.requires)
+        events = [retried] if reason is None else [retried, JobBlocked(reason=reason, waiting_on=waiting)]
         rows, position = await record_and_settle(conn, [Change(job_id, organization_id, row, events)],
                                                  metadata=store.event_metadata(actor, request_id))  # fmt: skip
         await store.publish(conn, [(organization_id, position, 1 if reason is None else 0)])

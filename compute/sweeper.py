@@ -12,6 +12,10 @@ Each tick, in separate command transactions:
 * **running past ``max_runtime_s``** by more than a lease, counted from the
   current claim → ``job.failed`` (reason ``runtime_exceeded``;
   :func:`umbra.domain.jobs.decide_overrun`), whatever the holder does;
+* **jobs waiting for the jobs they depend on** → ``job.unblocked`` once all of
+  them completed, ``job.failed`` (``dependency_failed``) once one ended
+  otherwise (:mod:`umbra.compute.dependencies`); such a job never times out
+  as blocked;
 * **delayed jobs now due** → one hint per organization, so long-polls waiting
   for work wake when a backoff or lease-expiry delay ends rather than at their
   next poll;
@@ -54,7 +58,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change
 from umbra.settings import Settings
 
-from . import pairing, statistics
+from . import dependencies, pairing, statistics
 from .blocked import reexamine_waiting_jobs
 from .claims import end_leases
 from .jobs import ancestors_held_elsewhere, record_and_settle
@@ -81,7 +85,7 @@ FOR UPDATE SKIP LOCKED
 """
 _BLOCKED_TOO_LONG = f"""
 SELECT {queue.SELECT_LIST} FROM jobs
-WHERE status = 'blocked' AND blocked_at <= umbra_now() - make_interval(secs => %(timeout)s)
+WHERE status = 'blocked' AND blocked_at <= umbra_now() - make_interval(secs => %(timeout)s) AND NOT awaiting_dependencies
   AND (%(after_at)s::timestamptz IS NULL OR (blocked_at, id) > (%(after_at)s, %(after_id)s::uuid))
 ORDER BY blocked_at, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
@@ -127,6 +131,8 @@ class SweepReport:
     nodes_offline: int = 0
     blocked_failed: int = 0
     runtime_failed: int = 0
+    dependencies_released: int = 0
+    dependencies_failed: int = 0
     jobs_woken: int = 0
     jobs_unblocked: int = 0
     jobs_blocked: int = 0
@@ -136,7 +142,8 @@ class SweepReport:
 
     @property
     def actions(self) -> int:
-        return self.leases_requeued + self.leases_failed + self.nodes_offline + self.blocked_failed + self.runtime_failed
+        return (self.leases_requeued + self.leases_failed + self.nodes_offline + self.blocked_failed + self.runtime_failed
+                + self.dependencies_released + self.dependencies_failed)
 
 
 async def sweep_once(
@@ -170,6 +177,10 @@ async def sweep_once(
         while (after := await _fail_overrun(conn, settings, report, after)) is not None:
             pass
 
+    async def release_dependents() -> None:
+        released = await dependencies.release_ready(conn, metadata=_METADATA)
+        report.dependencies_released, report.dependencies_failed = released.released, released.failed
+
     async def mark_stale_nodes() -> None:
         report.nodes_offline = await _mark_stale_nodes(conn, settings)
 
@@ -183,6 +194,7 @@ async def sweep_once(
     await _step("mark_stale_nodes", mark_stale_nodes)
     await _step("fail_blocked", fail_blocked)
     await _step("fail_overrun", fail_overrun)
+    await _step("release_dependents", release_dependents)
     if since is not None:
         await _step("announce_due", lambda: _announce_due(conn, since, report))
     await _step("refresh_statistics", refresh_statistics)
@@ -198,6 +210,8 @@ async def sweep_once(
     for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
                           ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed),
                           ("runtime_exceeded", report.runtime_failed),
+                          ("dependencies_released", report.dependencies_released),
+                          ("dependency_failed", report.dependencies_failed),
                           ("job_unblocked", report.jobs_unblocked), ("job_blocked", report.jobs_blocked),
                           ("pairing_pruned", report.pairing_rows_pruned),
                           ("jobs_analysed", int(report.statistics_refreshed))):
@@ -205,7 +219,9 @@ async def sweep_once(
     if report.actions:
         log.info("sweep", extra={"action": "sweep", "leases_requeued": report.leases_requeued,
                                  "leases_failed": report.leases_failed, "nodes_offline": report.nodes_offline,
-                                 "blocked_failed": report.blocked_failed, "runtime_failed": report.runtime_failed})  # fmt: skip
+                                 "blocked_failed": report.blocked_failed, "runtime_failed": report.runtime_failed,
+                                 "dependencies_released": report.dependencies_released,
+                                 "dependencies_failed": report.dependencies_failed})  # fmt: skip
     return report
 
 

@@ -68,6 +68,13 @@ class IneligibleDevice(msgspec.Struct, kw_only=True):
     available_mb: int | None = None
 
 
+class DependencyStatus(msgspec.Struct, kw_only=True):
+    """A job another waits for, as ``explain`` finds it."""
+
+    job_id: UUID
+    status: str
+
+
 class Explanation(msgspec.Struct, kw_only=True):
     """The answer of ``GET /v1/jobs/{id}/explain``."""
 
@@ -84,6 +91,9 @@ class Explanation(msgspec.Struct, kw_only=True):
     #: For a queued job: due jobs ahead of it in claim order that its eligible nodes would take first.
     ahead: int | None = None
     not_before: datetime | None = None
+    #: For a job waiting for the jobs it depends on: each of them, in its order, with its status now.
+    dependencies: list[DependencyStatus] | None = None
+
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """Pure decisions about one job: fencing, repeated reports, failure, lease expiry, overrun, cancellation, retry,
-priority.
+priority, dependencies.
 
 Each function takes the facts it needs as plain values and either returns the
 event to append or raises the refusal; the command modules load and lock the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Literal, Mapping, Sequence
 from uuid import UUID
 
 from umbra.errors import Conflict
@@ -24,9 +24,11 @@ from umbra.events.types import (
     JobReprioritized,
     JobRequeued,
     JobRetried,
+    JobUnblocked,
 )
 
 from .backoff import backoff_seconds, should_retry
+from .settlement import UNSUCCESSFUL
 
 
 class NotHolder(Conflict):
@@ -255,6 +257,31 @@ def decide_overrun(
                      error=f"The job exceeded its max_runtime_s ({max_runtime_s} s): still running {ran:.0f} s after its claim.")  # fmt: skip
 
 
+#: ``job.unblocked``'s reason when the jobs a job depends on have all completed.
+DEPENDENCIES_COMPLETE = "dependencies_complete"
+
+
+def decide_dependencies(
+    *, attempt: int, depends_on: Sequence[UUID], statuses: Mapping[UUID, str]
+) -> JobUnblocked | JobFailed | None:
+    """A job waiting for the jobs it depends on: released once every one completed, failed as soon as one
+    ended otherwise (failed, cancelled, or a container that settled ``partial``), else left waiting (None).
+
+    Failed for good (``dependency_failed``), charging no run: its input will not come, and running it without
+    would waste the device; the failure names the first such dependency. A dependency with no status (never
+    the case: jobs are not deleted) counts as not yet complete. An operator retries the dependency, then this
+    job, which waits again.
+    """
+    for job_id in depends_on:
+        status = statuses.get(job_id)
+        if status in UNSUCCESSFUL:
+            return JobFailed(attempt=attempt, reason="dependency_failed",
+                             error=f"Job {job_id}, which this job depends on, ended {status}.")  # fmt: skip
+    if all(statuses.get(job_id) == "complete" for job_id in depends_on):
+        return JobUnblocked(reason=DEPENDENCIES_COMPLETE)
+    return None
+
+
 #: ``job.released``'s reason when a stopping agent gives back a job it had started.
 AGENT_STOPPING = "agent_stopping"
 STOPPED_ERROR = "The agent stopped before the job finished."
@@ -300,6 +327,7 @@ class JobNotRetryable(Conflict):
 def decide_retry(
     *, status: str, attempt: int, max_attempts: int, parent_job_id: UUID | None, children_total: int, grant: int,
     by: str | None, ends: UnchargedEnds = UnchargedEnds(), last_run_may_run_on: bool = False,
+    dependencies: Mapping[UUID, str] | None = None,
 ) -> JobRetried:
     """An operator sends a failed job back to the queue with ``grant`` more runs.
 
@@ -316,6 +344,10 @@ def decide_retry(
     ``grant`` more, however the earlier ones ended. The claims not charged up
     to now are recorded with it (``uncharged``), frozen: the ends after the
     retry are counted against the runs it granted.
+
+    A job that depends on others (``dependencies``: their statuses) is retried
+    only once none of them has ended other than complete: it would only fail
+    again. Retry those first; the retried job waits for them.
     """
     if status != "failed":
         raise JobNotRetryable(f"Only a failed job can be retried; this one is {status}.", status)
@@ -330,6 +362,10 @@ def decide_retry(
         # taken; a retry now would give it up, and the next job placed there meet the run still holding it.
         raise JobNotRetryable("Its last run may still hold its device until its node next reports (within a "
                               "heartbeat); retry it then.", status)  # fmt: skip
+    for job_id, dependency_status in (dependencies or {}).items():
+        if dependency_status in UNSUCCESSFUL:
+            raise JobNotRetryable(f"It depends on job {job_id}, which ended {dependency_status}: retry that one "
+                                  "first.", status)  # fmt: skip
     uncharged = min(attempt, ends.count(max_attempts))
     return JobRetried(attempt=attempt, max_attempts=attempt - uncharged + grant, uncharged=uncharged, by=by)
 

@@ -102,6 +102,8 @@ class JobSubmitted(_Event, tag="job.submitted"):
     parent_job_id: UUID | None = None
     idempotency_key: str | None = None
     requested_by: str | None = None
+    #: The jobs this one runs after (each must complete first); written once, here.
+    depends_on: tuple[UUID, ...] = ()
 
 
 class JobClaimed(_Event, tag="job.claimed"):
@@ -138,7 +140,8 @@ class JobFailed(_Event, tag="job.failed"):
 
     attempt: int
     error: str
-    reason: Literal["not_retryable", "attempts_exhausted", "lease_expired", "blocked_timeout", "runtime_exceeded"] = "not_retryable"
+    reason: Literal["not_retryable", "attempts_exhausted", "lease_expired", "blocked_timeout", "runtime_exceeded",
+                    "dependency_failed"] = "not_retryable"
 
 
 class JobRequeued(_Event, tag="job.requeued"):
@@ -171,8 +174,12 @@ class JobReleased(_Event, tag="job.released"):
     reason: str = "released"
 
 
-class JobBlocked(_Event, tag="job.blocked"):
+class JobBlocked(_Event, tag="job.blocked", omit_defaults=True):
+    """Set aside: no device could ever run it (``reason`` names the shortfall), or it waits for the jobs it
+    depends on (``waiting_on``: those not complete when it was set aside)."""
+
     reason: str
+    waiting_on: tuple[UUID, ...] = ()
 
 
 class JobUnblocked(_Event, tag="job.unblocked"):

@@ -89,6 +89,11 @@ class JobRow:
     #: Ended while its holder ran it, without the holder's word (cancelled while running, failed past its
     #: ``max_runtime_s``): the handler runs on until its agent hears, and holds its memory till then.
     ended_under_holder: bool
+    #: The jobs this one runs after (``JobSubmitted.depends_on``); None: none.
+    depends_on: tuple[UUID, ...] | None
+    #: Set aside until the jobs it depends on complete (a ``JobBlocked`` with ``waiting_on``); the
+    #: sweeper releases it, or fails it when one of them ends otherwise (:mod:`umbra.compute.dependencies`).
+    awaiting_dependencies: bool
 
 
 COLUMNS = tuple(f.name for f in fields(JobRow))
@@ -153,6 +158,7 @@ def _submitted(recorded: RecordedEvent, e: JobSubmitted, job_id: UUID) -> JobRow
         job_id, recorded.organization_id, e.kind, "queued", e.requested_by, e.priority, e.requires, e.payload,
         e.project_id, e.lang, 0, e.max_attempts, None, e.parent_job_id, e.idempotency_key, None, None,
         None, None, None, None, None, 0, position, recorded.version, position, at, at, None, None, None, False,
+        e.depends_on or None, False,
     ))  # fmt: skip
 
 
@@ -193,7 +199,7 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
             return dict(status="complete", result=e.result, error=None, lease_expires_at=None, finished_at=at)
         case JobFailed():
             return dict(status="failed", error=e.error, lease_expires_at=None, finished_at=at,
-                        ended_under_holder=e.reason == "runtime_exceeded")  # fmt: skip
+                        ended_under_holder=e.reason == "runtime_exceeded", awaiting_dependencies=False)  # fmt: skip
         case JobRequeued():
             return dict(status="queued", error=e.error, not_before=e.not_before, **_RELEASED)
         case JobLeaseExpired() if e.requeued:
@@ -206,9 +212,10 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
             return dict(status="queued", **_RELEASED, **({"error": STOPPED_ERROR} if reason == AGENT_STOPPING else {}))
         case JobBlocked():
             since = s.blocked_at if s.status == "blocked" else at
-            return dict(status="blocked", blocked_reason=e.reason, blocked_at=since, **_RELEASED)
+            return dict(status="blocked", blocked_reason=e.reason, blocked_at=since,
+                        awaiting_dependencies=bool(e.waiting_on), **_RELEASED)  # fmt: skip
         case JobUnblocked():
-            return dict(status="queued", blocked_reason=None, blocked_at=None)
+            return dict(status="queued", blocked_reason=None, blocked_at=None, awaiting_dependencies=False)
         case JobDecomposed():
             # A container runs on no node: its claim's placement stays in the log, not on the row.
             return dict(status="running", lease_owner=None, lease_expires_at=None, placement=None,
@@ -219,12 +226,13 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
                            finished_at=at)  # fmt: skip
         case JobCancelled():
             # The holder is kept so its next renew/complete learns "cancelled".
-            return dict(status="cancelled", lease_expires_at=None, finished_at=at,
+            return dict(status="cancelled", lease_expires_at=None, finished_at=at, awaiting_dependencies=False,
                         ended_under_holder=s.status == "running" and s.lease_owner is not None)  # fmt: skip
         case JobRetried():
             # Back in its place in the queue; its error stays, the failure it came back from, until a run ends.
             return dict(status="queued", max_attempts=e.max_attempts, result=None, not_before=None, finished_at=None,
-                        blocked_reason=None, blocked_at=None, ended_under_holder=False, **_RELEASED)  # fmt: skip
+                        blocked_reason=None, blocked_at=None, ended_under_holder=False, awaiting_dependencies=False,
+                        **_RELEASED)  # fmt: skip
         case JobReprioritized():
             return dict(priority=e.priority)
     raise ValueError(f"not a job event: {type(e).__name__}")
@@ -290,6 +298,8 @@ class JobOut(msgspec.Struct):
     position: int
     #: An addition: how far the current run is, as its holder last said (``{"fraction"?, "message"?}``).
     progress: Progress | None
+    #: An addition: the jobs this one runs after (``[]``: none).
+    depends_on: tuple[UUID, ...]
 
 
 def job_out(row: JobRow) -> JobOut:
@@ -299,7 +309,7 @@ def job_out(row: JobRow) -> JobOut:
         row.project_id, row.lang, row.attempt, row.max_attempts, _utc(row.not_before), row.parent_job_id,
         row.idempotency_key, row.requested_by, row.lease_owner, _utc(row.lease_expires_at), row.result, row.error,
         row.placement, row.blocked_reason, _utc(row.created_at), _utc(row.started_at),
-        _utc(row.finished_at), row.position, row.progress,
+        _utc(row.finished_at), row.position, row.progress, row.depends_on or (),
     )  # fmt: skip
 
 
@@ -307,6 +317,7 @@ def to_json(row: JobRow) -> dict[str, Any]:
     """The API's Job object as plain JSON values (:class:`JobOut`)."""
     out = documents.to_builtins(job_out(row))
     out["placement"] = placement_json(row.placement)  # its tuple as a list, as JSON gives it back
+    out["depends_on"] = [str(job_id) for job_id in row.depends_on or ()]
     return out
 
 
@@ -338,6 +349,7 @@ _JSON_TYPES = {"requires": Requirements, "payload": dict[str, Any], "result": An
 _decoders = {name: documents.decoder(t) for name, t in _JSON_TYPES.items()}
 _decoder_at = [(COLUMNS.index(name), decoder) for name, decoder in _decoders.items()]
 _WIDTH = len(COLUMNS)
+_DEPENDS_ON = COLUMNS.index("depends_on")
 _encoder = documents.encoder
 
 
@@ -352,6 +364,8 @@ def from_db(record: Sequence[Any]) -> JobRow:
     for index, decoder in _decoder_at:
         raw = values[index]
         values[index] = None if raw is None else decoder.decode(raw)
+    if (depends_on := values[_DEPENDS_ON]) is not None:  # a list from the driver, a tuple as the fold has it
+        values[_DEPENDS_ON] = tuple(depends_on)
     return _build(values)
 
 
@@ -362,7 +376,7 @@ _SQL_TYPES = {
     "blocked_at": "timestamptz", "created_at": "timestamptz", "updated_at": "timestamptz",
     "started_at": "timestamptz", "finished_at": "timestamptz",
     "requires": "jsonb", "payload": "jsonb", "result": "jsonb", "placement": "jsonb", "progress": "jsonb",
-    "ended_under_holder": "boolean",
+    "ended_under_holder": "boolean", "depends_on": "uuid[]", "awaiting_dependencies": "boolean",
 }  # fmt: skip
 #: Rows travel as one JSON document (msgspec encodes 10,000 rows in milliseconds;
 #: psycopg's per-element array dumping took most of a batch submit's time).
@@ -392,7 +406,7 @@ async def write_rows(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> N
 TRANSITION_COLUMNS = (
     "status", "priority", "attempt", "max_attempts", "not_before", "lease_owner", "lease_expires_at", "result", "error", "placement",
     "blocked_reason", "blocked_at", "children_total", "version", "position", "updated_at", "started_at", "finished_at",
-    "progress", "ended_under_holder",
+    "progress", "ended_under_holder", "awaiting_dependencies",
 )  # fmt: skip
 #: Sent for each row: the position is not, it is read from the log (below).
 _TRANSITION_KEYS = ("id", *(c for c in TRANSITION_COLUMNS if c != "position"))
@@ -472,8 +486,14 @@ def _copy_line(r: JobRow, memo: dict[Any, str]) -> str:
         f"{N if r.blocked_at is None else _at(r.blocked_at, memo)}\t"
         f"{r.children_total}\t{r.seq}\t{r.version}\t{r.position}\t{_at(r.created_at, memo)}\t{_at(r.updated_at, memo)}\t"
         f"{N if r.started_at is None else _at(r.started_at, memo)}\t{N if r.finished_at is None else _at(r.finished_at, memo)}\t"
-        f"{N if r.progress is None else copy_json(_encoder.encode(r.progress))}\t{'t' if r.ended_under_holder else 'f'}\n"
+        f"{N if r.progress is None else copy_json(_encoder.encode(r.progress))}\t{'t' if r.ended_under_holder else 'f'}\t"
+        f"{N if r.depends_on is None else _uuid_array(r.depends_on)}\t{'t' if r.awaiting_dependencies else 'f'}\n"
     )
+
+
+def _uuid_array(ids: Sequence[UUID]) -> str:
+    """A ``uuid[]`` in COPY text format (a UUID's text needs no quoting)."""
+    return "{" + ",".join(map(str, ids)) + "}"
 
 
 def _at(value: datetime, memo: dict[Any, str]) -> str:

@@ -186,7 +186,7 @@ def test_the_job_object_encodes_the_same_as_its_plain_json_with_utc_timestamps()
     assert plain["requires"] == {"vram_min_mb": 5, "ram_min_mb": 0, "models": ["m"], "trust_domains": [],
                                  "accelerators": [], "max_runtime_s": None, "prefer_node": str(NODE)}  # fmt: skip
     assert plain["placement"]["node_id"] == str(NODE) and plain["payload"] == {"a": [1, "x"]}
-    assert list(plain)[:3] == ["id", "organization_id", "kind"] and list(plain)[-2:] == ["position", "progress"]
+    assert list(plain)[:3] == ["id", "organization_id", "kind"] and list(plain)[-3:] == ["position", "progress", "depends_on"]
 
 
 AFTER_SUBMISSION = [

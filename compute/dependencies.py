@@ -1,0 +1,148 @@
+"""Jobs that run after others: releasing a waiting job when the jobs it depends on complete, failing it
+when one of them ends otherwise.
+
+A job submitted with ``depends_on`` whose dependencies have not all completed
+is ``blocked`` (``job.blocked`` with ``waiting_on``, ``awaiting_dependencies``
+on its row). The sweeper's leader looks at the waiting jobs every tick
+(:func:`release_ready`): one whose dependencies all completed is
+``job.unblocked`` (``dependencies_complete``) and judged against the fleet as
+a submission is, so it is queued, or blocked again if nothing could ever run
+it; one with a dependency that failed, was cancelled or settled ``partial``
+is ``job.failed`` (``dependency_failed``), and its own dependents fail at the
+next look in turn (the pass runs again while it fails any, so a chain fails
+within one tick).
+
+Why a look each tick rather than in the transaction that ends the dependency:
+a job ends on many paths, the group commit's among them, which must never wait
+for a row another transaction holds; locking dependents there would put a lock
+wait, and a read of the dependents, on every completion of every job. The cost
+here is a release up to one sweep interval (a second by default) after the
+last dependency completes, and a tick that reads each waiting job's
+dependencies (an index probe each): nothing at all in a queue with no waiting
+job, the partial index being empty.
+
+Nothing is missed: the look reads the dependencies' statuses afresh each time,
+so a dependency that ended while its dependent was being submitted (the
+submission read it still running) is seen at the next tick.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+from uuid import UUID
+
+import msgspec
+import psycopg
+
+from umbra.domain.jobs import decide_dependencies
+from umbra.events import store
+from umbra.events.types import Event, JobBlocked, JobFailed
+from umbra.projections import jobs as queue
+from umbra.projections.jobs import Change
+
+from .blocked import BlockingJudge, try_share_capacity
+from .jobs import record_and_settle
+
+log = logging.getLogger(__name__)
+
+#: A page of waiting jobs, after ``after_id`` (none: from the first), whose dependencies have all completed or
+#: one of which ended otherwise, each with its dependencies' statuses (JSON ``{id: status}``). The others
+#: are read and passed over. Those another transaction holds (a cancel in flight) are left to the next page
+#: or tick.
+_READY = f"""
+SELECT {queue.SELECT_LIST}, dependencies.statuses::text FROM jobs
+CROSS JOIN LATERAL (
+    SELECT json_object_agg(d.id, d.status) AS statuses,
+           bool_and(d.status = 'complete') AS complete,
+           bool_or(d.status IN ('failed', 'cancelled', 'partial')) AS unsuccessful
+    FROM jobs d WHERE d.id = ANY(jobs.depends_on)
+) AS dependencies
+WHERE awaiting_dependencies AND (dependencies.complete OR dependencies.unsuccessful)
+  AND (%(after_id)s::uuid IS NULL OR id > %(after_id)s::uuid)
+ORDER BY id LIMIT %(limit)s
+FOR UPDATE OF jobs SKIP LOCKED
+"""
+_statuses = msgspec.json.Decoder(dict[UUID, str])
+_WIDTH = len(queue.COLUMNS)
+#: Waiting jobs handled per transaction.
+PAGE = 500
+#: Looks one tick takes at most while each fails jobs (whose dependents it then looks at again): a chain
+#: longer than this fails over several ticks.
+MAX_ROUNDS = 16
+
+
+@dataclass
+class Released:
+    """What a look did."""
+
+    released: int = 0
+    failed: int = 0
+
+
+async def release_ready(conn: psycopg.AsyncConnection, *, metadata: Mapping[str, Any]) -> Released:
+    """Release or fail every waiting job whose dependencies have settled it, page by page, each its own
+    transaction; again while a round fails any (their dependents may now fail too)."""
+    total = Released()
+    for _ in range(MAX_ROUNDS):
+        done = Released()
+        after: UUID | None = None
+        while True:
+            after = await _release_page(conn, after, done, metadata)
+            if after is None:
+                break
+        total.released += done.released
+        total.failed += done.failed
+        if not done.failed:
+            break
+    return total
+
+
+async def _release_page(
+    conn: psycopg.AsyncConnection, after: UUID | None, done: Released, metadata: Mapping[str, Any]
+) -> UUID | None:
+    """One page of :data:`_READY`; returns where the next starts (None: the look is done)."""
+    async with conn.transaction():
+        found = await (await conn.execute(_READY, {"after_id": after, "limit": PAGE})).fetchall()
+        judges: dict[UUID, BlockingJudge | None] = {}
+        changes: list[Change] = []
+        claimable: set[UUID] = set()
+        for record in found:
+            row = queue.from_db(record[:_WIDTH])
+            verdict = decide_dependencies(attempt=row.attempt, depends_on=row.depends_on or (),
+                                          statuses=_statuses.decode(record[_WIDTH]))  # fmt: skip
+            if verdict is None:
+                continue
+            events: list[Event] = [verdict]
+            if not isinstance(verdict, JobFailed):
+                judge = await _judge(conn, row.organization_id, judges)
+                if judge is None:  # a change of the organization's fleet is in flight: the next tick
+                    continue
+                if (reason := judge.reason(row.requires)) is not None:
+                    events.append(JobBlocked(reason=reason))
+                else:
+                    claimable.add(row.id)
+            changes.append(Change(row.id, row.organization_id, row, events))
+        if changes:
+            rows, _ = await record_and_settle(conn, changes, metadata=metadata)
+            await store.publish(conn, [(r.organization_id, r.position, 1 if r.id in claimable else 0) for r in rows])
+            failed = sum(1 for c in changes if isinstance(c.events[0], JobFailed))
+            done.failed += failed
+            done.released += len(changes) - failed
+    for change in changes:
+        if isinstance(change.events[0], JobFailed):
+            log.info("a job it depends on ended otherwise; failed", extra={"action": "dependency_failed",
+                     "job_id": str(change.job_id), "organization_id": str(change.organization_id)})  # fmt: skip
+    return found[-1][0] if len(found) == PAGE else None
+
+
+async def _judge(
+    conn: psycopg.AsyncConnection, organization_id: UUID, judges: dict[UUID, BlockingJudge | None]
+) -> BlockingJudge | None:
+    """The organization's fleet judge for this page, or None while a change of its fleet holds the capacity
+    lock (the sweeper waits for no one's lock: its jobs are left for the next tick)."""
+    if organization_id not in judges:
+        judges[organization_id] = (await BlockingJudge.load(conn, organization_id)
+                                   if await try_share_capacity(conn, organization_id) else None)  # fmt: skip
+    return judges[organization_id]

@@ -1,0 +1,293 @@
+"""Jobs that run after others (``depends_on``): a job waits, blocked, until every job it depends on completes,
+then is queued as a new job is; it fails when one of them ends otherwise, and its own dependents after it. A
+refusal writes nothing; the views still agree with the log."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import anyio
+import pytest
+
+from tests.helpers import bearer
+from umbra.compute import claims, jobs, retries
+from umbra.compute.accounts import create_organization
+from umbra.compute.blocked import reexamine_waiting_jobs
+from umbra.compute.dependencies import PAGE
+from umbra.compute.sweeper import sweep_once
+from umbra.errors import Conflict
+from umbra.events import store
+from umbra.projections import jobs as queue
+from umbra.projections.verify import verify
+from umbra.settings import load_settings
+
+from .queue_support import CPU8, CPU64, add_node, http_claim, http_complete, http_pair, set_clock, spec, submit, written
+
+pytestmark = pytest.mark.anyio
+
+SETTINGS = load_settings({})
+
+
+async def row(conn, org_id, job_id) -> queue.JobRow:
+    found = await queue.load(conn, job_id, org_id)
+    assert found is not None
+    return found
+
+
+async def history(conn, job_id) -> list[tuple[str, dict]]:
+    cursor = await conn.execute("SELECT type, data FROM events WHERE stream = %s ORDER BY version", (store.job_stream(job_id),))
+    return [(t, d) for t, d in await cursor.fetchall()]
+
+
+async def run(conn, org_id, node, job_id, *, fail: str | None = None) -> None:
+    """Claim ``job_id`` on ``node`` (it must be the one claimed) and complete it, or fail it for good."""
+    claimed = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=60)
+    assert claimed is not None and claimed.row.id == job_id, claimed
+    if fail is None:
+        await claims.complete(conn, organization_id=org_id, node_id=node, job_id=job_id, attempt=claimed.row.attempt, result={})
+    else:
+        await claims.fail(conn, organization_id=org_id, node_id=node, job_id=job_id, attempt=claimed.row.attempt,
+                          error=fail, retry=False)  # fmt: skip
+
+
+async def test_a_job_waits_for_every_job_it_depends_on_then_is_claimed(conn, org):
+    """C depends on A and B: blocked, waiting for both, not claimed while they run; the sweeper leaves it after
+    A alone completes and releases it once B does too. Its history says what it waited for and why it ran."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a, b = await submit(conn, org_id, "a"), await submit(conn, org_id, "b")
+    c = await submit(conn, org_id, "c", depends_on=[str(a.id), str(b.id)])
+    assert (c.status, c.awaiting_dependencies, c.depends_on) == ("blocked", True, (a.id, b.id))
+    assert c.blocked_reason == "waiting for 2 jobs it depends on to complete"
+    await run(conn, org_id, node, a.id)
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == 0
+    assert (await row(conn, org_id, c.id)).status == "blocked"
+    await run(conn, org_id, node, b.id)
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
+    released = await row(conn, org_id, c.id)
+    assert (released.status, released.awaiting_dependencies, released.blocked_reason) == ("queued", False, None)
+    await run(conn, org_id, node, c.id)
+    events = await history(conn, c.id)
+    assert [t for t, _ in events] == ["job.submitted", "job.blocked", "job.unblocked", "job.claimed", "job.completed"]
+    assert events[0][1]["depends_on"] == [str(a.id), str(b.id)]
+    assert events[1][1]["waiting_on"] == [str(a.id), str(b.id)]
+    assert events[2][1]["reason"] == "dependencies_complete"
+    assert await verify(conn) == []
+
+
+async def test_a_job_whose_dependencies_completed_already_is_queued_at_once_and_says_what_it_depends_on(conn, org):
+    """Only the dependencies not yet complete are waited for; none left: queued, no ``job.blocked``; the Job
+    object lists ``depends_on`` all the same. A repeated id counts once."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a, b = await submit(conn, org_id, "a"), await submit(conn, org_id, "b")
+    await run(conn, org_id, node, a.id)
+    c = await submit(conn, org_id, "c", depends_on=[str(a.id), str(a.id)])
+    assert (c.status, c.depends_on, c.awaiting_dependencies) == ("queued", (a.id,), False)
+    assert queue.to_json(c)["depends_on"] == [str(a.id)]
+    d = await submit(conn, org_id, "d", depends_on=[str(a.id), str(b.id)])
+    assert d.blocked_reason == "waiting for 1 job it depends on to complete"
+    assert (await history(conn, d.id))[1][1]["waiting_on"] == [str(b.id)]
+    assert [t for t, _ in await history(conn, c.id)] == ["job.submitted"]
+
+
+async def test_a_failed_dependency_fails_the_whole_chain_after_it_in_one_tick(conn, org):
+    """B depends on A, C on B, D on C and on an unrelated E: A fails for good; one tick fails B, C and D
+    (``dependency_failed``, each naming its own dependency), charging no run; E is untouched."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a, e = await submit(conn, org_id, "a"), await submit(conn, org_id, "e")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    c = await submit(conn, org_id, "c", depends_on=[str(b.id)])
+    d = await submit(conn, org_id, "d", depends_on=[str(e.id), str(c.id)])
+    await run(conn, org_id, node, a.id, fail="out of disk")
+    report = await sweep_once(conn, SETTINGS)
+    assert (report.dependencies_failed, report.dependencies_released) == (3, 0)
+    for job, cause in ((b, a), (c, b), (d, c)):
+        failed = await row(conn, org_id, job.id)
+        assert (failed.status, failed.attempt, failed.awaiting_dependencies) == ("failed", 0, False)
+        assert failed.error == f"Job {cause.id}, which this job depends on, ended failed."
+        assert (await history(conn, job.id))[-1][1]["reason"] == "dependency_failed"
+    assert (await row(conn, org_id, e.id)).status == "queued"
+    assert await verify(conn) == []
+
+
+async def test_a_cancelled_dependency_fails_its_dependents(conn, org):
+    org_id, _ = org
+    a = await submit(conn, org_id, "a")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    await jobs.cancel(conn, org_id, a.id, actor="ops")
+    assert (await sweep_once(conn, SETTINGS)).dependencies_failed == 1
+    assert (await row(conn, org_id, b.id)).error == f"Job {a.id}, which this job depends on, ended cancelled."
+
+
+async def test_a_waiting_job_is_neither_timed_out_nor_released_by_the_fleet(conn, org):
+    """Two days waiting (past the blocked timeout) behind a running job: still waiting. A re-examination of
+    the fleet (which unblocks blocked jobs a device could now run) leaves it waiting too."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=10**6)
+    await set_clock(conn, 2 * 86400)
+    report = await sweep_once(conn, SETTINGS)
+    assert (report.blocked_failed, report.dependencies_failed, report.dependencies_released) == (0, 0, 0)
+    await reexamine_waiting_jobs(conn, org_id)
+    waiting = await row(conn, org_id, b.id)
+    assert (waiting.status, waiting.awaiting_dependencies) == ("blocked", True)
+
+
+async def test_a_released_job_nothing_could_run_is_blocked_for_that_and_times_out_as_any(conn, org):
+    """Released, C needs more memory than the fleet has: blocked with the shortfall (no longer waiting), and
+    the blocked timeout then applies to it as to any blocked job."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "small", [CPU8])
+    a = await submit(conn, org_id, "a")
+    c = await submit(conn, org_id, "c", depends_on=[str(a.id)], requires={"ram_min_mb": 32000})
+    await run(conn, org_id, node, a.id)
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
+    blocked = await row(conn, org_id, c.id)
+    assert (blocked.status, blocked.awaiting_dependencies) == ("blocked", False)
+    assert "32000" in blocked.blocked_reason
+    assert [t for t, _ in await history(conn, c.id)][-2:] == ["job.unblocked", "job.blocked"]
+    await set_clock(conn, 2 * 86400)
+    assert (await sweep_once(conn, SETTINGS)).blocked_failed == 1
+
+
+async def test_a_dependent_retried_after_its_dependency_waits_for_it_again(conn, org):
+    """A fails, so B fails. B cannot be retried while A stays failed (it would only fail again); A retried,
+    B retried waits for A, and runs once A completes."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    await run(conn, org_id, node, a.id, fail="flaky")
+    await sweep_once(conn, SETTINGS)
+    with pytest.raises(Conflict) as refused:
+        await retries.retry(conn, org_id, b.id, actor="ops")
+    assert refused.value.code == "job_not_retryable" and str(a.id) in refused.value.message
+    await retries.retry(conn, org_id, a.id, actor="ops")
+    again = await retries.retry(conn, org_id, b.id, actor="ops")
+    assert (again.status, again.awaiting_dependencies) == ("blocked", True)
+    await run(conn, org_id, node, a.id)
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
+    await run(conn, org_id, node, b.id)
+    assert [t for t, _ in await history(conn, b.id)] == [
+        "job.submitted", "job.blocked", "job.failed", "job.retried", "job.blocked", "job.unblocked", "job.claimed",
+        "job.completed",
+    ]  # fmt: skip
+    assert await verify(conn) == []
+
+
+async def test_a_large_batch_of_dependents_is_written_and_released_page_by_page(conn, org):
+    """More dependents than the COPY path's threshold and than a page of the sweeper's: every row carries its
+    dependency (COPY writes the array), and one tick releases them all; a rebuild agrees."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    count = 2 * PAGE + 7
+    rows, created = await jobs.submit(conn, org_id, [spec("d", depends_on=[str(a.id)]) for _ in range(count)],
+                                      actor="test", batch=True)  # fmt: skip
+    assert created == count and all(r.depends_on == (a.id,) and r.awaiting_dependencies for r in rows)
+    stored = await (await conn.execute("SELECT count(*) FROM jobs WHERE depends_on = %s AND awaiting_dependencies",
+                                       ([a.id],))).fetchone()  # fmt: skip
+    assert stored == (count,)
+    await run(conn, org_id, node, a.id)
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == count
+    assert (await (await conn.execute("SELECT count(*) FROM jobs WHERE status = 'queued'")).fetchone()) == (count,)
+    assert await verify(conn) == []
+
+
+async def test_a_waiting_job_held_by_another_transaction_is_left_for_the_next_tick(db_url, conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    await run(conn, org_id, node, a.id)
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(db_url) as other:
+        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (b.id,))
+        with anyio.fail_after(10):
+            assert (await sweep_once(conn, SETTINGS)).dependencies_released == 0
+        await other.rollback()
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
+
+
+# -- through the routes ---------------------------------------------------------------------------------------
+
+
+async def test_refusals_name_the_dependency_and_write_nothing(client, org, db_url, conn):
+    """An id of no job, another organization's job, a job that failed or was cancelled, more than 100: each
+    refused (404 ``job_not_found``, 409 ``dependency_failed``, 422), a batch naming the item; nothing written."""
+    org_id, key = org
+    other_org, _ = await create_organization(conn, "other")
+    theirs = await submit(conn, other_org, "theirs")
+    cancelled = await submit(conn, org_id, "x")
+    await jobs.cancel(conn, org_id, cancelled.id, actor="ops")
+    ours = await submit(conn, org_id, "ours")
+    before = await written(db_url)
+    for depends_on, status, code in (([str(uuid.uuid4())], 404, "job_not_found"), ([str(theirs.id)], 404, "job_not_found"),
+                                     ([str(ours.id), str(cancelled.id)], 409, "dependency_failed"),
+                                     ([str(uuid.uuid4()) for _ in range(101)], 422, "invalid_request"),
+                                     (["not-a-uuid"], 422, "invalid_request")):  # fmt: skip
+        one = await client.post("/v1/jobs", json={"kind": "k", "depends_on": depends_on}, headers=bearer(key))
+        assert (one.status_code, one.json()["error"]) == (status, code), one.text
+        batch = await client.post("/v1/jobs/batch", json={"jobs": [{"kind": "k"}, {"kind": "k", "depends_on": depends_on}]},
+                                  headers=bearer(key))  # fmt: skip
+        assert (batch.status_code, batch.json()["error"]) == (status, code), batch.text
+        assert batch.json().get("index") == 1, batch.text
+    refused = await client.post("/v1/jobs", json={"kind": "k", "depends_on": [str(cancelled.id)]}, headers=bearer(key))
+    assert refused.json()["dependency"] == str(cancelled.id) and refused.json()["status"] == "cancelled"
+    assert str(theirs.id) not in (await client.get("/v1/jobs", headers=bearer(key))).text
+    assert await written(db_url) == before
+
+
+async def test_an_idempotent_repeat_answers_the_first_job_even_after_its_dependency_failed(client, org, conn):
+    org_id, key = org
+    a = await submit(conn, org_id, "a")
+    body = {"kind": "k", "depends_on": [str(a.id)], "idempotency_key": "step-2"}
+    first = await client.post("/v1/jobs", json=body, headers=bearer(key))
+    assert (first.status_code, first.json()["status"], first.json()["depends_on"]) == (201, "blocked", [str(a.id)])
+    await jobs.cancel(conn, org_id, a.id, actor="ops")
+    again = await client.post("/v1/jobs", json=body, headers=bearer(key))
+    assert (again.status_code, again.json()["id"]) == (200, first.json()["id"])
+
+
+async def test_the_server_releases_a_dependent_and_explain_says_what_it_waits_for(client, org):
+    """Through the routes and the server's own sweeper: explain lists each dependency with its status while
+    C waits; once the agent completes A and B, C is queued by the next tick and claimed."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    ids = []
+    for kind in ("a", "b"):
+        answer = await client.post("/v1/jobs", json={"kind": kind}, headers=bearer(key))
+        ids.append(answer.json()["id"])
+    c = (await client.post("/v1/jobs", json={"kind": "c", "depends_on": ids}, headers=bearer(key))).json()
+    assert (c["status"], c["depends_on"]) == ("blocked", ids)
+    explained = (await client.get(f"/v1/jobs/{c['id']}/explain", headers=bearer(key))).json()
+    assert explained["dependencies"] == [{"job_id": ids[0], "status": "queued"}, {"job_id": ids[1], "status": "queued"}]
+    assert explained["summary"].startswith("Waiting for 2 of the 2 jobs it depends on to complete")
+    for _ in ids:
+        await http_complete(client, credential, await http_claim(client, credential))
+    with anyio.fail_after(15):
+        while (await client.get(f"/v1/jobs/{c['id']}", headers=bearer(key))).json()["status"] != "queued":
+            await anyio.sleep(0.05)
+    assert (await http_claim(client, credential))["id"] == c["id"]
+
+
+async def test_each_organization_sees_only_its_own_dependents_released(conn, org):
+    """Two organizations' dependents of their own jobs: each released by its own job's completion, the
+    other's left waiting."""
+    org_id, _ = org
+    other_org, _ = await create_organization(conn, "other")
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    theirs = await submit(conn, other_org, "a")
+    their_b = await submit(conn, other_org, "b", depends_on=[str(theirs.id)])
+    await run(conn, org_id, node, a.id)
+    assert (await sweep_once(conn, dataclasses.replace(SETTINGS))).dependencies_released == 1
+    assert (await row(conn, org_id, b.id)).status == "queued"
+    assert (await row(conn, other_org, their_b.id)).status == "blocked"
