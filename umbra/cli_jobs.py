@@ -157,7 +157,7 @@ def cmd_submit(args) -> int:
         raise InvalidRequest("--idempotency-key names one job: it cannot go with --count.")
     job: dict[str, Any] = {"kind": args.kind, "payload": args.payload or {}, "requires": args.requires or {}}
     for field, value in (("priority", args.priority), ("max_attempts", args.max_attempts),
-                         ("idempotency_key", args.idempotency_key)):  # fmt: skip
+                         ("idempotency_key", args.idempotency_key), ("depends_on", args.depends_on)):  # fmt: skip
         if value is not None:
             job[field] = value
 
@@ -210,6 +210,8 @@ def format_details(job: dict[str, Any]) -> list[str]:
     if progress:
         done = f"{round(progress['fraction'] * 100)}%" if progress.get("fraction") is not None else ""
         lines.append("progress: " + " ".join(part for part in (done, progress.get("message") or "") if part))
+    if job.get("depends_on"):
+        lines.append("depends on: " + ", ".join(job["depends_on"]))
     for name in ("blocked_reason", "error"):
         if job.get(name):
             lines.append(f"{name.replace('_', ' ')}: {job[name]}")
@@ -340,6 +342,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--priority", type=int, default=None, help="lower runs first (default 100)")
     p.add_argument("--max-attempts", type=int, default=None, help="runs it may take (default 3)")
     p.add_argument("--idempotency-key", default=None, help="submitted again with it, the first job is answered")
+    p.add_argument("--depends-on", action="append", default=None, metavar="ID",
+                   help="a job this one runs after (it waits until that one completes); repeat for several")  # fmt: skip
     p.add_argument("--count", type=_within(1, 100_000), default=1,
                    help="how many of it, 1 to 100000 (in batches of as many as a request body holds)")
     _through_the_api(p, cmd_submit, scope="jobs:write", json_help="print the job (or the list of jobs) as JSON")

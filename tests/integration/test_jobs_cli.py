@@ -4,6 +4,7 @@ through the API with an API key."""
 from __future__ import annotations
 
 import json
+import uuid
 from decimal import Decimal
 
 import anyio
@@ -131,3 +132,26 @@ async def test_show_prints_a_result_with_exact_numbers_and_unicode(client, org, 
     assert shown.returncode == 0, shown.stderr
     [line] = [line for line in shown.stdout.splitlines() if line.startswith("result: ")]
     assert json.loads(line.removeprefix("result: ")) == result and "café ✓ 日本語" in line, shown.stdout
+
+
+async def test_the_cli_submits_a_job_that_runs_after_others_and_shows_what_it_waits_for(client, org, live_server):
+    """``submit --depends-on A --depends-on B`` (with ``--count``, each job of the batch waits for both):
+    blocked, waiting; ``show`` names its dependencies and why it waits; a dependency of no job is refused with
+    the API's message, nothing submitted."""
+    _, key = org
+
+    def umbra(*args: str):
+        return run_umbra("jobs", *args, "--server", live_server.url, env={"UMBRA_API_KEY": key})
+
+    first, second = (await anyio.to_thread.run_sync(lambda: umbra("submit", "prepare", "--count", "2"))).stdout.split()
+    after = await anyio.to_thread.run_sync(lambda: umbra("submit", "train", "--depends-on", first, "--depends-on", second,
+                                                         "--count", "2"))  # fmt: skip
+    assert after.returncode == 0, after.stderr
+    for job_id in after.stdout.split():
+        job = (await client.get(f"/v1/jobs/{job_id}", headers=bearer(key))).json()
+        assert (job["status"], job["depends_on"]) == ("blocked", [first, second])
+    shown = (await anyio.to_thread.run_sync(lambda: umbra("show", after.stdout.split()[0]))).stdout
+    assert f"depends on: {first}, {second}" in shown and "waiting for 2 jobs it depends on" in shown, shown
+    refused = await anyio.to_thread.run_sync(lambda: umbra("submit", "train", "--depends-on", str(uuid.uuid4())))
+    assert refused.returncode == 1 and "to depend on" in refused.stderr, refused.stderr
+    assert len((await client.get("/v1/jobs", headers=bearer(key))).json()["jobs"]) == 4

@@ -10,9 +10,9 @@ import pytest
 from umbra.domain.backoff import backoff_seconds, should_retry
 from umbra.domain.jobs import (
     AGENT_STOPPING, JobNotRetryable, JobWasCancelled, NotHolder, UnchargedEnds, check_holder, decide_failure,
-    decide_give_back, decide_lease_expiry, decide_overrun, decide_retry,
+    decide_dependencies, decide_give_back, decide_lease_expiry, decide_overrun, decide_retry,
 )  # fmt: skip
-from umbra.events.types import JobFailed, JobReleased, JobRequeued
+from umbra.events.types import JobFailed, JobReleased, JobRequeued, JobUnblocked
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -189,3 +189,26 @@ def test_a_job_fails_for_good_one_grace_past_its_runtime_counted_from_its_curren
     assert decide(now=claimed + timedelta(seconds=160)).reason == "runtime_exceeded"  # exactly at the limit
     assert decide(now=claimed + timedelta(seconds=159.9)) is None
     assert decide(max_runtime_s=None, now=NOW + timedelta(days=30)) is None  # no limit, none enforced
+
+
+def test_a_waiting_job_is_released_when_every_dependency_completed_and_fails_on_the_first_that_did_not():
+    a, b, c = uuid4(), uuid4(), uuid4()
+    decide = lambda statuses: decide_dependencies(attempt=0, depends_on=(a, b, c), statuses=statuses)  # noqa: E731
+    assert decide({a: "complete", b: "complete", c: "complete"}) == JobUnblocked(reason="dependencies_complete")
+    assert decide({a: "complete", b: "running", c: "queued"}) is None
+    assert decide({a: "complete", b: "blocked", c: "complete"}) is None
+    assert decide({a: "complete", b: "complete"}) is None  # one not read: not complete
+    for ended in ("failed", "cancelled", "partial"):
+        assert decide({a: "running", b: "complete", c: ended}) == JobFailed(
+            attempt=0, reason="dependency_failed", error=f"Job {c}, which this job depends on, ended {ended}.")  # fmt: skip
+    assert decide({a: "cancelled", b: "failed", c: "complete"}).error.startswith(f"Job {a},")  # the first, in its order
+
+
+def test_a_job_whose_dependency_ended_otherwise_is_not_retried_until_that_one_is():
+    a, b = uuid4(), uuid4()
+    retry = lambda dependencies: decide_retry(status="failed", attempt=0, max_attempts=3, parent_job_id=None,  # noqa: E731
+                                              children_total=0, grant=3, by="ops", dependencies=dependencies)  # fmt: skip
+    with pytest.raises(JobNotRetryable, match=f"depends on job {b}, which ended failed"):
+        retry({a: "complete", b: "failed"})
+    assert retry({a: "complete", b: "queued"}).max_attempts == 3  # it waits for b again
+    assert retry({}).max_attempts == 3

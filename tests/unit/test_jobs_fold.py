@@ -6,6 +6,7 @@ from datetime import datetime, timedelta, timezone
 from typing import get_args
 from uuid import uuid4
 
+import msgspec
 import pytest
 
 from umbra.events.store import RecordedEvent
@@ -109,6 +110,26 @@ def test_blocked_keeps_its_first_time_when_the_reason_changes_and_unblocks_to_qu
     assert (row.status, row.error) == ("failed", "again")
 
 
+def test_a_job_waiting_for_its_dependencies_keeps_them_and_stops_waiting_however_the_wait_ends():
+    """``depends_on`` is the submission's, for good; ``awaiting_dependencies`` is set by a ``job.blocked`` that
+    waits on some of them and cleared by whatever ends the wait (released, failed, cancelled, retried), or by
+    a block for the fleet's sake; a ``job.blocked`` of before (no ``waiting_on``) waits for nothing."""
+    first, second = uuid4(), uuid4()
+    for ending, status in ((JobUnblocked(reason="dependencies_complete"), "queued"),
+                           (JobFailed(attempt=0, error="x", reason="dependency_failed"), "failed"),
+                           (JobCancelled(by="ops"), "cancelled"), (JobBlocked(reason="no_eligible_device"), "blocked")):  # fmt: skip
+        log = Log()
+        row = log(submitted(depends_on=(first, second)))
+        assert (row.depends_on, row.awaiting_dependencies) == ((first, second), False)
+        row = log(JobBlocked(reason="waiting for 1 job it depends on to complete", waiting_on=(second,)))
+        assert (row.status, row.awaiting_dependencies) == ("blocked", True)
+        row = log(ending)
+        assert (row.status, row.awaiting_dependencies, row.depends_on) == (status, False, (first, second))
+    assert Log()(submitted()).depends_on is None
+    old = msgspec.json.decode(b'{"type": "job.blocked", "reason": "no_eligible_device"}', type=JobBlocked)
+    assert old.waiting_on == () and msgspec.json.encode(old) == b'{"type":"job.blocked","reason":"no_eligible_device"}'
+
+
 def test_decomposition_makes_a_released_running_container_that_settles():
     log = Log()
     log(submitted())
@@ -201,7 +222,9 @@ AFTER_SUBMISSION = [
     JobLeaseExpired(attempt=1, node_id=NODE, requeued=False),
     JobReleased(attempt=1),
     JobBlocked(reason="no_eligible_device"),
+    JobBlocked(reason="waiting for 1 job it depends on to complete", waiting_on=(uuid4(),)),
     JobUnblocked(),
+    JobFailed(attempt=0, error="Job x, which this job depends on, ended failed.", reason="dependency_failed"),
     JobDecomposed(attempt=1, children=(uuid4(), uuid4())),
     JobSettled(outcome="partial", detail="1 of 2 failed", children_total=2, children_failed=1),
     JobCancelled(by="user:x", reason="not needed"),
