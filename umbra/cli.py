@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 from uuid import UUID
 
 import anyio
@@ -182,20 +182,22 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _within(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number from ``low`` to ``high`` (no bound: None), refused as an argument
-    (exit 2) otherwise."""
+def _within(low: float, high: float | None = None, number: Callable[[str], Any] = int, unit: str = "") -> Callable[[str], Any]:
+    """An argparse ``type``: a ``number`` (whole by default) from ``low`` to ``high`` (no bound: None), refused
+    as an argument otherwise (exit 2, like any mistyped flag). NaN is refused too: every comparison with it
+    is false. ``unit`` follows the bounds in the refusal (" seconds")."""
 
-    def checked(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = number(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {low} to {high}" if high is not None else f"must be at least {low}")
+            raise argparse.ArgumentTypeError(f"not a {'whole ' if number is int else ''}number: {text!r}") from None
+        if not (low <= value and (high is None or value <= high)):
+            bounds = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}{unit}, not {text}")
         return value
 
-    return checked
+    return parse
 
 
 _port = _within(0, 65535)

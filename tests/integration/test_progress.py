@@ -150,3 +150,49 @@ async def test_a_renewal_whose_progress_is_refused_renews_without_it_and_the_job
     running, done = await _run_one(db_url, org[1], say, client_cls=RefusedProgress)
     assert RefusedProgress.spoiled and running["progress"] == {"fraction": 0.2, "message": "going"}
     assert (done["status"], done["attempt"]) == ("complete", 1), done
+
+
+async def test_progress_reaches_the_job_within_progress_seconds_not_at_the_leases_next_renewal(db_url, org):
+    """A 60 s lease renews every 20 s; with ``progress_seconds`` 0.5, each thing the handler says reaches the Job
+    within a few seconds, with a renewal of its own, and a handler that says nothing more renews no more."""
+    key = org[1]
+    said_next = anyio.Event()
+    gate = anyio.Event()
+
+    async def train(claim):
+        claim.report_progress(0.25, "epoch 1 of 4")
+        await said_next.wait()
+        claim.report_progress(0.5, "epoch 2 of 4")
+        await gate.wait()
+        return {}
+
+    with LiveServer(db_url, UMBRA_LEASE_SECONDS="60") as server:
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            _, credential = await http_pair(client, key, "trainer", [CPU64_JSON])
+            job = (await client.post("/v1/jobs", json={"kind": "train"}, headers=bearer(key))).json()
+            async with AgentClient(server.url, credential) as agent_client, anyio.create_task_group() as tg:
+                agent = Agent(agent_client, HandlerRegistry({**BUILTINS, "train": train}), lambda: [CPU64],
+                              AgentConfig(agent_version="test-1", claim_wait_seconds=2.0, progress_seconds=0.5))  # fmt: skip
+                await tg.start(agent.run)
+
+                async def progress() -> dict | None:
+                    return (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["progress"]
+
+                assert await eventually(progress, timeout=5) == {"fraction": 0.25, "message": "epoch 1 of 4"}
+                said_next.set()
+                await eventually(lambda: _said(progress, 0.5), timeout=5)
+                await anyio.sleep(2)  # four more looks at what was said: nothing new, nothing sent
+                history = (await client.get(f"/v1/jobs/{job['id']}/events", headers=bearer(key))).json()["events"]
+                assert [e["type"] for e in history].count("job.lease_renewed") == 2, history
+                gate.set()
+
+                async def completed() -> bool:
+                    return (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["status"] == "complete"
+
+                await eventually(completed, timeout=10)
+                agent.stop()
+
+
+async def _said(progress, fraction: float) -> dict | None:
+    shown = await progress()
+    return shown if shown and shown.get("fraction") == fraction else None

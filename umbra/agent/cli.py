@@ -23,8 +23,9 @@ from pathlib import Path
 
 import anyio
 
-from umbra.errors import InvalidRequest, UmbraError
+from umbra.cli import _within
 from umbra.cli_events import SERVER_HELP
+from umbra.errors import InvalidRequest, UmbraError
 from umbra.settings import server_url
 
 from .client import AgentClient, ServiceError
@@ -51,26 +52,16 @@ MAX_CONCURRENCY = 64
 HEARTBEAT_RANGE = (1.0, 300.0)
 #: --grace bounds, seconds: a stop still ends within the hour (a supervisor's stop timeout is shorter).
 GRACE_RANGE = (0.0, 3600.0)
+PROGRESS_RANGE = (0.5, 3600.0)
 #: --claim-wait bounds, seconds: the longest long-poll the server holds (API.md: ``wait`` 0..60).
 CLAIM_WAIT_RANGE = (0.0, 60.0)
 #: --log-level choices, taken in any case.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def _within(low: float, high: float, number=float, unit: str = " seconds"):
-    """An argparse ``type``: a ``number`` from ``low`` to ``high``, refused as an argument otherwise (exit 2,
-    like any mistyped flag). NaN is refused too: every comparison with it is false."""
-
-    def parse(text: str):
-        try:
-            value = number(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {'whole ' if number is int else ''}number: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}{unit}, not {text}")
-        return value
-
-    return parse
+def _seconds(low: float, high: float):
+    """An argparse ``type``: seconds from ``low`` to ``high``."""
+    return _within(low, high, float, unit=" seconds")
 
 
 def _device(text: str):
@@ -114,13 +105,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                         " as the server checks it: no unknown fields, a non-empty label of its own, no negative MB)")
     p.add_argument("--handler", type=_handler_spec, action="append", default=[], metavar="KIND=MODULE:FUNC",
                    help="add or replace the handler for a job kind (repeatable)")
-    p.add_argument("--grace", type=_within(*GRACE_RANGE), default=30.0,
+    p.add_argument("--grace", type=_seconds(*GRACE_RANGE), default=30.0,
                    help="seconds a running job may continue after SIGTERM, SIGINT or SIGHUP, 0..3600 (default 30)")
-    p.add_argument("--claim-wait", type=_within(*CLAIM_WAIT_RANGE), default=30.0,
+    p.add_argument("--claim-wait", type=_seconds(*CLAIM_WAIT_RANGE), default=30.0,
                    help="long-poll seconds per claim request, 0..60 (default 30)")
-    p.add_argument("--concurrency", type=_within(1, MAX_CONCURRENCY, int, unit=""), default=1,
+    p.add_argument("--concurrency", type=_within(1, MAX_CONCURRENCY), default=1,
                    help=f"jobs run at once, 1..{MAX_CONCURRENCY} (default 1)")
-    p.add_argument("--heartbeat", type=_within(*HEARTBEAT_RANGE), default=10.0,
+    p.add_argument("--progress-seconds", type=_seconds(*PROGRESS_RANGE), default=5.0,
+                   help="how soon a handler's report_progress reaches the server (with an early renewal of the "
+                        "lease), 0.5..3600 (default 5)")  # fmt: skip
+    p.add_argument("--heartbeat", type=_seconds(*HEARTBEAT_RANGE), default=10.0,
                    help="heartbeat seconds until the server names an interval, 1..300 (default 10)")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
                    help=f"{', '.join(LOG_LEVELS)} (default INFO)")
@@ -197,6 +191,7 @@ async def _main(args, store: CredentialFile, registry: HandlerRegistry, devices)
         claim_wait_seconds=args.claim_wait,
         grace_seconds=args.grace,
         concurrency=args.concurrency,
+        progress_seconds=args.progress_seconds,
     )
     async with AgentClient(stored.server, stored.credential) as client:
         agent = Agent(client, registry, devices, config)

@@ -195,8 +195,10 @@ class JobRun:
         backoff: tuple[float, float] = (0.5, 30.0),
         claim_next: Callable[[], bool] = lambda: False,
         kinds: Sequence[str] = (),
+        progress_seconds: float = 5.0,
     ) -> None:
         self.client = client
+        self._progress_seconds = progress_seconds
         #: The kinds the claim of the next job names (the agent's: ``Agent.kinds``).
         self._kinds = kinds
         self._claim_next = claim_next
@@ -342,7 +344,8 @@ class JobRun:
                 await self._abandoned.wait()  # a second signal ends the wait: the next failure gives up
 
     async def _renew_loop(self) -> None:
-        """Renew the lease every third of it; end the handler only when the server refuses for good.
+        """Renew the lease every third of it, or sooner to carry what the handler said of its progress
+        (:meth:`_until_renewal`); end the handler only when the server refuses for good.
 
         A renewal that fails in passing (unreachable, a proxy's page, a 429, an answer that cannot be
         read) is sent again sooner, no sooner than its ``Retry-After``: cancelling the handler on it
@@ -352,7 +355,7 @@ class JobRun:
         interval = claim.lease_seconds / 3
         failures = 0
         while True:
-            await anyio.sleep(max(0.2, interval))
+            await self._until_renewal(max(0.2, interval))
             progress = claim.progress_note.unsent()
             try:
                 interval = await self.client.renew(claim.job_id, claim.attempt, progress=progress) / 3
@@ -384,6 +387,18 @@ class JobRun:
             interval = retry_delay(error, failures, 0.2, claim.lease_seconds / 6)
             log.warning("renewal failed; sending it again", extra={"action": "renew_failed", "job_id": claim.job_id,
                                                                    "error": describe(error), "delay_s": round(interval, 2)})
+
+
+    async def _until_renewal(self, seconds: float) -> None:
+        """Wait ``seconds``, the renewal's pace, or less: every ``progress_seconds`` a look at whether the handler
+        said something of its progress the server has not heard, which then goes at once. Carried by the
+        renewal alone (a third of the lease, 20 s by default), a dashboard showed it that late; now within
+        ``progress_seconds``, and a handler that reports at every step renews no more often than that."""
+        deadline = anyio.current_time() + seconds
+        while (left := deadline - anyio.current_time()) > 0:
+            await anyio.sleep(min(left, self._progress_seconds))
+            if self.claim.progress_note.unsent() is not None:
+                return
 
 
 def describe(error: Exception) -> str:

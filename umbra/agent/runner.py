@@ -82,10 +82,15 @@ class AgentConfig:
     backoff_cap_seconds: float = 30.0
     #: Jobs run at once: one work loop each (claim, run, report, chain to the next).
     concurrency: int = 1
+    #: How soon what a handler says of its progress is sent (with a renewal of the lease, sooner than the
+    #: renewal was due), and so how often at most a job that keeps saying it renews.
+    progress_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_seconds < float("inf"):  # NaN fails every comparison
             raise ValueError(f"heartbeat_seconds must be a positive number of seconds, not {self.heartbeat_seconds!r}")
+        if not 0 < self.progress_seconds < float("inf"):
+            raise ValueError(f"progress_seconds must be a positive number of seconds, not {self.progress_seconds!r}")
         if not self.grace_seconds >= 0:
             raise ValueError(f"grace_seconds must be zero or more seconds, not {self.grace_seconds!r}")
 
@@ -317,7 +322,8 @@ class Agent:
         config = self.config
         run = JobRun(self.client, self.registry, claim, on_rejected=self._reject,
                      backoff=(config.backoff_base_seconds, config.backoff_cap_seconds),
-                     claim_next=lambda: not self.stopping, kinds=self.kinds)  # fmt: skip
+                     claim_next=lambda: not self.stopping, kinds=self.kinds,
+                     progress_seconds=config.progress_seconds)  # fmt: skip
         if self.stopping:
             run.stop(config.grace_seconds)
         self._current.add(run)
