@@ -155,8 +155,9 @@ class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     project_id: UUID | None = None
     lang: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
     idempotency_key: IdempotencyKey | None = None
-    #: Jobs of the organization this one runs after: it waits (``blocked``) until every one completes.
-    depends_on: Annotated[list[UUID], Meta(max_length=MAX_DEPENDS_ON)] = []
+    #: Jobs of the organization this one runs after: it waits (``blocked``) until every one completes. In a
+    #: batch, a number names an earlier item of the same batch (``0``: the first).
+    depends_on: Annotated[list[UUID | Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_DEPENDS_ON)] = []
 
     def __post_init__(self) -> None:
         check_shape_size(self.kind, self.requires)
@@ -261,13 +262,13 @@ async def dependency_statuses(
     Read without locks: a job that ends after this read is seen by the sweeper's next look at the waiting
     jobs (:mod:`umbra.compute.dependencies`), which reads every dependency again.
     """
-    named = list(dict.fromkeys(job_id for spec in specs for job_id in spec.depends_on))
+    named = list(dict.fromkeys(job_id for spec in specs for job_id in spec.depends_on if isinstance(job_id, UUID)))
     if not named:
         return {}
     statuses = await dependency_statuses_of(conn, organization_id, named)
     for index, spec in enumerate(specs):
         for job_id in spec.depends_on:
-            if statuses[job_id] == "missing":
+            if isinstance(job_id, UUID) and statuses[job_id] == "missing":
                 extra = {"index": index} if batch else {}
                 raise NotFound("job_not_found", f"No job {job_id} in this organization to depend on.", **extra)
     return statuses
@@ -353,10 +354,11 @@ async def _submit(
     await lock_idempotency_keys(conn, organization_id, keys)
     existing = await jobs_by_idempotency_key(conn, organization_id, keys)
     judge: BlockingJudge | None = None
-    fresh: list[tuple[JobRequest, Requirements, tuple[UUID, ...], tuple[UUID, ...]]] = []
+    fresh: list[tuple[JobRequest, Requirements, tuple[UUID, ...], tuple[UUID, ...], UUID]] = []
     slots: list[JobRow | int] = []
     new_keys: dict[str, int] = {}
     events = 0
+    ids = new_job_ids(len(specs))
     for index, spec in enumerate(specs):
         key = spec.idempotency_key
         if key is not None and key in existing:
@@ -367,19 +369,19 @@ async def _submit(
             continue
         judge = judge or await BlockingJudge.load(conn, organization_id)
         requires = spec.requires.to_requirements()
-        depends_on = tuple(dict.fromkeys(spec.depends_on))
+        depends_on = _items_named(spec.depends_on, index if batch else None, slots, fresh, dependencies)
         waiting = waiting_on(depends_on, dependencies, index=index if batch else None)
         events += submitted_event_count(requires, judge, waiting=bool(waiting))
         if key is not None:
             new_keys[key] = len(fresh)
         slots.append(len(fresh))
-        fresh.append((spec, requires, depends_on, waiting))
+        fresh.append((spec, requires, depends_on, waiting, next(ids)))
 
     def changes() -> Iterator[Change]:
         # Built while a large batch's COPY streams (see queue.record); the judge
         # is memoised, so it gives the verdicts counted above.
         assert judge is not None
-        for (spec, requires, depends_on, waiting), job_id in zip(fresh, new_job_ids(len(fresh))):
+        for spec, requires, depends_on, waiting, job_id in fresh:
             yield Change(job_id, organization_id, None, submitted_events(
                 kind=spec.kind, payload=spec.payload, requires=requires, priority=spec.priority,
                 max_attempts=spec.max_attempts, project_id=spec.project_id, lang=spec.lang,
@@ -392,6 +394,35 @@ async def _submit(
         queued = sum(1 for row in rows if row.status == "queued")
         await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])
     return [rows[slot] if isinstance(slot, int) else slot for slot in slots], len(rows)
+
+
+def _items_named(
+    depends_on: Sequence[UUID | int], index: int | None, slots: Sequence[JobRow | int], fresh: Sequence[tuple[Any, ...]],
+    statuses: dict[UUID, str],
+) -> tuple[UUID, ...]:
+    """``depends_on`` as job ids, each once: a number names an earlier item of the batch (``index`` is this
+    item's; None: not a batch, where no number is taken), whose status joins ``statuses`` (a new job's
+    ``queued``: not complete, so waited for; a job an idempotency key answered, its own)."""
+    named: list[UUID] = []
+    for item in depends_on:
+        if isinstance(item, UUID):
+            named.append(item)
+            continue
+        if index is None:
+            raise InvalidRequest("A number in depends_on names an earlier item of the same batch (POST /v1/jobs/batch); "
+                                 "here, name jobs by id.", field="depends_on")  # fmt: skip
+        if item >= index:
+            raise InvalidRequest(f"depends_on names item {item}: only an earlier item of the batch can be depended on.",
+                                 field="depends_on", index=index)  # fmt: skip
+        slot = slots[item]
+        if isinstance(slot, int):
+            job_id = fresh[slot][-1]
+            statuses[job_id] = "queued"
+        else:
+            job_id = slot.id
+            statuses[job_id] = slot.status
+        named.append(job_id)
+    return tuple(dict.fromkeys(named))
 
 
 # -- settlement ---------------------------------------------------------------------

@@ -291,3 +291,49 @@ async def test_each_organization_sees_only_its_own_dependents_released(conn, org
     assert (await sweep_once(conn, dataclasses.replace(SETTINGS))).dependencies_released == 1
     assert (await row(conn, org_id, b.id)).status == "queued"
     assert (await row(conn, other_org, their_b.id)).status == "blocked"
+
+
+async def test_a_batch_submits_a_pipeline_whose_steps_name_earlier_items_by_number(client, org, conn, db_url):
+    """``prepare``, ``train`` after item 0, ``evaluate`` after item 1 and a job submitted before, in one batch:
+    each waits for its own; they run in order as each completes. A number outside a batch, or naming the
+    item itself or a later one, is refused (422, the item's index), nothing written."""
+    org_id, key = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    earlier = await submit(conn, org_id, "fetch")
+    answer = await client.post("/v1/jobs/batch", headers=bearer(key), json={"jobs": [
+        {"kind": "prepare"}, {"kind": "train", "depends_on": [0]},
+        {"kind": "evaluate", "depends_on": [1, str(earlier.id), 1]}]})  # fmt: skip
+    assert answer.status_code == 201, answer.text
+    prepare, train, evaluate = answer.json()["jobs"]
+    assert (prepare["status"], train["status"], evaluate["status"]) == ("queued", "blocked", "blocked")
+    assert (train["depends_on"], evaluate["depends_on"]) == ([prepare["id"]], [train["id"], str(earlier.id)])
+    before = await written(db_url)
+    for body, path, index in (({"kind": "k", "depends_on": [0]}, "/v1/jobs", None),
+                              ({"jobs": [{"kind": "k"}, {"kind": "k", "depends_on": [1]}]}, "/v1/jobs/batch", 1),
+                              ({"jobs": [{"kind": "k", "depends_on": [5]}]}, "/v1/jobs/batch", 0),
+                              ({"jobs": [{"kind": "k", "depends_on": [-1]}]}, "/v1/jobs/batch", 0)):  # fmt: skip
+        refused = await client.post(path, json=body, headers=bearer(key))
+        assert (refused.status_code, refused.json()["error"]) == (422, "invalid_request"), refused.text
+        assert refused.json().get("index") == index, refused.text
+    assert await written(db_url) == before
+    for step in (earlier.id, uuid.UUID(prepare["id"])):
+        await run(conn, org_id, node, step)
+    await sweep_once(conn, SETTINGS)  # (the server's own sweeper may have been first)
+    assert [(await row(conn, org_id, uuid.UUID(j["id"]))).status for j in (train, evaluate)] == ["queued", "blocked"]
+    await run(conn, org_id, node, uuid.UUID(train["id"]))
+    await sweep_once(conn, SETTINGS)
+    await run(conn, org_id, node, uuid.UUID(evaluate["id"]))
+    assert await verify(conn) == []
+
+
+async def test_a_batch_item_may_depend_on_an_earlier_item_an_idempotency_key_answered(client, org, conn):
+    """The earlier item is a job submitted before under the same key: its id and its status count (cancelled:
+    the batch is refused 409 ``dependency_failed``, naming the later item)."""
+    org_id, key = org
+    first = (await client.post("/v1/jobs", json={"kind": "prepare", "idempotency_key": "prep"}, headers=bearer(key))).json()
+    body = {"jobs": [{"kind": "prepare", "idempotency_key": "prep"}, {"kind": "train", "depends_on": [0]}]}
+    answer = await client.post("/v1/jobs/batch", json=body, headers=bearer(key))
+    assert answer.json()["jobs"][0]["id"] == first["id"] and answer.json()["jobs"][1]["depends_on"] == [first["id"]]
+    await jobs.cancel(conn, org_id, uuid.UUID(first["id"]), actor="ops")
+    refused = await client.post("/v1/jobs/batch", json=body, headers=bearer(key))
+    assert (refused.status_code, refused.json()["error"], refused.json()["index"]) == (409, "dependency_failed", 1)
