@@ -50,7 +50,13 @@ class PriorityRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 #: A submission naming a project this organization does not have.
-PROJECT_NOT_FOUND = {404: "No such project in this organization (`project_not_found`); nothing is submitted."}
+#: A submission's refusals for what it names: its project, the jobs it depends on.
+SUBMISSION_REFUSED = {
+    404: "No such project in this organization (`project_not_found`), or no such job to depend on (`job_not_found`); "
+         "nothing is submitted.",
+    409: "A job it would depend on already failed, was cancelled or settled `partial` (`dependency_failed`, with "
+         "`dependency` and its `status`): it would only fail; nothing is submitted.",
+}
 
 
 async def submit_job(request: Request) -> Response:
@@ -130,11 +136,11 @@ async def reprioritize_job(request: Request) -> Response:
 routes = [
     endpoint("POST", "/v1/jobs", submit_job, summary="Submit a job (an idempotency key already used returns its job, 200).",
              auth="api_key", scopes=("jobs:write",), body=JobRequest, success=(201, 200), response=JobOut,
-             errors=PROJECT_NOT_FOUND),
+             errors=SUBMISSION_REFUSED),
     endpoint("POST", "/v1/jobs/batch", submit_batch,
              summary="Submit up to 10,000 jobs, all or nothing; a refusal names the failing item's index.",
              auth="api_key", scopes=("jobs:write",), body=BatchRequest, success=(201,), response=SubmittedJobs,
-             errors=PROJECT_NOT_FOUND),
+             errors=SUBMISSION_REFUSED),
     endpoint("GET", "/v1/jobs", list_jobs, summary="List jobs in submission order, paged by cursor.",
              auth="api_key", scopes=("jobs:read",),
              query={"status": (str, False, "comma-separated statuses, e.g. queued,running"),
@@ -154,7 +160,8 @@ routes = [
     endpoint("POST", "/v1/jobs/{id}/retry", retry_job,
              summary="Send a failed job back to the queue with more runs (job.retried); its history goes on.",
              auth="api_key", scopes=("jobs:write",), body=RetryRequest, response=JobOut,
-             errors={409: "Not a failed job, or one of a tree (`job_not_retryable`); nothing changes."}),
+             errors={409: "Not a failed job, one of a tree, or one that depends on a job which ended otherwise than "
+                            "complete (`job_not_retryable`); nothing changes."}),
     endpoint("POST", "/v1/jobs/{id}/priority", reprioritize_job,
              summary="Move a waiting (queued or blocked) job to another priority (job.reprioritized); same priority: "
                      "nothing recorded.",

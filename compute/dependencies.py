@@ -59,7 +59,7 @@ CROSS JOIN LATERAL (
            bool_or(d.status IN ('failed', 'cancelled', 'partial')) AS unsuccessful
     FROM jobs d WHERE d.id = ANY(jobs.depends_on)
 ) AS dependencies
-WHERE awaiting_dependencies AND (dependencies.complete OR dependencies.unsuccessful)
+WHERE awaiting_dependencies AND status = 'blocked' AND (dependencies.complete OR dependencies.unsuccessful)
   AND (%(after_id)s::uuid IS NULL OR id > %(after_id)s::uuid)
 ORDER BY id LIMIT %(limit)s
 FOR UPDATE OF jobs SKIP LOCKED
@@ -110,7 +110,7 @@ async def _release_page(
         claimable: set[UUID] = set()
         for record in found:
             row = queue.from_db(record[:_WIDTH])
-            verdict = decide_dependencies(attempt=row.attempt, depends_on=row.depends_on or (),
+            verdict = decide_dependencies(status=row.status, attempt=row.attempt, depends_on=row.depends_on or (),
                                           statuses=_statuses.decode(record[_WIDTH]))  # fmt: skip
             if verdict is None:
                 continue

@@ -262,7 +262,7 @@ DEPENDENCIES_COMPLETE = "dependencies_complete"
 
 
 def decide_dependencies(
-    *, attempt: int, depends_on: Sequence[UUID], statuses: Mapping[UUID, str]
+    *, status: str, attempt: int, depends_on: Sequence[UUID], statuses: Mapping[UUID, str]
 ) -> JobUnblocked | JobFailed | None:
     """A job waiting for the jobs it depends on: released once every one completed, failed as soon as one
     ended otherwise (failed, cancelled, or a container that settled ``partial``), else left waiting (None).
@@ -271,7 +271,13 @@ def decide_dependencies(
     would waste the device; the failure names the first such dependency. A dependency with no status (never
     the case: jobs are not deleted) counts as not yet complete. An operator retries the dependency, then this
     job, which waits again.
+
+    Only a ``blocked`` job (``status``) waits: a row marked waiting in another state (a server of the previous
+    release, during a rolling upgrade, cancelled or released it without knowing the mark) is left alone, so a
+    cancelled or running job is never sent back to the queue.
     """
+    if status != "blocked":
+        return None
     for job_id in depends_on:
         status = statuses.get(job_id)
         if status in UNSUCCESSFUL:

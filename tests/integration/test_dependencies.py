@@ -11,18 +11,23 @@ import anyio
 import pytest
 
 from tests.helpers import bearer
+from umbra import metrics
+from umbra.api.app import all_routes
+from umbra.api.openapi import build_document
 from umbra.compute import claims, jobs, retries
 from umbra.compute.accounts import create_organization
 from umbra.compute.blocked import reexamine_waiting_jobs
-from umbra.compute.dependencies import PAGE
+from umbra.compute.dependencies import MAX_ROUNDS, PAGE
 from umbra.compute.sweeper import sweep_once
 from umbra.errors import Conflict
 from umbra.events import store
+from umbra.events.types import JobUnblocked
 from umbra.projections import jobs as queue
 from umbra.projections.verify import verify
 from umbra.settings import load_settings
 
 from .queue_support import CPU8, CPU64, add_node, http_claim, http_complete, http_pair, set_clock, spec, submit, written
+from .test_claim_fencing import child
 
 pytestmark = pytest.mark.anyio
 
@@ -337,3 +342,144 @@ async def test_a_batch_item_may_depend_on_an_earlier_item_an_idempotency_key_ans
     await jobs.cancel(conn, org_id, uuid.UUID(first["id"]), actor="ops")
     refused = await client.post("/v1/jobs/batch", json=body, headers=bearer(key))
     assert (refused.status_code, refused.json()["error"], refused.json()["index"]) == (409, "dependency_failed", 1)
+
+
+async def test_a_container_is_a_dependency_as_any_job_its_settlement_releasing_or_failing_its_dependent(conn, org):
+    """D depends on a job that then splits into children: D waits while they run; the container settling
+    ``complete`` releases it, ``partial`` fails it (and a retry of D is refused while that stands)."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    for outcomes, status in ((("complete", "complete"), "queued"), (("complete", "failed"), "failed")):
+        parent = await submit(conn, org_id, "p")
+        dependent = await submit(conn, org_id, "d", depends_on=[str(parent.id)])
+        got = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)
+        made = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id,
+                                         attempt=got.row.attempt, children=[child("c0"), child("c1")])  # fmt: skip
+        assert (await sweep_once(conn, SETTINGS)).dependencies_released == 0
+        for kid, outcome in zip(made, outcomes):
+            await run(conn, org_id, node, kid.id, fail=None if outcome == "complete" else "broken")
+        await sweep_once(conn, SETTINGS)
+        assert (await row(conn, org_id, dependent.id)).status == status
+        if status == "queued":
+            await run(conn, org_id, node, dependent.id)
+    assert (await row(conn, org_id, dependent.id)).error == f"Job {parent.id}, which this job depends on, ended partial."
+    with pytest.raises(Conflict):
+        await retries.retry(conn, org_id, dependent.id, actor="ops")
+    assert await verify(conn) == []
+
+
+async def test_a_dependent_cancelled_while_waiting_stays_cancelled_however_its_dependency_ends(conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    for fail in (None, "no"):
+        a = await submit(conn, org_id, "a")
+        b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+        cancelled = await jobs.cancel(conn, org_id, b.id, actor="ops", if_waiting=True)
+        assert (cancelled.status, cancelled.awaiting_dependencies) == ("cancelled", False)
+        await run(conn, org_id, node, a.id, fail=fail)
+        report = await sweep_once(conn, SETTINGS)
+        assert (report.dependencies_released, report.dependencies_failed) == (0, 0)
+        assert [t for t, _ in await history(conn, b.id)] == ["job.submitted", "job.blocked", "job.cancelled"]
+
+
+async def test_a_dependency_retried_or_requeued_before_the_sweeper_looked_keeps_its_dependent_waiting(conn, org):
+    """A failed, then retried, before any tick; C's dependency fails retryably (requeued): neither dependent
+    fails; each is released once its dependency completes."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    await run(conn, org_id, node, a.id, fail="flaky")
+    await retries.retry(conn, org_id, a.id, actor="ops")
+    c_dep = await submit(conn, org_id, "c-dep", max_attempts=3)
+    c = await submit(conn, org_id, "c", depends_on=[str(c_dep.id)])
+    await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)  # a
+    got = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)
+    assert got.row.id == c_dep.id
+    await claims.fail(conn, organization_id=org_id, node_id=node, job_id=c_dep.id, attempt=got.row.attempt, error="x",
+                      retry=True)  # fmt: skip
+    report = await sweep_once(conn, SETTINGS)
+    assert (report.dependencies_failed, report.dependencies_released) == (0, 0)
+    assert [(await row(conn, org_id, j.id)).awaiting_dependencies for j in (b, c)] == [True, True]
+
+
+async def test_a_dependent_submitted_while_its_dependency_completes_is_released_by_the_next_tick(db_url, conn, org):
+    """The completion is in flight (uncommitted) when the submission reads its dependency: the dependent is
+    written waiting; once the completion commits, the next tick releases it (the look reads afresh)."""
+    import psycopg
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    got = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)
+    async with await psycopg.AsyncConnection.connect(db_url) as other:  # an open transaction
+        await other.execute("SELECT 1")
+        await claims.complete(other, organization_id=org_id, node_id=node, job_id=a.id, attempt=got.row.attempt, result={})
+        submitted: list[queue.JobRow] = []
+
+        async def submit_b() -> None:
+            submitted.append(await submit(conn, org_id, "b", depends_on=[str(a.id)]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(submit_b)  # reads a as running, then waits for the log's lock the completion holds
+            await anyio.sleep(0.5)
+            await other.commit()
+    (b,) = submitted
+    assert (b.status, b.awaiting_dependencies) == ("blocked", True)
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
+
+
+async def test_a_long_pipeline_in_one_batch_goes_by_copy_and_fails_whole_after_its_head_fails(conn, org):
+    """300 items, each after the one before (COPY): the head fails; the sweeper fails the rest, MAX_ROUNDS links
+    a tick; the metric counts them; a rebuild agrees."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    rows, _ = await jobs.submit(conn, org_id, [spec("s")] + [spec("s", depends_on=[i - 1]) for i in range(1, 300)],
+                                actor="test", batch=True)  # fmt: skip
+    assert all((r.depends_on, r.awaiting_dependencies) == ((p.id,), True) for p, r in zip(rows, rows[1:]))
+    failed_before = metrics.SWEEPER_ACTIONS.labels(action="dependency_failed")._value.get()
+    await run(conn, org_id, node, rows[0].id, fail="x")
+    ticks = 0
+    while (await row(conn, org_id, rows[-1].id)).status != "failed":
+        await sweep_once(conn, SETTINGS)
+        ticks += 1
+        assert ticks <= -(-299 // MAX_ROUNDS)
+    assert metrics.SWEEPER_ACTIONS.labels(action="dependency_failed")._value.get() - failed_before == 299
+    assert await verify(conn) == []
+
+
+async def test_a_row_marked_waiting_that_is_not_blocked_is_never_released_nor_failed(conn, org):
+    """A server of the previous release (during a rolling upgrade) does not know the mark: its re-examination
+    may release a waiting job, its cancel end one, leaving ``awaiting_dependencies`` set on a row that is
+    queued, running or cancelled (reproduced here by setting the mark again after each). The sweeper then
+    must not send a running or cancelled job back to the queue, nor fail it."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a, a2 = await submit(conn, org_id, "a"), await submit(conn, org_id, "a2")
+    got_a = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    cancelled = await submit(conn, org_id, "c", depends_on=[str(a2.id)])
+    await queue.record(conn, [queue.Change(b.id, org_id, b, [JobUnblocked()])])
+    await jobs.cancel(conn, org_id, cancelled.id, actor="ops")
+    await conn.execute("UPDATE jobs SET awaiting_dependencies = true WHERE id = ANY(%s)", ([b.id, cancelled.id],))
+    got_b = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)
+    assert got_b.row.id == a2.id
+    got_b = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)
+    assert got_b.row.id == b.id
+    await claims.complete(conn, organization_id=org_id, node_id=node, job_id=a.id, attempt=got_a.row.attempt, result={})
+    await claims.fail(conn, organization_id=org_id, node_id=node, job_id=a2.id, attempt=1, error="x", retry=False)
+    report = await sweep_once(conn, SETTINGS)
+    assert (report.dependencies_released, report.dependencies_failed) == (0, 0)
+    assert [(await row(conn, org_id, j.id)).status for j in (b, cancelled)] == ["running", "cancelled"]
+
+
+def test_the_openapi_document_describes_depends_on_and_its_refusals():
+    doc = build_document(all_routes())
+    schemas = doc["components"]["schemas"]
+    assert schemas["JobRequest"]["properties"]["depends_on"]["maxItems"] == 100
+    assert "depends_on" in schemas["JobOut"]["properties"] and "dependencies" in schemas["Explanation"]["properties"]
+    for path in ("/v1/jobs", "/v1/jobs/batch"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert "dependency_failed" in responses["409"]["description"]
+        assert "job_not_found" in responses["404"]["description"]
+    assert "depends on" in doc["paths"]["/v1/jobs/{id}/retry"]["post"]["responses"]["409"]["description"]

@@ -193,7 +193,8 @@ def test_a_job_fails_for_good_one_grace_past_its_runtime_counted_from_its_curren
 
 def test_a_waiting_job_is_released_when_every_dependency_completed_and_fails_on_the_first_that_did_not():
     a, b, c = uuid4(), uuid4(), uuid4()
-    decide = lambda statuses: decide_dependencies(attempt=0, depends_on=(a, b, c), statuses=statuses)  # noqa: E731
+    decide = lambda statuses, status="blocked": decide_dependencies(status=status, attempt=0, depends_on=(a, b, c),  # noqa: E731
+                                                                    statuses=statuses)  # fmt: skip
     assert decide({a: "complete", b: "complete", c: "complete"}) == JobUnblocked(reason="dependencies_complete")
     assert decide({a: "complete", b: "running", c: "queued"}) is None
     assert decide({a: "complete", b: "blocked", c: "complete"}) is None
@@ -202,6 +203,9 @@ def test_a_waiting_job_is_released_when_every_dependency_completed_and_fails_on_
         assert decide({a: "running", b: "complete", c: ended}) == JobFailed(
             attempt=0, reason="dependency_failed", error=f"Job {c}, which this job depends on, ended {ended}.")  # fmt: skip
     assert decide({a: "cancelled", b: "failed", c: "complete"}).error.startswith(f"Job {a},")  # the first, in its order
+    for not_waiting in ("queued", "running", "cancelled", "complete"):  # a mark a previous release left behind
+        assert decide({a: "complete", b: "complete", c: "complete"}, not_waiting) is None
+        assert decide({a: "failed"}, not_waiting) is None
 
 
 def test_a_job_whose_dependency_ended_otherwise_is_not_retried_until_that_one_is():
