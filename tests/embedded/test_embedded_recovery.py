@@ -148,7 +148,8 @@ def test_serve_stops_postgres_on_sigterm_after_a_cli_command_was_terminated(tmp_
     migrate`, waiting on the migration lock) was ended by SIGTERM: the command releases its handle on the
     way out, and the last holder drops the handles of holders that died without."""
     from tests.conftest import free_port
-    from umbra.migrate import MIGRATION_LOCK_KEY
+    from umbra.migrate import APPLICATION_NAME as MIGRATE_APPLICATION
+    from umbra.migrate import LOCK_RETRY_SECONDS, MIGRATION_LOCK_KEY
 
     port = free_port()
     data = tmp_path / "data"
@@ -164,9 +165,11 @@ def test_serve_stops_postgres_on_sigterm_after_a_cli_command_was_terminated(tmp_
             migrate = subprocess.Popen([sys.executable, "-m", "umbra.cli", "migrate"], env=env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             deadline = time.monotonic() + 60
-            while not conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted").fetchone()[0]:
+            waiting = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+            while not conn.execute(waiting, (MIGRATE_APPLICATION,)).fetchone()[0]:
                 assert time.monotonic() < deadline and migrate.poll() is None, "migrate never waited on the lock"
                 time.sleep(0.1)
+            time.sleep(2 * LOCK_RETRY_SECONDS)  # tried, refused, waiting to try again
             migrate.send_signal(signal.SIGTERM)
             migrate.wait(timeout=30)
         serve.send_signal(signal.SIGTERM)

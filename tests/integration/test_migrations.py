@@ -134,3 +134,33 @@ async def test_containers_split_before_0036_are_placed_nowhere_as_today_s_fold_l
     await conn.execute(migration.sql)
     assert await verify(conn, org_id) == []
     assert (await (await conn.execute(placed, (child.job_id,))).fetchone())[0] is True
+
+
+async def test_a_migration_marked_no_transaction_builds_its_index_concurrently_and_is_run_again_whole_after_failing(
+    conn, db_url, org, monkeypatch
+):
+    """0042 built ``jobs_awaiting_dependencies`` concurrently (valid). A no-transaction migration that fails
+    half-way (a unique index the data refuses: PostgreSQL leaves the failed concurrent build behind, invalid)
+    is not recorded; run again once the data allows it, it drops what was left and builds the index whole."""
+    import umbra.migrate as migrations
+
+    from .queue_support import submit
+
+    org_id, _ = org
+    valid = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)"
+    assert await (await conn.execute(valid, ("jobs_awaiting_dependencies",))).fetchone() == (True,)
+    [first, _] = [await submit(conn, org_id, "same") for _ in range(2)]
+    extra = migrations.Migration(9001, "9001_unique_kinds.sql", (
+        "-- umbra: no transaction\n-- a test's\nDROP INDEX CONCURRENTLY IF EXISTS jobs_unique_kind;\n"
+        "CREATE UNIQUE INDEX CONCURRENTLY jobs_unique_kind ON jobs (kind);\n"))  # fmt: skip
+    shipped = migrations.available_migrations()
+    monkeypatch.setattr(migrations, "available_migrations", lambda: [*shipped, extra])
+    assert not extra.transactional and len(extra.statements()) == 2
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        await migrate(db_url)
+    assert await (await conn.execute(valid, ("jobs_unique_kind",))).fetchone() == (False,)  # left behind, invalid
+    assert await pending_migrations(conn) == ["9001_unique_kinds.sql"]
+    await conn.execute("UPDATE jobs SET kind = 'other' WHERE id = %s", (first.id,))
+    assert await migrate(db_url) == ["9001_unique_kinds.sql"]
+    assert await (await conn.execute(valid, ("jobs_unique_kind",))).fetchone() == (True,)
+    assert await pending_migrations(conn) == []
