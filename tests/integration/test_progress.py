@@ -4,6 +4,8 @@ starts without it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 import httpx
 import pytest
@@ -91,24 +93,35 @@ async def _run_one(db_url, key, say, *, client_cls=AgentClient) -> tuple[dict, d
         await gate.wait()
         return {"epochs": 10}
 
-    with LiveServer(db_url, UMBRA_LEASE_SECONDS="3") as server:
+    async with _one_train_job(db_url, key, train, lease_seconds=3, client_cls=client_cls, grace_seconds=5.0) as (client, job):
+
+        async def shows(check):
+            shown = (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()
+            return shown if check(shown) else None
+
+        running = await eventually(lambda: shows(lambda j: j["progress"]), timeout=10)
+        gate.set()
+        done = await eventually(lambda: shows(lambda j: j["status"] not in ("queued", "running")), timeout=10)
+    return running, done
+
+
+@contextlib.asynccontextmanager
+async def _one_train_job(db_url, key, train, *, lease_seconds: int, client_cls=AgentClient, **config):
+    """A live server with a lease of ``lease_seconds``, one ``train`` job, and an agent running ``train`` for it
+    (``config``: more of its :class:`AgentConfig`): the API client and the job, while the agent runs; the
+    agent is stopped after."""
+    with LiveServer(db_url, UMBRA_LEASE_SECONDS=str(lease_seconds)) as server:
         async with httpx.AsyncClient(base_url=server.url) as client:
             _, credential = await http_pair(client, key, "trainer", [CPU64_JSON])
             job = (await client.post("/v1/jobs", json={"kind": "train"}, headers=bearer(key))).json()
             async with client_cls(server.url, credential) as agent_client, anyio.create_task_group() as tg:
                 agent = Agent(agent_client, HandlerRegistry({**BUILTINS, "train": train}), lambda: [CPU64],
-                              AgentConfig(agent_version="test-1", claim_wait_seconds=2.0, grace_seconds=5.0))  # fmt: skip
+                              AgentConfig(agent_version="test-1", claim_wait_seconds=2.0, **config))  # fmt: skip
                 await tg.start(agent.run)
-
-                async def shows(check):
-                    shown = (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()
-                    return shown if check(shown) else None
-
-                running = await eventually(lambda: shows(lambda j: j["progress"]), timeout=10)
-                gate.set()
-                done = await eventually(lambda: shows(lambda j: j["status"] not in ("queued", "running")), timeout=10)
-                agent.stop()
-    return running, done
+                try:
+                    yield client, job
+                finally:
+                    agent.stop()
 
 
 async def test_a_handler_reports_progress_and_the_job_shows_it_while_it_runs(db_url, org):
@@ -166,31 +179,23 @@ async def test_progress_reaches_the_job_within_progress_seconds_not_at_the_lease
         await gate.wait()
         return {}
 
-    with LiveServer(db_url, UMBRA_LEASE_SECONDS="60") as server:
-        async with httpx.AsyncClient(base_url=server.url) as client:
-            _, credential = await http_pair(client, key, "trainer", [CPU64_JSON])
-            job = (await client.post("/v1/jobs", json={"kind": "train"}, headers=bearer(key))).json()
-            async with AgentClient(server.url, credential) as agent_client, anyio.create_task_group() as tg:
-                agent = Agent(agent_client, HandlerRegistry({**BUILTINS, "train": train}), lambda: [CPU64],
-                              AgentConfig(agent_version="test-1", claim_wait_seconds=2.0, progress_seconds=0.5))  # fmt: skip
-                await tg.start(agent.run)
+    async with _one_train_job(db_url, key, train, lease_seconds=60, progress_seconds=0.5) as (client, job):
 
-                async def progress() -> dict | None:
-                    return (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["progress"]
+        async def progress() -> dict | None:
+            return (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["progress"]
 
-                assert await eventually(progress, timeout=5) == {"fraction": 0.25, "message": "epoch 1 of 4"}
-                said_next.set()
-                await eventually(lambda: _said(progress, 0.5), timeout=5)
-                await anyio.sleep(2)  # four more looks at what was said: nothing new, nothing sent
-                history = (await client.get(f"/v1/jobs/{job['id']}/events", headers=bearer(key))).json()["events"]
-                assert [e["type"] for e in history].count("job.lease_renewed") == 2, history
-                gate.set()
+        assert await eventually(progress, timeout=5) == {"fraction": 0.25, "message": "epoch 1 of 4"}
+        said_next.set()
+        await eventually(lambda: _said(progress, 0.5), timeout=5)
+        await anyio.sleep(2)  # four more looks at what was said: nothing new, nothing sent
+        history = (await client.get(f"/v1/jobs/{job['id']}/events", headers=bearer(key))).json()["events"]
+        assert [e["type"] for e in history].count("job.lease_renewed") == 2, history
+        gate.set()
 
-                async def completed() -> bool:
-                    return (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["status"] == "complete"
+        async def completed() -> bool:
+            return (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["status"] == "complete"
 
-                await eventually(completed, timeout=10)
-                agent.stop()
+        await eventually(completed, timeout=10)
 
 
 async def _said(progress, fraction: float) -> dict | None:
