@@ -10,7 +10,7 @@ from decimal import Decimal
 import anyio
 import pytest
 
-from tests.helpers import bearer, run_umbra
+from tests.helpers import bearer, eventually, run_umbra
 from umbra.events import documents
 
 from .queue_support import http_claim, http_pair, written
@@ -155,3 +155,31 @@ async def test_the_cli_submits_a_job_that_runs_after_others_and_shows_what_it_wa
     refused = await anyio.to_thread.run_sync(lambda: umbra("submit", "train", "--depends-on", str(uuid.uuid4())))
     assert refused.returncode == 1 and "to depend on" in refused.stderr, refused.stderr
     assert len((await client.get("/v1/jobs", headers=bearer(key))).json()["jobs"]) == 4
+
+
+async def test_retry_failed_brings_back_a_pipeline_its_first_step_failed_in_order(client, org, live_server):
+    """``prepare`` fails for good, so the server's sweeper fails ``train`` (``dependency_failed``).
+    ``retry-failed`` lists in submission order, so it retries ``prepare`` first and ``train`` then waits for
+    it again (a dependent retried while its dependency stayed failed would be refused)."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    prepare = (await client.post("/v1/jobs", json={"kind": "prepare"}, headers=bearer(key))).json()
+    train = (await client.post("/v1/jobs", json={"kind": "train", "depends_on": [prepare["id"]]}, headers=bearer(key))).json()
+    claimed = await http_claim(client, credential)
+    failed = await client.post(f"/v1/agent/jobs/{prepare['id']}/fail", headers=bearer(credential),
+                               json={"attempt": claimed["attempt"], "error": "disk full", "retry": False})  # fmt: skip
+    assert failed.json()["status"] == "failed", failed.text
+
+    async def status(job: dict) -> str:
+        return (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()["status"]
+
+    async def train_failed() -> bool:
+        return await status(train) == "failed"
+
+    await eventually(train_failed, timeout=10)
+    retried = await anyio.to_thread.run_sync(lambda: run_umbra("jobs", "retry-failed", "--server", live_server.url,
+                                                               env={"UMBRA_API_KEY": key}))  # fmt: skip
+    assert retried.returncode == 0, retried.stderr
+    shown = (await client.get(f"/v1/jobs/{train['id']}", headers=bearer(key))).json()
+    assert (await status(prepare), shown["status"], shown["blocked_reason"]) == (
+        "queued", "blocked", "waiting for 1 job it depends on to complete")
