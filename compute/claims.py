@@ -77,7 +77,7 @@ from umbra.projections.jobs import Change, JobRow
 
 from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, read_nodes
 from .jobs import (
-    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, ancestors_held_elsewhere, check_json_depth, check_shape_size,
+    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, Siblings, ancestors_held_elsewhere, check_json_depth, check_shape_size,
     jobs_by_idempotency_key, lock_idempotency_keys, may_end, record_and_settle, refusing_nul,
     submitted_events,
 )  # fmt: skip
@@ -959,6 +959,9 @@ class ChildRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority: Priority | None = None
     max_attempts: MaxAttempts = 3
     idempotency_key: IdempotencyKey | None = None
+    #: Earlier children of the same request this one runs after (``0``: the first): it waits (``blocked``)
+    #: until each completes, and fails if one does not. Siblings only: a node names no other job.
+    depends_on: Siblings = []
 
     def __post_init__(self) -> None:
         check_shape_size(self.kind, self.requires)
@@ -1020,21 +1023,31 @@ async def _add_children(
             raise InvalidRequest("children repeat an idempotency_key.", field="children")
         judge = await BlockingJudge.load(conn, organization_id)
         actor = f"node:{node_id}"
-        child_changes = [
-            Change(uuid4(), organization_id, None, submitted_events(
+        ids = [uuid4() for _ in children]
+        child_changes = []
+        for index, (c, child_id) in enumerate(zip(children, ids)):
+            siblings = tuple(dict.fromkeys(ids[_earlier(index, sibling)] for sibling in c.depends_on))
+            child_changes.append(Change(child_id, organization_id, None, submitted_events(
                 kind=c.kind, payload=c.payload, requires=c.requires.to_requirements(),
                 priority=parent.priority if c.priority is None else c.priority, max_attempts=c.max_attempts,
                 project_id=parent.project_id, lang=parent.lang, idempotency_key=c.idempotency_key,
-                requested_by=actor, judge=judge, parent_job_id=parent.id,
-            ))
-            for c in children
-        ]  # fmt: skip
+                requested_by=actor, judge=judge, parent_job_id=parent.id, depends_on=siblings, waiting_on=siblings,
+            )))  # fmt: skip
         decomposed = JobDecomposed(attempt=attempt, children=tuple(c.job_id for c in child_changes))
         rows = await queue.record(conn, [Change(parent.id, organization_id, parent, [decomposed]), *child_changes],
                                   metadata=store.event_metadata(actor, request_id))  # fmt: skip
         queued = sum(1 for row in rows[1:] if row.status == "queued")
         await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])
     return rows[1:]
+
+
+def _earlier(index: int, sibling: int) -> int:
+    """``sibling``, a number in ``children[index].depends_on``, if it names an earlier child; refused (422)
+    otherwise."""
+    if sibling >= index:
+        raise InvalidRequest(f"children[{index}].depends_on names child {sibling}: only an earlier child of the same "
+                             "request can be depended on.", field=f"children[{index}].depends_on", index=index)  # fmt: skip
+    return sibling
 
 
 _CHILDREN = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE id = ANY(%s) AND organization_id = %s"

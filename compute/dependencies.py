@@ -43,7 +43,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change
 
 from .blocked import BlockingJudge, try_share_capacity
-from .jobs import record_and_settle
+from .jobs import ancestors_held_elsewhere, record_and_settle
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +105,16 @@ async def _release_page(
     """One page of :data:`_READY`; returns where the next starts (None: the look is done)."""
     async with conn.transaction():
         found = await (await conn.execute(_READY, {"after_id": after, "limit": PAGE})).fetchall()
+        rows = [queue.from_db(record[:_WIDTH]) for record in found]
+        # A child whose failure would settle a container another transaction holds waits for the next tick:
+        # the sweeper waits for no one's row (see ``ancestors_held_elsewhere``).
+        held = await ancestors_held_elsewhere(conn, [row.id for row in rows if row.parent_job_id is not None])
         judges: dict[UUID, BlockingJudge | None] = {}
         changes: list[Change] = []
         claimable: set[UUID] = set()
-        for record in found:
-            row = queue.from_db(record[:_WIDTH])
+        for row, record in zip(rows, found):
+            if row.id in held:
+                continue
             verdict = decide_dependencies(status=row.status, attempt=row.attempt, depends_on=row.depends_on or (),
                                           statuses=_statuses.decode(record[_WIDTH]))  # fmt: skip
             if verdict is None:
@@ -125,8 +130,8 @@ async def _release_page(
                     claimable.add(row.id)
             changes.append(Change(row.id, row.organization_id, row, events))
         if changes:
-            rows, _ = await record_and_settle(conn, changes, metadata=metadata)
-            await store.publish(conn, [(r.organization_id, r.position, 1 if r.id in claimable else 0) for r in rows])
+            written, _ = await record_and_settle(conn, changes, metadata=metadata)
+            await store.publish(conn, [(r.organization_id, r.position, 1 if r.id in claimable else 0) for r in written])
             failed = sum(1 for c in changes if isinstance(c.events[0], JobFailed))
             done.failed += failed
             done.released += len(changes) - failed

@@ -65,6 +65,11 @@ IdempotencyKey = Annotated[str, Meta(min_length=1, max_length=200)]
 MAX_BATCH = 10_000
 #: The most jobs one job may depend on.
 MAX_DEPENDS_ON = 100
+#: A number in ``depends_on`` naming an earlier item of the same request (a batch's item, a decomposition's
+#: child): ``0``, the first.
+ItemIndex = Annotated[int, Meta(ge=0)]
+#: A child's ``depends_on``: earlier children of its decomposition.
+Siblings = Annotated[list[ItemIndex], Meta(max_length=MAX_DEPENDS_ON)]
 
 
 #: Bytes (UTF-8) of the names a job's kind and requirements may hold in all. The kind and the requirements
@@ -157,7 +162,7 @@ class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idempotency_key: IdempotencyKey | None = None
     #: Jobs of the organization this one runs after: it waits (``blocked``) until every one completes. In a
     #: batch, a number names an earlier item of the same batch (``0``: the first).
-    depends_on: Annotated[list[UUID | Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_DEPENDS_ON)] = []
+    depends_on: Annotated[list[UUID | ItemIndex], Meta(max_length=MAX_DEPENDS_ON)] = []
 
     def __post_init__(self) -> None:
         check_shape_size(self.kind, self.requires)

@@ -19,7 +19,7 @@ from umbra.compute.accounts import create_organization
 from umbra.compute.blocked import reexamine_waiting_jobs
 from umbra.compute.dependencies import MAX_ROUNDS, PAGE
 from umbra.compute.sweeper import sweep_once
-from umbra.errors import Conflict
+from umbra.errors import Conflict, InvalidRequest
 from umbra.events import store
 from umbra.events.types import JobUnblocked
 from umbra.projections import jobs as queue
@@ -483,3 +483,74 @@ def test_the_openapi_document_describes_depends_on_and_its_refusals():
         assert "dependency_failed" in responses["409"]["description"]
         assert "job_not_found" in responses["404"]["description"]
     assert "depends on" in doc["paths"]["/v1/jobs/{id}/retry"]["post"]["responses"]["409"]["description"]
+
+
+async def _split(conn, org_id, node, *children):
+    """A job claimed on ``node`` and split into ``children`` (ChildRequests): the parent, and the children's rows."""
+    parent = await submit(conn, org_id, "p")
+    got = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)
+    assert got.row.id == parent.id
+    made = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=got.row.attempt,
+                                     children=list(children))  # fmt: skip
+    return parent, made
+
+
+async def test_a_decomposition_s_merge_step_waits_for_its_shards_and_the_container_settles_after_it(conn, org):
+    """Two shards and a merge after both (``depends_on`` [0, 1], earlier children): the merge waits while the
+    shards run, is released when they complete, and the container settles ``complete`` once it does."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    parent, (first, second, merge) = await _split(conn, org_id, node, child("shard"), child("shard"),
+                                                  child("merge", depends_on=[0, 1, 0]))  # fmt: skip
+    assert (merge.status, merge.depends_on, merge.awaiting_dependencies) == ("blocked", (first.id, second.id), True)
+    await run(conn, org_id, node, first.id)
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == 0
+    await run(conn, org_id, node, second.id)
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
+    assert (await row(conn, org_id, parent.id)).status == "running"
+    await run(conn, org_id, node, merge.id)
+    assert (await row(conn, org_id, parent.id)).status == "complete"
+    assert await verify(conn) == []
+
+
+async def test_a_failed_shard_fails_the_merge_and_the_container_settles_partial(conn, org):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    parent, (shard, merge) = await _split(conn, org_id, node, child("shard"), child("merge", depends_on=[0]))
+    await run(conn, org_id, node, shard.id, fail="corrupt input")
+    assert (await sweep_once(conn, SETTINGS)).dependencies_failed == 1
+    settled = await row(conn, org_id, parent.id)
+    assert (settled.status, settled.result["children_failed"]) == ("partial", 2)
+    assert await verify(conn) == []
+
+
+async def test_a_child_naming_itself_or_a_later_sibling_is_refused_and_nothing_is_written(conn, org, db_url):
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    parent = await submit(conn, org_id, "p")
+    got = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)
+    before = await written(db_url)
+    for depends_on in ([1], [2]):
+        with pytest.raises(InvalidRequest) as refused:
+            await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=got.row.attempt,
+                                      children=[child("a"), child("b", depends_on=depends_on)])  # fmt: skip
+        assert (refused.value.extra["field"], refused.value.extra["index"]) == ("children[1].depends_on", 1)
+    assert await written(db_url) == before
+
+
+async def test_a_child_whose_container_another_transaction_holds_is_failed_at_a_later_tick(db_url, conn, org):
+    """Failing the merge would settle its container, which an operator's open transaction holds: the tick
+    leaves it (waiting for no one's row) and the next one, once the hold is let go, fails it."""
+    import psycopg
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    parent, (shard, merge) = await _split(conn, org_id, node, child("shard"), child("merge", depends_on=[0]))
+    await run(conn, org_id, node, shard.id, fail="x")
+    async with await psycopg.AsyncConnection.connect(db_url) as other:
+        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (parent.id,))
+        with anyio.fail_after(10):
+            assert (await sweep_once(conn, SETTINGS)).dependencies_failed == 0
+        await other.rollback()
+    assert (await sweep_once(conn, SETTINGS)).dependencies_failed == 1
+    assert (await row(conn, org_id, parent.id)).status == "partial"
