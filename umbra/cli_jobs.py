@@ -35,6 +35,11 @@ def _mb(entry: dict[str, Any]) -> str:
 def format_explanation(body: dict[str, Any]) -> list[str]:
     """The lines ``umbra jobs explain`` prints for one explain answer."""
     lines = [body["summary"], ""]
+    dependencies = body.get("dependencies") or []
+    if dependencies:
+        lines.append("depends on:")
+        lines += [f"  {d['job_id']}  {d['status']}" for d in dependencies]
+        lines.append("")
     placement = body.get("placement")
     if placement:
         where = f"{body.get('placement_node_name') or placement['node_id']}/{placement['device_id']}"

@@ -41,3 +41,13 @@ def test_a_placed_job_prints_its_recorded_placement():
         "Complete on gpu-box/gpu0 after attempt 1.", "", "placement: gpu-box/gpu0 via vram (placed:gpu_discrete)",
     ]  # fmt: skip
     assert format_explanation({**body, "placement": None}) == [body["summary"], "", "no devices to judge"]
+
+
+def test_a_waiting_job_lists_what_it_depends_on_before_the_devices():
+    body = {
+        "summary": "Waiting for 1 of the 2 jobs it depends on to complete: b (running). ...",
+        "dependencies": [{"job_id": "a", "status": "complete"}, {"job_id": "b", "status": "running"}],
+        "placement": None, "eligible": [], "ineligible": [],
+    }  # fmt: skip
+    assert format_explanation(body) == [body["summary"], "", "depends on:", "  a  complete", "  b  running", "",
+                                         "no devices to judge"]  # fmt: skip
