@@ -105,19 +105,22 @@ async def _release_page(
     """One page of :data:`_READY`; returns where the next starts (None: the look is done)."""
     async with conn.transaction():
         found = await (await conn.execute(_READY, {"after_id": after, "limit": PAGE})).fetchall()
-        rows = [queue.from_db(record[:_WIDTH]) for record in found]
-        # A child whose failure would settle a container another transaction holds waits for the next tick:
-        # the sweeper waits for no one's row (see ``ancestors_held_elsewhere``).
-        held = await ancestors_held_elsewhere(conn, [row.id for row in rows if row.parent_job_id is not None])
+        verdicts = []
+        for record in found:
+            row = queue.from_db(record[:_WIDTH])
+            verdict = decide_dependencies(status=row.status, attempt=row.attempt, depends_on=row.depends_on or (),
+                                          statuses=_statuses.decode(record[_WIDTH]))  # fmt: skip
+            if verdict is not None:
+                verdicts.append((row, verdict))
+        # A child whose failure would settle a container another transaction holds waits for the next tick (the
+        # sweeper waits for no one's row: see ``ancestors_held_elsewhere``); a release settles nothing, and goes.
+        held = await ancestors_held_elsewhere(conn, [row.id for row, verdict in verdicts
+                                                     if row.parent_job_id is not None and isinstance(verdict, JobFailed)])  # fmt: skip
         judges: dict[UUID, BlockingJudge | None] = {}
         changes: list[Change] = []
         claimable: set[UUID] = set()
-        for row, record in zip(rows, found):
+        for row, verdict in verdicts:
             if row.id in held:
-                continue
-            verdict = decide_dependencies(status=row.status, attempt=row.attempt, depends_on=row.depends_on or (),
-                                          statuses=_statuses.decode(record[_WIDTH]))  # fmt: skip
-            if verdict is None:
                 continue
             events: list[Event] = [verdict]
             if not isinstance(verdict, JobFailed):

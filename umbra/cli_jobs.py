@@ -345,7 +345,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requires", type=_json_object, default=None,
                    help='its requirements, a JSON object, e.g. \'{"vram_min_mb": 16000, "models": ["llama"]}\'')  # fmt: skip
     p.add_argument("--priority", type=int, default=None, help="lower runs first (default 100)")
-    p.add_argument("--max-attempts", type=int, default=None, help="runs it may take (default 3)")
+    p.add_argument("--max-attempts", type=_within(1, 100), default=None, help="runs it may take, 1..100 (default 3)")
     p.add_argument("--idempotency-key", default=None, help="submitted again with it, the first job is answered")
     p.add_argument("--depends-on", action="append", default=None, metavar="ID",
                    help="a job this one runs after (it waits until that one completes); repeat for several")  # fmt: skip
@@ -373,7 +373,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                          description="Retry a failed job: the same job queued again in its place, with more runs, its "
                          "history going on (POST /v1/jobs/{id}/retry). Refused for a job that did not fail or belongs "
                          "to a tree.")  # fmt: skip
-    retry.add_argument("--max-attempts", type=int, default=None,
+    retry.add_argument("--max-attempts", type=_within(1, 100), default=None,
                        help="runs the retry grants, 1..100 (default: as many as the job was submitted with)")  # fmt: skip
 
     priority = _job_command(sub, "priority", func=cmd_priority, scope="jobs:write", json_help="print the job as JSON",
@@ -394,7 +394,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="send every failed job (of one kind) back to the queue",
         description="Retry every failed job, or those of --kind: each as `umbra jobs retry` would, in submission "
         "order. Jobs the server will not retry (children, jobs that made children) are listed and left as they are.")  # fmt: skip
-    retry_failed.add_argument("--max-attempts", type=int, default=None,
+    retry_failed.add_argument("--max-attempts", type=_within(1, 100), default=None,
                               help="runs each retry grants, 1..100 (default: as many as each job was submitted with)")  # fmt: skip
     _every_job_command(
         sub, "cancel-waiting", func=cmd_cancel_waiting, done_key="cancelled",

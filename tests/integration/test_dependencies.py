@@ -554,3 +554,28 @@ async def test_a_child_whose_container_another_transaction_holds_is_failed_at_a_
         await other.rollback()
     assert (await sweep_once(conn, SETTINGS)).dependencies_failed == 1
     assert (await row(conn, org_id, parent.id)).status == "partial"
+
+
+async def test_a_merge_is_released_though_another_transaction_holds_its_container(db_url, conn, org):
+    """A release settles nothing, so it waits for no container: only a failure would settle one. (Every shard's
+    completion holds its container for a moment; a release that gave way to any holder could be put off tick
+    after tick.)"""
+    import psycopg
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    parent, (shard, merge) = await _split(conn, org_id, node, child("shard"), child("merge", depends_on=[0]))
+    await run(conn, org_id, node, shard.id)
+    async with await psycopg.AsyncConnection.connect(db_url) as other:
+        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (parent.id,))
+        with anyio.fail_after(10):
+            assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
+        await other.rollback()
+
+
+def test_an_agent_handler_decomposes_into_shards_and_a_merge_after_them():
+    """``umbra agent``'s handler API says what the children route takes: a merge after its shards."""
+    from umbra.agent.handlers import Child
+
+    assert Child(kind="merge", depends_on=[0, 1]).to_json()["depends_on"] == [0, 1]
+    assert "depends_on" not in Child(kind="shard").to_json()

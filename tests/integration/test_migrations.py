@@ -13,7 +13,9 @@ from umbra.migrate import available_migrations, migrate, pending_migrations
 pytestmark = pytest.mark.anyio
 
 
-async def test_migrating_an_empty_database_twice_concurrently(pg_server_url):
+async def test_migrating_an_empty_database_three_times_concurrently(pg_server_url):
+    """One run applies every migration, the others none; no deadlock, though 0042 builds an index concurrently
+    (a build that waits for every older snapshot: a migrator waiting for the lock in a statement held one)."""
     name = "umbra_mig_empty"
     with psycopg.connect(pg_server_url, autocommit=True) as c:
         c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
@@ -25,11 +27,12 @@ async def test_migrating_an_empty_database_twice_concurrently(pg_server_url):
         async def run():
             results.append(await migrate(url))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            tg.start_soon(run)
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(run)
         names = [m.name for m in available_migrations()]
-        assert sorted(results, key=len) == [[], names]
+        assert sorted(results, key=len) == [[], [], names]
         assert await migrate(url) == []
         async with await psycopg.AsyncConnection.connect(url) as c:
             assert await pending_migrations(c) == []
@@ -164,3 +167,17 @@ async def test_a_migration_marked_no_transaction_builds_its_index_concurrently_a
     assert await migrate(db_url) == ["9001_unique_kinds.sql"]
     assert await (await conn.execute(valid, ("jobs_unique_kind",))).fetchone() == (True,)
     assert await pending_migrations(conn) == []
+
+
+def test_a_no_transaction_migration_is_split_at_semicolons_ending_a_line_only():
+    from umbra.migrate import Migration
+
+    [shipped] = [m for m in available_migrations() if m.version == 42]
+    assert [m.version for m in available_migrations() if not m.transactional] == [42]
+    assert shipped.statements()[1] == "CREATE INDEX CONCURRENTLY jobs_awaiting_dependencies ON jobs (id) WHERE awaiting_dependencies"
+    text = ("-- umbra: no transaction\n-- first drop it;\nSELECT ';' AS a, 'x; y' AS b;  \n"
+            "SELECT 2\n  ;\t\n\n-- trailing comment;\n")  # fmt: skip
+    first, second = Migration(1, "0001_x.sql", text).statements()
+    assert first.endswith("SELECT ';' AS a, 'x; y' AS b") and second == "SELECT 2"
+    assert Migration(1, "0001_x.sql", "-- umbra: no transaction\n-- nothing;\n").statements() == []
+    assert Migration(1, "0001_x.sql", "-- a comment first\n-- umbra: no transaction\nSELECT 1;\n").transactional

@@ -201,3 +201,105 @@ async def test_progress_reaches_the_job_within_progress_seconds_not_at_the_lease
 async def _said(progress, fraction: float) -> dict | None:
     shown = await progress()
     return shown if shown and shown.get("fraction") == fraction else None
+
+
+class _Recording(AgentClient):
+    """The real client, noting when each renewal was sent and whether it carried progress."""
+
+    calls: list[tuple[float, bool]] = []
+
+    async def renew(self, job_id, attempt, *, progress=None):
+        type(self).calls.append((anyio.current_time(), progress is not None))
+        return await super().renew(job_id, attempt, progress=progress)
+
+
+async def _until_ended(client, key, job, gate: anyio.Event) -> dict:
+    gate.set()
+
+    async def ended():
+        shown = (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(key))).json()
+        return shown if shown["status"] not in ("queued", "running") else None
+
+    return await eventually(ended, timeout=15)
+
+
+async def test_a_handler_reporting_in_a_tight_loop_renews_no_more_often_than_progress_seconds(db_url, org):
+    class Calls(_Recording):
+        calls = []
+
+    gate = anyio.Event()
+
+    async def train(claim):
+        step = 0
+        while not gate.is_set():
+            step += 1
+            claim.report_progress(min(1.0, step / 10_000), f"step {step}")
+            await anyio.sleep(0.005)
+        return {}
+
+    async with _one_train_job(db_url, org[1], train, lease_seconds=60, client_cls=Calls, progress_seconds=0.5) as (client, job):
+        await anyio.sleep(3.2)
+        done = await _until_ended(client, org[1], job, gate)
+    times = [t for t, _ in Calls.calls]
+    assert 4 <= len(times) <= 8 and min(b - a for a, b in zip(times, times[1:])) >= 0.45, Calls.calls
+    assert (done["status"], done["attempt"]) == ("complete", 1)
+
+
+async def test_a_renewal_refused_with_retry_after_is_sent_again_no_sooner_though_progress_waits(db_url, org):
+    """A proxy answers the first renewal (carrying progress) 429 with ``Retry-After: 3``: the progress left unsent
+    does not cut the wait short."""
+    from umbra.agent.client import ServiceError
+
+    class Throttled(_Recording):
+        calls = []
+
+        async def renew(self, job_id, attempt, *, progress=None):
+            type(self).calls.append((anyio.current_time(), progress is not None))
+            if len(type(self).calls) == 1:
+                raise ServiceError(429, "rate_limited", "Too many requests.", retry_after=3.0)
+            return await AgentClient.renew(self, job_id, attempt, progress=progress)
+
+    gate = anyio.Event()
+
+    async def train(claim):
+        claim.report_progress(0.1, "starting")
+        await gate.wait()
+        return {}
+
+    async with _one_train_job(db_url, org[1], train, lease_seconds=60, client_cls=Throttled, progress_seconds=0.5) as (client, job):
+
+        async def progress():
+            return (await client.get(f"/v1/jobs/{job['id']}", headers=bearer(org[1]))).json()["progress"]
+
+        await eventually(progress, timeout=10)
+        done = await _until_ended(client, org[1], job, gate)
+    (first, _), (second, _) = Throttled.calls[:2]
+    assert second - first >= 2.9 and (done["status"], done["attempt"]) == ("complete", 1)
+
+
+async def test_a_server_refusing_every_progress_still_has_the_lease_renewed_while_a_handler_reports_at_every_step(db_url, org):
+    """Every renewal carrying progress refused (422, as a server that takes none): the one after each goes without
+    it, so the 3 s lease holds and the job completes at its first attempt; after a few refusals in a row the run
+    sends none."""
+
+    class OlderServer(_Recording):
+        calls = []
+
+        async def renew(self, job_id, attempt, *, progress=None):
+            return await super().renew(job_id, attempt, progress=None if progress is None else {**progress, "fraction": 2})
+
+    gate = anyio.Event()
+
+    async def train(claim):
+        step = 0
+        while not gate.is_set():
+            step += 1
+            claim.report_progress(min(1.0, step / 10_000), f"step {step}")
+            await anyio.sleep(0.01)
+        return {}
+
+    async with _one_train_job(db_url, org[1], train, lease_seconds=3, client_cls=OlderServer, progress_seconds=1.0) as (client, job):
+        await anyio.sleep(6)
+        done = await _until_ended(client, org[1], job, gate)
+    assert (done["status"], done["attempt"]) == ("complete", 1), done
+    assert sum(1 for _, carried in OlderServer.calls if carried) == 3, OlderServer.calls

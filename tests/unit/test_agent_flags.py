@@ -168,3 +168,21 @@ def test_a_sighup_ignored_as_under_nohup_stays_ignored():
         assert {signal.SIGTERM, signal.SIGINT} <= set(stop_signals())
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.parametrize("argv", [("jobs", "retry", "00000000-0000-0000-0000-000000000001", "--max-attempts", "0"),
+                                  ("jobs", "retry-failed", "--max-attempts", "101"),
+                                  ("jobs", "submit", "k", "--max-attempts", "0")], ids=["retry", "retry-failed", "submit"])
+def test_jobs_max_attempts_outside_1_to_100_is_refused_as_an_argument(capsys, argv):
+    """As its help says, and as every range flag: the parser's refusal (exit 2), not the server's (exit 1)."""
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(list(argv))
+    assert refused.value.code == 2
+    assert "argument --max-attempts: must be between 1 and 100" in capsys.readouterr().err
+
+
+def test_progress_seconds_is_a_range_flag_and_reaches_the_agent_s_config(capsys):
+    assert _parse("--progress-seconds", "0.5").progress_seconds == 0.5
+    assert "argument --progress-seconds: must be between 0.5 and 3600 seconds, not 0.1" in _refused(capsys, "--progress-seconds", "0.1")
+    with pytest.raises(ValueError):
+        AgentConfig(agent_version="x", progress_seconds=0)

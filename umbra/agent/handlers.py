@@ -77,6 +77,9 @@ class Child:
     requires: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None
     idempotency_key: str | None = None
+    #: Earlier children of the same decomposition this one runs after, by their place in the list (``0``: the
+    #: first): a merge after its shards.
+    depends_on: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"kind": self.kind, "payload": self.payload, "requires": self.requires}
@@ -84,6 +87,8 @@ class Child:
             body["priority"] = self.priority
         if self.idempotency_key is not None:
             body["idempotency_key"] = self.idempotency_key
+        if self.depends_on:
+            body["depends_on"] = list(self.depends_on)
         return body
 
 

@@ -69,6 +69,8 @@ RELEASE_SECONDS = 5.0
 MAX_ERROR_CHARS = 4000
 #: Doublings :func:`backoff_delay` counts at most (``2.0 ** 1024`` overflows a float).
 MAX_DOUBLINGS = 1000
+#: Progress refusals in a row after which a run sends no more of it (a server that takes none).
+PROGRESS_REFUSALS = 3
 
 
 def backoff_delay(failures: int, base: float, cap: float, rng: random.Random | None = None) -> float:
@@ -348,20 +350,29 @@ class JobRun:
         (:meth:`_until_renewal`); end the handler only when the server refuses for good.
 
         A renewal that fails in passing (unreachable, a proxy's page, a 429, an answer that cannot be
-        read) is sent again sooner, no sooner than its ``Retry-After``: cancelling the handler on it
-        would throw away the work and leave the job to run again with an attempt spent.
+        read) is sent again sooner, no sooner than its ``Retry-After`` (nor its back-off, whatever the
+        handler says meanwhile): cancelling the handler on it would throw away the work and leave the job
+        to run again with an attempt spent. Progress the server refuses (422: a value it will not take, a
+        server that takes none) is dropped and the lease renewed at once without any: a handler reporting
+        at every step would otherwise have each renewal refused for what it said since, and the lease run
+        out. After :data:`PROGRESS_REFUSALS` refusals in a row, no more is sent for this run.
         """
         claim = self.claim
         interval = claim.lease_seconds / 3
-        failures = 0
+        failures = refusals = 0
+        renew_bare = False  # the renewal after a refusal carries nothing of progress
         while True:
-            await self._until_renewal(max(0.2, interval))
-            progress = claim.progress_note.unsent()
+            if failures or renew_bare or refusals >= PROGRESS_REFUSALS:
+                await anyio.sleep(max(0.2, interval))
+            else:
+                await self._until_renewal(max(0.2, interval))
+            progress = None if renew_bare or refusals >= PROGRESS_REFUSALS else claim.progress_note.unsent()
             try:
                 interval = await self.client.renew(claim.job_id, claim.attempt, progress=progress) / 3
                 if progress is not None:
                     claim.progress_note.sent = progress
-                failures = 0
+                    refusals = 0
+                failures, renew_bare = 0, False
                 continue
             except ServiceError as exc:
                 if progress is not None and exc.status == 422:
@@ -370,7 +381,8 @@ class JobRun:
                     log.warning("progress refused; renewing without it", extra={"action": "progress_refused",
                                 "job_id": claim.job_id, "code": exc.code})  # fmt: skip
                     claim.progress_note.sent = progress
-                    interval = 0
+                    refusals += 1
+                    renew_bare, interval = True, 0
                     continue
                 if exc.status == 401:
                     self._on_rejected(exc)
