@@ -8,6 +8,7 @@ import dataclasses
 import uuid
 
 import anyio
+import psycopg
 import pytest
 
 from tests.helpers import bearer
@@ -43,6 +44,14 @@ async def row(conn, org_id, job_id) -> queue.JobRow:
 async def history(conn, job_id) -> list[tuple[str, dict]]:
     cursor = await conn.execute("SELECT type, data FROM events WHERE stream = %s ORDER BY version", (store.job_stream(job_id),))
     return [(t, d) for t, d in await cursor.fetchall()]
+
+
+async def sweep_while_held(db_url, conn, job_id):
+    """A sweeper tick while another transaction holds ``job_id``'s row (it must not wait for it)."""
+    async with await psycopg.AsyncConnection.connect(db_url) as other:
+        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (job_id,))
+        with anyio.fail_after(10):
+            return await sweep_once(conn, SETTINGS)
 
 
 async def run(conn, org_id, node, job_id, *, fail: str | None = None) -> None:
@@ -210,13 +219,7 @@ async def test_a_waiting_job_held_by_another_transaction_is_left_for_the_next_ti
     a = await submit(conn, org_id, "a")
     b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
     await run(conn, org_id, node, a.id)
-    import psycopg
-
-    async with await psycopg.AsyncConnection.connect(db_url) as other:
-        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (b.id,))
-        with anyio.fail_after(10):
-            assert (await sweep_once(conn, SETTINGS)).dependencies_released == 0
-        await other.rollback()
+    assert (await sweep_while_held(db_url, conn, b.id)).dependencies_released == 0
     assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
 
 
@@ -406,8 +409,6 @@ async def test_a_dependency_retried_or_requeued_before_the_sweeper_looked_keeps_
 async def test_a_dependent_submitted_while_its_dependency_completes_is_released_by_the_next_tick(db_url, conn, org):
     """The completion is in flight (uncommitted) when the submission reads its dependency: the dependent is
     written waiting; once the completion commits, the next tick releases it (the look reads afresh)."""
-    import psycopg
-
     org_id, _ = org
     node = await add_node(conn, org_id, "box", [CPU64])
     a = await submit(conn, org_id, "a")
@@ -541,17 +542,11 @@ async def test_a_child_naming_itself_or_a_later_sibling_is_refused_and_nothing_i
 async def test_a_child_whose_container_another_transaction_holds_is_failed_at_a_later_tick(db_url, conn, org):
     """Failing the merge would settle its container, which an operator's open transaction holds: the tick
     leaves it (waiting for no one's row) and the next one, once the hold is let go, fails it."""
-    import psycopg
-
     org_id, _ = org
     node = await add_node(conn, org_id, "box", [CPU64])
     parent, (shard, merge) = await _split(conn, org_id, node, child("shard"), child("merge", depends_on=[0]))
     await run(conn, org_id, node, shard.id, fail="x")
-    async with await psycopg.AsyncConnection.connect(db_url) as other:
-        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (parent.id,))
-        with anyio.fail_after(10):
-            assert (await sweep_once(conn, SETTINGS)).dependencies_failed == 0
-        await other.rollback()
+    assert (await sweep_while_held(db_url, conn, parent.id)).dependencies_failed == 0
     assert (await sweep_once(conn, SETTINGS)).dependencies_failed == 1
     assert (await row(conn, org_id, parent.id)).status == "partial"
 
@@ -560,17 +555,11 @@ async def test_a_merge_is_released_though_another_transaction_holds_its_containe
     """A release settles nothing, so it waits for no container: only a failure would settle one. (Every shard's
     completion holds its container for a moment; a release that gave way to any holder could be put off tick
     after tick.)"""
-    import psycopg
-
     org_id, _ = org
     node = await add_node(conn, org_id, "box", [CPU64])
     parent, (shard, merge) = await _split(conn, org_id, node, child("shard"), child("merge", depends_on=[0]))
     await run(conn, org_id, node, shard.id)
-    async with await psycopg.AsyncConnection.connect(db_url) as other:
-        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (parent.id,))
-        with anyio.fail_after(10):
-            assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
-        await other.rollback()
+    assert (await sweep_while_held(db_url, conn, parent.id)).dependencies_released == 1
 
 
 def test_an_agent_handler_decomposes_into_shards_and_a_merge_after_them():

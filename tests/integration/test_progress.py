@@ -213,6 +213,20 @@ class _Recording(AgentClient):
         return await super().renew(job_id, attempt, progress=progress)
 
 
+def _reporting_at_every_step(gate: anyio.Event, pause: float):
+    """A handler that reports its progress every ``pause`` seconds until ``gate`` is set."""
+
+    async def train(claim):
+        step = 0
+        while not gate.is_set():
+            step += 1
+            claim.report_progress(min(1.0, step / 10_000), f"step {step}")
+            await anyio.sleep(pause)
+        return {}
+
+    return train
+
+
 async def _until_ended(client, key, job, gate: anyio.Event) -> dict:
     gate.set()
 
@@ -228,14 +242,7 @@ async def test_a_handler_reporting_in_a_tight_loop_renews_no_more_often_than_pro
         calls = []
 
     gate = anyio.Event()
-
-    async def train(claim):
-        step = 0
-        while not gate.is_set():
-            step += 1
-            claim.report_progress(min(1.0, step / 10_000), f"step {step}")
-            await anyio.sleep(0.005)
-        return {}
+    train = _reporting_at_every_step(gate, 0.005)
 
     async with _one_train_job(db_url, org[1], train, lease_seconds=60, client_cls=Calls, progress_seconds=0.5) as (client, job):
         await anyio.sleep(3.2)
@@ -289,14 +296,7 @@ async def test_a_server_refusing_every_progress_still_has_the_lease_renewed_whil
             return await super().renew(job_id, attempt, progress=None if progress is None else {**progress, "fraction": 2})
 
     gate = anyio.Event()
-
-    async def train(claim):
-        step = 0
-        while not gate.is_set():
-            step += 1
-            claim.report_progress(min(1.0, step / 10_000), f"step {step}")
-            await anyio.sleep(0.01)
-        return {}
+    train = _reporting_at_every_step(gate, 0.01)
 
     async with _one_train_job(db_url, org[1], train, lease_seconds=3, client_cls=OlderServer, progress_seconds=1.0) as (client, job):
         await anyio.sleep(6)
