@@ -9,8 +9,10 @@ on its row). The sweeper's leader looks at the waiting jobs every tick
 a submission is, so it is queued, or blocked again if nothing could ever run
 it; one with a dependency that failed, was cancelled or settled ``partial``
 is ``job.failed`` (``dependency_failed``), and its own dependents fail at the
-next look in turn (the pass runs again while it fails any, so a chain fails
-within one tick).
+next look in turn (the pass looks again while it fails any, up to
+:data:`MAX_ROUNDS` links of a chain a tick). A child (whose siblings it may
+depend on) is failed only when no other transaction holds its container, as
+the sweeper's other passes do; a release settles nothing and waits for no one.
 
 Why a look each tick rather than in the transaction that ends the dependency:
 a job ends on many paths, the group commit's among them, which must never wait
