@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import bearer, run_umbra
+from tests.helpers import bearer, eventually, run_umbra
 from umbra.compute.accounts import create_api_key, create_organization
 from umbra.events.types import Device
 
@@ -241,22 +241,31 @@ async def test_no_claim_lands_on_the_card_once_its_cordon_has_answered(client, o
     _, key = org
     node_id, node = await pair(client, key, devices=TWO_GPUS)
     light = {"kind": "light", "requires": {"accelerators": ["cuda"]}}  # takes no memory: many fit one card
-    assert (await client.post("/v1/jobs/batch", json={"jobs": [light] * 300}, headers=bearer(key))).status_code == 201
+    assert (await client.post("/v1/jobs/batch", json={"jobs": [light] * 900}, headers=bearer(key))).status_code == 201
     stop = anyio.Event()
+    claimed = {"before": 0, "after": 0}
+    moment = "before"
 
     async def claimer() -> None:
         while not stop.is_set():
-            await client.post("/v1/agent/claim", params={"wait": 0, "max": 3}, headers=node)
+            answer = await client.post("/v1/agent/claim", params={"wait": 0, "max": 3}, headers=node)
+            if answer.status_code == 200:
+                claimed[moment] += len(answer.json()["claims"])
 
     async with anyio.create_task_group() as tg:
         for _ in range(4):
             tg.start_soon(claimer)
-        await anyio.sleep(0.3)
+        await eventually(lambda: _at_least(claimed, "before", 30), timeout=20)  # claims are going on, on both cards
         assert (await client.post(f"/v1/nodes/{node_id}/cordon", json={"device": "gpu0"}, headers=bearer(key))).status_code == 200
-        await anyio.sleep(0.5)
+        moment = "after"
+        await eventually(lambda: _at_least(claimed, "after", 30), timeout=20)  # and go on after it answered
         stop.set()
     async with await psycopg.AsyncConnection.connect(db_url) as c:
         [(cordoned_at,)] = await (await c.execute("SELECT position FROM events WHERE type = 'node.device_cordoned'")).fetchall()
         after = await (await c.execute("SELECT data->'placement'->>'device_id', count(*) FROM events WHERE type = 'job.claimed'"
                                        " AND position > %s GROUP BY 1", (cordoned_at,))).fetchall()  # fmt: skip
     assert dict(after).keys() == {"gpu1"}, after
+
+
+async def _at_least(counts: dict, key: str, least: int) -> bool:
+    return counts[key] >= least
