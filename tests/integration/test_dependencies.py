@@ -568,3 +568,22 @@ def test_an_agent_handler_decomposes_into_shards_and_a_merge_after_them():
 
     assert Child(kind="merge", depends_on=[0, 1]).to_json()["depends_on"] == [0, 1]
     assert "depends_on" not in Child(kind="shard").to_json()
+
+
+async def test_metrics_tell_jobs_waiting_for_dependencies_from_jobs_no_device_could_run(conn, org, live_server):
+    """``umbra_jobs_waiting_for_dependencies`` counts the blocked jobs that wait: an alert on jobs nothing could
+    run subtracts it from ``umbra_queue_depth{status="blocked"}``."""
+    import httpx
+
+    from tests.integration.test_outages import samples
+
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    for _ in range(2):
+        await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    await submit(conn, org_id, "huge", requires={"ram_min_mb": 10**6})  # no device could run it
+    async with httpx.AsyncClient(base_url=live_server.url) as client:
+        scraped = samples((await client.get("/metrics")).text)
+    assert scraped[("umbra_queue_depth", (("status", "blocked"),))] == 3
+    assert scraped[("umbra_jobs_waiting_for_dependencies", ())] == 2
