@@ -119,7 +119,8 @@ async def retry_job(request: Request) -> Response:
     body = await read_json(request, RetryRequest, empty_ok=True)  # read with no connection held
     async with acting_as(request, who) as conn:  # not revoked while the body arrived
         row = await retries.retry(conn, who.organization_id, job_id, actor=who.actor, max_attempts=body.max_attempts,
-                                  request_id=request_id(request))  # fmt: skip
+                                  request_id=request_id(request),
+                                  stale_seconds=request.app.state.services.settings.heartbeat_stale_seconds)  # fmt: skip
     return json_response(queue.job_out(row))
 
 

@@ -31,8 +31,8 @@ from msgspec import Meta
 from umbra import jitter
 from umbra.compute.accounts import project_exists
 from umbra.db import organization_lock_key, service_lock_wait
-from umbra.domain.jobs import decide_cancel
-from umbra.domain.settlement import UNSUCCESSFUL, settle
+from umbra.domain.jobs import decide_cancel, dependencies_of
+from umbra.domain.settlement import settle
 from umbra.errors import Conflict, InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
@@ -282,12 +282,13 @@ async def dependency_statuses(
 def waiting_on(depends_on: Sequence[UUID], statuses: Mapping[UUID, str], *, index: int | None = None) -> tuple[UUID, ...]:
     """Those of ``depends_on`` not complete yet; refuses (409 ``dependency_failed``) a new job that depends on
     a job which ended otherwise: it would only fail. ``index``: the item's, in a batch."""
-    for job_id in depends_on:
-        if (status := statuses[job_id]) in UNSUCCESSFUL:
-            extra = {} if index is None else {"index": index}
-            raise Conflict("dependency_failed", f"Job {job_id}, which this job would depend on, ended {status}.",
-                           dependency=str(job_id), status=status, **extra)  # fmt: skip
-    return tuple(job_id for job_id in depends_on if statuses[job_id] != "complete")
+    state = dependencies_of(depends_on, statuses)
+    if state.ended_otherwise is not None:
+        job_id, status = state.ended_otherwise
+        extra = {} if index is None else {"index": index}
+        raise Conflict("dependency_failed", f"Job {job_id}, which this job would depend on, ended {status}.",
+                       dependency=str(job_id), status=status, **extra)  # fmt: skip
+    return state.open
 
 
 _BY_KEYS = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE organization_id = %s AND idempotency_key = ANY(%s)"

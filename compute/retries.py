@@ -15,8 +15,8 @@ from uuid import UUID
 
 import psycopg
 
-from umbra.domain.jobs import UnchargedEnds, decide_retry
-from umbra.domain.node_status import effective_status
+from umbra.domain.jobs import UnchargedEnds, decide_retry, dependencies_of
+from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.errors import NotFound
 from umbra.events import store
 from umbra.events.types import JobBlocked, JobSubmitted
@@ -29,9 +29,12 @@ from .jobs import dependency_statuses_of, record_and_settle, waiting_reason
 
 
 async def retry(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UUID, *, actor: str | None,
-                max_attempts: int | None = None, request_id: str | None = None) -> JobRow:  # fmt: skip
+                max_attempts: int | None = None, request_id: str | None = None,
+                stale_seconds: int = DEFAULT_STALE_SECONDS) -> JobRow:  # fmt: skip
     """Send a failed job back to the queue with ``max_attempts`` more runs (default: as many as it was
     submitted with), blocked at once if nothing in the fleet could run it now, as a submission is.
+    ``stale_seconds``: the heartbeat silence after which the holder's node counts as gone, as the claims
+    judge it (the settings').
 
     Refused (409 ``job_not_retryable``, nothing written) unless the job failed
     and belongs to no tree (:func:`umbra.domain.jobs.decide_retry`).
@@ -44,12 +47,13 @@ async def retry(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UU
         failed = row.status == "failed"  # else refused below: nothing more to read
         grant = max_attempts if max_attempts is not None else (await _submitted_max_attempts(conn, row) if failed else 1)
         ends = (await uncharged_claims(conn, [job_id])).get(job_id, UnchargedEnds()) if failed else UnchargedEnds()
-        dependencies = await dependency_statuses_of(conn, organization_id, row.depends_on) if failed and row.depends_on else {}
+        dependencies = (dependencies_of(row.depends_on, await dependency_statuses_of(conn, organization_id, row.depends_on))
+                        if failed and row.depends_on else None)  # fmt: skip
         retried = decide_retry(status=row.status, attempt=row.attempt, max_attempts=row.max_attempts,
                                parent_job_id=row.parent_job_id, children_total=row.children_total, grant=grant, by=actor,
-                               ends=ends, last_run_may_run_on=failed and await _last_run_may_run_on(conn, row),
-                               dependencies=dependencies)  # fmt: skip
-        waiting = tuple(dependency for dependency, status in dependencies.items() if status != "complete")
+                               ends=ends, dependencies=dependencies,
+                               last_run_may_run_on=failed and await _last_run_may_run_on(conn, row, stale_seconds))  # fmt: skip
+        waiting = dependencies.open if dependencies is not None else ()
         reason = waiting_reason(len(waiting)) if waiting else judge.reason(row.requires)
         events = [retried] if reason is None else [retried, JobBlocked(reason=reason, waiting_on=waiting)]
         rows, position = await record_and_settle(conn, [Change(job_id, organization_id, row, events)],
@@ -66,7 +70,7 @@ FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id WHERE n.id = %s
 """
 
 
-async def _last_run_may_run_on(conn: psycopg.AsyncConnection, row: JobRow) -> bool:
+async def _last_run_may_run_on(conn: psycopg.AsyncConnection, row: JobRow, stale_seconds: int) -> bool:
     """Whether a job that ended under its holder (``ended_under_holder``) may still be running there: its
     node is alive (online or draining, heard from lately) and has not reported its devices since the job
     ended. Its memory is counted as taken until then (``RUNNING_TAKING_MEMORY``), and a retry would stop
@@ -77,7 +81,7 @@ async def _last_run_may_run_on(conn: psycopg.AsyncConnection, row: JobRow) -> bo
     if found is None:
         return False
     status, last_seen, reported, now = found
-    heard_lately = effective_status("online", last_seen, now) == "online"
+    heard_lately = effective_status("online", last_seen, now, stale_seconds=stale_seconds) == "online"
     alive = status in ("online", "draining") and heard_lately
     return alive and (reported is None or reported <= row.finished_at)
 

@@ -95,7 +95,6 @@ class Explanation(msgspec.Struct, kw_only=True):
     dependencies: list[DependencyStatus] | None = None
 
 
-
 @dataclass(frozen=True, slots=True)
 class QueueStanding:
     """Where a queued job stands, measured with the database clock."""

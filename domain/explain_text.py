@@ -17,8 +17,8 @@ from umbra.events.types import Placement, Requirements
 
 from .eligibility import NodeView, missing_models, required_accelerators, takes_kind
 from .explain import EligibleDevice, IneligibleDevice, QueueStanding
+from .jobs import dependencies_of
 from .models import RegisteredModel
-from .settlement import UNSUCCESSFUL
 
 #: How a blocking reason's code reads in a sentence.
 _BLOCKING_CODES = {
@@ -167,16 +167,16 @@ def blocked_summary(*, stored: str | None, current: str | None, fails_at: dateti
 
 def waiting_summary(statuses: Sequence[tuple[UUID, str]]) -> str:
     """A job waiting for the jobs it depends on (``statuses``: each, in order, with its status now)."""
-    open_ = [(job_id, status) for job_id, status in statuses if status != "complete"]
-    ended = [(job_id, status) for job_id, status in open_ if status in UNSUCCESSFUL]
-    if ended:
-        job_id, status = ended[0]
-        return f"Waiting for the jobs it depends on, but job {job_id} ended {status}: it fails at the sweeper's next tick."
-    if not open_:
+    by_id = dict(statuses)
+    state = dependencies_of([job_id for job_id, _ in statuses], by_id)
+    if state.ended_otherwise is not None:
+        job_id, ended = state.ended_otherwise
+        return f"Waiting for the jobs it depends on, but job {job_id} ended {ended}: it fails at the sweeper's next tick."
+    if not state.open:
         return "The jobs it depends on have all completed: it is released at the sweeper's next tick."
-    listed = ", ".join(f"{job_id} ({status})" for job_id, status in open_)
-    return (f"Waiting for {len(open_)} of the {len(statuses)} jobs it depends on to complete: {listed}. It is then "
-            "judged and queued as a new job; it fails if one of them fails or is cancelled.")
+    listed = ", ".join(f"{job_id} ({by_id[job_id]})" for job_id in state.open)
+    return (f"Waiting for {len(state.open)} of the {len(statuses)} jobs it depends on to complete: {listed}. It is "
+            "then judged and queued as a new job; it fails if one of them fails or is cancelled.")
 
 
 def placed_summary(

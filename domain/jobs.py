@@ -261,6 +261,23 @@ def decide_overrun(
 DEPENDENCIES_COMPLETE = "dependencies_complete"
 
 
+@dataclass(frozen=True, slots=True)
+class Dependencies:
+    """Where the jobs a job depends on stand: the first that ended other than complete (with how it
+    ended), and those not complete yet (that one among them), in the job's order."""
+
+    ended_otherwise: tuple[UUID, str] | None
+    open: tuple[UUID, ...]
+
+
+def dependencies_of(depends_on: Sequence[UUID], statuses: Mapping[UUID, str]) -> Dependencies:
+    """The one reading of dependencies' statuses that a submission, a retry, the sweeper's release and
+    ``explain`` share: failed, cancelled or ``partial`` ends the wait for good; ``complete`` is met; any other
+    status, or none (never the case: jobs are not deleted), is still open."""
+    ended = next(((job_id, statuses[job_id]) for job_id in depends_on if statuses.get(job_id) in UNSUCCESSFUL), None)
+    return Dependencies(ended, tuple(job_id for job_id in depends_on if statuses.get(job_id) != "complete"))
+
+
 def decide_dependencies(
     *, status: str, attempt: int, depends_on: Sequence[UUID], statuses: Mapping[UUID, str]
 ) -> JobUnblocked | JobFailed | None:
@@ -278,14 +295,12 @@ def decide_dependencies(
     """
     if status != "blocked":
         return None
-    for job_id in depends_on:
-        status = statuses.get(job_id)
-        if status in UNSUCCESSFUL:
-            return JobFailed(attempt=attempt, reason="dependency_failed",
-                             error=f"Job {job_id}, which this job depends on, ended {status}.")  # fmt: skip
-    if all(statuses.get(job_id) == "complete" for job_id in depends_on):
-        return JobUnblocked(reason=DEPENDENCIES_COMPLETE)
-    return None
+    state = dependencies_of(depends_on, statuses)
+    if state.ended_otherwise is not None:
+        job_id, ended = state.ended_otherwise
+        return JobFailed(attempt=attempt, reason="dependency_failed",
+                         error=f"Job {job_id}, which this job depends on, ended {ended}.")  # fmt: skip
+    return JobUnblocked(reason=DEPENDENCIES_COMPLETE) if not state.open else None
 
 
 #: ``job.released``'s reason when a stopping agent gives back a job it had started.
@@ -333,7 +348,7 @@ class JobNotRetryable(Conflict):
 def decide_retry(
     *, status: str, attempt: int, max_attempts: int, parent_job_id: UUID | None, children_total: int, grant: int,
     by: str | None, ends: UnchargedEnds = UnchargedEnds(), last_run_may_run_on: bool = False,
-    dependencies: Mapping[UUID, str] | None = None,
+    dependencies: Dependencies | None = None,
 ) -> JobRetried:
     """An operator sends a failed job back to the queue with ``grant`` more runs.
 
@@ -351,7 +366,7 @@ def decide_retry(
     to now are recorded with it (``uncharged``), frozen: the ends after the
     retry are counted against the runs it granted.
 
-    A job that depends on others (``dependencies``: their statuses) is retried
+    A job that depends on others (``dependencies``: where they stand) is retried
     only once none of them has ended other than complete: it would only fail
     again. Retry those first; the retried job waits for them.
     """
@@ -368,10 +383,9 @@ def decide_retry(
         # taken; a retry now would give it up, and the next job placed there meet the run still holding it.
         raise JobNotRetryable("Its last run may still hold its device until its node next reports (within a "
                               "heartbeat); retry it then.", status)  # fmt: skip
-    for job_id, dependency_status in (dependencies or {}).items():
-        if dependency_status in UNSUCCESSFUL:
-            raise JobNotRetryable(f"It depends on job {job_id}, which ended {dependency_status}: retry that one "
-                                  "first.", status)  # fmt: skip
+    if dependencies is not None and dependencies.ended_otherwise is not None:
+        job_id, ended = dependencies.ended_otherwise
+        raise JobNotRetryable(f"It depends on job {job_id}, which ended {ended}: retry that one first.", status)
     uncharged = min(attempt, ends.count(max_attempts))
     return JobRetried(attempt=attempt, max_attempts=attempt - uncharged + grant, uncharged=uncharged, by=by)
 

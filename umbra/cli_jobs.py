@@ -139,15 +139,13 @@ def _json_object(text: str) -> dict[str, Any]:
 _JSON = {"Content-Type": "application/json"}
 
 
-#: A batch body's limit (1 MiB, the server's for every body), less room for the envelope.
-_BATCH_BYTES = 1024 * 1024 - 1024
-
-
 def _batches(job: dict[str, Any], count: int) -> list[int]:
     """How many of ``count`` copies of ``job`` each ``POST /v1/jobs/batch`` carries: as many as fit in a body
-    (and in a batch, 10,000), in order."""
+    (the server's limit for every body, less room for the envelope; and in a batch, 10,000), in order."""
+    from umbra.api.http import MAX_BODY_BYTES
+
     size = len(documents.encode(job)) + 1
-    per_batch = max(1, min(10_000, _BATCH_BYTES // size))
+    per_batch = max(1, min(10_000, (MAX_BODY_BYTES - 1024) // size))
     return [min(per_batch, count - start) for start in range(0, count, per_batch)]
 
 
@@ -334,7 +332,7 @@ def _job_command(sub: argparse._SubParsersAction, name: str, *, func, scope: str
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from umbra.cli import _within
+    from umbra.cli import _uuid, _within
 
     p = _jobs_subparsers(sub).add_parser(
         "submit", help="submit jobs of one kind",
@@ -347,7 +345,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--priority", type=int, default=None, help="lower runs first (default 100)")
     p.add_argument("--max-attempts", type=_within(1, 100), default=None, help="runs it may take, 1..100 (default 3)")
     p.add_argument("--idempotency-key", default=None, help="submitted again with it, the first job is answered")
-    p.add_argument("--depends-on", action="append", default=None, metavar="ID",
+    p.add_argument("--depends-on", type=_uuid, action="append", default=None, metavar="ID",
                    help="a job this one runs after (it waits until that one completes); repeat for several")  # fmt: skip
     p.add_argument("--count", type=_within(1, 100_000), default=1,
                    help="how many of it, 1 to 100000 (in batches of as many as a request body holds)")

@@ -154,6 +154,8 @@ async def test_the_cli_submits_a_job_that_runs_after_others_and_shows_what_it_wa
     assert f"depends on: {first}, {second}" in shown and "waiting for 2 jobs it depends on" in shown, shown
     refused = await anyio.to_thread.run_sync(lambda: umbra("submit", "train", "--depends-on", str(uuid.uuid4())))
     assert refused.returncode == 1 and "to depend on" in refused.stderr, refused.stderr
+    malformed = await anyio.to_thread.run_sync(lambda: umbra("submit", "train", "--depends-on", "step-1"))
+    assert malformed.returncode == 2 and "not a UUID" in malformed.stderr, malformed.stderr
     assert len((await client.get("/v1/jobs", headers=bearer(key))).json()["jobs"]) == 4
 
 

@@ -205,3 +205,20 @@ async def test_the_claims_memory_read_reaches_both_kinds_of_job_by_their_partial
     [[plan]] = await cursor.fetchall()
     text = str(plan)
     assert "jobs_held_taking_memory" in text and "jobs_ended_under_holder_taking_memory" in text, text
+
+
+async def test_a_retry_judges_the_holder_s_silence_by_the_configured_stale_threshold(conn, org):
+    """With the heartbeat stale threshold raised to 300 s (as the claims judge nodes), a node silent for a
+    minute is still alive: the retry of the job the controller failed under it waits for its report; past
+    300 s it goes."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "slow-beats", [GPU24])
+    job = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 1000, "max_runtime_s": 1})
+    await claim(conn, org_id, node)
+    await set_clock(conn, 5)
+    assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 1
+    await set_clock(conn, 5 + 60)
+    with pytest.raises(Conflict):
+        await retries.retry(conn, org_id, job.id, actor="ops", stale_seconds=300)
+    await set_clock(conn, 5 + 301)
+    assert (await retries.retry(conn, org_id, job.id, actor="ops", stale_seconds=300)).status in ("queued", "blocked")

@@ -10,7 +10,7 @@ import pytest
 from umbra.domain.backoff import backoff_seconds, should_retry
 from umbra.domain.jobs import (
     AGENT_STOPPING, JobNotRetryable, JobWasCancelled, NotHolder, UnchargedEnds, check_holder, decide_failure,
-    decide_dependencies, decide_give_back, decide_lease_expiry, decide_overrun, decide_retry,
+    Dependencies, decide_dependencies, decide_give_back, decide_lease_expiry, decide_overrun, decide_retry, dependencies_of,
 )  # fmt: skip
 from umbra.events.types import JobFailed, JobReleased, JobRequeued, JobUnblocked
 
@@ -210,9 +210,18 @@ def test_a_waiting_job_is_released_when_every_dependency_completed_and_fails_on_
 
 def test_a_job_whose_dependency_ended_otherwise_is_not_retried_until_that_one_is():
     a, b = uuid4(), uuid4()
-    retry = lambda dependencies: decide_retry(status="failed", attempt=0, max_attempts=3, parent_job_id=None,  # noqa: E731
-                                              children_total=0, grant=3, by="ops", dependencies=dependencies)  # fmt: skip
+    retry = lambda statuses: decide_retry(status="failed", attempt=0, max_attempts=3, parent_job_id=None,  # noqa: E731
+                                          children_total=0, grant=3, by="ops",
+                                          dependencies=dependencies_of(tuple(statuses), statuses))  # fmt: skip
     with pytest.raises(JobNotRetryable, match=f"depends on job {b}, which ended failed"):
         retry({a: "complete", b: "failed"})
     assert retry({a: "complete", b: "queued"}).max_attempts == 3  # it waits for b again
     assert retry({}).max_attempts == 3
+
+
+def test_dependencies_read_one_way_the_first_that_ended_otherwise_and_those_still_open():
+    a, b, c = uuid4(), uuid4(), uuid4()
+    read = dependencies_of((a, b, c), {a: "complete", b: "running", c: "cancelled"})
+    assert (read.ended_otherwise, read.open) == ((c, "cancelled"), (b, c))
+    assert dependencies_of((a, b), {a: "complete", b: "complete"}) == Dependencies(None, ())
+    assert dependencies_of((a,), {}).open == (a,)  # not read: not complete
