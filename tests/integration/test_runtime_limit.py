@@ -183,11 +183,7 @@ async def test_a_job_whose_node_went_silent_is_retried_without_waiting_for_a_rep
     """The node stopped beating (the machine is gone): nothing runs there for the claims to count, and a retry of
     the job the controller failed under it is not held back for a report that will never come."""
     org_id, _ = org
-    node = await add_node(conn, org_id, "gone", [GPU24])
-    job = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 1000, "max_runtime_s": 1})
-    await claim(conn, org_id, node)
-    await set_clock(conn, 5)
-    assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 1
+    job = await _failed_by_the_controller_at_5_s(conn, org_id, "gone")
     await set_clock(conn, 5 + SETTINGS.heartbeat_stale_seconds + 1)
     assert (await retries.retry(conn, org_id, job.id, actor="ops")).status in ("queued", "blocked")
 
@@ -212,13 +208,19 @@ async def test_a_retry_judges_the_holder_s_silence_by_the_configured_stale_thres
     minute is still alive: the retry of the job the controller failed under it waits for its report; past
     300 s it goes."""
     org_id, _ = org
-    node = await add_node(conn, org_id, "slow-beats", [GPU24])
-    job = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 1000, "max_runtime_s": 1})
-    await claim(conn, org_id, node)
-    await set_clock(conn, 5)
-    assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 1
+    job = await _failed_by_the_controller_at_5_s(conn, org_id, "slow-beats")
     await set_clock(conn, 5 + 60)
     with pytest.raises(Conflict):
         await retries.retry(conn, org_id, job.id, actor="ops", stale_seconds=300)
     await set_clock(conn, 5 + 301)
     assert (await retries.retry(conn, org_id, job.id, actor="ops", stale_seconds=300)).status in ("queued", "blocked")
+
+
+async def _failed_by_the_controller_at_5_s(conn, org_id, node_name: str):
+    """A job with a 1 s limit, claimed on a new GPU node, failed by the sweeper 5 s later (the clock moved)."""
+    node = await add_node(conn, org_id, node_name, [GPU24])
+    job = await submit(conn, org_id, kind="infer", requires={"vram_min_mb": 1000, "max_runtime_s": 1})
+    await claim(conn, org_id, node)
+    await set_clock(conn, 5)
+    assert (await sweep_once(conn, SHORT, reexamine=False)).runtime_failed == 1
+    return job
