@@ -82,6 +82,11 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
             listener.on_recheck(log_watch.on_recheck)
             listener.on_everything(waiters.recheck_all)
             listener.on_everything(log_watch.wake_all)
+            # The sweeper's leader looks at jobs waiting for others as soon as the log moves.
+            log_moved = sweeper.LogMoved()
+            listener.on_hint(log_moved.on_hint)
+            listener.on_reconnect(log_moved.on_reconnect)
+            listener.on_everything(log_moved.on_reconnect)
             app.state.waiters, app.state.log_watch = waiters, log_watch
             # Agents' claims, renewals and completions share transactions; their hints
             # are sent after commit, outside the data transactions.
@@ -99,7 +104,8 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
                 await tg.start(_essential(app, "group commit", app.state.group_commit.run))
                 tg.start_soon(_essential(app, "long-poll safety poll", waiters.safety_poll), pool)
                 # From startup, not on first request: a restarted server must recover leases.
-                tg.start_soon(_essential(app, "sweeper", sweeper.run), settings, database_url)
+                tg.start_soon(functools.partial(_essential(app, "sweeper", sweeper.run), settings, database_url,
+                                                log_moved=log_moved))
                 yield
                 app.state.stop_streams()
                 tg.cancel_scope.cancel()

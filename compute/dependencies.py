@@ -3,29 +3,37 @@ when one of them ends otherwise.
 
 A job submitted with ``depends_on`` whose dependencies have not all completed
 is ``blocked`` (``job.blocked`` with ``waiting_on``, ``awaiting_dependencies``
-on its row). The sweeper's leader looks at the waiting jobs every tick
-(:func:`release_ready`): one whose dependencies all completed is
-``job.unblocked`` (``dependencies_complete``) and judged against the fleet as
-a submission is, so it is queued, or blocked again if nothing could ever run
-it; one with a dependency that failed, was cancelled or settled ``partial``
-is ``job.failed`` (``dependency_failed``), and its own dependents fail at the
-next look in turn (the pass looks again while it fails any, up to
-:data:`MAX_ROUNDS` links of a chain a tick). A child (whose siblings it may
-depend on) is failed only when no other transaction holds its container, as
-the sweeper's other passes do; a release settles nothing and waits for no one.
+on its row). The sweeper's leader looks at waiting jobs: one whose
+dependencies all completed is ``job.unblocked`` (``dependencies_complete``)
+and judged against the fleet as a submission is, so it is queued, or blocked
+again if nothing could ever run it; one with a dependency that failed, was
+cancelled or settled ``partial`` is ``job.failed`` (``dependency_failed``),
+and its own dependents fail at the next look in turn (a look goes again while
+it fails any, up to :data:`MAX_ROUNDS` links of a chain). A child (whose
+siblings it may depend on) is failed only when no other transaction holds its
+container, as the sweeper's other passes do; a release settles nothing and
+waits for no one.
 
-Why a look each tick rather than in the transaction that ends the dependency:
-a job ends on many paths, the group commit's among them, which must never wait
-for a row another transaction holds; locking dependents there would put a lock
-wait, and a read of the dependents, on every completion of every job. The cost
-here is a release up to one sweep interval (a second by default) after the
-last dependency completes, and a tick that reads each waiting job's
-dependencies (an index probe each): nothing at all in a queue with no waiting
-job, the partial index being empty.
+It looks twice over. :func:`release_moved`, whenever the leader's process
+hears the log move, looks only at the waiting jobs that depend on a job whose
+stream moved since its last look (the log read from that position, gap-free;
+index ``jobs_waiting_on``), or that are one: a pipeline's next step is
+released tens of milliseconds after the step before it ends.
+:func:`release_ready`, every tick, looks at every waiting job, and catches
+what a prompt look passed over: a row another transaction held, an
+organization whose fleet was changing, a hint lost while the listener
+reconnected.
 
-Nothing is missed: the look reads the dependencies' statuses afresh each time,
-so a dependency that ended while its dependent was being submitted (the
-submission read it still running) is seen at the next tick.
+Why the sweeper rather than the transaction that ends the dependency: a job
+ends on many paths, the group commit's among them, which must never wait for a
+row another transaction holds; locking dependents there would put a lock
+wait, and a read of the dependents, on every completion of every job. A queue
+with no waiting job pays one probe of an empty partial index per look.
+
+Nothing is missed: each look reads the dependencies' statuses afresh, so a
+dependency that ended while its dependent was being submitted (the submission
+read it still running) is seen by the next look: the dependent's own stream
+moved after the dependency's did.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ log = logging.getLogger(__name__)
 #: A page of waiting jobs, after ``after_id`` (none: from the first), whose dependencies have all completed or
 #: one of which ended otherwise, each with its dependencies' statuses (JSON ``{id: status}``). The others
 #: are read and passed over. Those another transaction holds (a cancel in flight) are left to the next page
-#: or tick.
+#: or tick. ``{among}`` narrows the look to some waiting jobs (:data:`_AMONG_MOVED`), or not at all.
 _READY = f"""
 SELECT {queue.SELECT_LIST}, dependencies.statuses::text FROM jobs
 CROSS JOIN LATERAL (
@@ -61,11 +69,16 @@ CROSS JOIN LATERAL (
            bool_or(d.status IN ('failed', 'cancelled', 'partial')) AS unsuccessful
     FROM jobs d WHERE d.id = ANY(jobs.depends_on)
 ) AS dependencies
-WHERE awaiting_dependencies AND status = 'blocked' AND (dependencies.complete OR dependencies.unsuccessful)
+WHERE awaiting_dependencies AND status = 'blocked' AND (dependencies.complete OR dependencies.unsuccessful){{among}}
   AND (%(after_id)s::uuid IS NULL OR id > %(after_id)s::uuid)
 ORDER BY id LIMIT %(limit)s
 FOR UPDATE OF jobs SKIP LOCKED
 """
+#: The waiting jobs that depend on one of ``moved`` (index ``jobs_waiting_on``), or are one of them (a job that
+#: began to wait after its dependency ended: the submission read it still running).
+_AMONG_MOVED = "\n  AND (depends_on && %(moved)s::uuid[] OR id = ANY(%(moved)s::uuid[]))"
+_READY_ALL = _READY.format(among="")
+_READY_AMONG = _READY.format(among=_AMONG_MOVED)
 _statuses = msgspec.json.Decoder(dict[UUID, str])
 _WIDTH = len(queue.COLUMNS)
 #: Waiting jobs handled per transaction.
@@ -82,31 +95,92 @@ class Released:
     released: int = 0
     failed: int = 0
 
+    def add(self, other: Released) -> None:
+        self.released += other.released
+        self.failed += other.failed
+
 
 async def release_ready(conn: psycopg.AsyncConnection, *, metadata: Mapping[str, Any]) -> Released:
     """Release or fail every waiting job whose dependencies have settled it, page by page, each its own
     transaction; again while a round fails any (their dependents may now fail too)."""
     total = Released()
     for _ in range(MAX_ROUNDS):
-        done = Released()
-        after: UUID | None = None
-        while True:
-            after = await _release_page(conn, after, done, metadata)
-            if after is None:
-                break
-        total.released += done.released
-        total.failed += done.failed
+        done = await _look(conn, metadata)
+        total.add(done)
         if not done.failed:
             break
     return total
 
 
+#: Whether any job waits for its dependencies, and the log's last position, read in one snapshot: a job that
+#: has begun to wait is seen waiting whenever its submission's events are below the position read.
+_WAITING_AND_HEAD = """
+SELECT EXISTS (SELECT 1 FROM jobs WHERE awaiting_dependencies AND status = 'blocked'),
+       (SELECT coalesce(max(position), 0) FROM events)
+"""
+#: The jobs whose streams moved after one log position, up to another (positions are visible in their
+#: order: see :mod:`umbra.events.store`), a page at a time.
+_MOVED = """
+SELECT position, substr(stream, 5)::uuid FROM events
+WHERE position > %(after)s AND position <= %(head)s AND stream LIKE 'job:%%'
+ORDER BY position LIMIT %(limit)s
+"""
+#: Events read per page of :data:`_MOVED`.
+MOVED_PAGE = 5000
+
+
+async def log_head(conn: psycopg.AsyncConnection) -> int:
+    """Where a first prompt look starts: the log's last position now."""
+    [(_, head)] = await (await conn.execute(_WAITING_AND_HEAD)).fetchall()
+    return head
+
+
+async def release_moved(conn: psycopg.AsyncConnection, after: int, *, metadata: Mapping[str, Any]) -> tuple[Released, int]:
+    """The prompt look, run when the log moves: :func:`release_ready` for only the waiting jobs that depend
+    on a job whose stream moved after position ``after``, or are such a job.
+
+    Returns what it did and the position it read to, where the next prompt
+    look starts. In a queue where no job waits it reads nothing but that
+    position. A job it passes over (held by another transaction, or its
+    organization's fleet changing) is not looked at again until its
+    dependencies move again: the tick's whole look (:func:`release_ready`)
+    is what catches it.
+    """
+    total = Released()
+    for _ in range(MAX_ROUNDS):
+        [(waiting, head)] = await (await conn.execute(_WAITING_AND_HEAD)).fetchall()
+        if not waiting:
+            return total, max(after, head)
+        done = Released()
+        while after < head:
+            page = await (await conn.execute(_MOVED, {"after": after, "head": head, "limit": MOVED_PAGE})).fetchall()
+            if page:
+                done.add(await _look(conn, metadata, moved=list({job_id for _, job_id in page})))
+            after = page[-1][0] if len(page) == MOVED_PAGE else head
+        total.add(done)
+        if not done.failed:  # the failures' own events moved their streams: the next round looks at their dependents
+            break
+    return total, after
+
+
+async def _look(conn: psycopg.AsyncConnection, metadata: Mapping[str, Any], *, moved: list[UUID] | None = None) -> Released:
+    """One look at the waiting jobs (those among ``moved`` only, when given), page by page."""
+    done = Released()
+    after: UUID | None = None
+    while True:
+        after = await _release_page(conn, after, done, metadata, moved)
+        if after is None:
+            return done
+
+
 async def _release_page(
-    conn: psycopg.AsyncConnection, after: UUID | None, done: Released, metadata: Mapping[str, Any]
+    conn: psycopg.AsyncConnection, after: UUID | None, done: Released, metadata: Mapping[str, Any],
+    moved: list[UUID] | None,
 ) -> UUID | None:
     """One page of :data:`_READY`; returns where the next starts (None: the look is done)."""
     async with conn.transaction():
-        found = await (await conn.execute(_READY, {"after_id": after, "limit": PAGE})).fetchall()
+        query, params = (_READY_ALL, {}) if moved is None else (_READY_AMONG, {"moved": moved})
+        found = await (await conn.execute(query, {"after_id": after, "limit": PAGE, **params})).fetchall()
         verdicts = []
         for record in found:
             row = queue.from_db(record[:_WIDTH])

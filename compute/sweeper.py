@@ -15,7 +15,10 @@ Each tick, in separate command transactions:
 * **jobs waiting for the jobs they depend on** → ``job.unblocked`` once all of
   them completed, ``job.failed`` (``dependency_failed``) once one ended
   otherwise (:mod:`umbra.compute.dependencies`); such a job never times out
-  as blocked;
+  as blocked. Between ticks, whenever the process's listener hears the log
+  move (:class:`LogMoved`), the leader also looks at once at the waiting jobs
+  that depend on the jobs whose streams moved, so a pipeline's next step is
+  released within milliseconds of the one before ending, not at the next tick;
 * **delayed jobs now due** → one hint per organization, so long-polls waiting
   for work wake when a backoff or lease-expiry delay ends rather than at their
   next poll;
@@ -366,11 +369,42 @@ async def _mark_stale_nodes(conn: psycopg.AsyncConnection, settings: Settings) -
             return total
 
 
+#: Shortest time between two prompt looks at waiting jobs: the log's moves in between are looked at together.
+PROMPT_LOOK_SECONDS = 0.02
+
+
+class LogMoved:
+    """Wakes the sweeper's leader between ticks when the log moves.
+
+    The server's one listener calls :meth:`on_hint` for every hint and
+    :meth:`on_reconnect` after a reconnect (hints may have been lost); the
+    leader's :meth:`wait` returns True once one came since it last returned.
+    """
+
+    def __init__(self) -> None:
+        self._moved = anyio.Event()
+
+    def on_hint(self, organization_id: UUID, position: int, claimable: int) -> None:
+        self._moved.set()
+
+    def on_reconnect(self) -> None:
+        self._moved.set()
+
+    async def wait(self, seconds: float) -> bool:
+        """Whether the log moved within ``seconds`` (at once, when it moved since the last call)."""
+        with anyio.move_on_after(seconds):
+            await self._moved.wait()
+            self._moved = anyio.Event()
+            return True
+        return False
+
+
 async def run(
     settings: Settings,
     database_url: str,
     *,
     retry_seconds: float = 5.0,
+    log_moved: LogMoved | None = None,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Lead the sweep when no other process does; retry leadership every ``retry_seconds``."""
@@ -381,7 +415,7 @@ async def run(
             conn = await connect(database_url)
             delay = 0.5
             try:
-                await _lead(conn, settings, retry_seconds)
+                await _lead(conn, settings, retry_seconds, log_moved)
             finally:
                 with anyio.CancelScope(shield=True):  # close even when the server is shutting down
                     await conn.close()
@@ -403,14 +437,16 @@ async def first_since(conn: psycopg.AsyncConnection, settings: Settings, retry_s
     return now - timedelta(seconds=2 * (settings.sweep_interval_seconds + retry_seconds))
 
 
-async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds: float) -> None:
-    """Wait for leadership on ``conn``, then sweep every interval until the connection fails."""
+async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds: float, log_moved: LogMoved | None) -> None:
+    """Wait for leadership on ``conn``, then sweep every interval until the connection fails; between ticks,
+    look at the dependents of what moved each time ``log_moved`` says the log did."""
     await assume_service_role(conn)
     await bound_lock_waits(conn)  # as a pooled connection's: no wait unbounded
     while not (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEPER_LOCK_KEY,))).fetchone())[0]:
         await anyio.sleep(retry_seconds)
     log.info("sweeper leading", extra={"action": "sweeper_leading", "backend_pid": conn.info.backend_pid})
     since: datetime | None = await first_since(conn, settings, retry_seconds)
+    moved_after = await dependencies.log_head(conn)  # the first tick's whole look covers everything before
     last_reexamined = -REEXAMINE_SECONDS
     while True:
         try:
@@ -423,4 +459,30 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
             raise
         except Exception:  # a bad tick must not stop recovery for good
             log.exception("sweep failed", extra={"action": "sweep_failed"})
-        await anyio.sleep(settings.sweep_interval_seconds)
+        next_tick = time.monotonic() + settings.sweep_interval_seconds
+        while (left := next_tick - time.monotonic()) > 0:
+            if log_moved is None:
+                await anyio.sleep(left)
+            elif await log_moved.wait(left):
+                moved_after = await _release_moved(conn, moved_after)
+                await anyio.sleep(PROMPT_LOOK_SECONDS)
+
+
+async def _release_moved(conn: psycopg.AsyncConnection, after: int) -> int:
+    """A prompt look (:func:`umbra.compute.dependencies.release_moved`), a step as a tick's are, counted and
+    logged as theirs are; returns where the next one starts (where it was, when the look failed: the next
+    tick's whole look catches what it missed)."""
+    moved = dependencies.Released()
+
+    async def look() -> None:
+        nonlocal after
+        released, after = await dependencies.release_moved(conn, after, metadata=_METADATA)
+        moved.add(released)
+
+    await _step("release_moved", look)
+    metrics.count_sweeper_action("dependencies_released", moved.released)
+    metrics.count_sweeper_action("dependency_failed", moved.failed)
+    if moved.released or moved.failed:
+        log.info("sweep", extra={"action": "sweep", "dependencies_released": moved.released,
+                                 "dependencies_failed": moved.failed})  # fmt: skip
+    return after

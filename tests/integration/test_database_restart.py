@@ -56,7 +56,7 @@ def test_a_background_task_that_fails_fails_health_and_stops_the_server(db_url, 
 
     release = threading.Event()
 
-    async def failing_sweeper(settings, url):
+    async def failing_sweeper(settings, url, *, log_moved):
         import anyio
 
         await anyio.to_thread.run_sync(release.wait, 10)

@@ -15,7 +15,7 @@ from tests.helpers import bearer
 from umbra import metrics
 from umbra.api.app import all_routes
 from umbra.api.openapi import build_document
-from umbra.compute import claims, jobs, retries
+from umbra.compute import claims, dependencies, jobs, retries
 from umbra.compute.accounts import create_organization
 from umbra.compute.blocked import reexamine_waiting_jobs
 from umbra.compute.dependencies import MAX_ROUNDS, PAGE
@@ -406,10 +406,9 @@ async def test_a_dependency_retried_or_requeued_before_the_sweeper_looked_keeps_
     assert [(await row(conn, org_id, j.id)).awaiting_dependencies for j in (b, c)] == [True, True]
 
 
-async def test_a_dependent_submitted_while_its_dependency_completes_is_released_by_the_next_tick(db_url, conn, org):
-    """The completion is in flight (uncommitted) when the submission reads its dependency: the dependent is
-    written waiting; once the completion commits, the next tick releases it (the look reads afresh)."""
-    org_id, _ = org
+async def submitted_while_completing(db_url, conn, org_id) -> tuple[queue.JobRow, queue.JobRow]:
+    """``(a, b)``: B submitted depending on A while A's completion is in flight (uncommitted): the submission
+    reads A running and writes B waiting; A's completion commits first (B's append waits for its lock)."""
     node = await add_node(conn, org_id, "box", [CPU64])
     a = await submit(conn, org_id, "a")
     got = await claims.claim(conn, node_id=node, organization_id=org_id, lease_seconds=600)
@@ -427,7 +426,105 @@ async def test_a_dependent_submitted_while_its_dependency_completes_is_released_
             await other.commit()
     (b,) = submitted
     assert (b.status, b.awaiting_dependencies) == ("blocked", True)
+    return a, b
+
+
+async def test_a_dependent_submitted_while_its_dependency_completes_is_released_by_the_next_tick(db_url, conn, org):
+    """Once the completion commits, the next tick releases the dependent (the look reads afresh)."""
+    await submitted_while_completing(db_url, conn, org[0])
     assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
+
+
+async def test_a_dependent_submitted_while_its_dependency_completes_is_released_by_the_prompt_look(db_url, conn, org):
+    """A prompt look from just after A's completion (its dependency's end behind it) still releases B: it looks
+    at the waiting jobs whose own streams moved, not only at the dependents of those that did."""
+    a, b = await submitted_while_completing(db_url, conn, org[0])
+    [(completed_at,)] = await (await conn.execute("SELECT max(position) FROM events WHERE stream = %s",
+                                                  (store.job_stream(a.id),))).fetchall()  # fmt: skip
+    released, _ = await dependencies.release_moved(conn, completed_at, metadata={})
+    assert (released.released, released.failed) == (1, 0)
+    assert (await row(conn, org[0], b.id)).status == "queued"
+
+
+async def test_the_prompt_look_reads_only_the_dependents_of_what_moved_after_its_position(conn, org):
+    """From a position: B, waiting on A, which completed after it, is released; D, waiting on C, which completed
+    before it, is left for the tick's whole look. It returns where the next look starts, which finds nothing
+    left; with no job waiting it only moves to the log's end."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    c = await submit(conn, org_id, "c")
+    d = await submit(conn, org_id, "d", depends_on=[str(c.id)])
+    await run(conn, org_id, node, c.id)
+    start = await dependencies.log_head(conn)
+    a = await submit(conn, org_id, "a")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    await run(conn, org_id, node, a.id)
+    released, after = await dependencies.release_moved(conn, start, metadata={})
+    assert (released.released, released.failed) == (1, 0) and after > start
+    assert [(await row(conn, org_id, j.id)).status for j in (b, d)] == ["queued", "blocked"]
+    again, after = await dependencies.release_moved(conn, after, metadata={})
+    assert (again.released, again.failed) == (0, 0)
+    assert (await row(conn, org_id, d.id)).awaiting_dependencies
+    assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
+    await submit(conn, org_id, "e")
+    nothing, end = await dependencies.release_moved(conn, after, metadata={})
+    assert (nothing.released, nothing.failed, end) == (0, 0, await dependencies.log_head(conn))
+    assert await verify(conn) == []
+
+
+async def test_the_prompt_look_fails_a_chain_after_a_failed_dependency_in_one_call(conn, org):
+    """A fails for good: one prompt look fails B (on A) and C (on B), round after round, each naming its own."""
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    c = await submit(conn, org_id, "c", depends_on=[str(b.id)])
+    start = await dependencies.log_head(conn)
+    await run(conn, org_id, node, a.id, fail="out of disk")
+    failed, _ = await dependencies.release_moved(conn, start, metadata={})
+    assert (failed.released, failed.failed) == (0, 2)
+    for job, dependency in ((b, a), (c, b)):
+        ended = await row(conn, org_id, job.id)
+        assert ended.status == "failed" and str(dependency.id) in ended.error
+    assert await verify(conn) == []
+
+
+async def test_the_server_releases_each_step_of_a_pipeline_as_the_one_before_ends_not_at_its_next_tick(db_url, org):
+    """A server whose sweeper ticks once a minute: B (on A) is queued within seconds of A's completion, C (on B)
+    within seconds of B's, and E (on D) fails within seconds of D failing for good: the sweeper's leader looks
+    at what the log's moves concern between its ticks."""
+    import httpx
+
+    from tests.conftest import LiveServer
+
+    _, key = org
+    with LiveServer(db_url, UMBRA_SWEEP_INTERVAL_SECONDS="60") as live:
+        async with httpx.AsyncClient(base_url=live.url, headers=bearer(key), timeout=30) as client:
+            _, credential = await http_pair(client, key)
+            steps = (await client.post("/v1/jobs/batch", json={"jobs": [
+                {"kind": "a"}, {"kind": "b", "depends_on": [0]}, {"kind": "c", "depends_on": [1]},
+                {"kind": "d"}, {"kind": "e", "depends_on": [3]}]})).json()["jobs"]  # fmt: skip
+            assert [step["status"] for step in steps] == ["queued", "blocked", "blocked", "queued", "blocked"]
+
+            async def reaches(job: dict, status: str) -> None:
+                with anyio.fail_after(10):
+                    while (await client.get(f"/v1/jobs/{job['id']}")).json()["status"] != status:
+                        await anyio.sleep(0.02)
+
+            for step, after in ((steps[0], steps[1]), (steps[1], steps[2])):
+                claimed = await http_claim(client, credential)
+                assert claimed["id"] == step["id"]
+                await http_complete(client, credential, claimed)
+                await reaches(after, "queued")
+            c = await http_claim(client, credential)  # ahead of D, submitted after it, in submission order
+            assert c["id"] == steps[2]["id"]
+            await http_complete(client, credential, c)
+            d = await http_claim(client, credential)
+            assert d["id"] == steps[3]["id"]
+            answer = await client.post(f"/v1/agent/jobs/{d['id']}/fail", json={"attempt": d["attempt"], "error": "no",
+                                       "retry": False}, headers=bearer(credential))  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            await reaches(steps[4], "failed")
 
 
 async def test_a_long_pipeline_in_one_batch_goes_by_copy_and_fails_whole_after_its_head_fails(conn, org):
