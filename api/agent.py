@@ -35,7 +35,7 @@ from umbra.errors import Forbidden
 from umbra.events.types import Placement
 from umbra.projections.jobs import JobOut, JobRow
 
-from .http import acting_as, authorized, batch_principal, json_response, read_json, received_at, request_id
+from .http import acting_as, authorized, batch_principal, json_response, read_json, received_at, request_id, watch_disconnect
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
 from .middleware import REQUEST_ID_PATTERN
 from .params import KIND_QUERY, query_int, query_kinds
@@ -118,17 +118,6 @@ class AbandonedClaims:
         return at is not None and at >= time.monotonic() - ABANDONED_SECONDS
 
 
-async def _watch_disconnect(request: Request, gone: anyio.Event, scope: anyio.CancelScope) -> None:
-    # The body was read before the handler ran (a route declared without one: umbra.api.routing),
-    # so all that can arrive now is the disconnect.
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gone.set()
-            scope.cancel()
-            return
-
-
 async def claim(request: Request) -> Response:
     services = request.app.state.services
     hub: WaiterHub = request.app.state.waiters
@@ -167,7 +156,7 @@ async def claim(request: Request) -> Response:
     result: list[claims.ClaimResult] | None = None
     refusal: Exception | None = None
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch_disconnect, request, gone, tg.cancel_scope)
+        tg.start_soon(watch_disconnect, request, gone, tg.cancel_scope)
         try:
             result = await hub.wait_for(who.organization_id, attempt, timeout=wait)
         except Exception as exc:  # e.g. the credential was revoked, or the database went away, while this poll waited

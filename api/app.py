@@ -19,6 +19,7 @@ from umbra.settings import Settings
 
 from . import agent, agent_jobs, dashboard, events, explain, health, jobs, metrics, models, nodes, openapi, pairing, projections
 from .errors import HANDLERS
+from .job_waits import JobWaits
 from .longpoll import WaiterHub
 from .middleware import RequestContext
 from .routing import matching_whole_path
@@ -88,11 +89,16 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
             listener.on_reconnect(log_moved.on_reconnect)
             listener.on_everything(log_moved.on_reconnect)
             app.state.waiters, app.state.log_watch = waiters, log_watch
+            # Reads of a job that wait for it to end (`?wait=`) wake on the same hints.
+            job_waits = app.state.job_waits = JobWaits(poll_seconds=settings.poll_fallback_seconds)
+            listener.on_hint(job_waits.on_hint)
+            listener.on_reconnect(job_waits.on_reconnect)
+            listener.on_everything(job_waits.on_reconnect)
             # Agents' claims, renewals and completions share transactions; their hints
             # are sent after commit, outside the data transactions.
             notifier = HintNotifier(pool)
             app.state.group_commit = GroupCommit(pool, notifier, affinity_seconds=settings.model_affinity_seconds)
-            app.state.stop_streams = lambda: (waiters.stop(), log_watch.stop())
+            app.state.stop_streams = lambda: (waiters.stop(), log_watch.stop(), job_waits.stop())
             async with anyio.create_task_group() as tg:
                 # A lost LISTEN connection means, as a rule, that PostgreSQL restarted or failed over,
                 # and every pooled connection died with it: the idle ones are checked and replaced at
@@ -103,6 +109,7 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
                 await tg.start(_essential(app, "hint notifier", notifier.run))
                 await tg.start(_essential(app, "group commit", app.state.group_commit.run))
                 tg.start_soon(_essential(app, "long-poll safety poll", waiters.safety_poll), pool)
+                tg.start_soon(_essential(app, "job waits", job_waits.run), pool)
                 # From startup, not on first request: a restarted server must recover leases.
                 tg.start_soon(functools.partial(_essential(app, "sweeper", sweeper.run), settings, database_url,
                                                 log_moved=log_moved))

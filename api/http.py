@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Sequence, TypeVar
 from uuid import UUID
 
+import anyio
 import msgspec
 import psycopg
 from starlette.requests import Request
@@ -293,3 +294,16 @@ def _trusted(address: str, trusted: Sequence[IPNetwork]) -> bool:
     except ValueError:
         return False
     return any(ip in net for net in trusted)
+
+
+async def watch_disconnect(request: Request, gone: anyio.Event, scope: anyio.CancelScope) -> None:
+    """Set ``gone`` and cancel ``scope`` once the client hangs up: a parked request (a long-poll) ends then,
+    not at its timeout."""
+    # The body was read before the handler ran (a route declared without one: umbra.api.routing),
+    # so all that can arrive now is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+            scope.cancel()
+            return

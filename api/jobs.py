@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+from uuid import UUID
+
+import anyio
 import msgspec
+import psycopg
 from starlette.requests import Request
 from starlette.responses import Response
 
 from umbra.compute import jobs, priorities, retries
 from umbra.compute.jobs import BatchRequest, JobRequest, MaxAttempts, Priority
 from umbra.errors import InvalidRequest, NotFound
-from umbra.events.types import JOB_STATUSES
+from umbra.compute.auth import Principal
+from umbra.events.types import JOB_STATUSES, TERMINAL_JOB_STATUSES
 from umbra.projections import jobs as queue
-from umbra.projections.jobs import JobOut
+from umbra.projections.jobs import JobOut, JobRow
 
-from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
+from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id, watch_disconnect
 from .params import query_bool, query_int, query_kinds, query_statuses, query_value
 from .routing import endpoint
 
@@ -88,6 +93,10 @@ async def list_jobs(request: Request) -> Response:
     return json_response({"jobs": [queue.job_out(row) for row in rows], "next": str(cursor) if cursor else None})
 
 
+#: Longest ``?wait=`` of a job read, as a claim's long-poll.
+MAX_JOB_WAIT_SECONDS = 60
+
+
 async def get_job(request: Request) -> Response:
     async with authenticated(request, "jobs:read", "compute:read") as (who, conn):
         job_id = path_uuid(request, code="job_not_found")
@@ -95,11 +104,32 @@ async def get_job(request: Request) -> Response:
         if as_of is not None and not as_of.strip():
             raise InvalidRequest("as_of must be a log position (an integer >= 0).", field="as_of")
         position = None if as_of is None else query_int(request, "as_of", default=0, minimum=0, maximum=2**63 - 1)
-        row = await jobs.get_job(conn, who.organization_id, job_id, as_of=position)
-        if who.kind == "node" and row.lease_owner != who.node_id and not await jobs.ever_held(conn, job_id, who.node_id):
-            # A node credential sees only the jobs it holds or held; any other is as if missing.
-            raise NotFound("job_not_found", f"No job {job_id}" + (f" at position {position}." if as_of is not None else "."))
+        wait = query_int(request, "wait", default=0, minimum=0, maximum=MAX_JOB_WAIT_SECONDS)
+        if wait and as_of is not None:
+            raise InvalidRequest("wait reads a job until it ends; a job as it stood at a position never changes.",
+                                 field="wait")  # fmt: skip
+        row = await _visible_job(conn, who, job_id, position)
+    if wait and row.status not in TERMINAL_JOB_STATUSES:
+        # No connection is held while the request waits; the job is read again, by a credential checked again.
+        gone = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_disconnect, request, gone, tg.cancel_scope)
+            await request.app.state.job_waits.until_ended(who.organization_id, job_id, wait)
+            tg.cancel_scope.cancel()
+        if gone.is_set():  # nobody will read the answer: it is not read again
+            return json_response(queue.job_out(row))
+        async with authenticated(request, "jobs:read", "compute:read") as (who, conn):
+            row = await _visible_job(conn, who, job_id, None)
     return json_response(queue.job_out(row))
+
+
+async def _visible_job(conn: psycopg.AsyncConnection, who: Principal, job_id: UUID, position: int | None) -> JobRow:
+    """The job, now or as of ``position``, as the credential may see it: a node sees only the jobs it holds
+    or held; any other is as if missing."""
+    row = await jobs.get_job(conn, who.organization_id, job_id, as_of=position)
+    if who.kind == "node" and row.lease_owner != who.node_id and not await jobs.ever_held(conn, job_id, who.node_id):
+        raise NotFound("job_not_found", f"No job {job_id}" + (f" at position {position}." if position is not None else "."))
+    return row
 
 
 async def cancel_job(request: Request) -> Response:
@@ -151,7 +181,10 @@ routes = [
     endpoint("GET", "/v1/jobs/{id}", get_job,
              summary="Read a job, or as it stood after log position as_of (a node reads only jobs it holds or held).",
              auth="api_key|node", scopes=("jobs:read", "compute:read"),
-             query={"as_of": (int, False, "a log position: fold the job's events up to it")}, response=JobOut),
+             query={"as_of": (int, False, "a log position: fold the job's events up to it"),
+                    "wait": (int, False, f"seconds, 0..{MAX_JOB_WAIT_SECONDS} (default 0): wait, holding no database "
+                                         "connection, until the job ends; the answer is the job then, ended or not")},
+             response=JobOut),
     endpoint("POST", "/v1/jobs/{id}/cancel", cancel_job,
              summary="Cancel a job (a running holder learns on its next renew/complete); terminal → 409 job_terminal.",
              auth="api_key", scopes=("jobs:write",), response=JobOut,

@@ -12,11 +12,15 @@ first rule it fails.
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+import time
 from typing import Any
 
 import anyio
 
 from umbra.events import documents
+from umbra.events.types import TERMINAL_JOB_STATUSES
 
 from .cli_events import PAGE_SIZE, SERVER_HELP, _client, _get_json, printable, to_json_text
 
@@ -235,6 +239,40 @@ def cmd_show(args) -> int:
     return anyio.run(main)
 
 
+#: ``umbra jobs wait``'s exit status when the job had not ended by ``--timeout`` (as ``timeout(1)``'s).
+STILL_OPEN_EXIT = 124
+
+
+async def wait_for_end(client, job_id: str, timeout: float | None) -> dict[str, Any]:
+    """The job once it ended (``GET /v1/jobs/{id}?wait=``, round after round), or as it stands after ``timeout``
+    seconds (None: no limit)."""
+    from umbra.api.jobs import MAX_JOB_WAIT_SECONDS
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = MAX_JOB_WAIT_SECONDS if deadline is None else max(0, math.ceil(deadline - time.monotonic()))
+        job = await _get_json(client, f"/v1/jobs/{job_id}", wait=min(left, MAX_JOB_WAIT_SECONDS))
+        if job["status"] in TERMINAL_JOB_STATUSES or (deadline is not None and time.monotonic() >= deadline):
+            return job
+
+
+def cmd_wait(args) -> int:
+    """Wait for a job to end and print it: exit 0 when it completed, 1 when it ended otherwise (failed,
+    cancelled, partial), :data:`STILL_OPEN_EXIT` when ``--timeout`` passed first; so ``umbra jobs wait ID &&
+    next-step`` runs the next step only after a success."""
+
+    async def main() -> int:
+        async with _client(args, scope="jobs:read") as client:
+            job = await wait_for_end(client, args.job_id, args.timeout)
+        print(to_json_text(job) if args.json else "\n".join(printable(line) for line in format_details(job)))
+        if job["status"] not in TERMINAL_JOB_STATUSES:
+            print(f"umbra: the job is still {job['status']} after {args.timeout:g} s", file=sys.stderr)
+            return STILL_OPEN_EXIT
+        return 0 if job["status"] == "complete" else 1
+
+    return anyio.run(main)
+
+
 def cmd_retry(args) -> int:
     return _one_job(args, "retry", {} if args.max_attempts is None else {"max_attempts": args.max_attempts}, format_job)
 
@@ -304,7 +342,7 @@ def cmd_cancel_waiting(args) -> int:
 def _jobs_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """The ``jobs`` command group's subcommands, created here unless another registrar already did."""
     if "jobs" not in sub.choices:
-        group = sub.add_parser("jobs", help="jobs: submit, list, show, explain, retry, reprioritize, cancel")
+        group = sub.add_parser("jobs", help="jobs: submit, list, show, wait, explain, retry, reprioritize, cancel")
         return group.add_subparsers(dest="jobs_command", required=True)
     for action in sub.choices["jobs"]._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -362,6 +400,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                  help="a job: where it stands, where it runs, how far it is",
                  description="Show a job (GET /v1/jobs/{id}): its status and attempts, its placement and lease, its "
                  "progress, its error or result.")  # fmt: skip
+    wait = _job_command(sub, "wait", func=cmd_wait, scope="jobs:read", json_help="print the Job object as JSON",
+                        help="wait for a job to end, then show it",
+                        description="Wait until a job ends (GET /v1/jobs/{id}?wait=, no polling), then show it as `show` "
+                        f"does. Exit 0 if it completed, 1 if it failed, was cancelled or settled partial, "
+                        f"{STILL_OPEN_EXIT} if --timeout passed first.")  # fmt: skip
+    wait.add_argument("--timeout", type=_within(0, 10**7, number=float, unit=" seconds"), default=None,
+                      help="give up after this many seconds (default: wait as long as it takes)")
     _job_command(sub, "explain", func=cmd_explain, scope="jobs:read", json_help="print the explain answer as JSON",
                  help="why a job is or is not running",
                  description="Explain a job: a summary, the devices that could run it ranked best first, and every other "
@@ -412,4 +457,4 @@ def _every_job_command(sub: argparse._SubParsersAction, name: str, *, func, done
 
 
 __all__ = ["cmd_cancel", "cmd_cancel_waiting", "cmd_explain", "cmd_list", "cmd_priority", "cmd_retry", "cmd_retry_failed",
-           "cmd_show", "cmd_submit", "format_details", "format_explanation", "format_job", "register"]
+           "cmd_show", "cmd_submit", "cmd_wait", "wait_for_end", "format_details", "format_explanation", "format_job", "register"]

@@ -59,6 +59,11 @@ LONG_POLLS_WAITING = Gauge(
     "Long-poll claims currently parked in this process (holding no database connection).",
     registry=None,
 )
+JOB_READS_WAITING = Gauge(
+    "umbra_job_reads_waiting",
+    "Reads of a job parked in this process until it ends (GET /v1/jobs/{id}?wait=; no database connection each).",
+    registry=None,
+)
 SSE_STREAMS = Gauge(
     "umbra_sse_streams",
     "Server-Sent-Events streams currently open in this process.",
@@ -138,6 +143,7 @@ PROCESS_COLLECTORS: tuple[Collector, ...] = (
     WAKE_LATENCY,
     ATTEMPTS_PER_WAKE,
     LONG_POLLS_WAITING,
+    JOB_READS_WAITING,
     SSE_STREAMS,
     LISTENER_RECONNECTS,
     EVENTS_APPENDED,

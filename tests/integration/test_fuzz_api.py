@@ -128,9 +128,9 @@ def _populate(server: LiveServer, db: psycopg.Connection) -> Target:
 
 
 def _bounded_wait(case) -> None:
-    """A claim's ``wait`` within 0..60 becomes 0, so the fuzz never parks on a long-poll.
+    """A claim's or a job read's ``wait`` within 0..60 becomes 0, so the fuzz never parks on a long-poll.
 
-    An empty ``wait=`` is the default (30 s), as an absent one is.
+    An empty ``wait=`` is the default (a claim's 30 s), as an absent one is.
     """
     query = dict(case.query or {})
     raw = query.get("wait")
@@ -182,7 +182,7 @@ def test_no_server_error_and_refusals_write_nothing(case, target):
     if auth != "none":
         headers["Authorization"] = f"Bearer {target.node_token if auth == 'node' else target.api_key}"
     case.headers = headers
-    if key == ("POST", "/v1/agent/claim"):
+    if key in (("POST", "/v1/agent/claim"), ("GET", "/v1/jobs/{id}")):
         _bounded_wait(case)
     _real_ids(case, target)
     before = target.fingerprint()

@@ -1,0 +1,192 @@
+"""``GET /v1/jobs/{id}?wait=S``: a read that waits for the job to end, holding no database connection, and
+``umbra jobs wait``: a submitter that wants a result asks once instead of polling."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import httpx
+import pytest
+
+from tests.conftest import LiveServer
+from tests.helpers import bearer, eventually, run_umbra
+from umbra.compute.accounts import create_api_key, create_organization, revoke_api_key
+
+from .queue_support import http_claim, http_complete, http_pair, written
+from .test_multiprocess_promises import _key_id
+
+pytestmark = pytest.mark.anyio
+
+
+async def submitted(client, key: str, kind: str = "echo", **fields) -> dict:
+    answer = await client.post("/v1/jobs", json={"kind": kind, **fields}, headers=bearer(key))
+    assert answer.status_code == 201, answer.text
+    return answer.json()
+
+
+async def waited(client, key: str, job_id: str, seconds: int, answers: list) -> None:
+    """``GET /v1/jobs/{id}?wait=seconds``; appends ``(seconds taken, response)`` to ``answers``."""
+    started = time.monotonic()
+    answer = await client.get(f"/v1/jobs/{job_id}", params={"wait": seconds}, headers=bearer(key))
+    answers.append((time.monotonic() - started, answer))
+
+
+async def test_a_read_that_waits_answers_when_the_job_completes_with_its_result(client, org):
+    """The reader waits while the job is queued and running; the agent's completion answers it at once (well
+    before its 30 s), with the completed job and its result."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    job = await submitted(client, key)
+    answers: list = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waited, client, key, job["id"], 30, answers)
+        await anyio.sleep(0.3)
+        claimed = await http_claim(client, credential)
+        await anyio.sleep(0.3)
+        assert not answers, "answered while the job ran"
+        done = await client.post(f"/v1/agent/jobs/{job['id']}/complete", json={"attempt": claimed["attempt"],
+                                 "result": {"text": "hello"}}, headers=bearer(credential))  # fmt: skip
+        assert done.status_code == 200, done.text
+        done_at = time.monotonic()
+    [(took, answer)] = answers
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["status"], answer.json()["result"]) == ("complete", {"text": "hello"})
+    assert took >= 0.6 and time.monotonic() - done_at < 5
+
+
+async def test_a_read_that_waits_answers_a_failure_a_cancel_and_a_job_already_ended_at_once(client, org):
+    """Ended otherwise is ended: a cancel answers the waiting read with the cancelled job; a read of a job
+    that already ended does not wait at all."""
+    _, key = org
+    job = await submitted(client, key)
+    answers: list = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waited, client, key, job["id"], 30, answers)
+        await anyio.sleep(0.3)
+        assert (await client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(key))).status_code == 200
+    [(took, answer)] = answers
+    assert answer.json()["status"] == "cancelled" and took < 10
+    started = time.monotonic()
+    again = await client.get(f"/v1/jobs/{job['id']}", params={"wait": 30}, headers=bearer(key))
+    assert again.json()["status"] == "cancelled" and time.monotonic() - started < 5
+
+
+async def test_a_read_that_waits_answers_the_job_as_it_stands_when_its_time_runs_out(client, org):
+    """No node: after ``wait`` seconds the answer is the job still waiting (blocked: nothing could run it), 200;
+    the client reads its status."""
+    _, key = org
+    job = await submitted(client, key)
+    answers: list = []
+    await waited(client, key, job["id"], 1, answers)
+    [(took, answer)] = answers
+    assert answer.status_code == 200 and answer.json()["status"] == "blocked"
+    assert 0.9 <= took < 10
+
+
+async def test_waiting_reads_hold_no_connection_and_each_wakes_for_its_own_job(db_url, org):
+    """A server with four pooled connections: 24 reads wait on 24 jobs while other requests are answered; the
+    jobs completed one by one each answer their own reader, the others still waiting."""
+    _, key = org
+    with LiveServer(db_url, UMBRA_POOL_SIZE="4") as live:
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
+            _, credential = await http_pair(client, key)
+            jobs = [await submitted(client, key) for _ in range(24)]
+            answers: dict[str, dict] = {}
+
+            async def read(job_id: str) -> None:
+                answer = await client.get(f"/v1/jobs/{job_id}", params={"wait": 30}, headers=bearer(key))
+                answers[job_id] = answer.json()
+
+            async with anyio.create_task_group() as tg:
+                for job in jobs:
+                    tg.start_soon(read, job["id"])
+                await anyio.sleep(0.5)
+                with anyio.fail_after(5):  # four connections, 24 parked reads: the pool is free all the same
+                    listed = await client.get("/v1/jobs", headers=bearer(key))
+                assert listed.status_code == 200 and not answers
+                assert await _parked(client, 24)
+                for done in range(1, 4):
+                    claimed = await http_claim(client, credential)
+                    await http_complete(client, credential, claimed)
+                    with anyio.fail_after(5):
+                        while claimed["id"] not in answers:
+                            await anyio.sleep(0.02)
+                    assert len(answers) == done and answers[claimed["id"]]["status"] == "complete"
+                tg.cancel_scope.cancel()  # the other 21 readers hang up: their waits end with them
+            async with httpx.AsyncClient(base_url=live.url, timeout=30) as scraper:
+                assert await eventually(lambda: _parked(scraper, 0))
+
+
+async def _parked(client, count: int) -> bool:
+    return f"umbra_job_reads_waiting {float(count)}" in (await client.get("/metrics")).text
+
+
+async def test_refusals_of_a_waiting_read_are_at_once_and_write_nothing(client, org, conn, db_url):
+    """``wait`` outside 0..60 → 422 (``field``: wait); with ``as_of`` → 422 (a past state never changes);
+    another organization's job → 404 at once, not after the wait."""
+    _, key = org
+    job = await submitted(client, key)
+    before = await written(db_url)
+    for params in ({"wait": 61}, {"wait": -1}, {"wait": "soon"}, {"wait": 5, "as_of": 1}):
+        answer = await client.get(f"/v1/jobs/{job['id']}", params=params, headers=bearer(key))
+        assert answer.status_code == 422 and answer.json()["field"] == "wait", (params, answer.text)
+    _, other_key = await create_organization(conn, "other")
+    started = time.monotonic()
+    foreign = await client.get(f"/v1/jobs/{job['id']}", params={"wait": 30}, headers=bearer(other_key))
+    assert foreign.status_code == 404 and foreign.json()["error"] == "job_not_found"
+    assert time.monotonic() - started < 5
+    assert await written(db_url) == before
+
+
+async def test_a_key_revoked_while_its_read_waits_is_refused_the_answer(client, org, conn):
+    """The job is read again, by a credential checked again, once it ends: a key revoked meanwhile gets 401,
+    not the job."""
+    org_id, key = org
+    reader = await create_api_key(conn, org_id, ["jobs:read"])
+    job = await submitted(client, key)
+    answers: list = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waited, client, reader, job["id"], 30, answers)
+        await anyio.sleep(0.3)
+        await revoke_api_key(conn, org_id, await _key_id(conn, reader))
+        assert (await client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(key))).status_code == 200
+    [(_, answer)] = answers
+    assert answer.status_code == 401, answer.text
+
+
+async def test_the_cli_waits_for_a_job_and_exits_by_how_it_ended(client, org, live_server):
+    """``umbra jobs wait ID``: 0 once it completed (its result shown), 1 once it failed, 124 when ``--timeout``
+    passed first (the job shown as it stands)."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+
+    def umbra(*args: str):
+        return run_umbra("jobs", "wait", *args, "--server", live_server.url, env={"UMBRA_API_KEY": key})
+
+    good, bad, idle = [await submitted(client, key, kind) for kind in ("good", "bad", "idle")]
+    for job, outcome in ((good, "complete"), (bad, "fail")):
+        claimed = await http_claim(client, credential)
+        assert claimed["id"] == job["id"]
+        body = {"attempt": claimed["attempt"], **({"result": {"n": 7}} if outcome == "complete" else {"error": "no", "retry": False})}
+        async with anyio.create_task_group() as tg:
+            finished: list = []
+
+            async def wait_in_shell(job_id: str = job["id"]) -> None:
+                finished.append(await anyio.to_thread.run_sync(lambda: umbra(job_id)))
+
+            tg.start_soon(wait_in_shell)
+            await anyio.sleep(1.0)
+            assert not finished
+            assert (await client.post(f"/v1/agent/jobs/{job['id']}/{outcome}", json=body,
+                                      headers=bearer(credential))).status_code == 200  # fmt: skip
+        [shown] = finished
+        if outcome == "complete":
+            assert shown.returncode == 0 and 'result: {"n":7}' in shown.stdout, (shown.stdout, shown.stderr)
+        else:
+            assert shown.returncode == 1 and "error: no" in shown.stdout, (shown.stdout, shown.stderr)
+    late = await anyio.to_thread.run_sync(lambda: umbra(idle["id"], "--timeout", "1", "--json"))
+    assert late.returncode == 124 and "still queued after 1 s" in late.stderr, (late.stdout, late.stderr)
+    assert '"status": "queued"' in late.stdout or '"status":"queued"' in late.stdout
+    refused = await anyio.to_thread.run_sync(lambda: umbra(idle["id"], "--timeout", "-1"))
+    assert refused.returncode == 2
