@@ -12,7 +12,6 @@ first rule it fails.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from typing import Any
@@ -239,27 +238,63 @@ def cmd_show(args) -> int:
     return anyio.run(main)
 
 
+#: ``umbra jobs wait``'s exit status when the job ended otherwise than complete (failed, cancelled, partial): not
+#: 1, which every ``umbra`` command exits with when it could not do what it was asked (a refusal, no server).
+ENDED_OTHERWISE_EXIT = 3
 #: ``umbra jobs wait``'s exit status when the job had not ended by ``--timeout`` (as ``timeout(1)``'s).
 STILL_OPEN_EXIT = 124
+#: How long ``umbra jobs wait`` goes on asking a server it cannot reach, or that answers 502-504 (restarting,
+#: its database away), before it gives up (exit 1).
+UNREACHABLE_SECONDS = 60.0
 
 
 async def wait_for_end(client, job_id: str, timeout: float | None) -> dict[str, Any]:
     """The job once it ended (``GET /v1/jobs/{id}?wait=``, round after round), or as it stands after ``timeout``
-    seconds (None: no limit)."""
+    seconds (None: no limit).
+
+    Each round asks for whole seconds no further than the deadline. A round
+    answered early with the job still open (a server stopping, or one without
+    ``?wait=``) is followed by a pause, not asked again at once; a server
+    restarting is asked again, backing off, for up to :data:`UNREACHABLE_SECONDS`.
+    """
+    import httpx
+
+    from umbra.agent.client import ServiceError
     from umbra.api.jobs import MAX_JOB_WAIT_SECONDS
 
     deadline = None if timeout is None else time.monotonic() + timeout
+    unreachable_since: float | None = None
     while True:
-        left = MAX_JOB_WAIT_SECONDS if deadline is None else max(0, math.ceil(deadline - time.monotonic()))
-        job = await _get_json(client, f"/v1/jobs/{job_id}", wait=min(left, MAX_JOB_WAIT_SECONDS))
-        if job["status"] in TERMINAL_JOB_STATUSES or (deadline is not None and time.monotonic() >= deadline):
-            return job
+        left = None if deadline is None else deadline - time.monotonic()
+        seconds = MAX_JOB_WAIT_SECONDS if left is None else max(0, min(MAX_JOB_WAIT_SECONDS, int(left)))
+        asked = time.monotonic()
+        try:
+            job = await _get_json(client, f"/v1/jobs/{job_id}", wait=seconds)
+        except (httpx.TransportError, ServiceError) as exc:
+            if isinstance(exc, ServiceError) and exc.status not in (502, 503, 504):
+                raise
+            unreachable_since = asked if unreachable_since is None else unreachable_since
+            if time.monotonic() - unreachable_since >= UNREACHABLE_SECONDS or (left is not None and left <= 0):
+                raise
+            pause = min(5.0, 0.5 * 2 ** min(4, int(time.monotonic() - unreachable_since)))
+        else:
+            unreachable_since = None
+            if job["status"] in TERMINAL_JOB_STATUSES or (left is not None and left < 1):
+                if job["status"] in TERMINAL_JOB_STATUSES or left <= 0:
+                    return job
+                pause = left  # under a second left: the last read comes at the deadline
+            else:
+                pause = 1.0 if time.monotonic() - asked < seconds - 0.5 else 0.0
+        if deadline is not None:
+            pause = min(pause, max(0.0, deadline - time.monotonic()))
+        await anyio.sleep(pause)
 
 
 def cmd_wait(args) -> int:
-    """Wait for a job to end and print it: exit 0 when it completed, 1 when it ended otherwise (failed,
-    cancelled, partial), :data:`STILL_OPEN_EXIT` when ``--timeout`` passed first; so ``umbra jobs wait ID &&
-    next-step`` runs the next step only after a success."""
+    """Wait for a job to end and print it: exit 0 when it completed, :data:`ENDED_OTHERWISE_EXIT` when it ended
+    otherwise (failed, cancelled, partial), :data:`STILL_OPEN_EXIT` when ``--timeout`` passed first, 1 when it
+    could not tell (no such job, no server); so ``umbra jobs wait ID && next-step`` runs the next step only
+    after a success."""
 
     async def main() -> int:
         async with _client(args, scope="jobs:read") as client:
@@ -268,7 +303,7 @@ def cmd_wait(args) -> int:
         if job["status"] not in TERMINAL_JOB_STATUSES:
             print(f"umbra: the job is still {job['status']} after {args.timeout:g} s", file=sys.stderr)
             return STILL_OPEN_EXIT
-        return 0 if job["status"] == "complete" else 1
+        return 0 if job["status"] == "complete" else ENDED_OTHERWISE_EXIT
 
     return anyio.run(main)
 
@@ -403,8 +438,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     wait = _job_command(sub, "wait", func=cmd_wait, scope="jobs:read", json_help="print the Job object as JSON",
                         help="wait for a job to end, then show it",
                         description="Wait until a job ends (GET /v1/jobs/{id}?wait=, no polling), then show it as `show` "
-                        f"does. Exit 0 if it completed, 1 if it failed, was cancelled or settled partial, "
-                        f"{STILL_OPEN_EXIT} if --timeout passed first.")  # fmt: skip
+                        f"does. Exit 0 if it completed, {ENDED_OTHERWISE_EXIT} if it failed, was cancelled or settled "
+                        f"partial, {STILL_OPEN_EXIT} if --timeout passed first, 1 if it could not tell (no such job; "
+                        f"no server for {UNREACHABLE_SECONDS:g} s).")  # fmt: skip
     wait.add_argument("--timeout", type=_within(0, 10**7, number=float, unit=" seconds"), default=None,
                       help="give up after this many seconds (default: wait as long as it takes)")
     _job_command(sub, "explain", func=cmd_explain, scope="jobs:read", json_help="print the explain answer as JSON",

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+import uuid
 
 import anyio
 import httpx
@@ -156,8 +158,8 @@ async def test_a_key_revoked_while_its_read_waits_is_refused_the_answer(client, 
 
 
 async def test_the_cli_waits_for_a_job_and_exits_by_how_it_ended(client, org, live_server):
-    """``umbra jobs wait ID``: 0 once it completed (its result shown), 1 once it failed, 124 when ``--timeout``
-    passed first (the job shown as it stands)."""
+    """``umbra jobs wait ID``: 0 once it completed (its result shown), 3 once it failed, 124 when ``--timeout``
+    passed first (the job shown as it stands), 1 when it cannot tell (no such job), 2 for a bad flag."""
     _, key = org
     _, credential = await http_pair(client, key)
 
@@ -184,9 +186,85 @@ async def test_the_cli_waits_for_a_job_and_exits_by_how_it_ended(client, org, li
         if outcome == "complete":
             assert shown.returncode == 0 and 'result: {"n":7}' in shown.stdout, (shown.stdout, shown.stderr)
         else:
-            assert shown.returncode == 1 and "error: no" in shown.stdout, (shown.stdout, shown.stderr)
+            assert shown.returncode == 3 and "error: no" in shown.stdout, (shown.stdout, shown.stderr)
     late = await anyio.to_thread.run_sync(lambda: umbra(idle["id"], "--timeout", "1", "--json"))
     assert late.returncode == 124 and "still queued after 1 s" in late.stderr, (late.stdout, late.stderr)
     assert '"status": "queued"' in late.stdout or '"status":"queued"' in late.stdout
     refused = await anyio.to_thread.run_sync(lambda: umbra(idle["id"], "--timeout", "-1"))
     assert refused.returncode == 2
+    missing = await anyio.to_thread.run_sync(lambda: umbra(str(uuid.uuid4())))
+    assert missing.returncode == 1 and "job_not_found" in missing.stderr, (missing.stdout, missing.stderr)
+
+
+class StoppingServer(LiveServer):
+    """A live server run by ``umbra serve``'s own :class:`umbra.api.server.Server`, which answers parked requests
+    when it begins to stop (a plain uvicorn server waits for them), on ``port`` if given (a restart)."""
+
+    def __init__(self, db_url: str, port: int | None = None) -> None:
+        super().__init__(db_url)
+        from umbra.api.server import Server, config
+
+        if port is not None:
+            self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.server = Server(config(self.app, host="127.0.0.1", port=self.port))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+
+async def test_the_cli_waits_through_a_server_restart_and_reports_how_the_job_ended(db_url, org):
+    """The server stops while ``umbra jobs wait`` waits: its read is answered at once (the job still queued),
+    the CLI finds no server and asks again, backing off, until one answers on the same address; the job
+    cancelled there, it exits 3, not 1 (which would say it could not tell)."""
+    _, key = org
+    first = StoppingServer(db_url).__enter__()
+    async with httpx.AsyncClient(base_url=first.url, timeout=30) as client:
+        job = await submitted(client, key)
+    finished: list = []
+
+    async def wait_in_shell() -> None:
+        finished.append(await anyio.to_thread.run_sync(
+            lambda: run_umbra("jobs", "wait", job["id"], "--server", first.url, env={"UMBRA_API_KEY": key})))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_in_shell)
+        assert await eventually(lambda: _waits(first, 1), timeout=20)
+        stopped_at = time.monotonic()
+        first.server.should_exit = True
+        await anyio.to_thread.run_sync(first.thread.join, 15)
+        assert not first.thread.is_alive() and time.monotonic() - stopped_at < 10
+        await anyio.sleep(1.0)  # nothing answers on its address meanwhile
+        with StoppingServer(db_url, port=first.port) as second:
+            assert await eventually(lambda: _waits(second, 1), timeout=20)
+            async with httpx.AsyncClient(base_url=second.url, timeout=30) as client:
+                assert (await client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(key))).status_code == 200
+            with anyio.fail_after(15):
+                while not finished:
+                    await anyio.sleep(0.05)
+    [shown] = finished
+    assert shown.returncode == 3 and "cancelled" in shown.stdout, (shown.returncode, shown.stdout, shown.stderr)
+
+
+async def _waits(server: LiveServer, count: int) -> bool:
+    return server.app.state.job_waits.waiting() == count
+
+
+async def test_waiting_in_the_shell_keeps_to_a_timeout_under_a_second_and_never_asks_in_a_loop(client, org):
+    """``--timeout 0.3`` answers after 0.3 s, not after the whole second a ``wait`` asks for at least; a server
+    that answers at once with the job still open (one without ``?wait=``) is asked about once a second, not
+    thousands of times."""
+    from umbra.cli_jobs import wait_for_end
+
+    _, key = org
+    job = await submitted(client, key)
+    started = time.monotonic()
+    async with httpx.AsyncClient(base_url=str(client.base_url), headers=bearer(key), timeout=30) as shell:
+        shown = await wait_for_end(shell, job["id"], 0.3)
+    assert shown["status"] == "blocked" and 0.3 <= time.monotonic() - started < 0.8
+    asked: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request)
+        return httpx.Response(200, json={"id": job["id"], "status": "queued"})
+
+    async with httpx.AsyncClient(base_url="http://umbra.test", transport=httpx.MockTransport(answer)) as shell:
+        shown = await wait_for_end(shell, job["id"], 2.5)
+    assert shown["status"] == "queued" and 2 <= len(asked) <= 5, len(asked)
