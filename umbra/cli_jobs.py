@@ -291,19 +291,33 @@ async def wait_for_end(client, job_id: str, timeout: float | None) -> dict[str, 
 
 
 def cmd_wait(args) -> int:
-    """Wait for a job to end and print it: exit 0 when it completed, :data:`ENDED_OTHERWISE_EXIT` when it ended
-    otherwise (failed, cancelled, partial), :data:`STILL_OPEN_EXIT` when ``--timeout`` passed first, 1 when it
-    could not tell (no such job, no server); so ``umbra jobs wait ID && next-step`` runs the next step only
-    after a success."""
+    """Wait for jobs to end and print them: exit 0 when every one completed, :data:`ENDED_OTHERWISE_EXIT` when
+    one ended otherwise (failed, cancelled, partial), :data:`STILL_OPEN_EXIT` when ``--timeout`` passed first,
+    1 when it could not tell (no such job, no server); so ``umbra jobs wait ID && next-step`` runs the next
+    step only after a success, and ``umbra jobs wait $(umbra jobs submit ... --count 20)`` after twenty.
+
+    The jobs are waited for one after another, ``--timeout`` counting for all of them together: the run
+    ends with the last of them, whichever order they end in."""
 
     async def main() -> int:
+        deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        jobs = []
         async with _client(args, scope="jobs:read") as client:
-            job = await wait_for_end(client, args.job_id, args.timeout)
-        print(to_json_text(job) if args.json else "\n".join(printable(line) for line in format_details(job)))
-        if job["status"] not in TERMINAL_JOB_STATUSES:
-            print(f"umbra: the job is still {job['status']} after {args.timeout:g} s", file=sys.stderr)
+            for job_id in args.job_ids:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                jobs.append(await wait_for_end(client, job_id, left))
+        if args.json:
+            print(to_json_text(jobs[0] if len(jobs) == 1 else jobs))
+        elif len(jobs) == 1:
+            print("\n".join(printable(line) for line in format_details(jobs[0])))
+        else:
+            print("\n".join(printable(format_job(job)) for job in jobs))
+        open_ = [job for job in jobs if job["status"] not in TERMINAL_JOB_STATUSES]
+        if open_:
+            print(f"umbra: {len(open_)} of {len(jobs)} job(s) still open after {args.timeout:g} s "
+                  f"({', '.join(sorted({job['status'] for job in open_}))})", file=sys.stderr)  # fmt: skip
             return STILL_OPEN_EXIT
-        return 0 if job["status"] == "complete" else ENDED_OTHERWISE_EXIT
+        return 0 if all(job["status"] == "complete" for job in jobs) else ENDED_OTHERWISE_EXIT
 
     return anyio.run(main)
 
@@ -435,14 +449,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                  help="a job: where it stands, where it runs, how far it is",
                  description="Show a job (GET /v1/jobs/{id}): its status and attempts, its placement and lease, its "
                  "progress, its error or result.")  # fmt: skip
-    wait = _job_command(sub, "wait", func=cmd_wait, scope="jobs:read", json_help="print the Job object as JSON",
-                        help="wait for a job to end, then show it",
-                        description="Wait until a job ends (GET /v1/jobs/{id}?wait=, no polling), then show it as `show` "
-                        f"does. Exit 0 if it completed, {ENDED_OTHERWISE_EXIT} if it failed, was cancelled or settled "
-                        f"partial, {STILL_OPEN_EXIT} if --timeout passed first, 1 if it could not tell (no such job; "
-                        f"no server for {UNREACHABLE_SECONDS:g} s).")  # fmt: skip
+    wait = _jobs_subparsers(sub).add_parser(
+        "wait", help="wait for jobs to end, then show them",
+        description="Wait until each job ends (GET /v1/jobs/{id}?wait=, no polling), then show it as `show` does (several: "
+        f"a line each, as `list`). Exit 0 if every one completed, {ENDED_OTHERWISE_EXIT} if one failed, was cancelled "
+        f"or settled partial, {STILL_OPEN_EXIT} if --timeout passed first, 1 if it could not tell (no such job; no "
+        f"server for {UNREACHABLE_SECONDS:g} s).")  # fmt: skip
+    wait.add_argument("job_ids", type=_uuid, nargs="+", metavar="JOB_ID")
+    _through_the_api(wait, cmd_wait, scope="jobs:read", json_help="print the Job object (several: a list) as JSON")
     wait.add_argument("--timeout", type=_within(0, 10**7, number=float, unit=" seconds"), default=None,
-                      help="give up after this many seconds (default: wait as long as it takes)")
+                      help="give up after this many seconds, for all the jobs together (default: as long as it takes)")
     _job_command(sub, "explain", func=cmd_explain, scope="jobs:read", json_help="print the explain answer as JSON",
                  help="why a job is or is not running",
                  description="Explain a job: a summary, the devices that could run it ranked best first, and every other "

@@ -188,12 +188,39 @@ async def test_the_cli_waits_for_a_job_and_exits_by_how_it_ended(client, org, li
         else:
             assert shown.returncode == 3 and "error: no" in shown.stdout, (shown.stdout, shown.stderr)
     late = await anyio.to_thread.run_sync(lambda: umbra(idle["id"], "--timeout", "1", "--json"))
-    assert late.returncode == 124 and "still queued after 1 s" in late.stderr, (late.stdout, late.stderr)
+    assert late.returncode == 124 and "1 of 1 job(s) still open after 1 s (queued)" in late.stderr, late.stderr
     assert '"status": "queued"' in late.stdout or '"status":"queued"' in late.stdout
     refused = await anyio.to_thread.run_sync(lambda: umbra(idle["id"], "--timeout", "-1"))
     assert refused.returncode == 2
     missing = await anyio.to_thread.run_sync(lambda: umbra(str(uuid.uuid4())))
     assert missing.returncode == 1 and "job_not_found" in missing.stderr, (missing.stdout, missing.stderr)
+
+
+async def test_the_cli_waits_for_several_jobs_until_the_last_ends(client, org, live_server):
+    """``umbra jobs wait A B C`` (what ``$(umbra jobs submit ... --count 3)`` gives it): it returns once all
+    three completed, whatever order they end in, a line each; one of them still open at ``--timeout``: 124."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    many = [await submitted(client, key, "many") for _ in range(3)]
+    finished: list = []
+
+    async def wait_in_shell(*args: str) -> None:
+        finished.append(await anyio.to_thread.run_sync(lambda: run_umbra(
+            "jobs", "wait", *args, "--server", live_server.url, env={"UMBRA_API_KEY": key})))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_in_shell, *(job["id"] for job in many))
+        claimed = [await http_claim(client, credential) for _ in many]
+        for job in reversed(claimed):  # the last first: the run waits on the first all the while
+            await anyio.sleep(0.5)
+            assert not finished
+            await http_complete(client, credential, job)
+    [shown] = finished
+    assert shown.returncode == 0, (shown.stdout, shown.stderr)
+    assert [line.split()[:2] for line in shown.stdout.splitlines()] == [[job["id"], "complete"] for job in many]
+    open_ = await submitted(client, key, "many")
+    await wait_in_shell(many[0]["id"], open_["id"], "--timeout", "1")
+    assert finished[-1].returncode == 124 and "1 of 2 job(s) still open after 1 s (queued)" in finished[-1].stderr
 
 
 class StoppingServer(LiveServer):
