@@ -14,6 +14,12 @@ measures, per sample, with the long-poll parked before the job exists:
   the long-poll: request sent → claim response. The hint takes the same path as
   any other (the server's own NOTIFY reaches its own LISTEN connection), so
   this includes the submit request itself; its round trip is shown for scale.
+* ``next step released`` and ``waiting read answered`` — a pipeline of two
+  jobs, B depending on A, A claimed: a long-poll parked for B (blocked until A
+  completes) and a read of A parked until it ends (``GET /v1/jobs/{id}?wait=``),
+  then A completed through the agent protocol: request sent → the long-poll
+  returns B (the sweeper's prompt look, its hint, the claim), and → the read
+  returns A complete. The completion's round trip is shown for scale.
 
 Prints a table of p50/p95/p99 in milliseconds and writes
 ``bench/results/wake_latency.json``.
@@ -115,6 +121,57 @@ async def _long_poll_samples(base: str, url: str, org: uuid.UUID, api_key: str, 
     return latencies, round_trips
 
 
+async def _parked_both(client: httpx.AsyncClient) -> None:
+    while True:
+        text = (await client.get("/metrics")).text
+        if "umbra_long_polls_waiting 1.0" in text and "umbra_job_reads_waiting 1.0" in text:
+            return
+        await anyio.sleep(0.001)
+
+
+async def _next_step_samples(base: str, url: str, org: uuid.UUID, api_key: str, credential: str, samples: int):
+    """Per sample: completion request sent → the parked claim returns the dependent, and → the parked read of
+    the completed job returns; and the completion's round trip."""
+    released: list[float] = []
+    answered: list[float] = []
+    round_trips: list[float] = []
+    node_headers = {"Authorization": f"Bearer {credential}"}
+    key_headers = {"Authorization": f"Bearer {api_key}"}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client, \
+            await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:  # fmt: skip
+        for i in range(samples):
+            [first, _], _ = await submit(conn, org, [JobRequest(kind="step", payload={"i": i}),
+                                                     JobRequest(kind="step", depends_on=[0])], actor="bench", batch=True)  # fmt: skip
+            claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node_headers)
+            assert claimed.status_code == 200 and claimed.json()["job"]["id"] == str(first.id), claimed.text
+            at: dict[str, float] = {}
+
+            async def next_step() -> None:
+                response = await client.post("/v1/agent/claim", params={"wait": 30}, headers=node_headers)
+                at["released"] = time.perf_counter()
+                assert response.status_code == 200, response.status_code
+
+            async def waiting_read() -> None:
+                response = await client.get(f"/v1/jobs/{first.id}", params={"wait": 30}, headers=key_headers)
+                at["answered"] = time.perf_counter()
+                assert response.json()["status"] == "complete", response.text
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(next_step)
+                tg.start_soon(waiting_read)
+                await _parked_both(client)
+                started = time.perf_counter()
+                done = await client.post(f"/v1/agent/jobs/{first.id}/complete", headers=node_headers,
+                                         json={"attempt": claimed.json()["job"]["attempt"], "result": {}})  # fmt: skip
+                round_trips.append(time.perf_counter() - started)
+                assert done.status_code == 200, done.text
+            released.append(at["released"] - started)
+            answered.append(at["answered"] - started)
+            second = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node_headers)
+            assert second.status_code == 204, second.status_code  # the dependent was the parked claim's
+    return released, answered, round_trips
+
+
 def _serve(url: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "UMBRA_DATABASE_URL": url, "UMBRA_POLL_FALLBACK_SECONDS": "30", "UMBRA_LOG_LEVEL": "WARNING"}
@@ -163,6 +220,7 @@ def run(samples: int) -> dict:
             bare = anyio.run(_bare_notify, url, samples)
             outside, _ = anyio.run(lambda: _long_poll_samples(base, url, org, api_key, credential, samples, via_http=False))
             same, round_trips = anyio.run(lambda: _long_poll_samples(base, url, org, api_key, credential, samples, via_http=True))
+            released, answered, completions = anyio.run(lambda: _next_step_samples(base, url, org, api_key, credential, samples))
             hint_to_claim = _server_mean_ms(base, "umbra_wake_latency_seconds")
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -172,6 +230,9 @@ def run(samples: int) -> dict:
         _row("long-poll, outside commit", outside),
         _row("long-poll, same-server submit", same),
         _row("  (POST /v1/jobs round trip)", round_trips),
+        _row("next step released (completion -> its dependent's claim)", released),
+        _row("waiting read answered (completion -> ?wait= read)", answered),
+        _row("  (POST .../complete round trip)", completions),
     ]
     results = [dict(zip(["measurement", "samples", "p50_ms", "p95_ms", "p99_ms", "max_ms"], row)) for row in rows]
     return {"results": results, "server_hint_to_claim_mean_ms": hint_to_claim}
