@@ -31,6 +31,7 @@ from umbra.settings import server_url
 from .client import AgentClient, ServiceError
 from .credentials import CredentialFile, StoredCredential
 from .devices import DeviceSpecError, check_device_set, discover, parse_device_spec
+from .commands import CommandHandler, parse_command
 from .handlers import HandlerRegistry, load_object
 from .runner import Agent, AgentConfig
 
@@ -90,6 +91,20 @@ def _handler_spec(text: str) -> tuple[str, str]:
     return kind.strip(), target.strip()
 
 
+def _command_spec(text: str) -> tuple[str, list[str]]:
+    kind, sep, command = text.partition("=")
+    try:
+        argv = parse_command(command)
+    except ValueError as exc:
+        argv, why = [], str(exc)
+    else:
+        why = ""
+    if not sep or not kind.strip() or not argv:
+        raise argparse.ArgumentTypeError(f"--command must look like KIND='PROGRAM ARGS...', got {text!r}"
+                                         + (f" ({why})" if why else ""))  # fmt: skip
+    return kind.strip(), argv
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "agent",
@@ -105,6 +120,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         " as the server checks it: no unknown fields, a non-empty label of its own, no negative MB)")
     p.add_argument("--handler", type=_handler_spec, action="append", default=[], metavar="KIND=MODULE:FUNC",
                    help="add or replace the handler for a job kind (repeatable)")
+    p.add_argument("--command", type=_command_spec, action="append", default=[], metavar="KIND='PROGRAM ARGS'",
+                   help="run a program for each job of a kind: the payload as JSON on its standard input, its standard "
+                        "output (JSON, else text) the result, exit 0 complete, 75 retry, other failed; a line "
+                        "'umbra-progress 0.5 message' on standard error reports progress (repeatable)")  # fmt: skip
     p.add_argument("--grace", type=_seconds(*GRACE_RANGE), default=30.0,
                    help="seconds a running job may continue after SIGTERM, SIGINT or SIGHUP, 0..3600 (default 30)")
     p.add_argument("--claim-wait", type=_seconds(*CLAIM_WAIT_RANGE), default=30.0,
@@ -130,6 +149,8 @@ def run_agent(args) -> int:
     registry = HandlerRegistry.default()
     for kind, target in args.handler:
         registry.register(kind, load_object(target))
+    for kind, argv in args.command:
+        registry.register(kind, CommandHandler(argv))
     overrides = list(args.device)
 
     def devices():

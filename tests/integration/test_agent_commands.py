@@ -1,0 +1,80 @@
+"""``umbra agent --command``: jobs run as programs by a real agent against a live server: the result, the
+progress and the failures reach the job; a cancelled job's program is stopped."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tests.helpers import eventually
+from umbra.agent.commands import CommandHandler
+
+from .test_agent import api, event_types, job_events, job_in, pair, running_agent, server, submit  # noqa: F401
+
+pytestmark = pytest.mark.anyio
+
+SCRIPT = """
+import json, sys, time
+job = json.load(sys.stdin)
+for step in range(job["steps"]):
+    print(f"umbra-progress {(step + 1) / job['steps']} step {step + 1} of {job['steps']}", file=sys.stderr, flush=True)
+    time.sleep(job["pause"])
+if job.get("fail"):
+    print("out of memory", file=sys.stderr)
+    sys.exit(job["fail"])
+print(json.dumps({"squares": [n * n for n in range(job["steps"])]}))
+"""
+
+
+async def test_a_program_s_result_and_progress_reach_the_job_and_its_exit_status_decides_the_outcome(server, api):
+    """Exit 0: complete, its JSON output the result, its progress in the lease renewals' history; 75: retried
+    (the run counted, the job queued again); 3: failed for good, the error quoting the program."""
+    paired = await pair(server, api, "scripts")
+    handler = CommandHandler([sys.executable, "-c", SCRIPT])
+    async with running_agent(server, paired["credential"], handlers={"script": handler}, progress_seconds=0.5):
+        good = await submit(api, "script", {"steps": 3, "pause": 0.6})
+        done = await eventually(lambda: job_in(api, good["id"], "complete", "failed"), timeout=20)
+        assert (done["status"], done["result"]) == ("complete", {"squares": [0, 1, 4]})
+        progress = [e["data"].get("progress") for e in await job_events(api, good["id"]) if e["type"] == "job.lease_renewed"]
+        assert {"fraction": 1 / 3, "message": "step 1 of 3"} in progress or {"fraction": 2 / 3, "message": "step 2 of 3"} in progress, progress
+        again = await submit(api, "script", {"steps": 1, "pause": 0, "fail": 75}, max_attempts=2)
+        bad = await submit(api, "script", {"steps": 1, "pause": 0, "fail": 3})
+        ended = await eventually(lambda: job_in(api, bad["id"], "failed"), timeout=20)
+        assert ended["error"].endswith("exited with status 3: out of memory"), ended["error"]
+        retried = await eventually(lambda: job_in(api, again["id"], "failed"), timeout=30)
+        assert retried["attempt"] == 2 and "exited with status 75" in retried["error"]
+        assert "job.requeued" in await event_types(api, again["id"])
+
+
+async def test_a_cancelled_job_s_program_is_stopped(server, api, tmp_path):
+    """The job cancelled while its program runs: the agent learns at its next renewal and the program is gone
+    (SIGTERM) before the slot takes other work."""
+    paired = await pair(server, api, "scripts-2")
+    pid_file = tmp_path / "pid"
+    handler = CommandHandler([sys.executable, "-c", f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                              "time.sleep(120)"])  # fmt: skip
+    async with running_agent(server, paired["credential"], handlers={"script": handler}) as agent:
+        job = await submit(api, "script")
+        await eventually(lambda: _exists(pid_file), timeout=15)
+        assert (await api.post(f"/v1/jobs/{job['id']}/cancel")).status_code == 200
+        pid = int(pid_file.read_text())
+        await eventually(lambda: _gone(pid), timeout=15)
+        await eventually(lambda: _outcome(agent), timeout=15)
+
+
+async def _exists(path) -> bool:
+    return path.exists() and path.read_text() != ""
+
+
+async def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def _outcome(agent) -> bool:
+    return bool(agent.outcomes)

@@ -1,0 +1,116 @@
+"""``umbra agent --command KIND='PROGRAM ARGS'``: a job run as a program. The payload on its standard input,
+its standard output the result, its exit status the outcome, ``umbra-progress`` lines its progress, and a
+cancelled job's program stopped before the slot is free. Real processes (this interpreter, ``-c``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from decimal import Decimal
+
+import anyio
+import pytest
+
+from umbra.agent import commands
+from umbra.agent.cli import _command_spec
+from umbra.agent.commands import CommandHandler, parse_command
+from umbra.agent.handlers import PermanentError, is_retryable
+
+pytestmark = pytest.mark.anyio
+
+
+class FakeClaim:
+    """What a handler reads of a claim, and the progress it reports."""
+
+    def __init__(self, payload=None, *, kind: str = "script", attempt: int = 2) -> None:
+        self.payload, self.kind, self.attempt, self.job_id = payload, kind, attempt, "0d06c0de-0000-4000-8000-000000000001"
+        self.progress: list[tuple[float | None, str | None]] = []
+
+    def report_progress(self, fraction=None, message=None) -> None:
+        self.progress.append((fraction, message))
+
+
+def python(code: str, **kwargs) -> CommandHandler:
+    return CommandHandler([sys.executable, "-c", code], **kwargs)
+
+
+async def test_the_payload_goes_in_as_json_and_a_json_document_out_is_the_result_its_numbers_exact():
+    handler = python(
+        "import json, os, sys\n"
+        "text = sys.stdin.read()\n"
+        "print(json.dumps({'read': text.strip(), 'env': [os.environ[k] for k in ('UMBRA_JOB_ID', 'UMBRA_JOB_KIND', "
+        "'UMBRA_JOB_ATTEMPT')]}))\n"
+        "print('{\"exact\": 0.10000000000000000001}', file=open(os.devnull, 'w'))"
+    )
+    result = await handler(FakeClaim({"x": Decimal("0.10000000000000000001"), "n": [1, 2]}))
+    assert result == {"read": '{"x":0.10000000000000000001,"n":[1,2]}',
+                      "env": ["0d06c0de-0000-4000-8000-000000000001", "script", "2"]}  # fmt: skip
+    exact = await python("print('{\"p\": 3.14159265358979323846264338327950288}')")(FakeClaim())
+    assert exact == {"p": Decimal("3.14159265358979323846264338327950288")}
+
+
+async def test_text_out_is_the_result_s_output_and_a_huge_output_keeps_its_end():
+    assert await python("print('rendered 12 frames')")(FakeClaim()) == {"output": "rendered 12 frames\n"}
+    assert await python("pass")(FakeClaim()) == {"output": ""}
+    huge = await python("import sys\nsys.stdout.write('x' * 3_000_000 + 'THE END')")(FakeClaim())
+    assert huge["output"].endswith("THE END") and len(huge["output"]) == commands.OUTPUT_TAIL_BYTES
+
+
+async def test_progress_lines_are_reported_and_other_lines_kept_for_a_failure_s_error(caplog):
+    caplog.set_level(logging.INFO, logger="umbra.agent.commands")
+    claim = FakeClaim()
+    handler = python(
+        "import sys\n"
+        "for line in ['umbra-progress 0.25 epoch 1 of 4', 'loading weights', 'umbra-progress - warming up',\n"
+        "             'umbra-progress 7 too far', 'umbra-progress 1']:\n"
+        "    print(line, file=sys.stderr, flush=True)\n"
+        "sys.exit(3)"
+    )
+    with pytest.raises(PermanentError) as refused:
+        await handler(claim)
+    assert claim.progress == [(0.25, "epoch 1 of 4"), (None, "warming up"), (1.0, None)]
+    assert str(refused.value).endswith("exited with status 3: loading weights")
+    assert not is_retryable(refused.value)
+    assert [getattr(r, "line", None) for r in caplog.records] == ["loading weights", "umbra-progress 7 too far"]
+
+
+async def test_exit_75_is_a_retryable_failure_and_a_signal_or_a_missing_program_a_final_one():
+    with pytest.raises(Exception) as retry:
+        await python("import sys\nprint('GPU busy', file=sys.stderr)\nsys.exit(75)")(FakeClaim())
+    assert is_retryable(retry.value) and "exited with status 75: GPU busy" in str(retry.value)
+    with pytest.raises(PermanentError, match="killed by signal 9"):
+        await python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")(FakeClaim())
+    with pytest.raises(PermanentError, match="could not start '/no/such/program'"):
+        await CommandHandler(["/no/such/program"])(FakeClaim())
+
+
+async def test_a_cancelled_job_s_program_is_terminated_then_killed_before_the_handler_returns(tmp_path):
+    """SIGTERM first; a program that ignores it is killed after the grace. Either way it is gone once the
+    cancelled handler returns: the slot's device is never shared with a leftover."""
+    for ignores, grace in ((False, 30.0), (True, 0.5)):
+        pid_file = tmp_path / f"pid-{ignores}"
+        handler = python(
+            "import os, signal, sys, time\n"
+            f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+            + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignores else "")
+            + "time.sleep(60)", terminate_grace=grace,
+        )
+        started = time.monotonic()
+        with anyio.move_on_after(1.0):
+            await handler(FakeClaim())
+        pid = int(pid_file.read_text())
+        assert time.monotonic() - started < 1.0 + grace + 5
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_the_flag_takes_a_kind_and_a_command_split_as_a_shell_would():
+    assert _command_spec("render=blender -b 'my scene.blend' -a") == ("render", ["blender", "-b", "my scene.blend", "-a"])
+    for bad in ("render", "=blender", "render=", "render='unclosed"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _command_spec(bad)
+    with pytest.raises(ValueError):
+        parse_command("   ")
