@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.helpers import eventually
+from tests.unit.test_command_handler import _alive
 from umbra.agent.commands import CommandHandler
 
 from .test_agent import api, event_types, job_events, job_in, pair, running_agent, server, submit  # noqa: F401
@@ -69,12 +70,67 @@ async def _exists(path) -> bool:
 
 
 async def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    return not _alive(pid)
 
 
 async def _outcome(agent) -> bool:
     return bool(agent.outcomes)
+
+
+async def test_ctrl_c_in_the_agent_s_terminal_lets_the_running_program_finish(server, api, tmp_path):
+    """A terminal's Ctrl-C signals its foreground process group: the agent's. The program, in a session of its
+    own, runs on; the agent stops gracefully (``--grace``) and the job completes with the program's result."""
+    import signal
+    import subprocess
+
+    import anyio
+
+    from tests.helpers import sighup_at_default
+
+    from .test_agent_process import DEVICE, ROOT, _paired_file
+
+    credential_file, _ = await _paired_file(server, api, tmp_path, "scripts-ctrl-c")
+    script = tmp_path / "job.py"
+    script.write_text("import json, sys, time\njson.load(sys.stdin)\ntime.sleep(3)\nprint(json.dumps({'done': True}))\n")
+    command = [sys.executable, "-m", "umbra.cli", "agent", "--claim-wait", "1", "--device", DEVICE,
+               "--credential-file", str(credential_file), "--grace", "20", "--command", f"work={sys.executable} {script}"]
+    with sighup_at_default():
+        agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                                 start_new_session=True)  # its own process group, as a shell's job is
+    try:
+        job = await submit(api, "work")
+        await eventually(lambda: job_in(api, job["id"], "running"), timeout=15)
+        await anyio.sleep(1.0)  # the program runs
+        os.killpg(agent.pid, signal.SIGINT)
+        with anyio.fail_after(20):
+            while agent.poll() is None:
+                await anyio.sleep(0.1)
+        ended = await eventually(lambda: job_in(api, job["id"], "complete", "failed", "queued"), timeout=10)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+    assert (ended["status"], ended.get("result")) == ("complete", {"done": True}), (ended["status"], ended.get("error"))
+
+
+async def test_an_immediate_stop_gives_the_job_back_within_the_program_s_short_grace(server, api):
+    """A second SIGTERM gives the running jobs up at once: a program ignoring SIGTERM is killed after
+    ``TERMINATE_GRACE_SECONDS`` (3 s), and the job is given back then, not after a lease."""
+    import time
+
+    import anyio
+
+    from umbra.agent.commands import TERMINATE_GRACE_SECONDS
+
+    paired = await pair(server, api, "scripts-stop")
+    handler = CommandHandler([sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                              "time.sleep(60)"])  # fmt: skip
+    async with running_agent(server, paired["credential"], handlers={"stubborn": handler}, grace_seconds=0.5) as agent:
+        job = await submit(api, "stubborn")
+        await eventually(lambda: job_in(api, job["id"], "running"), timeout=10)
+        await anyio.sleep(0.5)
+        stopped_at = time.monotonic()
+        agent.stop(immediately=True)
+        await eventually(lambda: _outcome(agent), timeout=TERMINATE_GRACE_SECONDS + 8)
+        took = time.monotonic() - stopped_at
+    assert agent.outcomes[0].status == "released" and took < TERMINATE_GRACE_SECONDS + 2, (agent.outcomes, took)

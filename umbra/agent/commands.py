@@ -7,17 +7,22 @@ runs one program per job, so such work needs no Python handler written for it:
 * the job's payload is the program's standard input, as JSON (its numbers as
   the submitter wrote them); ``UMBRA_JOB_ID``, ``UMBRA_JOB_KIND`` and
   ``UMBRA_JOB_ATTEMPT`` are in its environment, beside the agent's own;
-* its standard output is the result: a JSON document as it is, any other
-  text as ``{"output": text}`` (its last :data:`OUTPUT_TAIL_BYTES`);
+* its standard output is the result: a JSON document as it is (its strings
+  made storable), any other text as ``{"output": text}`` (its last
+  :data:`OUTPUT_TAIL_BYTES`), as is a document the server would refuse;
 * a line ``umbra-progress FRACTION [MESSAGE]`` on its standard error reports
   progress (``-`` for no fraction); the other lines go to the agent's log, and
   the last :data:`ERROR_TAIL_LINES` of them into the error of a failure;
 * exit status 0 completes the job; :data:`RETRYABLE_EXIT` (``EX_TEMPFAIL``
   of sysexits.h) fails it as retryable; any other status, or a signal, fails
   it for good;
-* a job cancelled, lost or out of time sends the program ``SIGTERM``, then
-  ``SIGKILL`` after :data:`TERMINATE_GRACE_SECONDS`: the slot is free only
-  once the program is gone, so the device is never shared with a leftover.
+* it runs in a session of its own: a Ctrl-C in the agent's terminal stops
+  the agent gracefully (the program finishes within ``--grace``), and the
+  program and whatever it starts are one process group;
+* a job cancelled, lost or out of time sends that group ``SIGTERM``, then
+  ``SIGKILL`` after :data:`TERMINATE_GRACE_SECONDS`; so does the program's
+  exit, for what it left running: the slot is free only once the group is
+  gone, so the device is never shared with a leftover.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import logging
 import math
 import os
 import shlex
+import signal
 import subprocess
 from collections import deque
 from typing import Any
@@ -42,8 +48,19 @@ log = logging.getLogger(__name__)
 
 #: The exit status that fails a job as retryable (``EX_TEMPFAIL``: "try again later").
 RETRYABLE_EXIT = 75
-#: Seconds a program has to exit after ``SIGTERM`` before it is killed.
-TERMINATE_GRACE_SECONDS = 10.0
+#: Seconds a program (and what it started) has to exit after ``SIGTERM`` before it is killed: short, for the
+#: job is given back (a second Ctrl-C, a lost lease) only once its program is gone.
+TERMINATE_GRACE_SECONDS = 3.0
+#: How long a program's group is waited for after ``SIGKILL`` (a process in uninterruptible sleep).
+KILLED_WAIT_SECONDS = 5.0
+#: How long standard output and error are read after the program and its group are gone: a process it
+#: started in a session of its own may hold them open for ever.
+PIPES_DRAIN_SECONDS = 1.0
+#: The longest error a failure carries (the server takes 10,000 characters).
+ERROR_MAX_CHARS = 4000
+#: The deepest JSON result kept as one (``umbra.compute.jobs.MAX_JSON_DEPTH``: the server refuses deeper
+#: documents; the agent imports nothing of the server's). A deeper output is the result as text.
+RESULT_MAX_DEPTH = 100
 #: Standard output kept: a result larger than this (the server takes request bodies of 1 MiB) is cut
 #: to its end and answered as text.
 OUTPUT_MAX_BYTES = 1_000_000
@@ -58,7 +75,7 @@ PROGRESS_PREFIX = "umbra-progress"
 def parse_command(text: str) -> list[str]:
     """``PROGRAM ARGS...`` split as a POSIX shell would (quotes kept together), without running a shell."""
     argv = shlex.split(text)
-    if not argv:
+    if not argv or not argv[0]:
         raise ValueError("a command needs a program")
     return argv
 
@@ -74,11 +91,13 @@ class CommandHandler:
         return f"CommandHandler({shlex.join(self.argv)!r})"
 
     async def __call__(self, claim: Any) -> Any:
-        environment = {**os.environ, "UMBRA_JOB_ID": str(claim.job_id), "UMBRA_JOB_KIND": str(claim.kind),
-                       "UMBRA_JOB_ATTEMPT": str(claim.attempt)}  # fmt: skip
+        environment = {name: value for name, value in os.environ.items() if not name.startswith("UMBRA_")}
+        environment.update(UMBRA_JOB_ID=str(claim.job_id), UMBRA_JOB_KIND=str(claim.kind), UMBRA_JOB_ATTEMPT=str(claim.attempt))
         try:
+            # A session of its own: a Ctrl-C in the agent's terminal stops the agent gracefully, not the
+            # program; and the program and whatever it starts are one process group, stopped together.
             process = await anyio.open_process(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE, env=environment)  # fmt: skip
+                                               stderr=subprocess.PIPE, env=environment, start_new_session=True)  # fmt: skip
         except OSError as exc:  # no such program, not executable: the same on every attempt here
             raise PermanentError(f"could not start {self.argv[0]!r}: {exc.strerror or exc}") from None
         output = _Output()
@@ -86,9 +105,20 @@ class CommandHandler:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._feed, process, claim.payload)
-                tg.start_soon(self._collect, process.stdout, output)
-                tg.start_soon(self._watch_errors, process.stderr, claim, errors)
+                read = anyio.Event()
+
+                async def read_both() -> None:
+                    async with anyio.create_task_group() as readers:
+                        readers.start_soon(self._collect, process.stdout, output)
+                        readers.start_soon(self._watch_errors, process.stderr, claim, errors)
+                    read.set()
+
+                tg.start_soon(read_both)
                 status = await process.wait()
+                await self._stop(process)  # what it left running (holding its pipes open, or the device)
+                with anyio.move_on_after(PIPES_DRAIN_SECONDS):  # what is still in the pipes is read
+                    await read.wait()
+                tg.cancel_scope.cancel()  # a process outside its group may hold them open still
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._stop(process)
@@ -98,9 +128,8 @@ class CommandHandler:
                 await process.aclose()
         if status == 0:
             return output.result()
-        said = "; ".join(errors) if errors else "nothing on standard error"
         why = f"killed by signal {-status}" if status < 0 else f"exited with status {status}"
-        message = storable_text(f"{self.argv[0]} {why}: {said}", 4000)
+        message = _failure(f"{self.argv[0]} {why}: ", errors)
         if status == RETRYABLE_EXIT:
             raise RetryableError(message)
         raise PermanentError(message)
@@ -138,21 +167,39 @@ class CommandHandler:
             _error_line(pending.decode("utf-8", "replace"), claim, errors)
 
     async def _stop(self, process: anyio.abc.Process) -> None:
-        """``SIGTERM``, then ``SIGKILL`` if the program is still there after the grace."""
-        if process.returncode is not None:
-            return
-        try:
-            process.terminate()
-        except ProcessLookupError:
-            return
+        """``SIGTERM`` to the program and everything in its process group, ``SIGKILL`` to what is left after
+        the grace; returns once the program is reaped and its group empty (or, for a group that outlives a
+        ``SIGKILL``, after :data:`KILLED_WAIT_SECONDS`)."""
+        _signal_group(process.pid, signal.SIGTERM)
         with anyio.move_on_after(self.terminate_grace):
             await process.wait()
+            while _signal_group(process.pid, 0):
+                await anyio.sleep(0.05)
             return
-        try:
-            process.kill()
-        except ProcessLookupError:
-            return
+        _signal_group(process.pid, signal.SIGKILL)
         await process.wait()
+        with anyio.move_on_after(KILLED_WAIT_SECONDS):
+            while _signal_group(process.pid, 0):
+                await anyio.sleep(0.05)
+
+
+def _signal_group(pgid: int, number: int) -> bool:
+    """Send ``number`` (0: only ask) to a process group; False once no process of it is left."""
+    try:
+        os.killpg(pgid, number)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _failure(prefix: str, errors: deque[str]) -> str:
+    """A failure's error: ``prefix`` and the last lines of standard error, their end kept within
+    :data:`ERROR_MAX_CHARS` (the last line says most often why: "CUDA out of memory")."""
+    said = storable_text("; ".join(errors), 10**6) if errors else "nothing on standard error"
+    room = ERROR_MAX_CHARS - len(prefix)
+    if len(said) > room:
+        said = "…" + said[-(room - 1):]
+    return storable_text(prefix, ERROR_MAX_CHARS // 2) + said
 
 
 def _error_line(line: str, claim: Any, errors: deque[str]) -> None:
@@ -163,6 +210,8 @@ def _error_line(line: str, claim: Any, errors: deque[str]) -> None:
             fraction = None if fraction_text in ("", "-") else float(fraction_text)
         except ValueError:
             fraction = math.nan
+        if fraction is None and not message.strip():
+            return  # says nothing: nothing to report
         if fraction is None or (math.isfinite(fraction) and 0 <= fraction <= 1):
             claim.report_progress(fraction, message.strip() or None)
             return
@@ -190,11 +239,29 @@ class _Output:
             self.cut = True
 
     def result(self) -> Any:
-        """The job's result: a JSON document as written, else ``{"output": the text's end}``."""
+        """The job's result: a JSON document as written (its strings made storable), else ``{"output": the
+        text's end}``: also for a document deeper than the server takes, or one that, written again, would
+        not fit a request (``1e9`` is sent as ``1E+9``)."""
         if not self.cut:
             try:
-                return documents.decode(bytes(self.data))
-            except ValueError:
+                document = _storable(documents.decode(bytes(self.data)), RESULT_MAX_DEPTH)
+                if len(documents.encode(document)) <= OUTPUT_MAX_BYTES:
+                    return document
+            except (ValueError, RecursionError):
                 pass
         text = bytes(self.data[-OUTPUT_TAIL_BYTES:]).decode("utf-8", "replace")
         return {"output": storable_text(text, OUTPUT_TAIL_BYTES)}
+
+
+def _storable(value: Any, levels: int) -> Any:
+    """``value`` with every string (keys too) as the server can store it (:func:`storable_text`: no NUL, no
+    lone surrogate); ValueError for arrays and objects nested more than ``levels`` deep."""
+    if isinstance(value, str):
+        return storable_text(value, len(value) * 10 + 1)
+    if isinstance(value, (dict, list)) and levels <= 0:
+        raise ValueError("nested too deep")
+    if isinstance(value, dict):
+        return {storable_text(k, len(k) * 10 + 1): _storable(v, levels - 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_storable(v, levels - 1) for v in value]
+    return value
