@@ -90,10 +90,11 @@ MAX_ROUNDS = 16
 
 @dataclass
 class Released:
-    """What a look did."""
+    """What a look did, and (a prompt look's) whether any job waited when it last looked."""
 
     released: int = 0
     failed: int = 0
+    waiting: bool = False
 
     def add(self, other: Released) -> None:
         self.released += other.released
@@ -149,6 +150,7 @@ async def release_moved(conn: psycopg.AsyncConnection, after: int, *, metadata: 
     total = Released()
     for _ in range(MAX_ROUNDS):
         [(waiting, head)] = await (await conn.execute(_WAITING_AND_HEAD)).fetchall()
+        total.waiting = waiting
         if not waiting:
             return total, max(after, head)
         done = Released()

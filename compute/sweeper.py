@@ -371,6 +371,9 @@ async def _mark_stale_nodes(conn: psycopg.AsyncConnection, settings: Settings) -
 
 #: Shortest time between two prompt looks at waiting jobs: the log's moves in between are looked at together.
 PROMPT_LOOK_SECONDS = 0.02
+#: The same after a look that found no job waiting: a busy queue without dependencies (a drain) then costs
+#: the sweeper one query every 0.1 s, not one per hint; a job that begins to wait is seen within it.
+IDLE_LOOK_SECONDS = 0.1
 
 
 class LogMoved:
@@ -464,20 +467,21 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
             if log_moved is None:
                 await anyio.sleep(left)
             elif await log_moved.wait(left):
-                moved_after = await _release_moved(conn, moved_after)
-                await anyio.sleep(PROMPT_LOOK_SECONDS)
+                moved_after, waiting = await _release_moved(conn, moved_after)
+                await anyio.sleep(PROMPT_LOOK_SECONDS if waiting else IDLE_LOOK_SECONDS)
 
 
-async def _release_moved(conn: psycopg.AsyncConnection, after: int) -> int:
+async def _release_moved(conn: psycopg.AsyncConnection, after: int) -> tuple[int, bool]:
     """A prompt look (:func:`umbra.compute.dependencies.release_moved`), a step as a tick's are, counted and
     logged as theirs are; returns where the next one starts (where it was, when the look failed: the next
-    tick's whole look catches what it missed)."""
+    tick's whole look catches what it missed) and whether any job waited."""
     moved = dependencies.Released()
 
     async def look() -> None:
         nonlocal after
         released, after = await dependencies.release_moved(conn, after, metadata=_METADATA)
         moved.add(released)
+        moved.waiting = released.waiting
 
     await _step("release_moved", look)
     metrics.count_sweeper_action("dependencies_released", moved.released)
@@ -485,4 +489,4 @@ async def _release_moved(conn: psycopg.AsyncConnection, after: int) -> int:
     if moved.released or moved.failed:
         log.info("sweep", extra={"action": "sweep", "dependencies_released": moved.released,
                                  "dependencies_failed": moved.failed})  # fmt: skip
-    return after
+    return after, moved.waiting
