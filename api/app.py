@@ -83,17 +83,15 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
             listener.on_recheck(log_watch.on_recheck)
             listener.on_everything(waiters.recheck_all)
             listener.on_everything(log_watch.wake_all)
-            # The sweeper's leader looks at jobs waiting for others as soon as the log moves.
-            log_moved = sweeper.LogMoved()
-            listener.on_hint(log_moved.on_hint)
-            listener.on_reconnect(log_moved.on_reconnect)
-            listener.on_everything(log_moved.on_reconnect)
             app.state.waiters, app.state.log_watch = waiters, log_watch
-            # Reads of a job that wait for it to end (`?wait=`) wake on the same hints.
+            # The sweeper's leader looks at jobs waiting for others as soon as the log moves, and reads of a
+            # job that wait for it to end (`?wait=`) wake on the same hints; after a reconnect, both look again.
+            log_moved = sweeper.LogMoved()
             job_waits = app.state.job_waits = JobWaits(poll_seconds=settings.poll_fallback_seconds)
-            listener.on_hint(job_waits.on_hint)
-            listener.on_reconnect(job_waits.on_reconnect)
-            listener.on_everything(job_waits.on_reconnect)
+            for watcher in (log_moved, job_waits):
+                listener.on_hint(watcher.on_hint)
+                listener.on_reconnect(watcher.on_reconnect)
+                listener.on_everything(watcher.on_reconnect)
             # Agents' claims, renewals and completions share transactions; their hints
             # are sent after commit, outside the data transactions.
             notifier = HintNotifier(pool)

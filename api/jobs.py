@@ -18,6 +18,7 @@ from umbra.events.types import JOB_STATUSES, TERMINAL_JOB_STATUSES
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobOut, JobRow
 
+from .agent import MAX_WAIT_SECONDS
 from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id, watch_disconnect
 from .params import query_bool, query_int, query_kinds, query_statuses, query_value
 from .routing import endpoint
@@ -93,8 +94,8 @@ async def list_jobs(request: Request) -> Response:
     return json_response({"jobs": [queue.job_out(row) for row in rows], "next": str(cursor) if cursor else None})
 
 
-#: Longest ``?wait=`` of a job read, as a claim's long-poll.
-MAX_JOB_WAIT_SECONDS = 60
+#: Longest ``?wait=`` of a job read: a claim's long-poll's.
+MAX_JOB_WAIT_SECONDS = MAX_WAIT_SECONDS
 
 
 async def get_job(request: Request) -> Response:

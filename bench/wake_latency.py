@@ -86,9 +86,20 @@ async def _setup(url: str) -> tuple[uuid.UUID, str, str]:
     return org, api_key, node.credential
 
 
-async def _parked(client: httpx.AsyncClient) -> None:
-    while "umbra_long_polls_waiting 1.0" not in (await client.get("/metrics")).text:
+async def _parked(client: httpx.AsyncClient, *gauges: str) -> None:
+    """Until one long-poll claim (and one of each other gauge named) is parked on the server."""
+    while True:
+        text = (await client.get("/metrics")).text
+        if all(f"{gauge} 1.0" in text for gauge in ("umbra_long_polls_waiting", *gauges)):
+            return
         await anyio.sleep(0.001)
+
+
+async def _parked_claim(client: httpx.AsyncClient, headers: dict[str, str], answered: list[float]) -> None:
+    """A long-poll claim that must return a job; appends when it returned."""
+    response = await client.post("/v1/agent/claim", params={"wait": 30}, headers=headers)
+    answered.append(time.perf_counter())
+    assert response.status_code == 200, response.status_code
 
 
 async def _long_poll_samples(base: str, url: str, org: uuid.UUID, api_key: str, credential: str, samples: int, *, via_http: bool):
@@ -100,14 +111,8 @@ async def _long_poll_samples(base: str, url: str, org: uuid.UUID, api_key: str, 
             await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:  # fmt: skip
         for i in range(samples):
             answered: list[float] = []
-
-            async def poll():
-                response = await client.post("/v1/agent/claim", params={"wait": 30}, headers=node_headers)
-                answered.append(time.perf_counter())
-                assert response.status_code == 200, response.status_code
-
             async with anyio.create_task_group() as tg:
-                tg.start_soon(poll)
+                tg.start_soon(_parked_claim, client, node_headers, answered)
                 await _parked(client)
                 if via_http:
                     started = time.perf_counter()
@@ -119,14 +124,6 @@ async def _long_poll_samples(base: str, url: str, org: uuid.UUID, api_key: str, 
                     started = time.perf_counter()  # submit() returns once its transaction committed
             latencies.append(answered[0] - started)
     return latencies, round_trips
-
-
-async def _parked_both(client: httpx.AsyncClient) -> None:
-    while True:
-        text = (await client.get("/metrics")).text
-        if "umbra_long_polls_waiting 1.0" in text and "umbra_job_reads_waiting 1.0" in text:
-            return
-        await anyio.sleep(0.001)
 
 
 async def _next_step_samples(base: str, url: str, org: uuid.UUID, api_key: str, credential: str, samples: int):
@@ -144,29 +141,25 @@ async def _next_step_samples(base: str, url: str, org: uuid.UUID, api_key: str, 
                                                      JobRequest(kind="step", depends_on=[0])], actor="bench", batch=True)  # fmt: skip
             claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node_headers)
             assert claimed.status_code == 200 and claimed.json()["job"]["id"] == str(first.id), claimed.text
-            at: dict[str, float] = {}
-
-            async def next_step() -> None:
-                response = await client.post("/v1/agent/claim", params={"wait": 30}, headers=node_headers)
-                at["released"] = time.perf_counter()
-                assert response.status_code == 200, response.status_code
+            next_step: list[float] = []
+            read: list[float] = []
 
             async def waiting_read() -> None:
                 response = await client.get(f"/v1/jobs/{first.id}", params={"wait": 30}, headers=key_headers)
-                at["answered"] = time.perf_counter()
+                read.append(time.perf_counter())
                 assert response.json()["status"] == "complete", response.text
 
             async with anyio.create_task_group() as tg:
-                tg.start_soon(next_step)
+                tg.start_soon(_parked_claim, client, node_headers, next_step)
                 tg.start_soon(waiting_read)
-                await _parked_both(client)
+                await _parked(client, "umbra_job_reads_waiting")
                 started = time.perf_counter()
                 done = await client.post(f"/v1/agent/jobs/{first.id}/complete", headers=node_headers,
                                          json={"attempt": claimed.json()["job"]["attempt"], "result": {}})  # fmt: skip
                 round_trips.append(time.perf_counter() - started)
                 assert done.status_code == 200, done.text
-            released.append(at["released"] - started)
-            answered.append(at["answered"] - started)
+            released.append(next_step[0] - started)
+            answered.append(read[0] - started)
             second = await client.post("/v1/agent/claim", params={"wait": 0}, headers=node_headers)
             assert second.status_code == 204, second.status_code  # the dependent was the parked claim's
     return released, answered, round_trips

@@ -243,7 +243,7 @@ def cmd_show(args) -> int:
 ENDED_OTHERWISE_EXIT = 3
 #: ``umbra jobs wait``'s exit status when the job had not ended by ``--timeout`` (as ``timeout(1)``'s).
 STILL_OPEN_EXIT = 124
-#: How long ``umbra jobs wait`` goes on asking a server it cannot reach, or that answers 502-504 (restarting,
+#: How long ``umbra jobs wait`` goes on asking a server it cannot reach, or that answers 5xx or 429 (restarting,
 #: its database away), before it gives up (exit 1).
 UNREACHABLE_SECONDS = 60.0
 
@@ -260,10 +260,12 @@ async def wait_for_end(client, job_id: str, timeout: float | None) -> dict[str, 
     import httpx
 
     from umbra.agent.client import ServiceError
+    from umbra.agent.runner import backoff_delay
     from umbra.api.jobs import MAX_JOB_WAIT_SECONDS
 
     deadline = None if timeout is None else time.monotonic() + timeout
     unreachable_since: float | None = None
+    failures = 0
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         seconds = MAX_JOB_WAIT_SECONDS if left is None else max(0, min(MAX_JOB_WAIT_SECONDS, int(left)))
@@ -271,14 +273,17 @@ async def wait_for_end(client, job_id: str, timeout: float | None) -> dict[str, 
         try:
             job = await _get_json(client, f"/v1/jobs/{job_id}", wait=seconds)
         except (httpx.TransportError, ServiceError) as exc:
-            if isinstance(exc, ServiceError) and exc.status not in (502, 503, 504):
+            # The server or its database restarting (no connection, a 5xx, a 429), as ``events tail --follow``
+            # takes them; a refusal of the request itself (401, 404, 422) is final.
+            if isinstance(exc, ServiceError) and exc.status < 500 and exc.status != 429:
                 raise
             unreachable_since = asked if unreachable_since is None else unreachable_since
             if time.monotonic() - unreachable_since >= UNREACHABLE_SECONDS or (left is not None and left <= 0):
                 raise
-            pause = min(5.0, 0.5 * 2 ** min(4, int(time.monotonic() - unreachable_since)))
+            failures += 1
+            pause = max(backoff_delay(failures, 0.5, 5.0), getattr(exc, "retry_after", None) or 0.0)
         else:
-            unreachable_since = None
+            unreachable_since, failures = None, 0
             if job["status"] in TERMINAL_JOB_STATUSES or (left is not None and left < 1):
                 if job["status"] in TERMINAL_JOB_STATUSES or left <= 0:
                     return job
