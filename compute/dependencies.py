@@ -19,10 +19,12 @@ hears the log move, looks only at the waiting jobs that depend on a job whose
 stream moved since its last look (the log read from that position, gap-free;
 index ``jobs_waiting_on``), or that are one: a pipeline's next step is
 released tens of milliseconds after the step before it ends.
-:func:`release_ready`, every tick, looks at every waiting job, and catches
-what a prompt look passed over: a row another transaction held, an
-organization whose fleet was changing, a hint lost while the listener
-reconnected.
+:func:`release_ready` looks at every waiting job, and catches what a prompt
+look passed over: a row another transaction held without writing it, an
+organization whose fleet was changing. The sweeper runs it with its second
+look at waiting jobs (every ``REEXAMINE_SECONDS``), or every tick in a
+process without prompt looks: a lost hint leaves nothing out, since the next
+prompt look reads the log from where the last one stopped.
 
 Why the sweeper rather than the transaction that ends the dependency: a job
 ends on many paths, the group commit's among them, which must never wait for a
@@ -144,8 +146,8 @@ async def release_moved(conn: psycopg.AsyncConnection, after: int, *, metadata: 
     look starts. In a queue where no job waits it reads nothing but that
     position. A job it passes over (held by another transaction, or its
     organization's fleet changing) is not looked at again until its
-    dependencies move again: the tick's whole look (:func:`release_ready`)
-    is what catches it.
+    dependencies move again: the whole look (:func:`release_ready`) is what
+    catches it.
     """
     total = Released()
     for _ in range(MAX_ROUNDS):

@@ -234,6 +234,44 @@ async def test_a_waiting_job_held_by_another_transaction_is_left_for_the_next_ti
     assert (await sweep_once(conn, SETTINGS)).dependencies_released == 1
 
 
+
+async def test_a_leader_with_prompt_looks_catches_what_they_passed_over_at_its_second_look(db_url, conn, org, monkeypatch):
+    """A leader hearing the log move (``LogMoved``, as the server's listener feeds it): D (on C) is released by
+    a prompt look. B's row is held while A, its dependency, completes: the prompt look passes it over, and
+    nothing moves B's stream after. The ticks in between leave it (the whole look runs with the second look,
+    every ``REEXAMINE_SECONDS``, not every tick); the next second look releases it."""
+    import functools
+
+    from umbra.compute import sweeper
+
+    monkeypatch.setattr(sweeper, "REEXAMINE_SECONDS", 4.0)
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    c = await submit(conn, org_id, "c")
+    d = await submit(conn, org_id, "d", depends_on=[str(c.id)])
+    a = await submit(conn, org_id, "a")
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+    moved = sweeper.LogMoved()
+    settings = dataclasses.replace(SETTINGS, sweep_interval_seconds=0.05)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(sweeper.run, settings, db_url, retry_seconds=0.1, log_moved=moved))
+        await run(conn, org_id, node, c.id)
+        moved.on_hint(org_id, 0, 0)
+        assert await eventually(lambda: _queued(conn, org_id, d.id))  # the leader leads, and looks promptly
+        await run(conn, org_id, node, d.id)
+        async with await psycopg.AsyncConnection.connect(db_url) as other:
+            await other.execute("BEGIN")
+            await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (b.id,))
+            await run(conn, org_id, node, a.id)
+            moved.on_hint(org_id, 0, 0)
+            await anyio.sleep(0.5)  # a prompt look (within 0.1 s) passes B over
+            await other.execute("ROLLBACK")
+        await anyio.sleep(0.5)  # ten ticks
+        assert (await row(conn, org_id, b.id)).status == "blocked"
+        assert await eventually(lambda: _queued(conn, org_id, b.id), timeout=10)
+        tg.cancel_scope.cancel()
+    assert await verify(conn) == []
+
 # -- through the routes ---------------------------------------------------------------------------------------
 
 
