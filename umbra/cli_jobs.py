@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import anyio
 
@@ -295,34 +295,71 @@ async def wait_for_end(client, job_id: str, timeout: float | None) -> dict[str, 
         await anyio.sleep(pause)
 
 
+#: Jobs ``umbra jobs wait`` waits for at once (one parked read each, on as many connections); the others wait
+#: their turn, in the order given.
+WAITS_AT_ONCE = 32
+
+
+async def wait_for_all(client, job_ids: Sequence[Any], timeout: float | None, *, fail_fast: bool = False) -> list[dict[str, Any]]:
+    """Each job once it ended, in the order given, waited for together (:data:`WAITS_AT_ONCE` at a time), or
+    as it stands at ``timeout`` (for all of them together). ``fail_fast``: as soon as one ends otherwise than
+    complete, the others are read as they stand and no longer waited for. The first error (no such job, no
+    server) ends every wait and is raised as it is."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ended: dict[str, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+    limiter = anyio.CapacityLimiter(WAITS_AT_ONCE)
+
+    async with anyio.create_task_group() as tg:
+        async def wait_one(job_id: str) -> None:
+            async with limiter:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    job = await wait_for_end(client, job_id, left)
+                except Exception as exc:  # noqa: BLE001 - raised below, the others' waits ended
+                    errors.append(exc)
+                    tg.cancel_scope.cancel()
+                    return
+            ended[job_id] = job
+            if fail_fast and job["status"] in TERMINAL_JOB_STATUSES and job["status"] != "complete":
+                tg.cancel_scope.cancel()
+
+        for job_id in dict.fromkeys(job_ids):  # a job named twice is waited for once
+            tg.start_soon(wait_one, job_id)
+    if errors:
+        raise errors[0]
+    for job_id in job_ids:  # those still waited for when one failed: as they stand
+        if job_id not in ended:
+            ended[job_id] = await _get_json(client, f"/v1/jobs/{job_id}")
+    return [ended[job_id] for job_id in job_ids]
+
+
 def cmd_wait(args) -> int:
     """Wait for jobs to end and print them: exit 0 when every one completed, :data:`ENDED_OTHERWISE_EXIT` when
     one ended otherwise (failed, cancelled, partial), :data:`STILL_OPEN_EXIT` when ``--timeout`` passed first,
     1 when it could not tell (no such job, no server); so ``umbra jobs wait ID && next-step`` runs the next
     step only after a success, and ``umbra jobs wait $(umbra jobs submit ... --count 20)`` after twenty.
 
-    The jobs are waited for one after another, ``--timeout`` counting for all of them together: the run
-    ends with the last of them, whichever order they end in."""
+    The jobs are waited for together (:func:`wait_for_all`), ``--timeout`` counting for all of them: the run
+    ends with the last of them, or, with ``--fail-fast``, with the first that ends otherwise than complete."""
 
     async def main() -> int:
-        deadline = None if args.timeout is None else time.monotonic() + args.timeout
-        jobs = []
         async with _client(args, scope="jobs:read") as client:
-            for job_id in args.job_ids:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                jobs.append(await wait_for_end(client, job_id, left))
+            jobs = await wait_for_all(client, args.job_ids, args.timeout, fail_fast=args.fail_fast)
         if args.json:
             print(to_json_text(jobs[0] if len(jobs) == 1 else jobs))
         elif len(jobs) == 1:
             print("\n".join(printable(line) for line in format_details(jobs[0])))
         else:
             print("\n".join(printable(format_job(job)) for job in jobs))
+        if any(job["status"] in TERMINAL_JOB_STATUSES and job["status"] != "complete" for job in jobs):
+            return ENDED_OTHERWISE_EXIT
         open_ = [job for job in jobs if job["status"] not in TERMINAL_JOB_STATUSES]
         if open_:
             print(f"umbra: {len(open_)} of {len(jobs)} job(s) still open after {args.timeout:g} s "
                   f"({', '.join(sorted({job['status'] for job in open_}))})", file=sys.stderr)  # fmt: skip
             return STILL_OPEN_EXIT
-        return 0 if all(job["status"] == "complete" for job in jobs) else ENDED_OTHERWISE_EXIT
+        return 0
 
     return anyio.run(main)
 
@@ -456,14 +493,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                  "progress, its error or result.")  # fmt: skip
     wait = _jobs_subparsers(sub).add_parser(
         "wait", help="wait for jobs to end, then show them",
-        description="Wait until each job ends (GET /v1/jobs/{id}?wait=, no polling), then show it as `show` does (several: "
-        f"a line each, as `list`). Exit 0 if every one completed, {ENDED_OTHERWISE_EXIT} if one failed, was cancelled "
-        f"or settled partial, {STILL_OPEN_EXIT} if --timeout passed first, 1 if it could not tell (no such job; no "
-        f"server for {UNREACHABLE_SECONDS:g} s).")  # fmt: skip
+        description="Wait until each job ends (GET /v1/jobs/{id}?wait=, no polling; several waited for together), then "
+        "show it as `show` does (several: a line each, as `list`, in the order given). "
+        f"Exit 0 if every one completed, {ENDED_OTHERWISE_EXIT} if one failed, was cancelled or settled partial, "
+        f"{STILL_OPEN_EXIT} if --timeout passed first, 1 if it could not tell (no such job; no server for "
+        f"{UNREACHABLE_SECONDS:g} s).")  # fmt: skip
     wait.add_argument("job_ids", type=_uuid, nargs="+", metavar="JOB_ID")
     _through_the_api(wait, cmd_wait, scope="jobs:read", json_help="print the Job object (several: a list) as JSON")
     wait.add_argument("--timeout", type=_within(0, 10**7, number=float, unit=" seconds"), default=None,
                       help="give up after this many seconds, for all the jobs together (default: as long as it takes)")
+    wait.add_argument("--fail-fast", action="store_true",
+                      help=f"stop waiting as soon as one job fails, is cancelled or settles partial (exit {ENDED_OTHERWISE_EXIT}), "
+                      "showing the others as they stand")  # fmt: skip
     _job_command(sub, "explain", func=cmd_explain, scope="jobs:read", json_help="print the explain answer as JSON",
                  help="why a job is or is not running",
                  description="Explain a job: a summary, the devices that could run it ranked best first, and every other "
@@ -514,4 +555,4 @@ def _every_job_command(sub: argparse._SubParsersAction, name: str, *, func, done
 
 
 __all__ = ["cmd_cancel", "cmd_cancel_waiting", "cmd_explain", "cmd_list", "cmd_priority", "cmd_retry", "cmd_retry_failed",
-           "cmd_show", "cmd_submit", "cmd_wait", "wait_for_end", "format_details", "format_explanation", "format_job", "register"]
+           "cmd_show", "cmd_submit", "cmd_wait", "wait_for_all", "wait_for_end", "format_details", "format_explanation", "format_job", "register"]

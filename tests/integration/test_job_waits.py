@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import bearer, eventually, run_umbra
+from tests.helpers import bearer, eventually, run_umbra, until
 from umbra.compute.accounts import create_api_key, create_organization, revoke_api_key
 
 from .queue_support import http_claim, http_complete, http_pair, written
@@ -222,6 +222,63 @@ async def test_the_cli_waits_for_several_jobs_until_the_last_ends(client, org, l
     await wait_in_shell(many[0]["id"], open_["id"], "--timeout", "1")
     assert finished[-1].returncode == 124 and "1 of 2 job(s) still open after 1 s (queued)" in finished[-1].stderr
 
+
+
+async def test_the_cli_with_fail_fast_returns_at_the_first_failure_showing_the_others_as_they_stand(client, org, live_server):
+    """``umbra jobs wait A B --fail-fast``: B fails while A still runs: it exits 3 at once (the jobs are waited
+    for together, not A first), A shown running, B failed; without the flag it would wait for A too."""
+    _, key = org
+    _, credential = await http_pair(client, key)
+    a, b = [await submitted(client, key, "pair") for _ in range(2)]
+    running, failing = [await http_claim(client, credential) for _ in range(2)]
+    assert (running["id"], failing["id"]) == (a["id"], b["id"])
+    finished: list = []
+
+    async def wait_in_shell(*args: str) -> None:
+        finished.append(await anyio.to_thread.run_sync(lambda: run_umbra(
+            "jobs", "wait", a["id"], b["id"], *args, "--server", live_server.url, env={"UMBRA_API_KEY": key})))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_in_shell, "--fail-fast")
+        tg.start_soon(wait_in_shell, "--timeout", "4")
+        await anyio.sleep(1.0)
+        assert not finished
+        answer = await client.post(f"/v1/agent/jobs/{b['id']}/fail", json={"attempt": failing["attempt"], "error": "no",
+                                   "retry": False}, headers=bearer(credential))  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        await until(lambda: finished, timeout=3)
+        [fast] = finished
+        assert fast.returncode == 3, (fast.stdout, fast.stderr)
+        assert [line.split()[:2] for line in fast.stdout.splitlines()] == [[a["id"], "running"], [b["id"], "failed"]]
+    patient = finished[1]  # waited on for A until its timeout: B's failure still decides the exit
+    assert patient.returncode == 3 and [line.split()[1] for line in patient.stdout.splitlines()] == ["running", "failed"]
+
+
+async def test_waiting_for_more_jobs_than_it_waits_for_at_once_waits_for_each(client, org, live_server, monkeypatch):
+    """``wait_for_all`` with two waits at a time and five jobs: each is waited for in its turn and all are
+    returned in the order given, a job named twice once waited for; an unknown job is raised as it is."""
+    from umbra import cli_jobs
+    from umbra.agent.client import ServiceError
+
+    monkeypatch.setattr(cli_jobs, "WAITS_AT_ONCE", 2)
+    _, key = org
+    _, credential = await http_pair(client, key)
+    jobs = [await submitted(client, key, "five") for _ in range(5)]
+    async with httpx.AsyncClient(base_url=live_server.url, headers=bearer(key), timeout=30) as reader:
+        async with anyio.create_task_group() as tg:
+            got: list = []
+
+            async def wait() -> None:
+                got.append(await cli_jobs.wait_for_all(reader, [j["id"] for j in jobs] + [jobs[0]["id"]], 20))
+
+            tg.start_soon(wait)
+            for _ in jobs:
+                await http_complete(client, credential, await http_claim(client, credential))
+        [ended] = got
+        assert [(j["id"], j["status"]) for j in ended] == [(j["id"], "complete") for j in jobs + [jobs[0]]]
+        with pytest.raises(ServiceError) as refused:
+            await cli_jobs.wait_for_all(reader, [jobs[0]["id"], str(uuid.uuid4())], 5)
+        assert refused.value.status == 404
 
 class StoppingServer(LiveServer):
     """A live server run by ``umbra serve``'s own :class:`umbra.api.server.Server`, which answers parked requests
