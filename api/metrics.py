@@ -26,7 +26,10 @@ from umbra.events.types import JOB_STATUSES
 from .http import bearer_token
 from .routing import endpoint
 
-_QUEUE_DEPTH = "SELECT status, count(*), count(*) FILTER (WHERE awaiting_dependencies) FROM jobs GROUP BY status"
+_QUEUE_DEPTH = """
+SELECT status, count(*), count(*) FILTER (WHERE awaiting_dependencies), count(*) FILTER (WHERE waiting_until IS NOT NULL)
+FROM jobs GROUP BY status
+"""
 _LOG_HEAD = "SELECT coalesce(max(position), 0) FROM events"
 
 
@@ -36,15 +39,17 @@ class DatabaseViews(Collector):
     def __init__(self) -> None:
         self.depth: dict[str, int] = {status: 0 for status in JOB_STATUSES}
         self.waiting_for_dependencies = 0
+        self.waiting_for_time = 0
         self.log_head = 0
         self.database_up = True
 
     async def refresh(self, conn) -> None:
         rows = await (await conn.execute(_QUEUE_DEPTH)).fetchall()
         depth = {status: 0 for status in JOB_STATUSES}
-        depth.update({status: count for status, count, _ in rows})
+        depth.update({status: count for status, count, _, _ in rows})
         self.depth = depth
-        self.waiting_for_dependencies = sum(waiting for status, _, waiting in rows if status == "blocked")
+        self.waiting_for_dependencies = sum(waiting for status, _, waiting, _ in rows if status == "blocked")
+        self.waiting_for_time = sum(delayed for status, _, _, delayed in rows if status == "blocked")
         self.log_head = (await (await conn.execute(_LOG_HEAD)).fetchone())[0]
 
     def collect(self):
@@ -54,8 +59,13 @@ class DatabaseViews(Collector):
         yield depth
         yield GaugeMetricFamily(
             "umbra_jobs_waiting_for_dependencies", "Blocked jobs that wait for the jobs they depend on (counted in "
-            "umbra_queue_depth{status=\"blocked\"}; the rest are jobs no device could run).",
+            "umbra_queue_depth{status=\"blocked\"}; the rest are jobs no device could run, and delayed jobs).",
             value=self.waiting_for_dependencies,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "umbra_jobs_delayed", "Blocked jobs submitted to run later that wait for their not_before (counted in "
+            "umbra_queue_depth{status=\"blocked\"}).",
+            value=self.waiting_for_time,
         )  # fmt: skip
         yield GaugeMetricFamily(
             "umbra_log_head_position", "Highest committed position in the event log.", value=self.log_head

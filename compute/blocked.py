@@ -232,11 +232,12 @@ _QUEUED_REQUIREMENTS = "SELECT DISTINCT (shape::jsonb->1)::text FROM umbra_queue
 REEXAMINED_SHAPES = 10_000
 _BLOCKED_SHAPES = """
 SELECT DISTINCT requires::text, blocked_reason FROM jobs WHERE organization_id = %s AND status = 'blocked'
-  AND NOT awaiting_dependencies
+  AND NOT awaiting_dependencies AND waiting_until IS NULL
 """
 _WAITING_WITH = f"""
 SELECT {queue.SELECT_LIST} FROM jobs
 WHERE organization_id = %s AND status = %s AND requires = ANY(%s::text[]::jsonb[]) AND NOT awaiting_dependencies
+  AND waiting_until IS NULL
 ORDER BY seq FOR UPDATE SKIP LOCKED
 """
 _requirements = msgspec.json.Decoder(Requirements)

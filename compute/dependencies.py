@@ -9,7 +9,9 @@ and judged against the fleet as a submission is, so it is queued, or blocked
 again if nothing could ever run it; one with a dependency that failed, was
 cancelled or settled ``partial`` is ``job.failed`` (``dependency_failed``),
 and its own dependents fail at the next look in turn (a look goes again while
-it fails any, up to :data:`MAX_ROUNDS` links of a chain). A child (whose
+it fails any, up to :data:`MAX_ROUNDS` links of a chain). One released before
+the ``not_before`` it was submitted with waits on, blocked, for that moment
+(:mod:`umbra.compute.delayed`). A child (whose
 siblings it may depend on) is failed only when no other transaction holds its
 container, as the sweeper's other passes do; a release settles nothing and
 waits for no one.
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
@@ -50,7 +52,7 @@ import psycopg
 
 from umbra.domain.jobs import decide_dependencies
 from umbra.events import store
-from umbra.events.types import Event, JobBlocked, JobFailed
+from umbra.events.types import Event, JobBlocked, JobFailed, JobUnblocked
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change
 
@@ -60,11 +62,11 @@ from .jobs import ancestors_held_elsewhere, record_and_settle
 log = logging.getLogger(__name__)
 
 #: A page of waiting jobs, after ``after_id`` (none: from the first), whose dependencies have all completed or
-#: one of which ended otherwise, each with its dependencies' statuses (JSON ``{id: status}``). The others
+#: one of which ended otherwise, each with its dependencies' statuses (JSON ``{id: status}``) and the clock. The others
 #: are read and passed over. Those another transaction holds (a cancel in flight) are left to the next page
 #: or tick. ``{among}`` narrows the look to some waiting jobs (:data:`_AMONG_MOVED`), or not at all.
 _READY = f"""
-SELECT {queue.SELECT_LIST}, dependencies.statuses::text FROM jobs
+SELECT {queue.SELECT_LIST}, dependencies.statuses::text, umbra_now() FROM jobs
 CROSS JOIN LATERAL (
     SELECT json_object_agg(d.id, d.status) AS statuses,
            bool_and(d.status = 'complete') AS complete,
@@ -185,44 +187,61 @@ async def _release_page(
     async with conn.transaction():
         query, params = (_READY_ALL, {}) if moved is None else (_READY_AMONG, {"moved": moved})
         found = await (await conn.execute(query, {"after_id": after, "limit": PAGE, **params})).fetchall()
-        verdicts = []
+        verdicts: list[tuple[queue.JobRow, Event]] = []
         for record in found:
             row = queue.from_db(record[:_WIDTH])
             verdict = decide_dependencies(status=row.status, attempt=row.attempt, depends_on=row.depends_on or (),
-                                          statuses=_statuses.decode(record[_WIDTH]))  # fmt: skip
+                                          statuses=_statuses.decode(record[_WIDTH]), not_before=row.not_before,
+                                          now=record[_WIDTH + 1])  # fmt: skip
             if verdict is not None:
                 verdicts.append((row, verdict))
-        # A child whose failure would settle a container another transaction holds waits for the next tick (the
-        # sweeper waits for no one's row: see ``ancestors_held_elsewhere``); a release settles nothing, and goes.
-        held = await ancestors_held_elsewhere(conn, [row.id for row, verdict in verdicts
-                                                     if row.parent_job_id is not None and isinstance(verdict, JobFailed)])  # fmt: skip
-        judges: dict[UUID, BlockingJudge | None] = {}
-        changes: list[Change] = []
-        claimable: set[UUID] = set()
-        for row, verdict in verdicts:
-            if row.id in held:
-                continue
-            events: list[Event] = [verdict]
-            if not isinstance(verdict, JobFailed):
-                judge = await _judge(conn, row.organization_id, judges)
-                if judge is None:  # a change of the organization's fleet is in flight: the next tick
-                    continue
-                if (reason := judge.reason(row.requires)) is not None:
-                    events.append(JobBlocked(reason=reason))
-                else:
-                    claimable.add(row.id)
-            changes.append(Change(row.id, row.organization_id, row, events))
-        if changes:
-            written, _ = await record_and_settle(conn, changes, metadata=metadata)
-            await store.publish(conn, [(r.organization_id, r.position, 1 if r.id in claimable else 0) for r in written])
-            failed = sum(1 for c in changes if isinstance(c.events[0], JobFailed))
-            done.failed += failed
-            done.released += len(changes) - failed
+        changes = await settle_waiting(conn, verdicts, done, metadata=metadata)
     for change in changes:
         if isinstance(change.events[0], JobFailed):
             log.info("a job it depends on ended otherwise; failed", extra={"action": "dependency_failed",
                      "job_id": str(change.job_id), "organization_id": str(change.organization_id)})  # fmt: skip
     return found[-1][0] if len(found) == PAGE else None
+
+
+async def settle_waiting(
+    conn: psycopg.AsyncConnection, verdicts: Sequence[tuple[queue.JobRow, Event]], done: Released, *,
+    metadata: Mapping[str, Any],
+) -> list[Change]:
+    """Record what the sweeper decided for waiting jobs (their rows locked in the caller's transaction), each
+    verdict a job's next event: a release (``job.unblocked``) is judged against the fleet as a submission
+    is (queued, or blocked if nothing could ever run it), a failure (``job.failed``) settles the job's
+    parents, a wait for its time (``job.blocked``) is recorded as it is. Counts them into ``done``; returns
+    what it recorded.
+
+    A child whose failure would settle a container another transaction holds waits for the next look (the
+    sweeper waits for no one's row: see ``ancestors_held_elsewhere``), and so does a release in an
+    organization whose fleet is changing; a release settles nothing, and goes.
+    """
+    held = await ancestors_held_elsewhere(conn, [row.id for row, verdict in verdicts
+                                                 if row.parent_job_id is not None and isinstance(verdict, JobFailed)])  # fmt: skip
+    judges: dict[UUID, BlockingJudge | None] = {}
+    changes: list[Change] = []
+    claimable: set[UUID] = set()
+    for row, verdict in verdicts:
+        if row.id in held:
+            continue
+        events: list[Event] = [verdict]
+        if isinstance(verdict, JobUnblocked):
+            judge = await _judge(conn, row.organization_id, judges)
+            if judge is None:  # a change of the organization's fleet is in flight: the next look
+                continue
+            if (reason := judge.reason(row.requires)) is not None:
+                events.append(JobBlocked(reason=reason))
+            else:
+                claimable.add(row.id)
+        changes.append(Change(row.id, row.organization_id, row, events))
+    if changes:
+        written, _ = await record_and_settle(conn, changes, metadata=metadata)
+        await store.publish(conn, [(r.organization_id, r.position, 1 if r.id in claimable else 0) for r in written])
+        failed = sum(1 for c in changes if isinstance(c.events[0], JobFailed))
+        done.failed += failed
+        done.released += len(changes) - failed
+    return changes
 
 
 async def _judge(

@@ -25,7 +25,7 @@ from psycopg.pq import TransactionStatus
 
 from umbra.domain.eligibility import NodeView, blocking_reason, takes_kind
 from umbra.domain.explain import DependencyStatus, Explanation, QueueStanding, competing_ahead, survey
-from umbra.domain.explain_text import blocked_summary, placed_summary, queued_summary, waiting_summary
+from umbra.domain.explain_text import blocked_summary, delayed_summary, placed_summary, queued_summary, waiting_summary
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
 from umbra.errors import NotFound
@@ -96,6 +96,12 @@ async def _waiting(
         return Explanation(
             job_id=row.id, status=row.status, eligible=eligible, ineligible=ineligible, summary=waiting_summary(statuses),
             dependencies=[DependencyStatus(job_id=job_id, status=status) for job_id, status in statuses],
+        )  # fmt: skip
+    if row.status == "blocked" and row.waiting_until is not None:
+        return Explanation(
+            job_id=row.id, status=row.status, eligible=eligible, ineligible=ineligible,
+            summary=delayed_summary(not_before=row.waiting_until, now=now, eligible=len(eligible)),
+            not_before=row.waiting_until.astimezone(timezone.utc),
         )  # fmt: skip
     if row.status == "blocked":
         current = blocking_reason(row.requires, models, nodes)

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import re
+from datetime import datetime
 from typing import Annotated, Any, Collection, Iterator, Mapping, Sequence
 from uuid import UUID
 
@@ -31,7 +32,7 @@ from msgspec import Meta
 from umbra import jitter
 from umbra.compute.accounts import project_exists
 from umbra.db import organization_lock_key, service_lock_wait
-from umbra.domain.jobs import decide_cancel, dependencies_of
+from umbra.domain.jobs import MAX_DELAY, decide_cancel, dependencies_of, wait_for_time
 from umbra.domain.settlement import settle
 from umbra.errors import Conflict, InvalidRequest, NotFound
 from umbra.events import store
@@ -163,6 +164,10 @@ class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: Jobs of the organization this one runs after: it waits (``blocked``) until every one completes. In a
     #: batch, a number names an earlier item of the same batch (``0``: the first).
     depends_on: Annotated[list[UUID | ItemIndex], Meta(max_length=MAX_DEPENDS_ON)] = []
+    #: Not to run before this moment (RFC 3339, with its offset): until then the job waits, ``blocked``
+    #: (:func:`umbra.domain.jobs.wait_for_time`). At most :data:`~umbra.domain.jobs.MAX_DELAY` ahead; a moment
+    #: already past is recorded and changes nothing.
+    not_before: Annotated[datetime, Meta(tz=True)] | None = None
 
     def __post_init__(self) -> None:
         check_shape_size(self.kind, self.requires)
@@ -210,19 +215,27 @@ def submitted_events(
     parent_job_id: UUID | None = None,
     depends_on: tuple[UUID, ...] = (),
     waiting_on: tuple[UUID, ...] = (),
+    not_before: datetime | None = None,
+    delayed: bool = False,
 ) -> list[Event]:
     """A new job's first events: submitted, and blocked while it waits for ``waiting_on`` (those of the jobs
-    it depends on that have not completed) or when nothing could ever run it. A waiting job is judged
-    against the fleet when it is released (:mod:`umbra.compute.dependencies`), not now."""
+    it depends on that have not completed), for its ``not_before`` (``delayed``: that moment is still to
+    come), or when nothing could ever run it. A waiting job is judged against the fleet when it is released
+    (:mod:`umbra.compute.dependencies`, :mod:`umbra.compute.delayed`), not now; one released by its
+    dependencies before its time waits on for it."""
     events: list[Event] = [
         JobSubmitted(
             kind=kind, priority=priority, max_attempts=max_attempts, requires=requires, payload=payload,
             project_id=project_id, lang=lang, parent_job_id=parent_job_id, idempotency_key=idempotency_key,
-            requested_by=requested_by, depends_on=depends_on,
+            requested_by=requested_by, depends_on=depends_on, not_before=not_before,
         )
     ]  # fmt: skip
     if waiting_on:
         events.append(JobBlocked(reason=waiting_reason(len(waiting_on)), waiting_on=waiting_on))
+        return events
+    if delayed:
+        assert not_before is not None
+        events.append(wait_for_time(not_before))
         return events
     reason = judge.reason(requires)
     if reason is not None:
@@ -244,7 +257,7 @@ def new_job_ids(count: int) -> Iterator[UUID]:
 
 def submitted_event_count(requires: Requirements, judge: BlockingJudge, *, waiting: bool = False) -> int:
     """How many events :func:`submitted_events` gives a job with these requirements (``waiting``: for jobs
-    it depends on)."""
+    it depends on, or for its time)."""
     return 2 if waiting or judge.reason(requires) is not None else 1
 
 
@@ -356,11 +369,12 @@ async def _submit(
                 raise NotFound("project_not_found", f"No project {spec.project_id} in this organization.", **extra)
             checked.add(spec.project_id)
     dependencies = await dependency_statuses(conn, organization_id, specs, batch=batch)
+    delayed = await _delayed(conn, specs, batch=batch)
     keys = list({s.idempotency_key for s in specs if s.idempotency_key})
     await lock_idempotency_keys(conn, organization_id, keys)
     existing = await jobs_by_idempotency_key(conn, organization_id, keys)
     judge: BlockingJudge | None = None
-    fresh: list[tuple[JobRequest, Requirements, tuple[UUID, ...], tuple[UUID, ...], UUID]] = []
+    fresh: list[tuple[JobRequest, Requirements, tuple[UUID, ...], tuple[UUID, ...], bool, UUID]] = []  # the id last
     slots: list[JobRow | int] = []
     new_keys: dict[str, int] = {}
     events = 0
@@ -377,22 +391,22 @@ async def _submit(
         requires = spec.requires.to_requirements()
         depends_on = _items_named(spec.depends_on, index if batch else None, slots, fresh, dependencies)
         waiting = waiting_on(depends_on, dependencies, index=index if batch else None)
-        events += submitted_event_count(requires, judge, waiting=bool(waiting))
+        events += submitted_event_count(requires, judge, waiting=bool(waiting) or index in delayed)
         if key is not None:
             new_keys[key] = len(fresh)
         slots.append(len(fresh))
-        fresh.append((spec, requires, depends_on, waiting, next(ids)))
+        fresh.append((spec, requires, depends_on, waiting, index in delayed, next(ids)))
 
     def changes() -> Iterator[Change]:
         # Built while a large batch's COPY streams (see queue.record); the judge
         # is memoised, so it gives the verdicts counted above.
         assert judge is not None
-        for spec, requires, depends_on, waiting, job_id in fresh:
+        for spec, requires, depends_on, waiting, later, job_id in fresh:
             yield Change(job_id, organization_id, None, submitted_events(
                 kind=spec.kind, payload=spec.payload, requires=requires, priority=spec.priority,
                 max_attempts=spec.max_attempts, project_id=spec.project_id, lang=spec.lang,
                 idempotency_key=spec.idempotency_key, requested_by=actor, judge=judge,
-                depends_on=depends_on, waiting_on=waiting,
+                depends_on=depends_on, waiting_on=waiting, not_before=spec.not_before, delayed=later,
             ))  # fmt: skip
 
     rows = await queue.record(conn, changes(), metadata=store.event_metadata(actor, request_id), events=events) if fresh else []
@@ -400,6 +414,24 @@ async def _submit(
         queued = sum(1 for row in rows if row.status == "queued")
         await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])
     return [rows[slot] if isinstance(slot, int) else slot for slot in slots], len(rows)
+
+
+async def _delayed(conn: psycopg.AsyncConnection, specs: Sequence[JobRequest], *, batch: bool) -> set[int]:
+    """The items whose ``not_before`` is still to come by the database's clock (they wait for it); refuses
+    (422, field ``not_before``) one further ahead than :data:`~umbra.domain.jobs.MAX_DELAY`, which is more
+    likely a mistaken year than a plan. Reads the clock only when an item has a ``not_before``."""
+    if all(spec.not_before is None for spec in specs):
+        return set()
+    [(now,)] = await (await conn.execute("SELECT umbra_now()")).fetchall()
+    later = set()
+    for index, spec in enumerate(specs):
+        if spec.not_before is None or spec.not_before <= now:
+            continue
+        if spec.not_before - now > MAX_DELAY:
+            extra = {"index": index} if batch else {}
+            raise InvalidRequest(f"not_before is more than {MAX_DELAY.days} days ahead.", field="not_before", **extra)
+        later.add(index)
+    return later
 
 
 def _items_named(

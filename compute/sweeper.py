@@ -20,6 +20,10 @@ Each tick, in separate command transactions:
   depend on the jobs whose streams moved, so a pipeline's next step is
   released within milliseconds of the one before ending; the look at every
   waiting job then runs with the second look below, as a safety net;
+* **jobs submitted to run later** (a ``not_before``) whose time has come →
+  ``job.unblocked`` (``due``), judged against the fleet as a submission is
+  (:mod:`umbra.compute.delayed`); such a job never times out as blocked while
+  it waits;
 * **delayed jobs now due** → one hint per organization, so long-polls waiting
   for work wake when a backoff or lease-expiry delay ends rather than at their
   next poll;
@@ -62,7 +66,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change
 from umbra.settings import Settings
 
-from . import dependencies, pairing, statistics
+from . import delayed, dependencies, pairing, statistics
 from .blocked import reexamine_waiting_jobs
 from .claims import end_leases
 from .jobs import ancestors_held_elsewhere, record_and_settle
@@ -90,6 +94,7 @@ FOR UPDATE SKIP LOCKED
 _BLOCKED_TOO_LONG = f"""
 SELECT {queue.SELECT_LIST} FROM jobs
 WHERE status = 'blocked' AND blocked_at <= umbra_now() - make_interval(secs => %(timeout)s) AND NOT awaiting_dependencies
+  AND waiting_until IS NULL
   AND (%(after_at)s::timestamptz IS NULL OR (blocked_at, id) > (%(after_at)s, %(after_id)s::uuid))
 ORDER BY blocked_at, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
@@ -137,6 +142,7 @@ class SweepReport:
     runtime_failed: int = 0
     dependencies_released: int = 0
     dependencies_failed: int = 0
+    delayed_released: int = 0
     jobs_woken: int = 0
     jobs_unblocked: int = 0
     jobs_blocked: int = 0
@@ -147,7 +153,7 @@ class SweepReport:
     @property
     def actions(self) -> int:
         return (self.leases_requeued + self.leases_failed + self.nodes_offline + self.blocked_failed + self.runtime_failed
-                + self.dependencies_released + self.dependencies_failed)
+                + self.dependencies_released + self.dependencies_failed + self.delayed_released)
 
 
 async def sweep_once(
@@ -189,6 +195,10 @@ async def sweep_once(
         released = await dependencies.release_ready(conn, metadata=_METADATA)
         report.dependencies_released, report.dependencies_failed = released.released, released.failed
 
+    async def release_delayed() -> None:
+        released = await delayed.release_due(conn, metadata=_METADATA)
+        report.delayed_released = released.released
+
     async def mark_stale_nodes() -> None:
         report.nodes_offline = await _mark_stale_nodes(conn, settings)
 
@@ -204,6 +214,7 @@ async def sweep_once(
     await _step("fail_overrun", fail_overrun)
     if all_dependents:
         await _step("release_dependents", release_dependents)
+    await _step("release_delayed", release_delayed)
     if since is not None:
         await _step("announce_due", lambda: _announce_due(conn, since, report))
     await _step("refresh_statistics", refresh_statistics)
@@ -221,6 +232,7 @@ async def sweep_once(
                           ("runtime_exceeded", report.runtime_failed),
                           ("dependencies_released", report.dependencies_released),
                           ("dependency_failed", report.dependencies_failed),
+                          ("delayed_released", report.delayed_released),
                           ("job_unblocked", report.jobs_unblocked), ("job_blocked", report.jobs_blocked),
                           ("pairing_pruned", report.pairing_rows_pruned),
                           ("jobs_analysed", int(report.statistics_refreshed))):
@@ -230,7 +242,8 @@ async def sweep_once(
                                  "leases_failed": report.leases_failed, "nodes_offline": report.nodes_offline,
                                  "blocked_failed": report.blocked_failed, "runtime_failed": report.runtime_failed,
                                  "dependencies_released": report.dependencies_released,
-                                 "dependencies_failed": report.dependencies_failed})  # fmt: skip
+                                 "dependencies_failed": report.dependencies_failed,
+                                 "delayed_released": report.delayed_released})  # fmt: skip
     return report
 
 

@@ -165,6 +165,17 @@ def blocked_summary(*, stored: str | None, current: str | None, fails_at: dateti
     return f"Blocked because {describe_blocking(current)}{deadline}."
 
 
+def delayed_summary(*, not_before: datetime, now: datetime, eligible: int) -> str:
+    """A job submitted to run later, waiting for its ``not_before`` (``eligible``: the devices that could run it
+    now)."""
+    left = (not_before - now).total_seconds()
+    when = (f"it is not due until {moment(not_before)} ({left:.0f} s from now)" if left > 0
+            else f"it fell due at {moment(not_before)}: it is released at the sweeper's next tick")  # fmt: skip
+    could = (f"{_count(eligible, 'device')} could run it now" if eligible
+             else "no device could run it now, so it would be blocked for that")  # fmt: skip
+    return f"Submitted to run later: {when}. Then it is judged and queued as a new job ({could})."
+
+
 def waiting_summary(statuses: Sequence[tuple[UUID, str]]) -> str:
     """A job waiting for the jobs it depends on (``statuses``: each, in order, with its status now)."""
     by_id = dict(statuses)

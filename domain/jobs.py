@@ -10,13 +10,14 @@ caller passes the database's ``now``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Literal, Mapping, Sequence
 from uuid import UUID
 
 from umbra.errors import Conflict
 from umbra.events.types import (
     TERMINAL_JOB_STATUSES,
+    JobBlocked,
     JobCancelled,
     JobFailed,
     JobLeaseExpired,
@@ -279,10 +280,13 @@ def dependencies_of(depends_on: Sequence[UUID], statuses: Mapping[UUID, str]) ->
 
 
 def decide_dependencies(
-    *, status: str, attempt: int, depends_on: Sequence[UUID], statuses: Mapping[UUID, str]
-) -> JobUnblocked | JobFailed | None:
+    *, status: str, attempt: int, depends_on: Sequence[UUID], statuses: Mapping[UUID, str],
+    not_before: datetime | None = None, now: datetime | None = None,
+) -> JobUnblocked | JobBlocked | JobFailed | None:
     """A job waiting for the jobs it depends on: released once every one completed, failed as soon as one
     ended otherwise (failed, cancelled, or a container that settled ``partial``), else left waiting (None).
+    Released before the ``not_before`` it was submitted with (``now`` earlier than it), it goes on waiting,
+    for its time (:func:`wait_for_time`).
 
     Failed for good (``dependency_failed``), charging no run: its input will not come, and running it without
     would waste the device; the failure names the first such dependency. A dependency with no status (never
@@ -300,7 +304,43 @@ def decide_dependencies(
         job_id, ended = state.ended_otherwise
         return JobFailed(attempt=attempt, reason="dependency_failed",
                          error=f"Job {job_id}, which this job depends on, ended {ended}.")  # fmt: skip
-    return JobUnblocked(reason=DEPENDENCIES_COMPLETE) if not state.open else None
+    if state.open:
+        return None
+    if not_before is not None and now is not None and not_before > now:
+        return wait_for_time(not_before)
+    return JobUnblocked(reason=DEPENDENCIES_COMPLETE)
+
+
+#: ``job.unblocked``'s reason when a delayed job's ``not_before`` has come.
+DUE = "due"
+#: How far ahead a submission's ``not_before`` may be.
+MAX_DELAY = timedelta(days=366)
+
+
+def wait_for_time(not_before: datetime) -> JobBlocked:
+    """A job submitted to run no sooner than ``not_before`` (a delayed submission), that moment still to come:
+    set aside, ``blocked`` until then, when the sweeper releases it (``job.unblocked``, :data:`DUE`) and it is
+    judged against the fleet as a new submission is.
+
+    Blocked rather than queued with a later ``not_before`` (as a retry's back-off is): a claim walks the
+    queue in order, and thousands of jobs scheduled for tomorrow ahead of today's work would be walked over
+    by every claim. A blocked job is in no index a claim reads; and ``explain`` and the job's
+    ``blocked_reason`` say when it runs.
+    """
+    return JobBlocked(reason=not_due_reason(not_before), until=not_before)
+
+
+def not_due_reason(not_before: datetime) -> str:
+    """The ``blocked_reason`` of a job waiting for its ``not_before``."""
+    return f"not due until {not_before.astimezone(timezone.utc).isoformat().replace('+00:00', 'Z')}"
+
+
+def decide_due(*, status: str, waiting_until: datetime | None, now: datetime) -> JobUnblocked | None:
+    """A job set aside until its time (:func:`wait_for_time`): released once ``now`` reached it. Only a
+    ``blocked`` job waiting for a moment is released: a row in any other state is left alone."""
+    if status != "blocked" or waiting_until is None or waiting_until > now:
+        return None
+    return JobUnblocked(reason=DUE)
 
 
 #: ``job.released``'s reason when a stopping agent gives back a job it had started.

@@ -104,6 +104,8 @@ class JobSubmitted(_Event, tag="job.submitted"):
     requested_by: str | None = None
     #: The jobs this one runs after (each must complete first); written once, here.
     depends_on: tuple[UUID, ...] = ()
+    #: Not to run before this moment (a delayed submission): set aside until then (``JobBlocked.until``).
+    not_before: datetime | None = None
 
 
 class JobClaimed(_Event, tag="job.claimed"):
@@ -175,11 +177,13 @@ class JobReleased(_Event, tag="job.released"):
 
 
 class JobBlocked(_Event, tag="job.blocked", omit_defaults=True):
-    """Set aside: no device could ever run it (``reason`` names the shortfall), or it waits for the jobs it
-    depends on (``waiting_on``: those not complete when it was set aside)."""
+    """Set aside: no device could ever run it (``reason`` names the shortfall), it waits for the jobs it
+    depends on (``waiting_on``: those not complete when it was set aside), or for its time (``until``: the
+    ``not_before`` it was submitted with, after which the sweeper releases it)."""
 
     reason: str
     waiting_on: tuple[UUID, ...] = ()
+    until: datetime | None = None
 
 
 class JobUnblocked(_Event, tag="job.unblocked"):

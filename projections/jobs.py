@@ -94,6 +94,9 @@ class JobRow:
     #: Set aside until the jobs it depends on complete (a ``JobBlocked`` with ``waiting_on``); the
     #: sweeper releases it, or fails it when one of them ends otherwise (:mod:`umbra.compute.dependencies`).
     awaiting_dependencies: bool
+    #: Set aside until this moment, its ``not_before`` (a ``JobBlocked`` with ``until``); the sweeper releases
+    #: it then (:mod:`umbra.compute.delayed`). None for every other job, blocked or not.
+    waiting_until: datetime | None
 
 
 COLUMNS = tuple(f.name for f in fields(JobRow))
@@ -156,9 +159,9 @@ def _submitted(recorded: RecordedEvent, e: JobSubmitted, job_id: UUID) -> JobRow
     # frozen __init__ cost twice as much.
     return _build((
         job_id, recorded.organization_id, e.kind, "queued", e.requested_by, e.priority, e.requires, e.payload,
-        e.project_id, e.lang, 0, e.max_attempts, None, e.parent_job_id, e.idempotency_key, None, None,
+        e.project_id, e.lang, 0, e.max_attempts, e.not_before, e.parent_job_id, e.idempotency_key, None, None,
         None, None, None, None, None, 0, position, recorded.version, position, at, at, None, None, None, False,
-        e.depends_on or None, False,
+        e.depends_on or None, False, None,
     ))  # fmt: skip
 
 
@@ -213,9 +216,10 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
         case JobBlocked():
             since = s.blocked_at if s.status == "blocked" else at
             return dict(status="blocked", blocked_reason=e.reason, blocked_at=since,
-                        awaiting_dependencies=bool(e.waiting_on), **_RELEASED)  # fmt: skip
+                        awaiting_dependencies=bool(e.waiting_on), waiting_until=e.until, **_RELEASED)  # fmt: skip
         case JobUnblocked():
-            return dict(status="queued", blocked_reason=None, blocked_at=None, awaiting_dependencies=False)
+            return dict(status="queued", blocked_reason=None, blocked_at=None, awaiting_dependencies=False,
+                        waiting_until=None)  # fmt: skip
         case JobDecomposed():
             # A container runs on no node: its claim's placement stays in the log, not on the row.
             return dict(status="running", lease_owner=None, lease_expires_at=None, placement=None,
@@ -232,7 +236,7 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
             # Back in its place in the queue; its error stays, the failure it came back from, until a run ends.
             return dict(status="queued", max_attempts=e.max_attempts, result=None, not_before=None, finished_at=None,
                         blocked_reason=None, blocked_at=None, ended_under_holder=False, awaiting_dependencies=False,
-                        **_RELEASED)  # fmt: skip
+                        waiting_until=None, **_RELEASED)  # fmt: skip
         case JobReprioritized():
             return dict(priority=e.priority)
     raise ValueError(f"not a job event: {type(e).__name__}")
@@ -377,6 +381,7 @@ _SQL_TYPES = {
     "started_at": "timestamptz", "finished_at": "timestamptz",
     "requires": "jsonb", "payload": "jsonb", "result": "jsonb", "placement": "jsonb", "progress": "jsonb",
     "ended_under_holder": "boolean", "depends_on": "uuid[]", "awaiting_dependencies": "boolean",
+    "waiting_until": "timestamptz",
 }  # fmt: skip
 #: Rows travel as one JSON document (msgspec encodes 10,000 rows in milliseconds;
 #: psycopg's per-element array dumping took most of a batch submit's time).
@@ -406,7 +411,7 @@ async def write_rows(conn: psycopg.AsyncConnection, rows: Sequence[JobRow]) -> N
 TRANSITION_COLUMNS = (
     "status", "priority", "attempt", "max_attempts", "not_before", "lease_owner", "lease_expires_at", "result", "error", "placement",
     "blocked_reason", "blocked_at", "children_total", "version", "position", "updated_at", "started_at", "finished_at",
-    "progress", "ended_under_holder", "awaiting_dependencies",
+    "progress", "ended_under_holder", "awaiting_dependencies", "waiting_until",
 )  # fmt: skip
 #: Sent for each row: the position is not, it is read from the log (below).
 _TRANSITION_KEYS = ("id", *(c for c in TRANSITION_COLUMNS if c != "position"))
@@ -487,7 +492,8 @@ def _copy_line(r: JobRow, memo: dict[Any, str]) -> str:
         f"{r.children_total}\t{r.seq}\t{r.version}\t{r.position}\t{_at(r.created_at, memo)}\t{_at(r.updated_at, memo)}\t"
         f"{N if r.started_at is None else _at(r.started_at, memo)}\t{N if r.finished_at is None else _at(r.finished_at, memo)}\t"
         f"{N if r.progress is None else copy_json(_encoder.encode(r.progress))}\t{'t' if r.ended_under_holder else 'f'}\t"
-        f"{N if r.depends_on is None else _uuid_array(r.depends_on)}\t{'t' if r.awaiting_dependencies else 'f'}\n"
+        f"{N if r.depends_on is None else _uuid_array(r.depends_on)}\t{'t' if r.awaiting_dependencies else 'f'}\t"
+        f"{N if r.waiting_until is None else _at(r.waiting_until, memo)}\n"
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from typing import Any, Sequence
 
 import anyio
@@ -152,6 +153,15 @@ def _batches(job: dict[str, Any], count: int) -> list[int]:
     return [min(per_batch, count - start) for start in range(0, count, per_batch)]
 
 
+def _moment(text: str) -> datetime:
+    """An ISO 8601 time for ``--not-before``; one without an offset is this machine's local time."""
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r} (e.g. 2026-12-24T18:00:00Z)") from None
+    return moment if moment.tzinfo is not None else moment.astimezone()
+
+
 def cmd_submit(args) -> int:
     """Submit ``--count`` jobs of one kind: one ``POST /v1/jobs``, or ``POST /v1/jobs/batch`` of as many as a
     body holds, batch after batch (each all or nothing; those sent before a refusal stand, their ids printed).
@@ -162,8 +172,12 @@ def cmd_submit(args) -> int:
     if args.count > 1 and args.idempotency_key is not None:
         raise InvalidRequest("--idempotency-key names one job: it cannot go with --count.")
     job: dict[str, Any] = {"kind": args.kind, "payload": args.payload or {}, "requires": args.requires or {}}
+    not_before = args.not_before
+    if args.delay is not None:
+        not_before = datetime.now(timezone.utc) + timedelta(seconds=args.delay)
     for field, value in (("priority", args.priority), ("max_attempts", args.max_attempts),
-                         ("idempotency_key", args.idempotency_key), ("depends_on", args.depends_on)):  # fmt: skip
+                         ("idempotency_key", args.idempotency_key), ("depends_on", args.depends_on),
+                         ("not_before", not_before and not_before.isoformat())):  # fmt: skip
         if value is not None:
             job[field] = value
 
@@ -478,6 +492,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a job this one runs after (it waits until that one completes); repeat for several")  # fmt: skip
     p.add_argument("--count", type=_within(1, 100_000), default=1,
                    help="how many of it, 1 to 100000 (in batches of as many as a request body holds)")
+    later = p.add_mutually_exclusive_group()
+    later.add_argument("--not-before", type=_moment, default=None, metavar="TIME",
+                       help="run it no sooner than this ISO 8601 time (without an offset: this machine's local time); "
+                       "until then it waits, blocked")  # fmt: skip
+    later.add_argument("--delay", type=_within(0, 366 * 86_400, number=float, unit=" seconds"), default=None,
+                       metavar="SECONDS", help="run it no sooner than this many seconds from now (by this machine's clock)")
     _through_the_api(p, cmd_submit, scope="jobs:write", json_help="print the job (or the list of jobs) as JSON")
 
     p = _jobs_subparsers(sub).add_parser("list", help="list jobs, in submission order",

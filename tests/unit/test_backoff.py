@@ -11,8 +11,9 @@ from umbra.domain.backoff import backoff_seconds, should_retry
 from umbra.domain.jobs import (
     AGENT_STOPPING, JobNotRetryable, JobWasCancelled, NotHolder, UnchargedEnds, check_holder, decide_failure,
     Dependencies, decide_dependencies, decide_give_back, decide_lease_expiry, decide_overrun, decide_retry, dependencies_of,
+    DUE, decide_due, wait_for_time,
 )  # fmt: skip
-from umbra.events.types import JobFailed, JobReleased, JobRequeued, JobUnblocked
+from umbra.events.types import JobBlocked, JobFailed, JobReleased, JobRequeued, JobUnblocked
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -207,6 +208,27 @@ def test_a_waiting_job_is_released_when_every_dependency_completed_and_fails_on_
         assert decide({a: "complete", b: "complete", c: "complete"}, not_waiting) is None
         assert decide({a: "failed"}, not_waiting) is None
 
+
+
+def test_a_job_released_by_its_dependencies_before_its_not_before_waits_on_for_its_time():
+    a = uuid4()
+    later = NOW + timedelta(hours=1)
+    decide = lambda not_before, now=NOW: decide_dependencies(status="blocked", attempt=0, depends_on=(a,),  # noqa: E731
+                                                             statuses={a: "complete"}, not_before=not_before, now=now)  # fmt: skip
+    assert decide(later) == JobBlocked(reason="not due until 2026-01-01T01:00:00Z", until=later) == wait_for_time(later)
+    assert decide(later, now=later) == decide(NOW - timedelta(seconds=1)) == decide(None) == JobUnblocked(reason="dependencies_complete")
+    failed = decide_dependencies(status="blocked", attempt=0, depends_on=(a,), statuses={a: "failed"}, not_before=later, now=NOW)
+    assert isinstance(failed, JobFailed)  # a failed dependency fails it at once, its time or not
+
+
+def test_a_job_waiting_for_its_time_is_released_once_the_clock_reaches_it_and_only_if_blocked():
+    at = NOW + timedelta(minutes=5)
+    assert decide_due(status="blocked", waiting_until=at, now=at - timedelta(microseconds=1)) is None
+    assert decide_due(status="blocked", waiting_until=at, now=at) == JobUnblocked(reason=DUE)
+    assert decide_due(status="blocked", waiting_until=None, now=at) is None  # blocked for another reason
+    for other in ("queued", "running", "cancelled", "complete", "failed"):
+        assert decide_due(status=other, waiting_until=at, now=at + timedelta(days=1)) is None
+    assert wait_for_time(datetime(2026, 1, 1, 13, 0, tzinfo=timezone(timedelta(hours=1)))).reason == "not due until 2026-01-01T12:00:00Z"
 
 def test_a_job_whose_dependency_ended_otherwise_is_not_retried_until_that_one_is():
     a, b = uuid4(), uuid4()

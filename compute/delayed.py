@@ -1,0 +1,71 @@
+"""Delayed submissions: a job submitted with a ``not_before`` still to come waits for it, ``blocked``, and the
+sweeper releases it when that moment has come.
+
+A job submitted to run later (``"not_before"`` in a submission) is recorded
+``job.submitted`` with its ``not_before`` and ``job.blocked`` with ``until``
+(:func:`umbra.domain.jobs.wait_for_time`): the row is ``blocked``, its
+``waiting_until`` set. Each tick the sweeper's leader reads the jobs whose time
+has come (index ``jobs_waiting_until``, empty without delayed jobs) and
+releases them (``job.unblocked``, reason ``due``), each judged against the
+fleet as a submission is, so it is queued, or blocked for good reason if
+nothing could run it now; long-polls waiting for work are hinted. A job falls
+due within a sweep interval (``UMBRA_SWEEP_INTERVAL_SECONDS``) of its time.
+
+Why blocked, not queued with a later ``not_before`` as a retry's back-off is:
+a claim walks its organization's queue in order, and jobs scheduled for
+tomorrow ahead of today's work would be walked over, and filtered out, by every
+claim until then. A back-off delays the few jobs that failed by seconds; a
+schedule may hold a million jobs for a day.
+
+While it waits for its time the job neither times out as blocked
+(``UMBRA_BLOCKED_TIMEOUT_SECONDS`` counts from its release) nor is released by a
+fleet change; it can be cancelled, and moved to another priority. One that
+also depends on other jobs waits for them first, then for its time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+from uuid import UUID
+
+import psycopg
+
+from umbra.domain.jobs import decide_due
+from umbra.events.types import Event
+from umbra.projections import jobs as queue
+
+from .dependencies import Released, settle_waiting
+
+#: A page of the jobs whose time has come, in the order they fell due, after ``(after_at, after_id)`` (none:
+#: from the first), with the clock; those another transaction holds (a cancel in flight) are left to the next
+#: tick.
+_DUE = f"""
+SELECT {queue.SELECT_LIST}, umbra_now() FROM jobs
+WHERE status = 'blocked' AND waiting_until IS NOT NULL AND waiting_until <= umbra_now()
+  AND (%(after_at)s::timestamptz IS NULL OR (waiting_until, id) > (%(after_at)s, %(after_id)s::uuid))
+ORDER BY waiting_until, id LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""
+#: Jobs released per transaction.
+PAGE = 500
+_WIDTH = len(queue.COLUMNS)
+
+
+async def release_due(conn: psycopg.AsyncConnection, *, metadata: Mapping[str, Any]) -> Released:
+    """Release every job whose ``not_before`` has come, page by page, each page its own transaction."""
+    done = Released()
+    after: tuple[Any, UUID] | None = None
+    while True:
+        async with conn.transaction():
+            params = {"after_at": after[0] if after else None, "after_id": after[1] if after else None, "limit": PAGE}
+            found = await (await conn.execute(_DUE, params)).fetchall()
+            verdicts: list[tuple[queue.JobRow, Event]] = []
+            for record in found:
+                row = queue.from_db(record[:_WIDTH])
+                if (verdict := decide_due(status=row.status, waiting_until=row.waiting_until, now=record[_WIDTH])) is not None:
+                    verdicts.append((row, verdict))
+            await settle_waiting(conn, verdicts, done, metadata=metadata)
+        if len(found) < PAGE:
+            return done
+        last = queue.from_db(found[-1][:_WIDTH])
+        after = (last.waiting_until, last.id)
