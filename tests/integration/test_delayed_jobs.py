@@ -16,6 +16,7 @@ from tests.helpers import bearer, run_umbra
 from umbra.compute import claims
 from umbra.compute.sweeper import sweep_once
 from umbra.domain.jobs import DUE
+from umbra.events import store
 from umbra.projections.verify import verify
 from umbra.settings import load_settings
 
@@ -146,6 +147,24 @@ async def test_many_delayed_jobs_are_released_page_by_page_in_the_order_they_fal
     assert (await sweep_once(conn, SETTINGS)).delayed_released == 3
     assert await verify(conn) == []
 
+
+
+async def test_a_large_batch_of_delayed_jobs_goes_by_copy_and_each_waits(conn, org):
+    """A batch large enough to be written by COPY: every row carries its waiting_until, as its events fold."""
+    from umbra.compute import jobs as submission
+
+    from .queue_support import spec
+
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [CPU64])
+    at = await now_of(conn) + timedelta(seconds=10)
+    count = store.COPY_MIN_EVENTS
+    rows, created = await submission.submit(conn, org_id, [spec("later", not_before=text(at))] * count, actor="test", batch=True)
+    assert created == count and {(r.status, r.waiting_until) for r in rows} == {("blocked", at)}
+    assert await verify(conn) == []
+    await set_clock(conn, 11)
+    assert (await sweep_once(conn, SETTINGS)).delayed_released == count
+    assert await verify(conn) == []
 
 # -- through the routes ---------------------------------------------------------------------------------------
 
