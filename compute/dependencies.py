@@ -24,9 +24,10 @@ released tens of milliseconds after the step before it ends.
 :func:`release_ready` looks at every waiting job, and catches what a prompt
 look passed over: a row another transaction held without writing it, an
 organization whose fleet was changing. The sweeper runs it with its second
-look at waiting jobs (every ``REEXAMINE_SECONDS``), or every tick in a
-process without prompt looks: a lost hint leaves nothing out, since the next
-prompt look reads the log from where the last one stopped.
+look at waiting jobs (every ``REEXAMINE_SECONDS``), at the tick after a
+prompt look that passed a job over, or every tick in a process without prompt
+looks; each tick also takes a prompt look, from where the last one stopped,
+so a lost hint or a look that failed delays a release by a tick at most.
 
 Why the sweeper rather than the transaction that ends the dependency: a job
 ends on many paths, the group commit's among them, which must never wait for a
@@ -94,15 +95,19 @@ MAX_ROUNDS = 16
 
 @dataclass
 class Released:
-    """What a look did, and (a prompt look's) whether any job waited when it last looked."""
+    """What a look did, how many jobs it passed over for now (their rows' settlement held by another
+    transaction, or their organization's fleet changing), and (a prompt look's) whether any job waited when
+    it last looked."""
 
     released: int = 0
     failed: int = 0
+    passed_over: int = 0
     waiting: bool = False
 
     def add(self, other: Released) -> None:
         self.released += other.released
         self.failed += other.failed
+        self.passed_over += other.passed_over
 
 
 async def release_ready(conn: psycopg.AsyncConnection, *, metadata: Mapping[str, Any]) -> Released:
@@ -149,7 +154,8 @@ async def release_moved(conn: psycopg.AsyncConnection, after: int, *, metadata: 
     position. A job it passes over (held by another transaction, or its
     organization's fleet changing) is not looked at again until its
     dependencies move again: the whole look (:func:`release_ready`) is what
-    catches it.
+    catches it; the count of those it knows of is in ``passed_over`` (a row
+    another transaction held, ``SKIP LOCKED``, is not seen to be passed over).
     """
     total = Released()
     for _ in range(MAX_ROUNDS):
@@ -224,11 +230,13 @@ async def settle_waiting(
     claimable: set[UUID] = set()
     for row, verdict in verdicts:
         if row.id in held:
+            done.passed_over += 1
             continue
         events: list[Event] = [verdict]
         if isinstance(verdict, JobUnblocked):
             judge = await _judge(conn, row.organization_id, judges)
             if judge is None:  # a change of the organization's fleet is in flight: the next look
+                done.passed_over += 1
                 continue
             if (reason := judge.reason(row.requires)) is not None:
                 events.append(JobBlocked(reason=reason))

@@ -93,8 +93,10 @@ async def _waiting(
     eligible, ineligible = survey(nodes, row.requires, models)
     if row.awaiting_dependencies and row.depends_on:
         statuses = list((await dependency_statuses_of(conn, row.organization_id, row.depends_on)).items())
+        not_due = row.not_before.astimezone(timezone.utc) if row.not_before and row.not_before > now else None
         return Explanation(
-            job_id=row.id, status=row.status, eligible=eligible, ineligible=ineligible, summary=waiting_summary(statuses),
+            job_id=row.id, status=row.status, eligible=eligible, ineligible=ineligible,
+            summary=waiting_summary(statuses, not_due=not_due), not_before=not_due,
             dependencies=[DependencyStatus(job_id=job_id, status=status) for job_id, status in statuses],
         )  # fmt: skip
     if row.status == "blocked" and row.waiting_until is not None:

@@ -165,8 +165,8 @@ class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: batch, a number names an earlier item of the same batch (``0``: the first).
     depends_on: Annotated[list[UUID | ItemIndex], Meta(max_length=MAX_DEPENDS_ON)] = []
     #: Not to run before this moment (RFC 3339, with its offset): until then the job waits, ``blocked``
-    #: (:func:`umbra.domain.jobs.wait_for_time`). At most :data:`~umbra.domain.jobs.MAX_DELAY` ahead; a moment
-    #: already past is recorded and changes nothing.
+    #: (:func:`umbra.domain.jobs.wait_for_time`). At most :data:`~umbra.domain.jobs.MAX_DELAY` from now; a
+    #: moment already past is recorded and changes nothing.
     not_before: Annotated[datetime, Meta(tz=True)] | None = None
 
     def __post_init__(self) -> None:
@@ -418,19 +418,21 @@ async def _submit(
 
 async def _delayed(conn: psycopg.AsyncConnection, specs: Sequence[JobRequest], *, batch: bool) -> set[int]:
     """The items whose ``not_before`` is still to come by the database's clock (they wait for it); refuses
-    (422, field ``not_before``) one further ahead than :data:`~umbra.domain.jobs.MAX_DELAY`, which is more
-    likely a mistaken year than a plan. Reads the clock only when an item has a ``not_before``."""
+    (422, field ``not_before``) one further from now than :data:`~umbra.domain.jobs.MAX_DELAY`, either way:
+    more likely a mistaken year than a plan, and a moment in the first days of year 1 with a positive offset
+    is one PostgreSQL stores but cannot read back. Reads the clock only when an item has a ``not_before``."""
     if all(spec.not_before is None for spec in specs):
         return set()
     [(now,)] = await (await conn.execute("SELECT umbra_now()")).fetchall()
     later = set()
     for index, spec in enumerate(specs):
-        if spec.not_before is None or spec.not_before <= now:
+        if spec.not_before is None:
             continue
-        if spec.not_before - now > MAX_DELAY:
+        if abs(spec.not_before - now) > MAX_DELAY:
             extra = {"index": index} if batch else {}
-            raise InvalidRequest(f"not_before is more than {MAX_DELAY.days} days ahead.", field="not_before", **extra)
-        later.add(index)
+            raise InvalidRequest(f"not_before is more than {MAX_DELAY.days} days from now.", field="not_before", **extra)
+        if spec.not_before > now:
+            later.add(index)
     return later
 
 

@@ -11,11 +11,12 @@ it sees the failure, who retried it, and what came after.
 
 from __future__ import annotations
 
+from datetime import datetime
 from uuid import UUID
 
 import psycopg
 
-from umbra.domain.jobs import UnchargedEnds, decide_retry, dependencies_of
+from umbra.domain.jobs import UnchargedEnds, decide_retry, dependencies_of, wait_for_time
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.errors import NotFound
 from umbra.events import store
@@ -32,7 +33,8 @@ async def retry(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UU
                 max_attempts: int | None = None, request_id: str | None = None,
                 stale_seconds: int = DEFAULT_STALE_SECONDS) -> JobRow:  # fmt: skip
     """Send a failed job back to the queue with ``max_attempts`` more runs (default: as many as it was
-    submitted with), blocked at once if nothing in the fleet could run it now, as a submission is.
+    submitted with), blocked at once if nothing in the fleet could run it now, as a submission is, or
+    while it waits for the jobs it depends on or for the ``not_before`` it was submitted with.
     ``stale_seconds``: the heartbeat silence after which the holder's node counts as gone, as the claims
     judge it (the settings').
 
@@ -45,20 +47,32 @@ async def retry(conn: psycopg.AsyncConnection, organization_id: UUID, job_id: UU
         if row is None:
             raise NotFound("job_not_found", f"No job {job_id}.")
         failed = row.status == "failed"  # else refused below: nothing more to read
-        grant = max_attempts if max_attempts is not None else (await _submitted_max_attempts(conn, row) if failed else 1)
+        submitted = await _submitted(conn, row) if failed else None
+        if max_attempts is not None:
+            grant = max_attempts
+        else:
+            grant = (submitted.max_attempts if submitted else row.max_attempts) if failed else 1
+        not_before = submitted.not_before if submitted else None
         ends = (await uncharged_claims(conn, [job_id])).get(job_id, UnchargedEnds()) if failed else UnchargedEnds()
         dependencies = (dependencies_of(row.depends_on, await dependency_statuses_of(conn, organization_id, row.depends_on))
                         if failed and row.depends_on else None)  # fmt: skip
         retried = decide_retry(status=row.status, attempt=row.attempt, max_attempts=row.max_attempts,
                                parent_job_id=row.parent_job_id, children_total=row.children_total, grant=grant, by=actor,
-                               ends=ends, dependencies=dependencies,
+                               ends=ends, dependencies=dependencies, not_before=not_before,
                                last_run_may_run_on=failed and await _last_run_may_run_on(conn, row, stale_seconds))  # fmt: skip
         waiting = dependencies.open if dependencies is not None else ()
-        reason = waiting_reason(len(waiting)) if waiting else judge.reason(row.requires)
-        events = [retried] if reason is None else [retried, JobBlocked(reason=reason, waiting_on=waiting)]
+        blocked: JobBlocked | None
+        if waiting:
+            blocked = JobBlocked(reason=waiting_reason(len(waiting)), waiting_on=waiting)
+        elif not_before is not None and not_before > await _now(conn):  # submitted to run later, still to come
+            blocked = wait_for_time(not_before)
+        else:
+            reason = judge.reason(row.requires)
+            blocked = None if reason is None else JobBlocked(reason=reason)
+        events = [retried] if blocked is None else [retried, blocked]
         rows, position = await record_and_settle(conn, [Change(job_id, organization_id, row, events)],
                                                  metadata=store.event_metadata(actor, request_id))  # fmt: skip
-        await store.publish(conn, [(organization_id, position, 1 if reason is None else 0)])
+        await store.publish(conn, [(organization_id, position, 1 if blocked is None else 0)])
         return rows[0]
 
 
@@ -86,8 +100,13 @@ async def _last_run_may_run_on(conn: psycopg.AsyncConnection, row: JobRow, stale
     return alive and (reported is None or reported <= row.finished_at)
 
 
-async def _submitted_max_attempts(conn: psycopg.AsyncConnection, row: JobRow) -> int:
-    """The runs the job was submitted with (its row's ``max_attempts`` has grown by any earlier retry)."""
+async def _submitted(conn: psycopg.AsyncConnection, row: JobRow) -> JobSubmitted | None:
+    """The job's submission: the runs it was submitted with (its row's ``max_attempts`` has grown by any
+    earlier retry) and the ``not_before`` (its row's is a back-off's, or None after an earlier retry)."""
     submitted = await store.read_stream(conn, store.job_stream(row.id), types=["job.submitted"])
     first = submitted[0].event if submitted else None
-    return first.max_attempts if isinstance(first, JobSubmitted) else row.max_attempts
+    return first if isinstance(first, JobSubmitted) else None
+
+
+async def _now(conn: psycopg.AsyncConnection) -> datetime:
+    return (await (await conn.execute("SELECT umbra_now()")).fetchone())[0]  # type: ignore[index]

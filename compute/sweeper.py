@@ -142,6 +142,8 @@ class SweepReport:
     runtime_failed: int = 0
     dependencies_released: int = 0
     dependencies_failed: int = 0
+    #: Waiting jobs the whole look passed over for now (a fleet change in flight, a container held).
+    dependencies_passed_over: int = 0
     delayed_released: int = 0
     jobs_woken: int = 0
     jobs_unblocked: int = 0
@@ -194,6 +196,7 @@ async def sweep_once(
     async def release_dependents() -> None:
         released = await dependencies.release_ready(conn, metadata=_METADATA)
         report.dependencies_released, report.dependencies_failed = released.released, released.failed
+        report.dependencies_passed_over = released.passed_over
 
     async def release_delayed() -> None:
         released = await delayed.release_due(conn, metadata=_METADATA)
@@ -468,11 +471,14 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
     (and at the first tick, which covers the log before the prompt looks'
     position), not every tick: it reads every waiting job (21-40 ms a tick
     with 20,000 of them), and the prompt looks' position leaves nothing out
-    (the log is read from it, gap-free, and a listener's reconnect looks
-    again from it). What it still catches is what a prompt look passed over:
-    a row another transaction held without writing it, an organization whose
-    fleet was changing, a child whose container another transaction held.
-    Without prompt looks it runs every tick."""
+    (the log is read from it, gap-free). Each tick also takes a prompt look
+    from that position (one query when nothing moved), so a hint that was
+    never sent, or a look that failed, delays a release by a tick at most.
+    What the whole look still catches is what a prompt look passed over: an
+    organization whose fleet was changing, a child whose container another
+    transaction held (the tick after such a look takes the whole look), a
+    row another transaction held without writing it (unseen: the next second
+    look). Without prompt looks it runs every tick."""
     await assume_service_role(conn)
     await bound_lock_waits(conn)  # as a pooled connection's: no wait unbounded
     while not (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEPER_LOCK_KEY,))).fetchone())[0]:
@@ -481,31 +487,36 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
     since: datetime | None = await first_since(conn, settings, retry_seconds)
     moved_after = await dependencies.log_head(conn)  # the first tick's whole look covers everything before
     last_reexamined = -REEXAMINE_SECONDS
+    catch_up = False  # a prompt look passed a job over: the next tick looks at every waiting job
     while True:
         try:
             reexamine = time.monotonic() - last_reexamined >= REEXAMINE_SECONDS
             report = await sweep_once(conn, settings, since=since, reexamine=reexamine,
-                                      all_dependents=reexamine or log_moved is None)  # fmt: skip
-            since = report.now
+                                      all_dependents=reexamine or catch_up or log_moved is None)  # fmt: skip
+            since, catch_up = report.now, report.dependencies_passed_over > 0
             if reexamine:
                 last_reexamined = time.monotonic()
         except (psycopg.OperationalError, psycopg.InterfaceError):
             raise
         except Exception:  # a bad tick must not stop recovery for good
             log.exception("sweep failed", extra={"action": "sweep_failed"})
+        if log_moved is not None:  # from where the last prompt look stopped: a hint lost, a look that failed
+            moved_after, _, passed_over = await _release_moved(conn, moved_after)
+            catch_up = catch_up or passed_over
         next_tick = time.monotonic() + settings.sweep_interval_seconds
         while (left := next_tick - time.monotonic()) > 0:
             if log_moved is None:
                 await anyio.sleep(left)
             elif await log_moved.wait(left):
-                moved_after, waiting = await _release_moved(conn, moved_after)
+                moved_after, waiting, passed_over = await _release_moved(conn, moved_after)
+                catch_up = catch_up or passed_over
                 await anyio.sleep(PROMPT_LOOK_SECONDS if waiting else IDLE_LOOK_SECONDS)
 
 
-async def _release_moved(conn: psycopg.AsyncConnection, after: int) -> tuple[int, bool]:
+async def _release_moved(conn: psycopg.AsyncConnection, after: int) -> tuple[int, bool, bool]:
     """A prompt look (:func:`umbra.compute.dependencies.release_moved`), a step as a tick's are, counted and
     logged as theirs are; returns where the next one starts (where it was, when the look failed: the next
-    tick's whole look catches what it missed) and whether any job waited."""
+    tick's prompt look goes again from there), whether any job waited, and whether it passed one over."""
     moved = dependencies.Released()
 
     async def look() -> None:
@@ -520,4 +531,4 @@ async def _release_moved(conn: psycopg.AsyncConnection, after: int) -> tuple[int
     if moved.released or moved.failed:
         log.info("sweep", extra={"action": "sweep", "dependencies_released": moved.released,
                                  "dependencies_failed": moved.failed})  # fmt: skip
-    return after, moved.waiting
+    return after, moved.waiting, moved.passed_over > 0

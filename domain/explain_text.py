@@ -176,18 +176,24 @@ def delayed_summary(*, not_before: datetime, now: datetime, eligible: int) -> st
     return f"Submitted to run later: {when}. Then it is judged and queued as a new job ({could})."
 
 
-def waiting_summary(statuses: Sequence[tuple[UUID, str]]) -> str:
-    """A job waiting for the jobs it depends on (``statuses``: each, in order, with its status now)."""
+def waiting_summary(statuses: Sequence[tuple[UUID, str]], *, not_due: datetime | None = None) -> str:
+    """A job waiting for the jobs it depends on (``statuses``: each, in order, with its status now); ``not_due``:
+    the ``not_before`` it was submitted with, when that is still to come (it waits for it next)."""
     by_id = dict(statuses)
     state = dependencies_of([job_id for job_id, _ in statuses], by_id)
     if state.ended_otherwise is not None:
         job_id, ended = state.ended_otherwise
         return f"Waiting for the jobs it depends on, but job {job_id} ended {ended}: it fails at the sweeper's next tick."
+    then = (f"it then waits until {moment(not_due)}, when it was submitted to run, and is judged and queued as a new job"
+            if not_due is not None else "it is then judged and queued as a new job")  # fmt: skip
     if not state.open:
+        if not_due is not None:
+            return (f"The jobs it depends on have all completed: at the sweeper's next look it goes on waiting, until "
+                    f"{moment(not_due)}, when it was submitted to run, then is judged and queued as a new job.")
         return "The jobs it depends on have all completed: it is released at the sweeper's next tick."
     listed = ", ".join(f"{job_id} ({by_id[job_id]})" for job_id in state.open)
-    return (f"Waiting for {len(state.open)} of the {len(statuses)} jobs it depends on to complete: {listed}. It is "
-            "then judged and queued as a new job; it fails if one of them fails or is cancelled.")
+    return (f"Waiting for {len(state.open)} of the {len(statuses)} jobs it depends on to complete: {listed}. "
+            f"{then[0].upper()}{then[1:]}; it fails if one of them fails or is cancelled.")
 
 
 def placed_summary(

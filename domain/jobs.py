@@ -313,7 +313,7 @@ def decide_dependencies(
 
 #: ``job.unblocked``'s reason when a delayed job's ``not_before`` has come.
 DUE = "due"
-#: How far ahead a submission's ``not_before`` may be.
+#: How far from now a submission's ``not_before`` may be, ahead or past.
 MAX_DELAY = timedelta(days=366)
 
 
@@ -388,7 +388,7 @@ class JobNotRetryable(Conflict):
 def decide_retry(
     *, status: str, attempt: int, max_attempts: int, parent_job_id: UUID | None, children_total: int, grant: int,
     by: str | None, ends: UnchargedEnds = UnchargedEnds(), last_run_may_run_on: bool = False,
-    dependencies: Dependencies | None = None,
+    dependencies: Dependencies | None = None, not_before: datetime | None = None,
 ) -> JobRetried:
     """An operator sends a failed job back to the queue with ``grant`` more runs.
 
@@ -408,7 +408,9 @@ def decide_retry(
 
     A job that depends on others (``dependencies``: where they stand) is retried
     only once none of them has ended other than complete: it would only fail
-    again. Retry those first; the retried job waits for them.
+    again. Retry those first; the retried job waits for them. ``not_before`` is
+    the one it was submitted with: the retried job keeps it (and waits for it,
+    if it is still to come).
     """
     if status != "failed":
         raise JobNotRetryable(f"Only a failed job can be retried; this one is {status}.", status)
@@ -427,7 +429,8 @@ def decide_retry(
         job_id, ended = dependencies.ended_otherwise
         raise JobNotRetryable(f"It depends on job {job_id}, which ended {ended}: retry that one first.", status)
     uncharged = min(attempt, ends.count(max_attempts))
-    return JobRetried(attempt=attempt, max_attempts=attempt - uncharged + grant, uncharged=uncharged, by=by)
+    return JobRetried(attempt=attempt, max_attempts=attempt - uncharged + grant, uncharged=uncharged, by=by,
+                      not_before=not_before)  # fmt: skip
 
 
 class JobNotReprioritizable(Conflict):

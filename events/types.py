@@ -215,13 +215,16 @@ class JobRetried(_Event, tag="job.retried"):
     retry that were not charged, counted once, here (see
     ``umbra.domain.jobs.UnchargedEnds``). ``attempt`` (the fencing token) goes
     on counting from where it stood, so a report from a run before the failure
-    still names a stale attempt.
+    still names a stale attempt. ``not_before`` is the one it was submitted
+    with (a delayed submission), which the retried job keeps: one whose
+    dependency failed before its time is retried still waiting for it.
     """
 
     attempt: int
     max_attempts: int
     uncharged: int = 0
     by: str | None = None
+    not_before: datetime | None = None
 
 
 class JobReprioritized(_Event, tag="job.reprioritized"):

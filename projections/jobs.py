@@ -230,11 +230,11 @@ def _apply(s: JobRow, e: Event, at: datetime) -> dict[str, Any]:
                            finished_at=at)  # fmt: skip
         case JobCancelled():
             # The holder is kept so its next renew/complete learns "cancelled".
-            return dict(status="cancelled", lease_expires_at=None, finished_at=at, awaiting_dependencies=False,
+            return dict(status="cancelled", lease_expires_at=None, finished_at=at, awaiting_dependencies=False, waiting_until=None,
                         ended_under_holder=s.status == "running" and s.lease_owner is not None)  # fmt: skip
         case JobRetried():
             # Back in its place in the queue; its error stays, the failure it came back from, until a run ends.
-            return dict(status="queued", max_attempts=e.max_attempts, result=None, not_before=None, finished_at=None,
+            return dict(status="queued", max_attempts=e.max_attempts, result=None, not_before=e.not_before, finished_at=None,
                         blocked_reason=None, blocked_at=None, ended_under_holder=False, awaiting_dependencies=False,
                         waiting_until=None, **_RELEASED)  # fmt: skip
         case JobReprioritized():

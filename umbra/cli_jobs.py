@@ -12,6 +12,7 @@ first rule it fails.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from datetime import datetime, timedelta, timezone
@@ -262,14 +263,19 @@ STILL_OPEN_EXIT = 124
 UNREACHABLE_SECONDS = 60.0
 
 
-async def wait_for_end(client, job_id: str, timeout: float | None) -> dict[str, Any]:
+async def wait_for_end(client, job_id: Any, timeout: float | None, *, limiter: anyio.CapacityLimiter | None = None,
+                       round_seconds: int | None = None, look_first: bool = False) -> dict[str, Any]:
     """The job once it ended (``GET /v1/jobs/{id}?wait=``, round after round), or as it stands after ``timeout``
     seconds (None: no limit).
 
-    Each round asks for whole seconds no further than the deadline. A round
-    answered early with the job still open (a server stopping, or one without
-    ``?wait=``) is followed by a pause, not asked again at once; a server
-    restarting is asked again, backing off, for up to :data:`UNREACHABLE_SECONDS`.
+    Each round asks for whole seconds no further than the deadline (nor than
+    ``round_seconds``), each such read holding a turn of ``limiter`` while it
+    waits; ``look_first`` reads the job at once (``wait=0``, no turn needed)
+    before the first round. A
+    round answered early with the job still open (a server stopping, or one
+    without ``?wait=``) is followed by a pause, not asked again at once; a
+    server restarting is asked again, backing off, for up to
+    :data:`UNREACHABLE_SECONDS`.
     """
     import httpx
 
@@ -280,18 +286,39 @@ async def wait_for_end(client, job_id: str, timeout: float | None) -> dict[str, 
     deadline = None if timeout is None else time.monotonic() + timeout
     unreachable_since: float | None = None
     failures = 0
-    while True:
+    longest = MAX_JOB_WAIT_SECONDS if round_seconds is None else min(round_seconds, MAX_JOB_WAIT_SECONDS)
+    path = f"/v1/jobs/{job_id}"
+
+    def remaining() -> tuple[float | None, int]:
+        """The seconds left, and the whole seconds a read may wait for."""
         left = None if deadline is None else deadline - time.monotonic()
-        seconds = MAX_JOB_WAIT_SECONDS if left is None else max(0, min(MAX_JOB_WAIT_SECONDS, int(left)))
+        return left, longest if left is None else max(0, min(longest, int(left)))
+
+    async def ask(first: bool) -> tuple[dict[str, Any], float | None, int]:
+        """One read, with the seconds that were left and the wait asked for. A read that waits takes a turn of
+        ``limiter`` first, no later than the deadline (none by then: the job as it stands)."""
+        if limiter is None or first:
+            left, seconds = remaining()
+            seconds = 0 if first else seconds
+            return await _get_json(client, path, wait=seconds), left, seconds
+        with anyio.move_on_after(math.inf if deadline is None else max(0.0, deadline - time.monotonic())):
+            async with limiter:
+                left, seconds = remaining()
+                return await _get_json(client, path, wait=seconds), left, seconds
+        return await _get_json(client, path, wait=0), 0.0, 0
+
+    while True:
         asked = time.monotonic()
         try:
-            job = await _get_json(client, f"/v1/jobs/{job_id}", wait=seconds)
+            job, left, seconds = await ask(look_first)
+            look_first = False
         except (httpx.TransportError, ServiceError) as exc:
             # The server or its database restarting (no connection, a 5xx, a 429), as ``events tail --follow``
             # takes them; a refusal of the request itself (401, 404, 422) is final.
             if isinstance(exc, ServiceError) and exc.status < 500 and exc.status != 429:
                 raise
             unreachable_since = asked if unreachable_since is None else unreachable_since
+            left, _ = remaining()
             if time.monotonic() - unreachable_since >= UNREACHABLE_SECONDS or (left is not None and left <= 0):
                 raise
             failures += 1
@@ -303,42 +330,49 @@ async def wait_for_end(client, job_id: str, timeout: float | None) -> dict[str, 
                     return job
                 pause = left  # under a second left: the last read comes at the deadline
             else:
-                pause = 1.0 if time.monotonic() - asked < seconds - 0.5 else 0.0
+                pause = 1.0 if seconds and time.monotonic() - asked < seconds - 0.5 else 0.0
         if deadline is not None:
             pause = min(pause, max(0.0, deadline - time.monotonic()))
         await anyio.sleep(pause)
 
 
-#: Jobs ``umbra jobs wait`` waits for at once (one parked read each, on as many connections); the others wait
-#: their turn, in the order given.
+#: Reads ``umbra jobs wait`` has waiting at once (one connection each); with more jobs than this, they take
+#: turns, each read then waiting at most :data:`TURN_SECONDS`.
 WAITS_AT_ONCE = 32
+TURN_SECONDS = 5
 
 
 async def wait_for_all(client, job_ids: Sequence[Any], timeout: float | None, *, fail_fast: bool = False) -> list[dict[str, Any]]:
-    """Each job once it ended, in the order given, waited for together (:data:`WAITS_AT_ONCE` at a time), or
-    as it stands at ``timeout`` (for all of them together). ``fail_fast``: as soon as one ends otherwise than
-    complete, the others are read as they stand and no longer waited for. The first error (no such job, no
-    server) ends every wait and is raised as it is."""
+    """Each job once it ended, in the order given, waited for together, or as it stands at ``timeout`` (for all
+    of them together). ``fail_fast``: as soon as one ends otherwise than complete, the others are read as they
+    stand and no longer waited for. The first error (no such job, no server) ends every wait and is raised as
+    it is.
+
+    Every job is read once at once (``wait=0``, :data:`WAITS_AT_ONCE` at a time), so a job that does not
+    exist, or already ended, is told before any read waits. At most :data:`WAITS_AT_ONCE` reads wait at a
+    time; with more jobs than that, each read waits at most :data:`TURN_SECONDS` and they take turns (first
+    come, first served), so a job behind the others is still asked about every few seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
     ended: dict[str, dict[str, Any]] = {}
     errors: list[BaseException] = []
     limiter = anyio.CapacityLimiter(WAITS_AT_ONCE)
+    distinct = list(dict.fromkeys(job_ids))  # a job named twice is waited for once
+    turn = TURN_SECONDS if len(distinct) > WAITS_AT_ONCE else None
 
     async with anyio.create_task_group() as tg:
         async def wait_one(job_id: str) -> None:
-            async with limiter:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    job = await wait_for_end(client, job_id, left)
-                except Exception as exc:  # noqa: BLE001 - raised below, the others' waits ended
-                    errors.append(exc)
-                    tg.cancel_scope.cancel()
-                    return
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                job = await wait_for_end(client, job_id, left, limiter=limiter, round_seconds=turn, look_first=True)
+            except Exception as exc:  # noqa: BLE001 - raised below, the others' waits ended
+                errors.append(exc)
+                tg.cancel_scope.cancel()
+                return
             ended[job_id] = job
             if fail_fast and job["status"] in TERMINAL_JOB_STATUSES and job["status"] != "complete":
                 tg.cancel_scope.cancel()
 
-        for job_id in dict.fromkeys(job_ids):  # a job named twice is waited for once
+        for job_id in distinct:
             tg.start_soon(wait_one, job_id)
     if errors:
         raise errors[0]

@@ -166,6 +166,68 @@ async def test_a_large_batch_of_delayed_jobs_goes_by_copy_and_each_waits(conn, o
     assert (await sweep_once(conn, SETTINGS)).delayed_released == count
     assert await verify(conn) == []
 
+
+async def test_a_delayed_dependent_retried_keeps_the_time_it_was_submitted_for(conn, org):
+    """B depends on A and is not to run for an hour; A fails for good, so B fails. Retried after A (which then
+    completes), and retried after A completed: either way B waits for its time, not queued at once; the retry
+    event says which time it keeps."""
+    from umbra.compute import retries
+
+    from .test_dependencies import run
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    at = await now_of(conn) + timedelta(hours=1)
+    for order in ("B retried, then A completes", "A completes, then B retried"):
+        a = await submit(conn, org_id, "a")
+        b = await submit(conn, org_id, "b", depends_on=[str(a.id)], not_before=text(at))
+        await run(conn, org_id, node, a.id, fail="flaky")
+        await sweep_once(conn, SETTINGS)
+        await retries.retry(conn, org_id, a.id, actor="ops")
+        if order.startswith("B"):
+            assert (await retries.retry(conn, org_id, b.id, actor="ops")).awaiting_dependencies
+            await run(conn, org_id, node, a.id)
+            await sweep_once(conn, SETTINGS)
+        else:
+            await run(conn, org_id, node, a.id)
+            await retries.retry(conn, org_id, b.id, actor="ops")
+        waiting = await row(conn, org_id, b.id)
+        assert (waiting.status, waiting.waiting_until, waiting.not_before) == ("blocked", at, at), order
+        retried = [d for t, d in await history(conn, b.id) if t == "job.retried"]
+        assert [d["not_before"] for d in retried] == [text(at)], order
+    assert await verify(conn) == []
+
+
+async def test_explain_of_a_delayed_job_waiting_for_its_dependencies_says_it_then_waits_for_its_time(conn, org):
+    from umbra.compute.explain import explain
+
+    from .test_dependencies import run
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    a = await submit(conn, org_id, "a")
+    at = (await now_of(conn)).replace(microsecond=0) + timedelta(hours=2)
+    b = await submit(conn, org_id, "b", depends_on=[str(a.id)], not_before=text(at))
+    found = await explain(conn, org_id, b.id)
+    assert found.not_before == at and f"It then waits until {text(at)}, when it was submitted to run" in found.summary
+    await run(conn, org_id, node, a.id)  # the sweeper has not looked yet
+    found = await explain(conn, org_id, b.id)
+    assert found.not_before == at and "next tick" not in found.summary, found.summary
+    assert found.summary.startswith("The jobs it depends on have all completed: at the sweeper's next look it goes on "
+                                    f"waiting, until {text(at)}")  # fmt: skip
+
+
+async def test_a_not_before_more_than_366_days_past_is_refused_too(client, org, db_url):
+    """Year 1 with a positive offset is a moment PostgreSQL stores (as 1 BC) but cannot read back: refused, as
+    anything more than 366 days from now either way is, with nothing written."""
+    _, key = org
+    before = await written(db_url)
+    for moment in ("0001-01-01T00:00:00+05:00", "2000-01-01T00:00:00Z"):
+        answer = await client.post("/v1/jobs", json={"kind": "k", "not_before": moment}, headers=bearer(key))
+        assert answer.status_code == 422 and answer.json()["field"] == "not_before", (moment, answer.text)
+    assert await written(db_url) == before
+    assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
+
 # -- through the routes ---------------------------------------------------------------------------------------
 
 

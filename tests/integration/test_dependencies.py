@@ -272,6 +272,85 @@ async def test_a_leader_with_prompt_looks_catches_what_they_passed_over_at_its_s
         tg.cancel_scope.cancel()
     assert await verify(conn) == []
 
+
+async def _leading(conn, org_id, node, moved) -> None:
+    """A first pipeline step through the prompt look: the leader leads, and its first tick is behind it."""
+    c = await submit(conn, org_id, "c")
+    d = await submit(conn, org_id, "d", depends_on=[str(c.id)])
+    await anyio.sleep(0.3)
+    await run(conn, org_id, node, c.id)
+    moved.on_hint(org_id, 0, 0)
+    assert await eventually(lambda: _queued(conn, org_id, d.id))
+    await run(conn, org_id, node, d.id)  # out of the way of the next claim
+
+
+async def test_a_leader_looks_from_its_last_position_each_tick_so_a_lost_hint_or_a_failed_look_costs_a_tick(
+    db_url, conn, org, monkeypatch
+):
+    """No hint at all after A's completion (a NOTIFY that failed): the next tick's look from the last position
+    releases B. Then a look that raises, with no hint after it: the position stays, and the next tick releases
+    D. Neither waits for the whole look (``REEXAMINE_SECONDS``, ten minutes here)."""
+    import functools
+
+    from umbra.compute import sweeper
+
+    monkeypatch.setattr(sweeper, "REEXAMINE_SECONDS", 600.0)
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    moved = sweeper.LogMoved()
+    real, failing = dependencies.release_moved, []
+
+    async def failing_once(conn_, after, **kw):
+        if failing:
+            failing.clear()
+            raise RuntimeError("a look that fails")
+        return await real(conn_, after, **kw)
+
+    monkeypatch.setattr(dependencies, "release_moved", failing_once)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(sweeper.run, dataclasses.replace(SETTINGS, sweep_interval_seconds=0.1), db_url,
+                                        retry_seconds=0.1, log_moved=moved))  # fmt: skip
+        await _leading(conn, org_id, node, moved)
+        for step in ("no hint", "a failed look"):
+            a = await submit(conn, org_id, "a")
+            b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+            failing[:] = [True] if step == "a failed look" else []
+            await run(conn, org_id, node, a.id)
+            assert await eventually(lambda: _queued(conn, org_id, b.id), timeout=3), step
+            assert not failing  # the failing look ran, and a later one released B
+            await run(conn, org_id, node, b.id)
+        tg.cancel_scope.cancel()
+
+
+async def test_a_dependent_passed_over_for_a_fleet_change_is_released_at_the_next_tick(db_url, conn, org, monkeypatch):
+    """A fleet change holds the organization's capacity lock while A completes: the prompt look passes B over
+    (its release must be judged against the fleet) and says so; the tick after it takes the whole look, which
+    releases B once the change has ended, not at the next second look (ten minutes here)."""
+    import functools
+
+    from umbra.compute import sweeper
+    from umbra.compute.blocked import hold_capacity
+
+    monkeypatch.setattr(sweeper, "REEXAMINE_SECONDS", 600.0)
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    moved = sweeper.LogMoved()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(sweeper.run, dataclasses.replace(SETTINGS, sweep_interval_seconds=0.2), db_url,
+                                        retry_seconds=0.1, log_moved=moved))  # fmt: skip
+        await _leading(conn, org_id, node, moved)
+        a = await submit(conn, org_id, "a")
+        b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+        async with await psycopg.AsyncConnection.connect(db_url) as other:
+            async with other.transaction():
+                await hold_capacity(other, org_id, exclusive=True)
+                await run(conn, org_id, node, a.id)
+                moved.on_hint(org_id, 0, 0)
+                await anyio.sleep(0.5)
+                assert (await row(conn, org_id, b.id)).status == "blocked"
+        assert await eventually(lambda: _queued(conn, org_id, b.id), timeout=3)
+        tg.cancel_scope.cancel()
+
 # -- through the routes ---------------------------------------------------------------------------------------
 
 

@@ -280,6 +280,36 @@ async def test_waiting_for_more_jobs_than_it_waits_for_at_once_waits_for_each(cl
             await cli_jobs.wait_for_all(reader, [jobs[0]["id"], str(uuid.uuid4())], 5)
         assert refused.value.status == 404
 
+
+async def test_with_more_jobs_than_reads_at_once_each_is_asked_about_at_once_and_the_deadline_holds(
+    client, org, live_server, monkeypatch
+):
+    """Two reads waiting at a time: an unknown job named last is told at once (404), not once a wait ends; a
+    cancelled job named last stops ``fail_fast`` at once; seven open jobs (one named twice) with 1.5 s for all
+    are answered at about 1.5 s, as they stand, in the order given; no read stays parked on the server."""
+    from umbra import cli_jobs
+    from umbra.agent.client import ServiceError
+
+    monkeypatch.setattr(cli_jobs, "WAITS_AT_ONCE", 2)
+    _, key = org
+    jobs = [await submitted(client, key) for _ in range(7)]
+    ids = [job["id"] for job in jobs]
+    async with httpx.AsyncClient(base_url=live_server.url, headers=bearer(key), timeout=30) as reader:
+        started = time.monotonic()
+        with pytest.raises(ServiceError) as refused:
+            await cli_jobs.wait_for_all(reader, [*ids[:3], str(uuid.uuid4())], 6)
+        assert refused.value.status == 404 and time.monotonic() - started < 2
+        assert (await client.post(f"/v1/jobs/{ids[6]}/cancel", headers=bearer(key))).status_code == 200
+        started = time.monotonic()
+        got = await cli_jobs.wait_for_all(reader, ids[4:], 6, fail_fast=True)
+        assert [j["status"] for j in got] == ["blocked", "blocked", "cancelled"] and time.monotonic() - started < 2
+        started = time.monotonic()
+        got = await cli_jobs.wait_for_all(reader, [*ids[:6], ids[3]], 1.5)
+        took = time.monotonic() - started
+    assert [j["id"] for j in got] == [*ids[:6], ids[3]] and {j["status"] for j in got} == {"blocked"}
+    assert 1.5 <= took < 2.5, took
+    assert await eventually(lambda: _waits(live_server, 0), timeout=5)
+
 class StoppingServer(LiveServer):
     """A live server run by ``umbra serve``'s own :class:`umbra.api.server.Server`, which answers parked requests
     when it begins to stop (a plain uvicorn server waits for them), on ``port`` if given (a restart)."""
