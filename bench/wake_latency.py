@@ -28,6 +28,7 @@ Prints a table of p50/p95/p99 in milliseconds and writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import AsyncIterator
 
 import anyio
 import httpx
@@ -102,13 +104,23 @@ async def _parked_claim(client: httpx.AsyncClient, headers: dict[str, str], answ
     assert response.status_code == 200, response.status_code
 
 
+def _bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+@contextlib.asynccontextmanager
+async def _clients(base: str, url: str) -> AsyncIterator[tuple[httpx.AsyncClient, psycopg.AsyncConnection]]:
+    """The samples' HTTP client (one keep-alive connection) and their own database connection."""
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client, \
+            await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:  # fmt: skip
+        yield client, conn
+
+
 async def _long_poll_samples(base: str, url: str, org: uuid.UUID, api_key: str, credential: str, samples: int, *, via_http: bool):
     latencies: list[float] = []
     round_trips: list[float] = []
-    node_headers = {"Authorization": f"Bearer {credential}"}
-    key_headers = {"Authorization": f"Bearer {api_key}"}
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client, \
-            await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:  # fmt: skip
+    node_headers, key_headers = _bearer(credential), _bearer(api_key)
+    async with _clients(base, url) as (client, conn):
         for i in range(samples):
             answered: list[float] = []
             async with anyio.create_task_group() as tg:
@@ -132,10 +144,8 @@ async def _next_step_samples(base: str, url: str, org: uuid.UUID, api_key: str, 
     released: list[float] = []
     answered: list[float] = []
     round_trips: list[float] = []
-    node_headers = {"Authorization": f"Bearer {credential}"}
-    key_headers = {"Authorization": f"Bearer {api_key}"}
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client, \
-            await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:  # fmt: skip
+    node_headers, key_headers = _bearer(credential), _bearer(api_key)
+    async with _clients(base, url) as (client, conn):
         for i in range(samples):
             [first, _], _ = await submit(conn, org, [JobRequest(kind="step", payload={"i": i}),
                                                      JobRequest(kind="step", depends_on=[0])], actor="bench", batch=True)  # fmt: skip
