@@ -49,6 +49,7 @@ FOR UPDATE SKIP LOCKED
 #: Jobs released per transaction.
 PAGE = 500
 _WIDTH = len(queue.COLUMNS)
+_WAITING_UNTIL = queue.COLUMNS.index("waiting_until")
 
 
 async def release_due(conn: psycopg.AsyncConnection, *, metadata: Mapping[str, Any]) -> Released:
@@ -67,5 +68,4 @@ async def release_due(conn: psycopg.AsyncConnection, *, metadata: Mapping[str, A
             await settle_waiting(conn, verdicts, done, metadata=metadata)
         if len(found) < PAGE:
             return done
-        last = queue.from_db(found[-1][:_WIDTH])
-        after = (last.waiting_until, last.id)
+        after = (found[-1][_WAITING_UNTIL], found[-1][0])
