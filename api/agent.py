@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from datetime import datetime
 from typing import Annotated, Any, Sequence
 from uuid import UUID
@@ -30,6 +29,7 @@ from starlette.responses import Response
 
 from umbra import metrics
 from umbra.compute import claims
+from umbra.compute.abandoned_claims import ClaimAbandoned
 from umbra.compute.claims import SCAN_PAGE
 from umbra.errors import Forbidden
 from umbra.events.types import Placement
@@ -85,39 +85,6 @@ class ClaimOut(Claim, kw_only=True):
     claims: list[Claim] | None = None
 
 
-#: How long this process remembers a claim request its agent gave up on: past the longest long-poll
-#: (60 s) and the slack of any proxy that might deliver it late.
-ABANDONED_SECONDS = 300.0
-#: Most abandoned claim requests remembered; past it the oldest are forgotten.
-MAX_ABANDONED = 100_000
-
-
-class AbandonedClaims:
-    """Claim requests their agents gave up on (``POST /v1/agent/claim/release``), by node and request id.
-
-    A claim request held up on its way (a proxy buffering it, a slow network) can reach the server
-    after its agent gave up on it and asked for its claim back, when there was nothing yet to give
-    back; it would then claim a job nobody hears of, leased until its lease runs out. A claim whose
-    request id its node abandoned claims nothing, and one that claimed as the release came gives its
-    jobs back. This process's memory only: a request that reaches another process behind a load
-    balancer is not covered.
-    """
-
-    def __init__(self) -> None:
-        self._at: OrderedDict[tuple[UUID, str], float] = OrderedDict()
-
-    def add(self, node_id: UUID, request_id: str) -> None:
-        now = time.monotonic()
-        self._at[(node_id, request_id)] = now
-        self._at.move_to_end((node_id, request_id))
-        while self._at and (len(self._at) > MAX_ABANDONED or next(iter(self._at.values())) < now - ABANDONED_SECONDS):
-            self._at.popitem(last=False)
-
-    def __contains__(self, key: tuple[UUID, str]) -> bool:
-        at = self._at.get(key)
-        return at is not None and at >= time.monotonic() - ABANDONED_SECONDS
-
-
 async def claim(request: Request) -> Response:
     services = request.app.state.services
     hub: WaiterHub = request.app.state.waiters
@@ -129,10 +96,6 @@ async def claim(request: Request) -> Response:
     kinds = query_kinds(request)
     node_id: UUID = who.node_id
     settings = services.settings
-    abandoned: AbandonedClaims = services.abandoned_claims
-    if (node_id, request_id(request)) in abandoned:  # its agent gave up on it before it arrived
-        metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(0.0)
-        return Response(status_code=204)
 
     group = request.app.state.group_commit
 
@@ -162,16 +125,18 @@ async def claim(request: Request) -> Response:
         except Exception as exc:  # e.g. the credential was revoked, or the database went away, while this poll waited
             refusal = exc  # raised outside the task group, so its handler sees it and not an exception group
         tg.cancel_scope.cancel()
+    elapsed = time.monotonic() - started
+    if isinstance(refusal, ClaimAbandoned):  # its agent gave it up (claim/release), here or in another process
+        metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(elapsed)
+        return Response(status_code=204)
     if refusal is not None:
         raise refusal
-    elapsed = time.monotonic() - started
     if result:
         metrics.CLAIMS.labels(trigger="same_claim").inc(len(result) - 1)  # the hub counted the first
-    if gone.is_set() or (node_id, request_id(request)) in abandoned:  # nobody will read the answer
+    if gone.is_set():  # nobody will read the answer
         metrics.CLAIM_WAIT.labels(outcome="client_gone").observe(elapsed)
         if result:
-            await release_unheard(services, result, node_id, request_id(request),
-                                  reason="client_gone" if gone.is_set() else "answer_unread")  # fmt: skip
+            await release_unheard(services, result, node_id, request_id(request))
         return Response(status_code=204)
     if result is None:
         metrics.CLAIM_WAIT.labels(outcome="timeout").observe(elapsed)
@@ -183,19 +148,17 @@ async def claim(request: Request) -> Response:
     return json_response({**result[0].to_json(), "claims": [claimed.to_json() for claimed in result]}, headers=headers)
 
 
-async def release_unheard(services, results: Sequence[claims.ClaimResult], node_id: UUID, request_id: str | None, *,
-                          reason: str = "client_gone") -> None:  # fmt: skip
-    """Give back claims their agent will not hear of (``job.released``, ``reason``: ``client_gone`` when it left
-    before the answer was sent, ``answer_unread`` when it gave the request up), instead of leaving them leased.
+async def release_unheard(services, results: Sequence[claims.ClaimResult], node_id: UUID, request_id: str | None) -> None:
+    """Give back claims their agent will not hear of, because it left before the answer was sent
+    (``job.released``, ``reason``: ``client_gone``), instead of leaving them leased.
 
     One connection for all of them; each release is its own transaction.
     """
     with anyio.CancelScope(shield=True):
         async with services.pool.connection() as conn:
             for result in results:
-                released = await claims.release(conn, result.job_id, node_id, result.attempt, request_id=request_id,
-                                                reason=reason)  # fmt: skip
-                log.info("claim released: answer unheard", extra={"action": f"claim_released_{reason}",
+                released = await claims.release(conn, result.job_id, node_id, result.attempt, request_id=request_id)
+                log.info("claim released: answer unheard", extra={"action": "claim_released_client_gone",
                          "job_id": str(result.job_id), "node_id": str(node_id), "released": released})  # fmt: skip
 
 
@@ -214,7 +177,6 @@ async def release_unread(request: Request) -> Response:
     who = await authorized(request, "compute:claim")
     body = await read_json(request, UnreadClaimRequest)
     async with acting_as(request, who) as conn:
-        request.app.state.services.abandoned_claims.add(who.node_id, body.request_id)  # should it arrive after this
         released = await claims.release_unread_claim(conn, organization_id=who.organization_id, node_id=who.node_id,
                                                      claim_request_id=body.request_id, request_id=request_id(request))  # fmt: skip
     if released:

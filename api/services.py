@@ -11,8 +11,6 @@ from umbra.compute.auth import VerifiedTokenCache
 from umbra.events.listener import LogListener
 from umbra.settings import Settings
 
-from .agent import AbandonedClaims
-
 
 @dataclass
 class Services:
@@ -21,8 +19,6 @@ class Services:
     pool: AsyncConnectionPool
     listener: LogListener
     token_cache: VerifiedTokenCache = field(default_factory=VerifiedTokenCache)
-    #: Claim requests their agents gave up on (see :class:`umbra.api.agent.AbandonedClaims`).
-    abandoned_claims: AbandonedClaims = field(default_factory=AbandonedClaims)
     #: How many streams' reads (SSE: the log, the live views) hold a pooled connection at once: a
     #: quarter of the pool. Every stream of an organization reads again at each of its hints, and
     #: three hundred open dashboards of one organization held every connection, so every other

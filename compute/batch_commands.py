@@ -46,6 +46,7 @@ from umbra.events.types import Event, JobClaimed, JobCompleted, JobLeaseRenewed,
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobRow
 
+from .abandoned_claims import ABANDONED_COLUMN, ClaimAbandoned
 from .auth import live_node_credentials, revoked
 from .blocked import CORDONED, LATEST_DEVICES, decode_devices, RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
 from .claims import (
@@ -141,7 +142,7 @@ _LIVE_COLUMN = "(SELECT array_agg(id) FROM node_credentials WHERE id = ANY(%(cre
 _LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE SKIP LOCKED"
 _NODES_QUERY = f"""
 SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(),
-       {CORDONED}, {RUNNING_TAKING_MEMORY}, {_LIVE_COLUMN}
+       {CORDONED}, {RUNNING_TAKING_MEMORY}, {ABANDONED_COLUMN}, {_LIVE_COLUMN}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.id = ANY(%(ids)s)
 """
@@ -185,7 +186,8 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command], *,
         # one has committed (see nodes.guard_against_claims).
         keys = {key for c in claimers for key in (guard_key(c.organization_id, c.node_id), guard_key(c.organization_id))}
         reads.append((_GUARDS, {"keys": "{" + ",".join(map(str, sorted(keys))) + "}"}))
-        reads.append((_NODES, {"ids": uuid_array(node_ids), "credentials": credential_ids}))
+        requests = list({c.request_id for c in claimers if c.request_id is not None})
+        reads.append((_NODES, {"ids": uuid_array(node_ids), "requests": requests, "credentials": credential_ids}))
         reads += [(_SHAPES, {"org": org, "limit": MAX_SHAPES + 1}) for org in orgs]
     results = await begin_with(conn, reads, generic_plans=True, family=_FAMILY)
     held_records = results.pop(0) if held else []
@@ -196,6 +198,7 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command], *,
     if credentials:
         live = await _live_credentials(conn, credentials, held_records or node_records)
         held, claimers = _refuse_revoked(held, live), _refuse_revoked(claimers, live)
+    claimers = _refuse_abandoned(claimers, node_records)
     staged: list[_Staged] = []
     deferred: list[Command] = []
     if held:
@@ -212,7 +215,7 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command], *,
         claimers = [c for c in claimers if id(c) not in unstaged]
     if claimers:
         # A node (or organization) whose guard a change holds is left out: its claimers take nothing this time.
-        waiting, running = _waiting_claimers([r[:-1] for r in node_records
+        waiting, running = _waiting_claimers([r[:-2] for r in node_records
                                               if guard_key(r[1], r[0]) in guarded and guard_key(r[1]) in guarded], claimers)
         # The jobs this batch completes end their hold before its claims: their memory is not promised any more.
         ending = {item.state.id for item in staged if isinstance(item.event, JobCompleted)}
@@ -232,6 +235,18 @@ async def _live_credentials(conn: psycopg.AsyncConnection, credentials: list[UUI
     if records:
         return set(records[0][-1] or ())
     return await live_node_credentials(conn, credentials)
+
+
+def _refuse_abandoned(claimers: list[Command], node_records: Sequence[Any]) -> list[Command]:
+    """Answer :class:`ClaimAbandoned` to every claim whose request its agent gave up on (the nodes' read's
+    next-to-last column: :data:`~umbra.compute.abandoned_claims.ABANDONED_COLUMN`); returns the others."""
+    abandoned = {(record[0], request) for record in node_records for request in record[-2] or ()}
+    if not abandoned:
+        return claimers
+    for claimer in claimers:
+        if (claimer.node_id, claimer.request_id) in abandoned:
+            claimer.error = ClaimAbandoned(claimer.request_id)
+    return [c for c in claimers if c.error is None]
 
 
 def _refuse_revoked(commands: list[Command], live: set[UUID]) -> list[Command]:

@@ -81,6 +81,7 @@ from .jobs import (
     jobs_by_idempotency_key, lock_idempotency_keys, may_end, record_and_settle, refusing_nul,
     submitted_events,
 )  # fmt: skip
+from .abandoned_claims import ClaimAbandoned, abandon, is_abandoned
 from .nodes import hold_node_memory, share_claim_guards
 
 log = logging.getLogger(__name__)
@@ -493,10 +494,14 @@ async def claim(
 
     With ``kinds``, only a job of one of those kinds: an agent names the kinds
     it has handlers for, and the others wait for an agent that has them. With
-    ``affinity_seconds``, in the order :func:`claim_rank` gives (model affinity)."""
+    ``affinity_seconds``, in the order :func:`claim_rank` gives (model affinity). Raises
+    :class:`~umbra.compute.abandoned_claims.ClaimAbandoned` when the node's agent gave up on
+    ``request_id`` before it ran."""
     async with conn.transaction():
         if not await share_claim_guards(conn, node_id, organization_id):
             return None  # the node or the registry is being changed: read them once that has committed
+        if await is_abandoned(conn, node_id, request_id):
+            raise ClaimAbandoned(request_id)
         shapes = [shape for (shape,) in await (await queued_shapes(conn, organization_id)).fetchall()]
         models = await models_for_shapes(conn, organization_id, shapes)
         if shapes_take_memory(shapes, kinds):
@@ -643,7 +648,12 @@ async def release_unread_claim(conn: psycopg.AsyncConnection, *, organization_id
     released (``job.released``, ``reason: answer_unread``, never charged: it
     never ran) and claimable by another node at once, instead of waiting out a
     lease no agent will renew. Returns the released jobs' ids, in submission order.
+
+    The request is recorded as abandoned first (:func:`umbra.compute.abandoned_claims.abandon`,
+    holding the node's claim guard to the caller's commit): should it reach any server process
+    later, it claims nothing. Run in the caller's transaction.
     """
+    await abandon(conn, organization_id, node_id, claim_request_id)
     cursor = await conn.execute(_CLAIMED_BY_REQUEST, {"organization": organization_id, "node": node_id,
                                                       "claim_request": claim_request_id})  # fmt: skip
     released = []

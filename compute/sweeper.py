@@ -66,7 +66,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change
 from umbra.settings import Settings
 
-from . import delayed, dependencies, pairing, statistics
+from . import abandoned_claims, delayed, dependencies, pairing, statistics
 from .blocked import reexamine_waiting_jobs
 from .claims import end_leases
 from .jobs import ancestors_held_elsewhere, record_and_settle
@@ -149,6 +149,7 @@ class SweepReport:
     jobs_unblocked: int = 0
     jobs_blocked: int = 0
     pairing_rows_pruned: int = 0
+    abandoned_claims_pruned: int = 0
     #: Whether the tick analysed ``jobs`` (its planner statistics had been outgrown).
     statistics_refreshed: bool = False
 
@@ -165,8 +166,9 @@ async def sweep_once(
     """One tick. ``since`` is the previous tick's ``now``: jobs due after it are announced.
 
     ``reexamine`` also gives every organization's waiting (blocked and queued)
-    jobs a second look, and prunes the pairing tables. ``all_dependents``
-    looks at every job waiting for its dependencies (the whole look of
+    jobs a second look, and prunes the pairing tables and the abandoned claim
+    requests. ``all_dependents`` looks at every job waiting for its
+    dependencies (the whole look of
     :mod:`umbra.compute.dependencies`); a leader whose prompt looks run
     takes it with the second look only (see :func:`_lead`).
     Node changes re-examine in their own transaction, but a job submitted
@@ -211,6 +213,9 @@ async def sweep_once(
     async def prune_pairing() -> None:
         report.pairing_rows_pruned = await pairing.prune(conn)
 
+    async def prune_abandoned_claims() -> None:
+        report.abandoned_claims_pruned = await abandoned_claims.prune(conn)
+
     await _step("expire_leases", expire_leases)
     await _step("mark_stale_nodes", mark_stale_nodes)
     await _step("fail_blocked", fail_blocked)
@@ -230,6 +235,7 @@ async def sweep_once(
 
             await _step("reexamine", reexamine_one, organization_id=str(organization_id))
         await _step("prune_pairing", prune_pairing)
+        await _step("prune_abandoned_claims", prune_abandoned_claims)
     for action, count in (("lease_requeued", report.leases_requeued), ("lease_failed", report.leases_failed),
                           ("node_went_offline", report.nodes_offline), ("blocked_timeout", report.blocked_failed),
                           ("runtime_exceeded", report.runtime_failed),
@@ -238,6 +244,7 @@ async def sweep_once(
                           ("delayed_released", report.delayed_released),
                           ("job_unblocked", report.jobs_unblocked), ("job_blocked", report.jobs_blocked),
                           ("pairing_pruned", report.pairing_rows_pruned),
+                          ("abandoned_claims_pruned", report.abandoned_claims_pruned),
                           ("jobs_analysed", int(report.statistics_refreshed))):
         metrics.count_sweeper_action(action, count)
     if report.actions:

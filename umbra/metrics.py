@@ -82,7 +82,7 @@ EVENTS_APPENDED = Counter(
 )
 SWEEPER_ACTIONS = Counter(
     "umbra_sweeper_actions",
-    "Changes the sweeper made (expired leases, stale nodes, blocked timeouts, unblocked jobs, pruned pairing rows), by action.",
+    "Changes the sweeper made (expired leases, stale nodes, blocked timeouts, unblocked jobs, pruned pairing rows and abandoned claim requests), by action.",
     ["action"],
     registry=None,
 )
@@ -126,7 +126,8 @@ CLAIM_OUTCOMES = ("claimed", "timeout", "client_gone")
 GIVE_BACK_REASONS = ("client_gone", "not_asked_again", "answer_unread", "agent_stopping", "node_revoked")
 SWEEPER_ACTIONS_COUNTED = ("lease_requeued", "lease_failed", "node_went_offline", "blocked_timeout",
                            "runtime_exceeded", "job_unblocked", "job_blocked", "pairing_pruned", "jobs_analysed",
-                           "dependencies_released", "dependency_failed", "delayed_released")  # fmt: skip
+                           "dependencies_released", "dependency_failed", "delayed_released",
+                           "abandoned_claims_pruned")  # fmt: skip
 for _trigger in CLAIM_TRIGGERS:
     CLAIMS.labels(trigger=_trigger)
 for _outcome in CLAIM_OUTCOMES:

@@ -22,6 +22,7 @@ import pytest
 from tests.helpers import bearer
 from umbra import metrics
 from umbra.compute import claims
+from umbra.compute.abandoned_claims import ABANDONED_SECONDS, ClaimAbandoned
 from umbra.compute.accounts import create_organization
 from umbra.compute.claims import ChildRequest
 from umbra.compute.sweeper import sweep_once
@@ -32,7 +33,7 @@ from umbra.projections.verify import verify
 from umbra.settings import load_settings
 
 from .queue_support import CPU64, add_node, set_clock, submit
-from .test_nodes_api import footprint
+from .test_nodes_api import CPU, footprint
 from .test_revocation import claim_now, get_job, job_events, online, post_job
 
 pytestmark = pytest.mark.anyio
@@ -425,10 +426,11 @@ async def test_a_claim_request_that_arrives_after_its_release_claims_nothing(cli
     assert (await claim_as(client, node, "fresh-1"))["job"]["id"] == job_id
 
 
-async def test_a_parked_claim_whose_request_is_released_gives_back_what_it_then_claims(client, org):
+async def test_a_parked_claim_whose_request_is_released_claims_nothing_when_woken(client, org):
     """The agent gave up on a parked long-poll and released its request while nothing was claimed; the
-    long-poll, still parked on the server (its connection kept by a proxy), is then woken by a new job:
-    whatever it claims goes back at once (``answer_unread``, uncharged) and it answers 204."""
+    long-poll, still parked on the server (its connection kept by a proxy), is then woken by a new job: it
+    claims nothing and answers 204, and the job goes to the agent's next request instead, never claimed
+    and given back in between."""
     _, key = org
     _, node = await online(client, key, "box")
     answers: list[httpx.Response] = []
@@ -445,5 +447,77 @@ async def test_a_parked_claim_whose_request_is_released_gives_back_what_it_then_
     assert answers[0].status_code == 204, answers[0].text
     job = await get_job(client, key, job_id)
     assert job["status"] == "queued" and job["lease_owner"] is None
-    reasons = [e["data"].get("reason") for e in await job_events(client, key, job_id) if e["type"] == "job.released"]
-    assert reasons == ["answer_unread"]  # woken by the job, claimed it, gave it back
+    assert [e["type"] for e in await job_events(client, key, job_id)] == ["job.submitted"]
+    assert (await claim_as(client, node, "fresh-2"))["job"]["id"] == job_id
+
+
+async def test_an_abandoned_request_is_the_nodes_own_and_claims_nothing_on_any_path(client, conn, org):
+    """The abandonment is recorded for the node that gave the request up, in the database: another node's
+    request of the same id claims as usual, and a claim that does not go through the group commit (the
+    single-claim path a batch that rolled back falls back on) is refused as the batched one is."""
+    org_id, key = org
+    _, first = await online(client, key, "first")
+    second_id, second = await online(client, key, "second")
+    assert (await release_unread(client, first, "shared-1")).json() == {"released": []}
+    job_id = await post_job(client, key, max_attempts=1)
+    late = await client.post("/v1/agent/claim", params={"wait": 0}, headers={**bearer(first), "X-Request-ID": "shared-1"})
+    assert late.status_code == 204, late.text
+    [(first_id,)] = await (await conn.execute(
+        "SELECT node_id FROM abandoned_claim_requests WHERE request_id = 'shared-1'")).fetchall()
+    with pytest.raises(ClaimAbandoned):
+        await claims.claim(conn, node_id=first_id, organization_id=org_id, lease_seconds=60, request_id="shared-1")
+    assert (await get_job(client, key, job_id))["status"] == "queued"
+    assert (await claim_as(client, second, "shared-1"))["job"]["id"] == job_id
+    assert str(first_id) != second_id
+
+
+async def test_abandoned_requests_are_forgotten_by_the_sweepers_second_look_after_five_minutes(client, conn, org):
+    """The rows only have to outlive a request's trip: the periodic second look prunes those older than
+    ``ABANDONED_SECONDS``, and a request of that id claims again."""
+    org_id, key = org
+    _, node = await online(client, key, "box")
+    assert (await release_unread(client, node, "old-1")).json() == {"released": []}
+    assert (await sweep_once(conn, SETTINGS, reexamine=True)).abandoned_claims_pruned == 0
+    await set_clock(conn, ABANDONED_SECONDS + 1)
+    try:
+        report = await sweep_once(conn, SETTINGS, reexamine=True)
+    finally:
+        await set_clock(conn, 0)
+    assert report.abandoned_claims_pruned == 1
+    assert (await (await conn.execute("SELECT count(*) FROM abandoned_claim_requests")).fetchone())[0] == 0
+    # The moved clock left the node silent past the stale threshold: it beats again.
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": [CPU]}, headers=bearer(node))
+    assert beat.status_code == 200, beat.text
+    job_id = await post_job(client, key, max_attempts=1)
+    assert (await claim_as(client, node, "old-1"))["job"]["id"] == job_id
+
+
+async def test_a_claim_racing_its_requests_release_never_leaves_a_job_leased_under_it(client, org):
+    """The claim and the release of its request sent at the same moment, round after round: whichever commits
+    first, no job stays leased under a request its agent gave up on. Either the claim read the abandonment
+    and took nothing, or it committed first and the release gave back what it took."""
+    _, key = org
+    _, node = await online(client, key, "box")
+    await post_job(client, key, max_attempts=1)
+    for round_ in range(30):
+        request = f"race-{round_}"
+        results: dict[str, httpx.Response] = {}
+
+        async def claim() -> None:
+            results["claim"] = await client.post("/v1/agent/claim", params={"wait": 0},
+                                                 headers={**bearer(node), "X-Request-ID": request})  # fmt: skip
+
+        async def release() -> None:
+            results["release"] = await release_unread(client, node, request)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(claim)
+            tg.start_soon(release)
+        claimed, released = results["claim"], results["release"].json()["released"]
+        assert claimed.status_code in (200, 204), claimed.text
+        if claimed.status_code == 200:
+            assert released == [claimed.json()["job"]["id"]], (round_, released)
+        else:
+            assert released == [], (round_, released)
+        running = (await client.get("/v1/jobs", params={"status": "running"}, headers=bearer(key))).json()["jobs"]
+        assert running == [], (round_, running)

@@ -257,6 +257,40 @@ async def test_a_give_back_or_an_unread_claim_released_through_a_wakes_a_long_po
         assert waiting.answer.json()["job"]["id"] == job_id
 
 
+async def test_a_claim_request_given_up_through_a_claims_nothing_on_b_late_or_parked(conn, org, servers):
+    """An agent gives up on a claim request and asks for its claims back through A while the request itself is
+    still on its way to B (a proxy holding it): arriving late on B, it claims nothing; parked on B, it claims
+    nothing when a job wakes it. The job is never claimed and given back in between: the agent's next request
+    takes it."""
+    _, key = org
+    a, b = await _two(servers)
+    async with httpx.AsyncClient(timeout=60) as client:
+        _, node = await _pair(client, a, b, key, "box")
+        released = await client.post(f"{a.url}/v1/agent/claim/release", json={"request_id": "late-1"}, headers=bearer(node))
+        assert released.status_code == 200 and released.json() == {"released": []}, released.text
+        job_id = await _submit(client, a, key, max_attempts=1)
+        late = await _claim_now(client, b, node, **{"X-Request-ID": "late-1"})
+        assert late.status_code == 204, late.text
+        assert [e["type"] for e in await _events(client, b, key, job_id)] == ["job.submitted"]
+        fresh = await _claim_now(client, b, node, **{"X-Request-ID": "fresh-1"})
+        assert fresh.status_code == 200 and fresh.json()["job"]["id"] == job_id, fresh.text
+
+        waiting = Parked(client, b, node, request_id="parked-1")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiting.run)
+            await _parked(client, b, 1)
+            released = await client.post(f"{a.url}/v1/agent/claim/release", json={"request_id": "parked-1"},
+                                         headers=bearer(node))  # fmt: skip
+            assert released.status_code == 200 and released.json() == {"released": []}, released.text
+            waiting.mark()
+            second = await _submit(client, a, key, max_attempts=1)
+            await until(lambda: waiting.answer is not None, timeout=40)
+        assert waiting.answer.status_code == 204 and waiting.after < 5, (waiting.answer.status_code, waiting.after)
+        assert [e["type"] for e in await _events(client, b, key, second)] == ["job.submitted"]
+        fresh = await _claim_now(client, b, node, **{"X-Request-ID": "fresh-2"})
+        assert fresh.status_code == 200 and fresh.json()["job"]["id"] == second, fresh.text
+
+
 @pytest.mark.parametrize("report", ["complete", "fail"])
 async def test_a_report_through_a_that_frees_a_gpu_wakes_the_nodes_long_poll_parked_on_b(conn, org, servers, report):
     """A claim answers "as soon as a job this node is eligible for is queued" (API.md), and a job already queued
