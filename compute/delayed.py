@@ -8,8 +8,11 @@ A job submitted to run later (``"not_before"`` in a submission) is recorded
 has come (index ``jobs_waiting_until``, empty without delayed jobs) and
 releases them (``job.unblocked``, reason ``due``), each judged against the
 fleet as a submission is, so it is queued, or blocked for good reason if
-nothing could run it now; long-polls waiting for work are hinted. A job falls
-due within a sweep interval (``UMBRA_SWEEP_INTERVAL_SECONDS``) of its time.
+nothing could run it now; long-polls waiting for work are hinted. Between
+ticks the leader also wakes when the first waiting job's time comes
+(:func:`seconds_to_next`, read again after every tick and every move of the
+log, which a new delayed submission is), so a job falls due at its time, not
+up to a sweep interval (``UMBRA_SWEEP_INTERVAL_SECONDS``) after it.
 
 Why blocked, not queued with a later ``not_before`` as a retry's back-off is:
 a claim walks its organization's queue in order, and jobs scheduled for
@@ -46,6 +49,8 @@ WHERE status = 'blocked' AND waiting_until IS NOT NULL AND waiting_until <= umbr
 ORDER BY waiting_until, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
+#: Seconds from now to the time of the first job waiting for one (by index ``jobs_waiting_until``).
+_NEXT = "SELECT extract(epoch FROM min(waiting_until) - umbra_now()) FROM jobs WHERE status = 'blocked' AND waiting_until IS NOT NULL"
 #: Jobs released per transaction.
 PAGE = 500
 _WIDTH = len(queue.COLUMNS)
@@ -69,3 +74,9 @@ async def release_due(conn: psycopg.AsyncConnection, *, metadata: Mapping[str, A
         if len(found) < PAGE:
             return done
         after = (found[-1][_WAITING_UNTIL], found[-1][0])
+
+
+async def seconds_to_next(conn: psycopg.AsyncConnection) -> float | None:
+    """Seconds until the first job waiting for its time falls due (0 or less: it has), or ``None`` if none waits."""
+    [(seconds,)] = await (await conn.execute(_NEXT)).fetchall()
+    return None if seconds is None else float(seconds)

@@ -511,13 +511,47 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
             moved_after, _, passed_over = await _release_moved(conn, moved_after)
             catch_up = catch_up or passed_over
         next_tick = time.monotonic() + settings.sweep_interval_seconds
+        due_at = await _next_due(conn)
         while (left := next_tick - time.monotonic()) > 0:
+            if due_at is not None and due_at <= time.monotonic():
+                await _release_due(conn)
+                due_at = await _next_due(conn)
+                continue
+            wait = left if due_at is None else min(left, due_at - time.monotonic())
             if log_moved is None:
-                await anyio.sleep(left)
-            elif await log_moved.wait(left):
+                await anyio.sleep(wait)
+            elif await log_moved.wait(wait):
                 moved_after, waiting, passed_over = await _release_moved(conn, moved_after)
                 catch_up = catch_up or passed_over
+                due_at = await _next_due(conn)  # the move may be a job submitted to run before the next tick
                 await anyio.sleep(PROMPT_LOOK_SECONDS if waiting else IDLE_LOOK_SECONDS)
+
+
+async def _next_due(conn: psycopg.AsyncConnection) -> float | None:
+    """When (``time.monotonic``) the first job waiting for its time falls due, if before the next tick may
+    matter: ``None`` when no job waits, or when the first one is due already (the tick just released the
+    due ones; one still there is held by another transaction and left to the next tick, not looked at
+    again and again)."""
+    seconds: list[float | None] = [None]
+
+    async def look() -> None:
+        seconds[0] = await delayed.seconds_to_next(conn)
+
+    await _step("next_due", look)
+    return None if seconds[0] is None or seconds[0] <= 0 else time.monotonic() + seconds[0]
+
+
+async def _release_due(conn: psycopg.AsyncConnection) -> None:
+    """Release the jobs whose time came between ticks, a step as a tick's are, counted and logged as theirs are."""
+    released = dependencies.Released()
+
+    async def release() -> None:
+        released.add(await delayed.release_due(conn, metadata=_METADATA))
+
+    await _step("release_delayed", release)
+    metrics.count_sweeper_action("delayed_released", released.released)
+    if released.released:
+        log.info("sweep", extra={"action": "sweep", "delayed_released": released.released})
 
 
 async def _release_moved(conn: psycopg.AsyncConnection, after: int) -> tuple[int, bool, bool]:

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 import anyio
 import pytest
 
-from tests.helpers import bearer, run_umbra
+from tests.helpers import bearer, eventually, run_umbra
 from umbra.compute import claims
 from umbra.compute.sweeper import sweep_once
 from umbra.domain.jobs import DUE
@@ -283,6 +283,39 @@ async def test_a_parked_claim_gets_a_delayed_job_when_it_falls_due_not_before(cl
         waited = time.monotonic() - started
         assert claimed.status_code == 200 and claimed.json()["job"]["id"] == submitted.json()["id"], claimed.text
         assert datetime.now(timezone.utc) >= at and waited < 10
+
+
+async def test_between_ticks_the_leader_wakes_when_a_delayed_job_falls_due(db_url, org):
+    """A live server whose sweeper ticks every 30 s: jobs submitted to run 1.5 s and 3 s from now are released
+    at their times, not at the next tick. The submission's hint makes the leader read when the first waiting
+    job falls due; after releasing it, it reads the next one's time."""
+    import httpx
+
+    from tests.conftest import LiveServer
+
+    _, key = org
+    with LiveServer(db_url, UMBRA_SWEEP_INTERVAL_SECONDS="30") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            await http_pair(client, key)
+            await anyio.sleep(0.5)  # the leader's first tick is behind it
+            now = datetime.now(timezone.utc)
+            times = [now + timedelta(seconds=1.5), now + timedelta(seconds=3)]
+            ids = []
+            for at in times:
+                made = await client.post("/v1/jobs", json={"kind": "later", "not_before": text(at)}, headers=bearer(key))
+                assert made.status_code == 201 and made.json()["status"] == "blocked", made.text
+                ids.append(made.json()["id"])
+            started = time.monotonic()
+
+            async def released(job_id: str) -> dict | None:
+                events = (await client.get(f"/v1/jobs/{job_id}/events", headers=bearer(key))).json()["events"]
+                return next((e for e in events if e["type"] == "job.unblocked"), None)
+
+            for job_id, at in zip(ids, times):
+                event = await eventually(lambda: released(job_id), timeout=15)
+                assert event["data"]["reason"] == DUE
+                assert datetime.fromisoformat(event["recorded_at"].replace("Z", "+00:00")) >= at
+            assert time.monotonic() - started < 12  # the next tick was 30 s away
 
 
 async def test_the_cli_submits_a_job_to_run_later(live_server, org):
