@@ -35,7 +35,7 @@ from uuid import UUID
 
 import psycopg
 
-from umbra.db import PreparedStatement, begin_with, commit_with, run_together, uuid_array
+from umbra.db import PreparedStatement, begin_with, commit_with, run_together, text_array, uuid_array
 from umbra.domain.eligibility import NodeView, in_service, takes_kind
 from umbra.domain.jobs import check_holder, repeats_completion
 from umbra.domain.node_status import effective_status
@@ -187,7 +187,7 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command], *,
         keys = {key for c in claimers for key in (guard_key(c.organization_id, c.node_id), guard_key(c.organization_id))}
         reads.append((_GUARDS, {"keys": "{" + ",".join(map(str, sorted(keys))) + "}"}))
         requests = list({c.request_id for c in claimers if c.request_id is not None})
-        reads.append((_NODES, {"ids": uuid_array(node_ids), "requests": requests, "credentials": credential_ids}))
+        reads.append((_NODES, {"ids": uuid_array(node_ids), "requests": text_array(requests), "credentials": credential_ids}))
         reads += [(_SHAPES, {"org": org, "limit": MAX_SHAPES + 1}) for org in orgs]
     results = await begin_with(conn, reads, generic_plans=True, family=_FAMILY)
     held_records = results.pop(0) if held else []

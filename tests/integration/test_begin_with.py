@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-from umbra.db import PreparedStatement, begin_with, run_together
+from umbra.db import PreparedStatement, begin_with, run_together, text_array, uuid_array
 
 pytestmark = pytest.mark.anyio
 
@@ -138,3 +138,16 @@ async def test_a_rollback_that_deallocates_everything_costs_the_next_transaction
     assert await begin_with(conn, [(INSERT, {"v": "b"})]) == [[("b",)]]
     await conn.execute("COMMIT")
     assert "test_insert" in await _prepared(conn)
+
+
+async def test_array_literals_carry_every_value_as_it_is_through_a_prepared_statement(conn):
+    """``text_array`` and ``uuid_array`` build the literals a prepared statement's array parameters take: a text
+    spelled NULL, or holding a comma, a quote, a backslash or braces, arrives as that text, and no value at all
+    as an empty array."""
+    texts = ["NULL", "null", "a,b", 'q"uote', "back\\slash", "{br}", " sp ", "", "r-1.x:y@z"]
+    ids = [uuid.uuid4(), uuid.uuid4()]
+    read = PreparedStatement("test_arrays", "SELECT %(texts)s::text[], %(ids)s::uuid[], %(none)s::text[]")
+    [[(got_texts, got_ids, none)]] = await begin_with(conn, [(read, {"texts": text_array(texts), "ids": uuid_array(ids),
+                                                                   "none": text_array([])})])  # fmt: skip
+    await conn.rollback()
+    assert (got_texts, got_ids, none) == (texts, ids, [])
