@@ -511,11 +511,11 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
             moved_after, _, passed_over = await _release_moved(conn, moved_after)
             catch_up = catch_up or passed_over
         next_tick = time.monotonic() + settings.sweep_interval_seconds
-        due_at = await _next_due(conn)
+        due_at = await _next_due(conn, released=False)  # one may have fallen due since the tick's release
         while (left := next_tick - time.monotonic()) > 0:
             if due_at is not None and due_at <= time.monotonic():
                 await _release_due(conn)
-                due_at = await _next_due(conn)
+                due_at = await _next_due(conn, released=True)
                 continue
             wait = left if due_at is None else min(left, due_at - time.monotonic())
             if log_moved is None:
@@ -523,22 +523,27 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
             elif await log_moved.wait(wait):
                 moved_after, waiting, passed_over = await _release_moved(conn, moved_after)
                 catch_up = catch_up or passed_over
-                due_at = await _next_due(conn)  # the move may be a job submitted to run before the next tick
+                # The move may be a job submitted to run before the next tick.
+                due_at = await _next_due(conn, released=False)
                 await anyio.sleep(PROMPT_LOOK_SECONDS if waiting else IDLE_LOOK_SECONDS)
 
 
-async def _next_due(conn: psycopg.AsyncConnection) -> float | None:
-    """When (``time.monotonic``) the first job waiting for its time falls due, if before the next tick may
-    matter: ``None`` when no job waits, or when the first one is due already (the tick just released the
-    due ones; one still there is held by another transaction and left to the next tick, not looked at
-    again and again)."""
+async def _next_due(conn: psycopg.AsyncConnection, *, released: bool) -> float | None:
+    """When (``time.monotonic``) to release the first job waiting for its time: ``None`` when none waits.
+
+    One whose time has come already is due now, unless a release has just
+    run (``released``): it left that one, whose row another transaction holds,
+    to the next tick rather than looking at it again and again.
+    """
     seconds: list[float | None] = [None]
 
     async def look() -> None:
         seconds[0] = await delayed.seconds_to_next(conn)
 
     await _step("next_due", look)
-    return None if seconds[0] is None or seconds[0] <= 0 else time.monotonic() + seconds[0]
+    if seconds[0] is None or (seconds[0] <= 0 and released):
+        return None
+    return time.monotonic() + max(0.0, seconds[0])
 
 
 async def _release_due(conn: psycopg.AsyncConnection) -> None:
