@@ -29,7 +29,7 @@ from starlette.responses import Response
 
 from umbra import metrics
 from umbra.compute import claims
-from umbra.compute.abandoned_claims import ClaimAbandoned
+from umbra.compute.abandoned_claims import ClaimAbandoned, abandon
 from umbra.compute.claims import SCAN_PAGE
 from umbra.errors import Forbidden
 from umbra.events.types import Placement
@@ -176,6 +176,10 @@ async def release_unread(request: Request) -> Response:
     """The agent never read a claim request's answer: give back what that request took, if anything."""
     who = await authorized(request, "compute:claim")
     body = await read_json(request, UnreadClaimRequest)
+    # Two transactions: the abandonment commits first, holding the node's claim guard only that long (the
+    # nodes sharing it look again in a moment), then what the request took is given back.
+    async with acting_as(request, who) as conn:
+        await abandon(conn, who.organization_id, who.node_id, body.request_id)
     async with acting_as(request, who) as conn:
         released = await claims.release_unread_claim(conn, organization_id=who.organization_id, node_id=who.node_id,
                                                      claim_request_id=body.request_id, request_id=request_id(request))  # fmt: skip

@@ -246,7 +246,8 @@ class WaiterHub:
                     with anyio.CancelScope(shield=True):
                         result = await attempt()
                 except BaseException:
-                    if token is not None:  # a waiter that could not try the wake (revoked, say) passes it on
+                    metrics.CLAIM_ATTEMPTS.inc()  # refused or failed (revoked, given up by its agent, the database away)
+                    if token is not None:  # a waiter that could not try the wake passes it on
                         self._pass_on(token, waiter)
                     raise
                 metrics.CLAIM_ATTEMPTS.inc()

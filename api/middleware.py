@@ -38,8 +38,9 @@ from .params import integer
 
 log = logging.getLogger(__name__)
 
-#: A client's ``X-Request-ID`` kept as the request's id (any other is replaced by a fresh one).
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+#: A client's ``X-Request-ID`` kept as the request's id (any other is replaced by a fresh one). ``$`` alone
+#: also matches before a final newline (msgspec validates a body's with ``re.search``): ``(?!\n)`` refuses it.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$(?!\n)"
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 

@@ -9,12 +9,17 @@ then claim a job nobody hears of, leased until the lease runs out. Behind a
 load balancer it may reach another process than the release did, so the
 abandonment is a row every process reads, not one process's memory.
 
-The release holds the node's claim guard exclusively while it records the
-row and gives back what the request took
-(:func:`umbra.compute.nodes.guard_against_claims`), and every claim shares that
-guard before it reads the row, in its own transaction. A claim with that
-request id then either committed before the release looked (and is given
-back), or reads the row and claims nothing (:class:`ClaimAbandoned`).
+The release records the row in a transaction of its own, holding the node's
+claim guard exclusively (:func:`umbra.compute.nodes.guard_against_claims`)
+until it commits, and every claim shares that guard before it reads the row,
+in its own transaction. A claim with that request id then either committed
+before the row did, and the release gives back what it took in a second
+transaction (:func:`umbra.compute.claims.release_unread_claim`), or reads the
+row and claims nothing (:class:`ClaimAbandoned`). The guard is held only for
+the row's insert and commit: the nodes that share it (its organization's
+nodes share 64 guards) look again 20 ms later, as during any change of a
+node, instead of waiting for the give-backs, which may wait for rows other
+transactions hold.
 """
 
 from __future__ import annotations
@@ -53,11 +58,11 @@ class ClaimAbandoned(Exception):
 
 
 async def abandon(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, request_id: str) -> None:
-    """Record that the node's agent gave up on the claim request ``request_id``; in the caller's transaction.
+    """Record that the node's agent gave up on the claim request ``request_id``, in the caller's transaction,
+    which should commit at once: it holds the node's claim guard until then.
 
-    The node's claim guard is held from here to the caller's commit: a claim
-    of that request that shared it first has committed, and the caller, which
-    then looks for what the request took, finds it; any later one reads the row.
+    A claim of that request that shared the guard first has committed by the
+    time this returns; any later one reads the row.
     """
     await guard_against_claims(conn, organization_id, node_id)
     await conn.execute(_RECORD, (node_id, request_id))

@@ -81,7 +81,7 @@ from .jobs import (
     jobs_by_idempotency_key, lock_idempotency_keys, may_end, record_and_settle, refusing_nul,
     submitted_events,
 )  # fmt: skip
-from .abandoned_claims import ClaimAbandoned, abandon, is_abandoned
+from .abandoned_claims import ClaimAbandoned, is_abandoned
 from .nodes import hold_node_memory, share_claim_guards
 
 log = logging.getLogger(__name__)
@@ -649,11 +649,10 @@ async def release_unread_claim(conn: psycopg.AsyncConnection, *, organization_id
     never ran) and claimable by another node at once, instead of waiting out a
     lease no agent will renew. Returns the released jobs' ids, in submission order.
 
-    The request is recorded as abandoned first (:func:`umbra.compute.abandoned_claims.abandon`,
-    holding the node's claim guard to the caller's commit): should it reach any server process
-    later, it claims nothing. Run in the caller's transaction.
+    Run once the request's abandonment has committed
+    (:func:`umbra.compute.abandoned_claims.abandon`): no claim of it can
+    commit after that, so every one it made is found here.
     """
-    await abandon(conn, organization_id, node_id, claim_request_id)
     cursor = await conn.execute(_CLAIMED_BY_REQUEST, {"organization": organization_id, "node": node_id,
                                                       "claim_request": claim_request_id})  # fmt: skip
     released = []

@@ -490,34 +490,3 @@ async def test_abandoned_requests_are_forgotten_by_the_sweepers_second_look_afte
     assert beat.status_code == 200, beat.text
     job_id = await post_job(client, key, max_attempts=1)
     assert (await claim_as(client, node, "old-1"))["job"]["id"] == job_id
-
-
-async def test_a_claim_racing_its_requests_release_never_leaves_a_job_leased_under_it(client, org):
-    """The claim and the release of its request sent at the same moment, round after round: whichever commits
-    first, no job stays leased under a request its agent gave up on. Either the claim read the abandonment
-    and took nothing, or it committed first and the release gave back what it took."""
-    _, key = org
-    _, node = await online(client, key, "box")
-    await post_job(client, key, max_attempts=1)
-    for round_ in range(30):
-        request = f"race-{round_}"
-        results: dict[str, httpx.Response] = {}
-
-        async def claim() -> None:
-            results["claim"] = await client.post("/v1/agent/claim", params={"wait": 0},
-                                                 headers={**bearer(node), "X-Request-ID": request})  # fmt: skip
-
-        async def release() -> None:
-            results["release"] = await release_unread(client, node, request)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(claim)
-            tg.start_soon(release)
-        claimed, released = results["claim"], results["release"].json()["released"]
-        assert claimed.status_code in (200, 204), claimed.text
-        if claimed.status_code == 200:
-            assert released == [claimed.json()["job"]["id"]], (round_, released)
-        else:
-            assert released == [], (round_, released)
-        running = (await client.get("/v1/jobs", params={"status": "running"}, headers=bearer(key))).json()["jobs"]
-        assert running == [], (round_, running)
