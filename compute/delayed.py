@@ -10,7 +10,7 @@ releases them (``job.unblocked``, reason ``due``), each judged against the
 fleet as a submission is, so it is queued, or blocked for good reason if
 nothing could run it now; long-polls waiting for work are hinted. Between
 ticks the leader also wakes when the first waiting job's time comes
-(:func:`seconds_to_next`, read again after every tick and every move of the
+(:func:`next_times`, read again after every tick and every move of the
 log, which a new delayed submission is), so a job falls due at its time, not
 up to a sweep interval (``UMBRA_SWEEP_INTERVAL_SECONDS``) after it.
 
@@ -28,6 +28,7 @@ also depends on other jobs waits for them first, then for its time.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Mapping
 from uuid import UUID
 
@@ -49,8 +50,16 @@ WHERE status = 'blocked' AND waiting_until IS NOT NULL AND waiting_until <= umbr
 ORDER BY waiting_until, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
-#: Seconds from now to the time of the first job waiting for one (by index ``jobs_waiting_until``).
-_NEXT = "SELECT extract(epoch FROM min(waiting_until) - umbra_now()) FROM jobs WHERE status = 'blocked' AND waiting_until IS NOT NULL"
+#: Whether a waiting job's time has come (since ``%(after)s``, when given), the seconds to the first time still
+#: to come, and the clock: two probes of index ``jobs_waiting_until`` (a min over the rows past now would read
+#: every one of them).
+_NEXT = """
+SELECT EXISTS (SELECT 1 FROM jobs WHERE status = 'blocked' AND waiting_until IS NOT NULL AND waiting_until <= umbra_now()
+               AND (%(after)s::timestamptz IS NULL OR waiting_until > %(after)s)),
+       extract(epoch FROM (SELECT waiting_until FROM jobs WHERE status = 'blocked' AND waiting_until > umbra_now()
+                           ORDER BY waiting_until LIMIT 1) - umbra_now()),
+       umbra_now()
+"""
 #: Jobs released per transaction.
 PAGE = 500
 _WIDTH = len(queue.COLUMNS)
@@ -76,7 +85,13 @@ async def release_due(conn: psycopg.AsyncConnection, *, metadata: Mapping[str, A
         after = (found[-1][_WAITING_UNTIL], found[-1][0])
 
 
-async def seconds_to_next(conn: psycopg.AsyncConnection) -> float | None:
-    """Seconds until the first job waiting for its time falls due (0 or less: it has), or ``None`` if none waits."""
-    [(seconds,)] = await (await conn.execute(_NEXT)).fetchall()
-    return None if seconds is None else float(seconds)
+async def next_times(conn: psycopg.AsyncConnection, *, after: datetime | None = None) -> tuple[bool, float | None, datetime]:
+    """Whether a job waiting for its time has fallen due (after ``after``, when given), the seconds until the
+    next one falls due (``None``: none is still to come), and the database's clock.
+
+    Apart, so that a due job a release had to leave waiting (its row held
+    elsewhere) never hides a later one's time; ``after`` leaves out the jobs
+    that fell due before a release that has run since.
+    """
+    [(due, seconds, now)] = await (await conn.execute(_NEXT, {"after": after})).fetchall()
+    return bool(due), None if seconds is None else float(seconds), now

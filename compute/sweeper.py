@@ -511,11 +511,12 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
             moved_after, _, passed_over = await _release_moved(conn, moved_after)
             catch_up = catch_up or passed_over
         next_tick = time.monotonic() + settings.sweep_interval_seconds
-        due_at = await _next_due(conn, released=False)  # one may have fallen due since the tick's release
+        # The tick released what was due at its start; what fell due since is due now.
+        due_at, looked = await _next_due(conn, after=since)
         while (left := next_tick - time.monotonic()) > 0:
             if due_at is not None and due_at <= time.monotonic():
                 await _release_due(conn)
-                due_at = await _next_due(conn, released=True)
+                due_at, looked = await _next_due(conn, after=looked)
                 continue
             wait = left if due_at is None else min(left, due_at - time.monotonic())
             if log_moved is None:
@@ -524,26 +525,31 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
                 moved_after, waiting, passed_over = await _release_moved(conn, moved_after)
                 catch_up = catch_up or passed_over
                 # The move may be a job submitted to run before the next tick.
-                due_at = await _next_due(conn, released=False)
+                due_at, looked = await _next_due(conn, after=looked)
                 await anyio.sleep(PROMPT_LOOK_SECONDS if waiting else IDLE_LOOK_SECONDS)
 
 
-async def _next_due(conn: psycopg.AsyncConnection, *, released: bool) -> float | None:
-    """When (``time.monotonic``) to release the first job waiting for its time: ``None`` when none waits.
+async def _next_due(conn: psycopg.AsyncConnection, *, after: datetime | None) -> tuple[float | None, datetime | None]:
+    """When (``time.monotonic``) to release the jobs waiting for their time next, ``None`` when none waits; and
+    the database's clock at this look, for the next one's ``after``.
 
-    One whose time has come already is due now, unless a release has just
-    run (``released``): it left that one, whose row another transaction holds,
-    to the next tick rather than looking at it again and again.
+    A job that fell due after ``after`` (the last look, or the tick's start:
+    a release has run since, which took every job due then that it could) is
+    due now. One due before it was left by that release, its row held by
+    another transaction or its organization's fleet changing: it waits for
+    the next tick rather than being looked at again and again, and the next
+    job still to come is woken for all the same.
     """
-    seconds: list[float | None] = [None]
+    times: list[tuple[bool, float | None, datetime | None]] = [(False, None, None)]
 
     async def look() -> None:
-        seconds[0] = await delayed.seconds_to_next(conn)
+        times[0] = await delayed.next_times(conn, after=after)
 
     await _step("next_due", look)
-    if seconds[0] is None or (seconds[0] <= 0 and released):
-        return None
-    return time.monotonic() + max(0.0, seconds[0])
+    due, seconds, now = times[0]
+    if due:
+        return time.monotonic(), now
+    return (None if seconds is None else time.monotonic() + seconds), now
 
 
 async def _release_due(conn: psycopg.AsyncConnection) -> None:
