@@ -157,6 +157,14 @@ def delayed_released() -> float:
     return metrics.SWEEPER_ACTIONS.labels(action="delayed_released")._value.get()
 
 
+@contextlib.asynccontextmanager
+async def held_elsewhere(db_url: str, job_id):
+    """The job's row locked by another transaction (a cancel in flight, an operator's open one) while inside."""
+    async with await psycopg.AsyncConnection.connect(db_url) as other, other.transaction():
+        await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (job_id,))
+        yield
+
+
 async def delayed_job(conn, org_id, seconds: float, base: datetime | None = None, **fields):
     base = base if base is not None else await now_of(conn)
     return await submit(conn, org_id, "later", not_before=text(base + timedelta(seconds=seconds)), **fields)
@@ -235,14 +243,12 @@ async def test_a_due_job_held_elsewhere_does_not_make_the_leader_spin_and_is_rel
     await add_node(conn, org_id, "box", [CPU64])
     async with sweeping(db_url, probe, 3.0):
         job = await delayed_job(conn, org_id, 1.0)
-        async with await psycopg.AsyncConnection.connect(db_url) as other:
-            async with other.transaction():
-                await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (job.id,))
-                await anyio.sleep(1.5)
-                reads, releases = probe.next_reads, probe.releases
-                await anyio.sleep(3.5)
-                reads, releases = probe.next_reads - reads, probe.releases - releases
-                assert (await row(conn, org_id, job.id)).status == "blocked"
+        async with held_elsewhere(db_url, job.id):
+            await anyio.sleep(1.5)
+            reads, releases = probe.next_reads, probe.releases
+            await anyio.sleep(3.5)
+            reads, releases = probe.next_reads - reads, probe.releases - releases
+            assert (await row(conn, org_id, job.id)).status == "blocked"
         freed = datetime.now(timezone.utc)
         at = await released_at(conn, job.id, timeout=10)
     await never_early(conn)
@@ -259,16 +265,14 @@ async def test_a_due_job_held_elsewhere_under_a_stream_of_hints_costs_at_most_a_
     await add_node(conn, org_id, "box", [CPU64])
     async with sweeping(db_url, probe, 30.0):
         job = await delayed_job(conn, org_id, 0.5)
-        async with await psycopg.AsyncConnection.connect(db_url) as other:
-            async with other.transaction():
-                await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (job.id,))
-                await anyio.sleep(0.7)
-                reads, releases = probe.next_reads, probe.releases
-                for _ in range(60):
-                    await submit(conn, org_id, "busy")
-                    await anyio.sleep(0.05)
-                reads, releases = probe.next_reads - reads, probe.releases - releases
-                assert (await row(conn, org_id, job.id)).status == "blocked"
+        async with held_elsewhere(db_url, job.id):
+            await anyio.sleep(0.7)
+            reads, releases = probe.next_reads, probe.releases
+            for _ in range(60):
+                await submit(conn, org_id, "busy")
+                await anyio.sleep(0.05)
+            reads, releases = probe.next_reads - reads, probe.releases - releases
+            assert (await row(conn, org_id, job.id)).status == "blocked"
     await never_early(conn)
     assert releases <= 40 and reads <= 80, (reads, releases)
 
@@ -283,10 +287,8 @@ async def test_a_due_job_held_elsewhere_does_not_hold_back_a_later_job(db_url, c
         base = await now_of(conn)
         j1 = await delayed_job(conn, org_id, 1.0, base)
         j2 = await delayed_job(conn, org_id, 2.5, base)
-        async with await psycopg.AsyncConnection.connect(db_url) as other:
-            async with other.transaction():
-                await other.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (j1.id,))
-                late_j2 = await lateness(conn, j2, timeout=20)
+        async with held_elsewhere(db_url, j1.id):
+            late_j2 = await lateness(conn, j2, timeout=20)
         await released_at(conn, j1.id, timeout=12)  # released once free
     await never_early(conn)
     assert late_j2 < ON_TIME, f"J2 was released {late_j2:.1f} s after its time (at the next tick), held back by J1's hold"
