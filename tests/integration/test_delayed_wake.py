@@ -58,6 +58,10 @@ class Probe:
     slow_release_seconds: float = 0.0
     after_tick: Callable[[int], Awaitable[None]] | None = None
 
+    def counts(self, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+        """(reads of the next time, releases) so far, less ``since`` (an earlier call's answer)."""
+        return self.next_reads - since[0], self.releases - since[1]
+
 
 @pytest.fixture
 def probe(monkeypatch) -> Probe:
@@ -247,9 +251,9 @@ async def test_a_due_job_held_elsewhere_does_not_make_the_leader_spin_and_is_rel
         job = await delayed_job(conn, org_id, 1.0)
         async with held_elsewhere(db_url, job.id):
             await anyio.sleep(1.0)
-            reads, releases = probe.next_reads, probe.releases
+            before = probe.counts()
             await anyio.sleep(2.0)
-            reads, releases = probe.next_reads - reads, probe.releases - releases
+            reads, releases = probe.counts(before)
             assert (await row(conn, org_id, job.id)).status == "blocked"
         freed = datetime.now(timezone.utc)
         at = await released_at(conn, job.id, timeout=10)
@@ -269,11 +273,11 @@ async def test_a_due_job_held_elsewhere_under_a_stream_of_hints_costs_at_most_a_
         job = await delayed_job(conn, org_id, 0.5)
         async with held_elsewhere(db_url, job.id):
             await anyio.sleep(0.7)
-            reads, releases = probe.next_reads, probe.releases
+            before = probe.counts()
             for _ in range(30):
                 await submit(conn, org_id, "busy")
                 await anyio.sleep(0.05)
-            reads, releases = probe.next_reads - reads, probe.releases - releases
+            reads, releases = probe.counts(before)
             assert (await row(conn, org_id, job.id)).status == "blocked"
     await never_early(conn)
     assert releases <= 20 and reads <= 40, (reads, releases)
@@ -387,7 +391,7 @@ async def test_not_befores_milliseconds_away_are_released_promptly_without_a_bus
     org_id, _ = org
     await add_node(conn, org_id, "box", [CPU64])
     async with sweeping(db_url, probe, TICKS):
-        reads, releases = probe.next_reads, probe.releases
+        before = probe.counts()
         base = await now_of(conn)
         made = [await delayed_job(conn, org_id, 0.02 * (i + 1), base) for i in range(10)]
 
@@ -400,7 +404,7 @@ async def test_not_befores_milliseconds_away_are_released_promptly_without_a_bus
             await eventually(all_queued, timeout=12)
         took = time.monotonic() - started
         await anyio.sleep(0.5)
-        reads, releases = probe.next_reads - reads, probe.releases - releases
+        reads, releases = probe.counts(before)
     await never_early(conn)
     assert took < ON_TIME, f"the last of them was queued {took:.1f} s later (at the tick, 5 s apart), not at its time"
     assert reads < 200 and releases < 100, (reads, releases)
