@@ -10,6 +10,10 @@ NOTIFY works (a rolled-back transaction would never deliver one).
 from __future__ import annotations
 
 import os
+
+# argon2id at its smallest cost, in this process and every `umbra` process a test starts (they inherit
+# the environment): most of the suite's CPU time went to hashing. Set it to 0 to run on the real profile.
+os.environ.setdefault("UMBRA_INSECURE_CHEAP_HASHING_FOR_TESTS", "1")
 import socket
 import threading
 import time

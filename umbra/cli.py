@@ -15,6 +15,7 @@ from uuid import UUID
 
 import anyio
 
+from . import security
 from .errors import UmbraError
 from .settings import SettingsError, load_settings
 
@@ -171,6 +172,9 @@ def cmd_serve(args) -> int:
             if ahead:  # a newer release migrated the database: served all the same, as during a rolling upgrade
                 log.warning("the schema is ahead of this release",
                             extra={"action": "schema_ahead_of_release", "migrations": ",".join(ahead)})
+            if security.PASSWORD_HASHER is not security.PROFILE:
+                log.warning("secrets are hashed at argon2id's smallest cost: for a test suite only, never for a deployment",
+                            extra={"action": "cheap_hashing", "variable": security.CHEAP_HASHING_VARIABLE})
             app = create_app(settings, url)
             serve(app, host=host, port=port)  # ends SSE streams and long-polls on shutdown
         except KeyboardInterrupt:

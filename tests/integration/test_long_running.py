@@ -2,7 +2,7 @@
 
 Each test drives a LiveServer over HTTP with many organizations, keys, nodes and clients that come and
 go, then measures the in-process structures, the pool, the server loop's tasks, file descriptors and
-database tables before and after. Sizes and counts only, never times. Secrets are hashed with a cheap
+database tables before and after. Sizes and counts only, never times. Secrets are hashed with the cheap
 argon2id profile (the same code paths, a smaller cost) so a test can make hundreds of credentials.
 """
 
@@ -17,7 +17,6 @@ from typing import Any, Awaitable, Callable
 import anyio
 import httpx
 import pytest
-from argon2 import PasswordHasher, Type
 
 from tests.conftest import LiveServer
 from tests.helpers import until
@@ -28,13 +27,13 @@ from umbra.security import token_fingerprint
 
 pytestmark = pytest.mark.anyio
 
-CHEAP = PasswordHasher(time_cost=1, memory_cost=8, parallelism=1, hash_len=32, salt_len=16, type=Type.ID)
 ALL_SCOPES = ["jobs:write", "jobs:read", "events:read", "nodes:admin"]
 
 
 @pytest.fixture
 def cheap_hashes(monkeypatch):
-    monkeypatch.setattr(security, "PASSWORD_HASHER", CHEAP)
+    """Cheap even when the suite runs on the real profile."""
+    monkeypatch.setattr(security, "PASSWORD_HASHER", security.CHEAP_TEST_PROFILE)
 
 
 def bearer(token: str) -> dict[str, str]:

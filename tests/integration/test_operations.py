@@ -75,6 +75,19 @@ def test_serve_with_an_empty_umbra_host_stays_on_the_loopback(db_url):
     assert "http://0.0.0.0:" not in text and "http://[::]:" not in text
 
 
+def test_serve_warns_when_secrets_are_hashed_at_the_tests_cheap_cost_and_not_otherwise(db_url):
+    """The suite runs with argon2id at its smallest cost: a deployment that set that variable is told so."""
+    from umbra.security import CHEAP_HASHING_VARIABLE
+
+    for value, warned in (("1", True), ("0", False)):
+        with serve(db_url, **{CHEAP_HASHING_VARIABLE: value}) as (_process, _port, log):
+            lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        cheap = [line for line in lines if line.get("action") == "cheap_hashing"]
+        assert len(cheap) == (1 if warned else 0), (value, lines)
+        if warned:
+            assert cheap[0]["level"] == "warning" and cheap[0]["variable"] == CHEAP_HASHING_VARIABLE
+
+
 def test_a_fresh_servers_metrics_name_claims_claim_wait_and_sweeper_actions(db_url):
     """A server that has claimed and swept nothing yet shows its claims, claim waits and sweeper actions at 0,
     so a dashboard or an alert on rate(umbra_claims_total[5m]) reads 0 rather than "no data"."""

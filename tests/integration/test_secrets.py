@@ -8,7 +8,8 @@
   searched for the API key, the node credential, the pairing code, the secret
   half of each token and any argon2 hash.
 * Hashes: every stored secret hash (API keys, node credentials, pairing codes)
-  is argon2id with exactly the parameters of ``umbra.security.PASSWORD_HASHER``,
+  is argon2id with exactly the parameters of the profile in use (``umbra.security.PASSWORD_HASHER``:
+  the real one, or the suite's cheap one), a process takes the real one unless told otherwise,
   and no other module imports argon2, so the profile lives in one place.
 * The service's role: a pooled request connection (``umbra.db.open_pool``,
   what the server uses) runs as ``umbra_service`` and cannot rewrite the log.
@@ -19,7 +20,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import logging
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +36,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.helpers import eventually
-from umbra.security import PASSWORD_HASHER
+from umbra import security
 
 pytestmark = pytest.mark.anyio
 
@@ -189,8 +193,11 @@ def _params(encoded: str) -> argon2.Parameters:
     return argon2.extract_parameters(encoded)
 
 
-async def test_every_stored_secret_is_argon2id_with_the_one_profile(db_url, conn):
+@pytest.mark.parametrize("profile", [security.PROFILE, security.CHEAP_TEST_PROFILE], ids=["real", "cheap"])
+async def test_every_stored_secret_is_argon2id_with_the_one_profile(db_url, conn, monkeypatch, profile):
     from umbra.compute.accounts import create_api_key, create_organization
+
+    monkeypatch.setattr(security, "PASSWORD_HASHER", profile)
 
     from .queue_support import CPU8, add_node
 
@@ -204,7 +211,6 @@ async def test_every_stored_secret_is_argon2id_with_the_one_profile(db_url, conn
         "SELECT 'api_keys', secret_hash FROM api_keys UNION ALL SELECT 'node_credentials', secret_hash FROM node_credentials"
         " UNION ALL SELECT 'pairing_codes', code_hash FROM pairing_codes")).fetchall()  # fmt: skip
     assert {table for table, _ in rows} == {"api_keys", "node_credentials", "pairing_codes"}
-    profile = PASSWORD_HASHER
     for table, encoded in rows:
         assert encoded.startswith("$argon2id$"), table
         params = _params(encoded)
@@ -212,6 +218,21 @@ async def test_every_stored_secret_is_argon2id_with_the_one_profile(db_url, conn
             argon2.Type.ID, profile.time_cost, profile.memory_cost, profile.parallelism, profile.hash_len, profile.salt_len
         ), table
         assert not profile.check_needs_rehash(encoded), table
+
+
+def test_a_process_hashes_on_the_real_profile_unless_the_tests_variable_is_exactly_1():
+    """The cheap profile is the test suite's (its conftest sets the variable); anything else is the real one."""
+    assert security.PROFILE.time_cost == 3 and security.PROFILE.memory_cost == 19 * 1024 and security.PROFILE.type is argon2.Type.ID
+    for value in ("0", "", "true", "yes", " 1"):
+        assert security.profile_for({security.CHEAP_HASHING_VARIABLE: value}) is security.PROFILE, value
+    assert security.profile_for({}) is security.PROFILE
+    assert security.profile_for({security.CHEAP_HASHING_VARIABLE: "1"}) is security.CHEAP_TEST_PROFILE
+    # What a process picks up at import: without the variable, a hash made there carries the real parameters.
+    environment = {k: v for k, v in os.environ.items() if k != security.CHEAP_HASHING_VARIABLE}
+    made = subprocess.run([sys.executable, "-c", "from umbra.security import hash_secret; print(hash_secret('s'))"],
+                          cwd=ROOT, env=environment, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    params = _params(made)
+    assert (params.type, params.time_cost, params.memory_cost) == (argon2.Type.ID, 3, 19 * 1024)
 
 
 def test_argon2_is_configured_in_one_module_only():
