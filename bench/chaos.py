@@ -50,6 +50,7 @@ from umbra.compute.accounts import create_organization
 from umbra.compute.pairing import issue_pairing_code
 from umbra.events.listener import APPLICATION_NAME as LISTENER_NAME
 from umbra.events.types import TERMINAL_JOB_STATUSES
+from umbra.security import CHEAP_HASHING_VARIABLE
 
 from .double_claims import audit_log
 
@@ -110,7 +111,9 @@ def _free_port() -> int:
 
 
 def _base_env(work: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UMBRA_")}
+    """The caller's environment without its UMBRA_ settings, but with its hashing profile: a pairing code is
+    found by its hash, so the processes issuing and redeeming it must hash with the same one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UMBRA_") or k == CHEAP_HASHING_VARIABLE}
     env["UMBRA_DATA_DIR"] = str(work / "data")
     return env
 
