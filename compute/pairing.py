@@ -12,7 +12,10 @@ argon2id computation and an index lookup however many codes are waiting. With
 a salt per code, each wrong attempt, unauthenticated, cost one computation per
 live code of every organization. No two live codes are equal, whatever their
 name or organization, so the lookup finds at most one, and a code presented
-under another name is recognised as such.
+under another name is recognised as such. The hash carries the profile's
+parameters too: processes that issue and redeem codes must share one
+(``umbra.security.PASSWORD_HASHER``), and a release that changed it would find
+no code issued before it (they expire within half an hour).
 
 Given a pool, the commands borrow a connection for each step that talks to
 the database and give it back before every argon2id computation (about 60 ms
