@@ -50,7 +50,7 @@ from umbra.compute.accounts import create_organization
 from umbra.compute.pairing import issue_pairing_code
 from umbra.events.listener import APPLICATION_NAME as LISTENER_NAME
 from umbra.events.types import TERMINAL_JOB_STATUSES
-from umbra.security import CHEAP_HASHING_VARIABLE
+from umbra.settings import CHEAP_HASHING_VARIABLE
 
 from .double_claims import audit_log
 

@@ -10,10 +10,6 @@ NOTIFY works (a rolled-back transaction would never deliver one).
 from __future__ import annotations
 
 import os
-
-# argon2id at its smallest cost, in this process and every `umbra` process a test starts (they inherit
-# the environment): most of the suite's CPU time went to hashing. Set it to 0 to run on the real profile.
-os.environ.setdefault("UMBRA_INSECURE_CHEAP_HASHING_FOR_TESTS", "1")
 import socket
 import threading
 import time
@@ -26,6 +22,12 @@ import pytest
 from psycopg import conninfo, sql
 
 from umbra.migrate import migrate
+from umbra.settings import CHEAP_HASHING_VARIABLE
+
+# argon2id at its smallest cost, in this process and every `umbra` process a test starts (they inherit
+# the environment): most of the suite's CPU time went to hashing. Set it to 0 to run on the real profile.
+# Before anything imports umbra.security, which reads it once.
+os.environ.setdefault(CHEAP_HASHING_VARIABLE, "1")
 
 LOCAL_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 

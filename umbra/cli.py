@@ -17,7 +17,7 @@ import anyio
 
 from . import security
 from .errors import UmbraError
-from .settings import SettingsError, load_settings
+from .settings import CHEAP_HASHING_VARIABLE, SettingsError, load_settings
 
 #: Named, not ``__name__``: run as ``python -m umbra.cli`` this module is ``__main__``, outside the ``umbra``
 #: logger tree that ``serve`` writes as JSON.
@@ -174,7 +174,7 @@ def cmd_serve(args) -> int:
                             extra={"action": "schema_ahead_of_release", "migrations": ",".join(ahead)})
             if security.PASSWORD_HASHER is not security.PROFILE:
                 log.warning("secrets are hashed at argon2id's smallest cost: for a test suite only, never for a deployment",
-                            extra={"action": "cheap_hashing", "variable": security.CHEAP_HASHING_VARIABLE})
+                            extra={"action": "cheap_hashing", "variable": CHEAP_HASHING_VARIABLE})
             app = create_app(settings, url)
             serve(app, host=host, port=port)  # ends SSE streams and long-polls on shutdown
         except KeyboardInterrupt:

@@ -11,35 +11,25 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import re
 import secrets
-from collections.abc import Mapping
 
 from argon2 import PasswordHasher, Type, low_level
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
+
+from .settings import cheap_hashing
 
 #: The argon2id profile for every stored secret. RFC 9106's second recommended
 #: option (64 MiB would make every pairing attempt cost more than the rate limit
 #: needs): 3 passes over 19 MiB, one lane — OWASP's argon2id minimum.
 PROFILE = PasswordHasher(time_cost=3, memory_cost=19 * 1024, parallelism=1, hash_len=32, salt_len=16, type=Type.ID)
 
-#: argon2id at its smallest cost (one pass over 8 KiB): for a test suite only, where the ~55 ms of CPU
-#: of each hash and each first verification of a token was most of the suite's CPU time (a test makes
-#: an organization, pairs a node and authenticates both: about seven of them) and nothing is at stake.
-#: The same code paths run; only the parameters written into each hash differ.
+#: argon2id at its smallest cost (one pass over 8 KiB), for a test suite: the same code paths, only the
+#: parameters written into each hash differ (``umbra.settings.CHEAP_HASHING_VARIABLE`` says when).
 CHEAP_TEST_PROFILE = PasswordHasher(time_cost=1, memory_cost=8, parallelism=1, hash_len=32, salt_len=16, type=Type.ID)
 
-#: Set to ``1`` in the environment, the process hashes with :data:`CHEAP_TEST_PROFILE`. Any other value, or
-#: none, is :data:`PROFILE`. ``umbra serve`` logs a warning when it is set.
-CHEAP_HASHING_VARIABLE = "UMBRA_INSECURE_CHEAP_HASHING_FOR_TESTS"
-
-
-def profile_for(environ: Mapping[str, str]) -> PasswordHasher:
-    return CHEAP_TEST_PROFILE if environ.get(CHEAP_HASHING_VARIABLE) == "1" else PROFILE
-
-
-PASSWORD_HASHER = profile_for(os.environ)
+#: The profile this process hashes with.
+PASSWORD_HASHER = CHEAP_TEST_PROFILE if cheap_hashing() else PROFILE
 
 PREFIX_LENGTH = 10
 _HEX = re.compile("[0-9a-f]+")

@@ -140,6 +140,17 @@ def _networks(env: Mapping[str, str], name: str):
     return tuple(out)
 
 
+#: Set to ``1``, the process hashes secrets with argon2id at its smallest cost (``umbra.security``).
+#: For a test suite only (its conftest sets it; the ~55 ms of each hash was most of its CPU), never for
+#: a deployment: ``umbra serve`` warns when it is set. Any other value, or none, is the real profile.
+#: Not a :class:`Settings` field: every process hashes, the CLI and the agent included, from import on.
+CHEAP_HASHING_VARIABLE = "UMBRA_INSECURE_CHEAP_HASHING_FOR_TESTS"
+
+
+def cheap_hashing(env: Mapping[str, str] | None = None) -> bool:
+    return (os.environ if env is None else env).get(CHEAP_HASHING_VARIABLE) == "1"
+
+
 def server_url(env: Mapping[str, str] | None = None) -> str:
     """Where the command-line clients find the service: ``UMBRA_SERVER``, else the server this machine's settings start.
 

@@ -77,7 +77,7 @@ def test_serve_with_an_empty_umbra_host_stays_on_the_loopback(db_url):
 
 def test_serve_warns_when_secrets_are_hashed_at_the_tests_cheap_cost_and_not_otherwise(db_url):
     """The suite runs with argon2id at its smallest cost: a deployment that set that variable is told so."""
-    from umbra.security import CHEAP_HASHING_VARIABLE
+    from umbra.settings import CHEAP_HASHING_VARIABLE
 
     for value, warned in (("1", True), ("0", False)):
         with serve(db_url, **{CHEAP_HASHING_VARIABLE: value}) as (_process, _port, log):

@@ -37,6 +37,7 @@ import pytest
 from tests.conftest import free_port
 from tests.helpers import eventually
 from umbra import security
+from umbra.settings import CHEAP_HASHING_VARIABLE, cheap_hashing
 
 pytestmark = pytest.mark.anyio
 
@@ -224,15 +225,18 @@ def test_a_process_hashes_on_the_real_profile_unless_the_tests_variable_is_exact
     """The cheap profile is the test suite's (its conftest sets the variable); anything else is the real one."""
     assert security.PROFILE.time_cost == 3 and security.PROFILE.memory_cost == 19 * 1024 and security.PROFILE.type is argon2.Type.ID
     for value in ("0", "", "true", "yes", " 1"):
-        assert security.profile_for({security.CHEAP_HASHING_VARIABLE: value}) is security.PROFILE, value
-    assert security.profile_for({}) is security.PROFILE
-    assert security.profile_for({security.CHEAP_HASHING_VARIABLE: "1"}) is security.CHEAP_TEST_PROFILE
-    # What a process picks up at import: without the variable, a hash made there carries the real parameters.
-    environment = {k: v for k, v in os.environ.items() if k != security.CHEAP_HASHING_VARIABLE}
-    made = subprocess.run([sys.executable, "-c", "from umbra.security import hash_secret; print(hash_secret('s'))"],
-                          cwd=ROOT, env=environment, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    params = _params(made)
-    assert (params.type, params.time_cost, params.memory_cost) == (argon2.Type.ID, 3, 19 * 1024)
+        assert not cheap_hashing({CHEAP_HASHING_VARIABLE: value}), value
+    assert not cheap_hashing({}) and cheap_hashing({CHEAP_HASHING_VARIABLE: "1"})
+    # What a process picks up at import: a hash made there carries the parameters of the profile it chose.
+    script = "from umbra.security import hash_secret; print(hash_secret('s'))"
+    for value, profile in ((None, security.PROFILE), ("0", security.PROFILE), ("1", security.CHEAP_TEST_PROFILE)):
+        environment = {k: v for k, v in os.environ.items() if k != CHEAP_HASHING_VARIABLE}
+        if value is not None:
+            environment[CHEAP_HASHING_VARIABLE] = value
+        made = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=environment, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+        params = _params(made)
+        assert (params.type, params.time_cost, params.memory_cost) == (argon2.Type.ID, profile.time_cost, profile.memory_cost), value
 
 
 def test_argon2_is_configured_in_one_module_only():
