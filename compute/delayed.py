@@ -29,7 +29,7 @@ also depends on other jobs waits for them first, then for its time.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 from uuid import UUID
 
 import psycopg
@@ -50,15 +50,17 @@ WHERE status = 'blocked' AND waiting_until IS NOT NULL AND waiting_until <= umbr
 ORDER BY waiting_until, id LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
-#: Whether a waiting job's time has come (since ``%(after)s``, when given), the seconds to the first time still
-#: to come, and the clock: two probes of index ``jobs_waiting_until`` (a min over the rows past now would read
-#: every one of them).
+#: Whether a waiting job has fallen due since the look ``%(after)s`` names (by its clock, or by the log's
+#: position then: see :class:`Look`), the seconds to the first time still to come, the clock and the log's
+#: position: two probes of index ``jobs_waiting_until`` (a min over the rows past now would read every one of
+#: them), the due part of it only as long as its jobs wait for a release, and one of the log's last position.
 _NEXT = """
 SELECT EXISTS (SELECT 1 FROM jobs WHERE status = 'blocked' AND waiting_until IS NOT NULL AND waiting_until <= umbra_now()
-               AND (%(after)s::timestamptz IS NULL OR waiting_until > %(after)s)),
+               AND (%(after)s::timestamptz IS NULL OR waiting_until > %(after)s OR position > %(after_position)s)),
        extract(epoch FROM (SELECT waiting_until FROM jobs WHERE status = 'blocked' AND waiting_until > umbra_now()
                            ORDER BY waiting_until LIMIT 1) - umbra_now()),
-       umbra_now()
+       umbra_now(),
+       (SELECT coalesce(max(position), 0) FROM events)
 """
 #: Jobs released per transaction.
 PAGE = 500
@@ -85,13 +87,30 @@ async def release_due(conn: psycopg.AsyncConnection, *, metadata: Mapping[str, A
         after = (found[-1][_WAITING_UNTIL], found[-1][0])
 
 
-async def next_times(conn: psycopg.AsyncConnection, *, after: datetime | None = None) -> tuple[bool, float | None, datetime]:
-    """Whether a job waiting for its time has fallen due (after ``after``, when given), the seconds until the
-    next one falls due (``None``: none is still to come), and the database's clock.
+class Look(NamedTuple):
+    """When a look at the waiting jobs saw them: the database's clock and the log's last position then.
+
+    A job falls due after a look when its time comes after the look's clock,
+    or when it was written after the look, whatever its time: a submission
+    whose ``not_before`` came while it committed (its transaction began before
+    that time, it committed after it) was not there to be seen by a look in
+    between, and its time is before that look's clock. Positions are visible
+    in the order they were taken (see :mod:`umbra.events.store`), so one the
+    look did not see is after the look's position.
+    """
+
+    clock: datetime
+    position: int
+
+
+async def next_times(conn: psycopg.AsyncConnection, *, after: Look | None = None) -> tuple[bool, float | None, Look]:
+    """Whether a job waiting for its time has fallen due (since the look ``after``, when given), the seconds
+    until the next one falls due (``None``: none is still to come), and this look.
 
     Apart, so that a due job a release had to leave waiting (its row held
     elsewhere) never hides a later one's time; ``after`` leaves out the jobs
-    that fell due before a release that has run since.
+    that fell due before a release that has run since, and were there for it.
     """
-    [(due, seconds, now)] = await (await conn.execute(_NEXT, {"after": after})).fetchall()
-    return bool(due), None if seconds is None else float(seconds), now
+    params = {"after": after.clock if after else None, "after_position": after.position if after else None}
+    [(due, seconds, now, position)] = await (await conn.execute(_NEXT, params)).fetchall()
+    return bool(due), None if seconds is None else float(seconds), Look(now, position)

@@ -495,12 +495,15 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
     moved_after = await dependencies.log_head(conn)  # the first tick's whole look covers everything before
     last_reexamined = -REEXAMINE_SECONDS
     catch_up = False  # a prompt look passed a job over: the next tick looks at every waiting job
+    tick: delayed.Look | None = None  # the last tick's start: what its release of delayed jobs could see
     while True:
         try:
             reexamine = time.monotonic() - last_reexamined >= REEXAMINE_SECONDS
+            before = await dependencies.log_head(conn)
             report = await sweep_once(conn, settings, since=since, reexamine=reexamine,
                                       all_dependents=reexamine or catch_up or log_moved is None)  # fmt: skip
             since, catch_up = report.now, report.dependencies_passed_over > 0
+            tick = delayed.Look(report.now, before)
             if reexamine:
                 last_reexamined = time.monotonic()
         except (psycopg.OperationalError, psycopg.InterfaceError):
@@ -511,8 +514,8 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
             moved_after, _, passed_over = await _release_moved(conn, moved_after)
             catch_up = catch_up or passed_over
         next_tick = time.monotonic() + settings.sweep_interval_seconds
-        # The tick released what was due at its start; what fell due since is due now.
-        due_at, looked = await _next_due(conn, after=since)
+        # The tick released what was due at its start; what fell due since, or was written since, is due now.
+        due_at, looked = await _next_due(conn, after=tick)
         while (left := next_tick - time.monotonic()) > 0:
             if due_at is not None and due_at <= time.monotonic():
                 await _release_due(conn)
@@ -529,18 +532,18 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
                 await anyio.sleep(PROMPT_LOOK_SECONDS if waiting else IDLE_LOOK_SECONDS)
 
 
-async def _next_due(conn: psycopg.AsyncConnection, *, after: datetime | None) -> tuple[float | None, datetime | None]:
+async def _next_due(conn: psycopg.AsyncConnection, *, after: delayed.Look | None) -> tuple[float | None, delayed.Look | None]:
     """When (``time.monotonic``) to release the jobs waiting for their time next, ``None`` when none waits; and
-    the database's clock at this look, for the next one's ``after``.
+    this look, for the next one's ``after``.
 
     A job that fell due after ``after`` (the last look, or the tick's start:
-    a release has run since, which took every job due then that it could) is
-    due now. One due before it was left by that release, its row held by
-    another transaction or its organization's fleet changing: it waits for
-    the next tick rather than being looked at again and again, and the next
-    job still to come is woken for all the same.
+    a release has run since, which took every job due then that it could),
+    or was written after it, is due now. One due before it was left by that
+    release, its row held by another transaction or its organization's fleet
+    changing: it waits for the next tick rather than being looked at again
+    and again, and the next job still to come is woken for all the same.
     """
-    times: list[tuple[bool, float | None, datetime | None]] = [(False, None, None)]
+    times: list[tuple[bool, float | None, delayed.Look | None]] = [(False, None, None)]
 
     async def look() -> None:
         times[0] = await delayed.next_times(conn, after=after)

@@ -25,6 +25,7 @@ from umbra import metrics
 from umbra.compute import delayed, sweeper
 from umbra.compute import jobs as submission
 from umbra.domain.jobs import DUE
+from umbra.events import store
 from umbra.events.listener import LogListener
 from umbra.projections.verify import verify
 from umbra.settings import load_settings
@@ -213,6 +214,31 @@ async def test_a_job_falling_due_while_the_previous_one_is_released_is_not_left_
     await never_early(conn)
     assert late_first < ON_TIME
     assert late_second < ON_TIME, f"the second job was released {late_second:.1f} s after its time (the tick), not at it"
+
+
+async def test_a_job_whose_time_came_while_its_submission_committed_is_released_at_its_commit(db_url, conn, org, probe):
+    """A submission's transaction began before its job's not_before and committed after it, and the leader
+    looked in between (the job not there yet, its time already past that look's clock). Its commit is a
+    move of the log, and the look after it counts the job due because it was written after the look before,
+    whatever its time: released at once, not at the next tick, 5 s on."""
+    org_id, _ = org
+    await add_node(conn, org_id, "box", [CPU64])
+    async with sweeping(db_url, probe, TICKS):
+        ticks = len(probe.ticks)
+        await eventually(lambda: _ready(len(probe.ticks) > ticks), timeout=15)  # the steps below end before the next
+        async with await psycopg.AsyncConnection.connect(db_url) as other, other.transaction():
+            began = await now_of(other)  # the transaction's clock, which judges the submission
+            await anyio.sleep(0.6)  # its not_before, 0.3 s after that, has passed
+            reads = probe.next_reads
+            await store.publish(conn, [(org_id, await store.head_position(conn), 1)])  # a move of the log
+            await eventually(lambda: _ready(probe.next_reads > reads), timeout=5)  # the leader looked, after it
+            job = await delayed_job(other, org_id, 0.3, began)
+            assert job.status == "blocked"
+        committed = time.monotonic()
+        await released_at(conn, job.id, timeout=15)
+        took = time.monotonic() - committed
+    await never_early(conn)
+    assert took < ON_TIME, f"released {took:.1f} s after its submission committed (at the next tick), not at once"
 
 
 async def test_a_job_falling_due_during_a_tick_is_released_after_the_tick_not_at_the_next(db_url, conn, org, probe):

@@ -47,6 +47,8 @@ async def pair(conn, org_id: uuid.UUID, name: str) -> uuid.UUID:
 
 async def test_queue_snapshot_counts_every_status_and_lists_open_jobs(conn, org, live_server):
     org_id, key = org
+    # A node that could run them: with none, the server's sweeper, looking at waiting jobs, may block them.
+    await pair(conn, org_id, "box")
     other, _ = await create_organization(conn, "other")
     low, high = await submit(conn, org_id, 200), await submit(conn, org_id, 10)
     done = await submit(conn, org_id)
