@@ -584,9 +584,11 @@ async def _job(conn, job_id: str):
 
 async def test_agent_keeps_its_job_across_a_server_restart_mid_job(serve, org, conn, db_url, tmp_path):
     """The server is stopped while the agent runs a job and comes back on the same port: the agent keeps
-    renewing and reports the result; the job runs once."""
+    renewing and reports the result; the job runs once. The lease (10 s) must outlast the stop, the 2 s pause
+    and the second server's start (a few seconds on a loaded machine: at 6 s it ran out there once), and the
+    job (8 s) outlasts a lease's first renewals, so the restart falls among them."""
     _, key = org
-    env = {"UMBRA_LEASE_SECONDS": "6", "UMBRA_HEARTBEAT_INTERVAL_SECONDS": "1"}
+    env = {"UMBRA_LEASE_SECONDS": "10", "UMBRA_HEARTBEAT_INTERVAL_SECONDS": "1"}
     first = serve(**env)
     await first.ready()
     async with httpx.AsyncClient(base_url=first.url, timeout=15) as client:
@@ -597,7 +599,7 @@ async def test_agent_keeps_its_job_across_a_server_restart_mid_job(serve, org, c
                 return any(n["status"] == "online" for n in nodes)
 
             await eventually(online, timeout=20)
-            job_id = (await client.post("/v1/jobs", json={"kind": "sleep", "payload": {"seconds": 5}},
+            job_id = (await client.post("/v1/jobs", json={"kind": "sleep", "payload": {"seconds": 8}},
                                         headers=bearer(key))).json()["id"]  # fmt: skip
             await eventually(lambda: _running_and_logged(conn, agent, job_id), timeout=10)
             await anyio.sleep(0.5)
@@ -608,7 +610,7 @@ async def test_agent_keeps_its_job_across_a_server_restart_mid_job(serve, org, c
             second = _serve_on(db_url, tmp_path / "serve-again.log", first.port, **env)
             try:
                 await second.ready()
-                done = await eventually(lambda: _finished(conn, job_id), timeout=15)
+                done = await eventually(lambda: _finished(conn, job_id), timeout=20)
             finally:
                 second.kill()
     status, attempt, result = done
