@@ -499,7 +499,7 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
     while True:
         try:
             reexamine = time.monotonic() - last_reexamined >= REEXAMINE_SECONDS
-            before = await dependencies.log_head(conn)
+            before = await store.head_position(conn)
             report = await sweep_once(conn, settings, since=since, reexamine=reexamine,
                                       all_dependents=reexamine or catch_up or log_moved is None)  # fmt: skip
             since, catch_up = report.now, report.dependencies_passed_over > 0
