@@ -58,7 +58,7 @@ import psycopg
 from anyio.abc import TaskStatus
 
 from umbra import jitter, metrics
-from umbra.db import assume_service_role, bound_lock_waits, connect, database_away, lock_wait_ended
+from umbra.db import assume_service_role, bound_lock_waits, database_away, lock_wait_ended, own_connection
 from umbra.domain.jobs import decide_overrun
 from umbra.events import store
 from umbra.events.types import JobFailed
@@ -444,13 +444,9 @@ async def run(
     delay = 0.5
     while True:
         try:
-            conn = await connect(database_url)
-            delay = 0.5
-            try:
+            async with own_connection(database_url) as conn:
+                delay = 0.5
                 await _lead(conn, settings, retry_seconds, log_moved)
-            finally:
-                with anyio.CancelScope(shield=True):  # close even when the server is shutting down
-                    await conn.close()
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             log.warning("sweeper connection lost", extra={"action": "sweeper_lost", "error": str(exc)[:200]})
             await anyio.sleep(delay + jitter.uniform(0, delay))

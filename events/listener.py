@@ -22,6 +22,7 @@ import anyio
 import psycopg
 
 from umbra import jitter
+from umbra.db import own_connection
 
 from .store import EVERYTHING, LOG_CHANNEL, RECHECK_CHANNEL, parse_hints
 
@@ -106,9 +107,7 @@ class LogListener:
         started = False
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(
-                    self._url, autocommit=True, application_name=APPLICATION_NAME, **CONNECTION_OPTIONS
-                ) as conn:
+                async with own_connection(self._url, application_name=APPLICATION_NAME, **CONNECTION_OPTIONS) as conn:
                     await conn.execute(f"LISTEN {LOG_CHANNEL}; LISTEN {RECHECK_CHANNEL}")
                     self.backend_pid = conn.info.backend_pid
                     if self.connected.is_set():

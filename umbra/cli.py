@@ -51,14 +51,14 @@ def _with_database(fn, *, migrating: bool = True):
     """
 
     def run(args) -> int:
-        from .db import connect, database
+        from .db import database, own_connection
         from .migrate import migrate, pending_migrations
 
         with database(load_settings()) as url:
             async def main():
                 if migrating:
                     await migrate(url)
-                async with await connect(url) as conn:
+                async with own_connection(url) as conn:
                     if not migrating and (pending := await pending_migrations(conn)):
                         raise UmbraError("migrations_pending", f"The database lacks {len(pending)} migration(s) of this "
                                          f"version (first: {pending[0]}); run `umbra migrate` first.")  # fmt: skip
@@ -75,11 +75,11 @@ def _with_database(fn, *, migrating: bool = True):
 async def _migrate(url: str) -> tuple[list[str], list[str]]:
     """Apply the pending migrations; returns those applied and those the database holds that this release
     does not ship (a newer release migrated it)."""
-    from .db import connect
+    from .db import own_connection
     from .migrate import migrate, migrations_ahead
 
     applied = await migrate(url)
-    async with await connect(url) as conn:
+    async with own_connection(url) as conn:
         return applied, await migrations_ahead(conn)
 
 

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from uuid import UUID
 
+import anyio
 import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
@@ -328,6 +329,27 @@ async def connect(url: str, **kwargs: Any) -> psycopg.AsyncConnection:
         await conn.close()
         raise
     return conn
+
+
+@asynccontextmanager
+async def own_connection(url: str, **kwargs: Any) -> AsyncIterator[psycopg.AsyncConnection]:
+    """:func:`connect` for the length of a block (the listener's, the sweeper's, a migration's, the CLI's),
+    closed however the block ends.
+
+    Not ``async with conn``: psycopg's exit rolls back before it closes, and
+    the rollback may give the event loop a turn even with nothing to roll
+    back (psycopg yields when it has not for 5 ms, as on a loaded machine).
+    There a task being cancelled, as every background task is when the
+    server stops, is cancelled again: the close was skipped and the
+    connection stayed open until the garbage collector found it. These
+    connections are in autocommit, so there is nothing to roll back.
+    """
+    conn = await connect(url, **kwargs)
+    try:
+        yield conn
+    finally:
+        with anyio.CancelScope(shield=True):
+            await conn.close()
 
 
 #: What a read meets while the database is away (restarting, failing over, a pooled connection it

@@ -29,6 +29,8 @@ from importlib import resources
 import anyio
 import psycopg
 
+from .db import own_connection
+
 log = logging.getLogger(__name__)
 
 #: The first line of a migration that runs outside a transaction (see the module's docstring).
@@ -101,7 +103,7 @@ async def _take_lock(conn: psycopg.AsyncConnection) -> None:
 async def migrate(url: str) -> list[str]:
     """Apply every pending migration; return the names applied."""
     applied: list[str] = []
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True, application_name=APPLICATION_NAME) as conn:
+    async with own_connection(url, application_name=APPLICATION_NAME) as conn:
         await _take_lock(conn)
         try:
             await conn.execute(_CREATE_TABLE)
