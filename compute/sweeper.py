@@ -58,7 +58,7 @@ import psycopg
 from anyio.abc import TaskStatus
 
 from umbra import jitter, metrics
-from umbra.db import assume_service_role, bound_lock_waits, database_away, lock_wait_ended, own_connection
+from umbra.db import assume_service_role, bound_waits, database_away, lock_wait_ended, own_connection
 from umbra.domain.jobs import decide_overrun
 from umbra.events import store
 from umbra.events.types import JobFailed
@@ -483,7 +483,7 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
     row another transaction held without writing it (unseen: the next second
     look). Without prompt looks it runs every tick."""
     await assume_service_role(conn)
-    await bound_lock_waits(conn)  # as a pooled connection's: no wait unbounded
+    await bound_waits(conn)  # as a pooled connection's: no wait unbounded
     while not (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEPER_LOCK_KEY,))).fetchone())[0]:
         await anyio.sleep(retry_seconds)
     log.info("sweeper leading", extra={"action": "sweeper_leading", "backend_pid": conn.info.backend_pid})

@@ -263,17 +263,32 @@ async def borrowed(db: Database) -> AsyncIterator[psycopg.AsyncConnection]:
 #: server waited with it.
 LOCK_WAIT_SECONDS = 5
 
+#: How long a server's connection may sit in an open transaction, waiting for the server to send its
+#: next statement, before PostgreSQL ends the session (rolling the transaction back). Between two
+#: statements the server's transactions wait for nothing but its own Python, milliseconds: never for a
+#: client (a request's body is read, a stream's reader is written to, with no transaction open), nor
+#: for another transaction of its own. A transaction idle this long belongs to a process that stopped
+#: running (paused, frozen with its virtual machine, hung), and it may hold the log's ordering lock:
+#: every other process's writes would wait for it until the operating system gave up on its
+#: connection (TCP keepalives: two hours by default). Shorter than :data:`SERVICE_LOCK_WAIT_SECONDS`,
+#: so a command queued behind such a holder gets the lock instead of failing.
+IDLE_IN_TRANSACTION_SECONDS = 20
 
-async def bound_lock_waits(conn: psycopg.AsyncConnection) -> None:
-    """Bound the connection's lock waits to :data:`LOCK_WAIT_SECONDS` (a pooled one's, the sweeper's)."""
-    await conn.execute("SELECT set_config('lock_timeout', %s, false)", (f"{LOCK_WAIT_SECONDS}s",))
+
+async def bound_waits(conn: psycopg.AsyncConnection) -> None:
+    """Bound the connection's lock waits (:data:`LOCK_WAIT_SECONDS`) and its idle open transactions
+    (:data:`IDLE_IN_TRANSACTION_SECONDS`): a pooled one's, the sweeper's. Not the CLI's: ``umbra verify``
+    holds its snapshot while the reader of its output takes its time."""
+    await conn.execute("SELECT set_config('lock_timeout', %s, false), "
+                       "set_config('idle_in_transaction_session_timeout', %s, false)",
+                       (f"{LOCK_WAIT_SECONDS}s", f"{IDLE_IN_TRANSACTION_SECONDS}s"))  # fmt: skip
 
 
 async def _configure(conn: psycopg.AsyncConnection) -> None:
-    """A pooled connection: the service role, timestamps read in UTC (:func:`in_utc`), lock waits bounded
-    (:func:`bound_lock_waits`)."""
+    """A pooled connection: the service role, timestamps read in UTC (:func:`in_utc`), waits bounded
+    (:func:`bound_waits`)."""
     await in_utc(conn)
-    await bound_lock_waits(conn)
+    await bound_waits(conn)
     await assume_service_role(conn)
 
 
@@ -353,9 +368,11 @@ async def own_connection(url: str, **kwargs: Any) -> AsyncIterator[psycopg.Async
 
 
 #: What a read meets while the database is away (restarting, failing over, a pooled connection it
-#: ended, no connection in time: the pool's timeout is an OperationalError too). A read caught by
+#: ended, no connection in time: the pool's timeout is an OperationalError too), or after this
+#: process stopped running long enough for PostgreSQL to end its idle transaction's session
+#: (:data:`IDLE_IN_TRANSACTION_SECONDS`; nothing of that transaction was committed). A read caught by
 #: it is simply made again later; to tell an outage from a refused statement, :func:`database_away`.
-DATABASE_AWAY = (psycopg.OperationalError, psycopg.InterfaceError)
+DATABASE_AWAY = (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.IdleInTransactionSessionTimeout)
 
 #: SQLSTATEs of a connection that failed or a server that is going away or cannot take it:
 #: connection exceptions (class 08, but 08P01, a protocol violation: a client's bug), admin,
@@ -371,7 +388,7 @@ def database_away(exc: BaseException) -> bool:
     are operational errors too, but sending the request again would not help
     (or would hide a bug): they stay server errors.
     """
-    if isinstance(exc, psycopg.InterfaceError):
+    if isinstance(exc, (psycopg.InterfaceError, psycopg.errors.IdleInTransactionSessionTimeout)):
         return True
     if isinstance(exc, psycopg.OperationalError):
         state = exc.sqlstate  # None: failed on the client's side (no connection, the pool's timeout)

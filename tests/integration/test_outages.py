@@ -860,3 +860,36 @@ def test_serve_started_under_nohup_survives_sighup(db_url):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+async def test_a_server_stopped_while_it_holds_the_logs_order_stalls_the_others_writes_only_briefly(
+    db_url, conn, org, monkeypatch
+):
+    """A process paused or frozen in the middle of a transaction (here: one that took the log's ordering
+    lock by submitting, then sent nothing more) has its session ended by PostgreSQL once it has sat idle
+    in it for ``IDLE_IN_TRANSACTION_SECONDS``: another process's submission waits for it, then goes
+    through, and the frozen one's work is rolled back, never acknowledged. Before, the others' writes
+    failed (503, after 30 s) for as long as the holder stayed frozen. Both sides are pools as the server
+    opens them."""
+    from tests.integration.queue_support import submit
+    from umbra import db
+
+    monkeypatch.setattr(db, "IDLE_IN_TRANSACTION_SECONDS", 1)
+    org_id, _ = org
+    async with db.open_pool(db_url, size=2) as frozen_pool, db.open_pool(db_url, size=2) as live_pool:
+        async with frozen_pool.connection() as frozen:
+            with pytest.raises(db.DATABASE_AWAY) as ended:
+                async with frozen.transaction():
+                    await submit(frozen, org_id, "frozen")  # holds the log's ordering lock to commit
+                    started = time.monotonic()
+                    with anyio.fail_after(15):  # short of SERVICE_LOCK_WAIT_SECONDS (30): it must not fail
+                        async with live_pool.connection() as live:
+                            done = await submit(live, org_id, "live")
+                    waited = time.monotonic() - started
+    assert waited >= 0.5, waited  # the lock was held: the submission waited for the frozen one to be ended
+    assert db.database_away(ended.value), ended.value  # the thawed process's request: 503, try again
+    kinds = await (await conn.execute("SELECT kind FROM jobs WHERE organization_id = %s", (org_id,))).fetchall()
+    assert kinds == [("live",)] and done.kind == "live"
+    frozen_events = await (await conn.execute(
+        "SELECT count(*) FROM events WHERE organization_id = %s AND data ->> 'kind' = 'frozen'", (org_id,))).fetchone()  # fmt: skip
+    assert frozen_events == (0,)

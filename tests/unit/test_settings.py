@@ -79,7 +79,8 @@ def test_only_an_unreachable_database_is_an_outage_to_retry():
 
     for away in (psycopg.OperationalError("connection failed"), PoolTimeout("no connection in 5 s"),
                  errors.AdminShutdown(), errors.CannotConnectNow(), errors.TooManyConnections(),
-                 errors.ConnectionFailure(), psycopg.InterfaceError("the connection is closed")):  # fmt: skip
+                 errors.ConnectionFailure(), psycopg.InterfaceError("the connection is closed"),
+                 errors.IdleInTransactionSessionTimeout()):  # fmt: skip
         assert database_away(away), away
     for refused in (errors.DeadlockDetected(), errors.SerializationFailure(), errors.QueryCanceled(),
                     errors.ProgramLimitExceeded(), ValueError("not a database error")):  # fmt: skip
