@@ -45,11 +45,10 @@ async def verify(conn: psycopg.AsyncConnection, organization_id: UUID | None = N
     connection must not be inside another transaction.
     """
     async with conn.transaction():
-        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        differences = jobs.diff(
-            await jobs.rebuild(conn, organization_id), await jobs.live(conn, organization_id)
-        )
-        differences += diff_rows(
-            "nodes", await nodes.rebuild(conn, organization_id), await nodes.live(conn, organization_id)
-        )
-    return differences
+        # Read only and holding no lock a writer waits for, while the server folds between its reads
+        # (seconds on a large organization): not ended as a stopped process's would be (db.IDLE_IN_TRANSACTION_SECONDS).
+        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
+                           "SET LOCAL idle_in_transaction_session_timeout = 0")  # fmt: skip
+        rebuilt_jobs, live_jobs = await jobs.rebuild(conn, organization_id), await jobs.live(conn, organization_id)
+        rebuilt_nodes, live_nodes = await nodes.rebuild(conn, organization_id), await nodes.live(conn, organization_id)
+    return jobs.diff(rebuilt_jobs, live_jobs) + diff_rows("nodes", rebuilt_nodes, live_nodes)

@@ -295,6 +295,15 @@ async def _configure(conn: psycopg.AsyncConnection) -> None:
 #: How long a statement waits for one of the service's own advisory locks (see :func:`service_lock_wait`).
 SERVICE_LOCK_WAIT_SECONDS = 30
 
+#: How long a transaction holding one of the service's own advisory locks may sit idle, waiting for the
+#: server's next statement, before PostgreSQL ends its session (:data:`IDLE_IN_TRANSACTION_SECONDS`
+#: for any transaction). A frozen process's transactions queued for a lock each get it in turn, then
+#: sit idle holding it: those of a process frozen while its requests queued for the log's order held
+#: every write in the cluster for 20 s each, and the others' writes, waiting behind them, failed after
+#: :data:`SERVICE_LOCK_WAIT_SECONDS`. At 2 s, a whole pool's worth (10) of them holds it 20 s. The
+#: holders' own gaps between statements are the server's Python of one batch: milliseconds.
+LOCK_HOLDER_IDLE_SECONDS = 2
+
 
 def service_lock_wait(lock_select: str) -> str:
     """``lock_select`` (a SELECT taking the service's own advisory locks) waiting up to
@@ -310,9 +319,11 @@ def service_lock_wait(lock_select: str) -> str:
     and a queue behind several of them would otherwise grow by a row's bound
     each. The bound is changed in a subquery the planner cannot fold into
     the lock's own (``OFFSET 0``), so before the lock is waited for, and set
-    back in the outer select, once it is held.
+    back in the outer select, once it is held. The outer select also bounds
+    the transaction's idle time from then on (:data:`LOCK_HOLDER_IDLE_SECONDS`).
     """
-    return ("SELECT set_config('lock_timeout', bound.was, true) "
+    return ("SELECT set_config('lock_timeout', bound.was, true), "
+            f"set_config('idle_in_transaction_session_timeout', '{LOCK_HOLDER_IDLE_SECONDS}s', true) "
             f"FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '{SERVICE_LOCK_WAIT_SECONDS}s', true) "
             f"OFFSET 0) AS bound, LATERAL ({lock_select} OFFSET 0) AS held")
 

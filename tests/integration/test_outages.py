@@ -862,34 +862,62 @@ def test_serve_started_under_nohup_survives_sighup(db_url):
                 proc.wait()
 
 
-async def test_a_server_stopped_while_it_holds_the_logs_order_stalls_the_others_writes_only_briefly(
-    db_url, conn, org, monkeypatch
-):
-    """A process paused or frozen in the middle of a transaction (here: one that took the log's ordering
-    lock by submitting, then sent nothing more) has its session ended by PostgreSQL once it has sat idle
-    in it for ``IDLE_IN_TRANSACTION_SECONDS``: another process's submission waits for it, then goes
-    through, and the frozen one's work is rolled back, never acknowledged. Before, the others' writes
-    failed (503, after 30 s) for as long as the holder stayed frozen. Both sides are pools as the server
-    opens them."""
+async def test_a_server_stopped_while_it_holds_the_logs_order_stalls_the_others_writes_only_briefly(db_url, conn, org):
+    """A process paused or frozen while its transactions hold or wait for the log's ordering lock (here:
+    three submissions that took it in turn and then sent nothing more, the way a frozen process's queued
+    requests do) has each session ended by PostgreSQL once it has sat idle holding the lock for
+    ``LOCK_HOLDER_IDLE_SECONDS``: another process's submission, queued behind them, waits, then goes
+    through, and the frozen ones' work is rolled back, never acknowledged. Before, each held it for as long
+    as its process stayed frozen, and the others' writes failed (503) after ``SERVICE_LOCK_WAIT_SECONDS``.
+    Both sides are pools as the server opens them."""
     from tests.integration.queue_support import submit
     from umbra import db
 
-    monkeypatch.setattr(db, "IDLE_IN_TRANSACTION_SECONDS", 1)
     org_id, _ = org
-    async with db.open_pool(db_url, size=2) as frozen_pool, db.open_pool(db_url, size=2) as live_pool:
-        async with frozen_pool.connection() as frozen:
-            with pytest.raises(db.DATABASE_AWAY) as ended:
+    frozen_count = 3
+    thaw = anyio.Event()
+    ended: list[BaseException] = []
+
+    async def frozen_writer(pool, holding: anyio.Event) -> None:
+        async with pool.connection() as frozen:
+            try:
                 async with frozen.transaction():
                     await submit(frozen, org_id, "frozen")  # holds the log's ordering lock to commit
-                    started = time.monotonic()
-                    with anyio.fail_after(15):  # short of SERVICE_LOCK_WAIT_SECONDS (30): it must not fail
-                        async with live_pool.connection() as live:
-                            done = await submit(live, org_id, "live")
-                    waited = time.monotonic() - started
-    assert waited >= 0.5, waited  # the lock was held: the submission waited for the frozen one to be ended
-    assert db.database_away(ended.value), ended.value  # the thawed process's request: 503, try again
+                    holding.set()
+                    await thaw.wait()  # sends nothing more until the test ends
+            except db.DATABASE_AWAY as exc:
+                ended.append(exc)
+
+    async def waiting_for_the_order() -> int:
+        cursor = await conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+        return (await cursor.fetchone())[0]
+
+    async with db.open_pool(db_url, size=frozen_count) as frozen_pool, db.open_pool(db_url, size=2) as live_pool:
+        async with anyio.create_task_group() as tg:
+            first = anyio.Event()
+            tg.start_soon(frozen_writer, frozen_pool, first)
+            await first.wait()
+            for _ in range(frozen_count - 1):
+                tg.start_soon(frozen_writer, frozen_pool, anyio.Event())
+            await eventually(lambda: _at_least(waiting_for_the_order, frozen_count - 1))
+            started = time.monotonic()
+            with anyio.fail_after(SERVICE_LOCK_WAIT_SECONDS_LEFT):
+                async with live_pool.connection() as live:
+                    done = await submit(live, org_id, "live")
+            waited = time.monotonic() - started
+            thaw.set()
+    assert waited >= frozen_count * 1.5, waited  # it waited for each frozen holder to be ended, in turn
+    assert len(ended) == frozen_count and all(db.database_away(exc) for exc in ended), ended  # thawed: 503s
     kinds = await (await conn.execute("SELECT kind FROM jobs WHERE organization_id = %s", (org_id,))).fetchall()
     assert kinds == [("live",)] and done.kind == "live"
     frozen_events = await (await conn.execute(
         "SELECT count(*) FROM events WHERE organization_id = %s AND data ->> 'kind' = 'frozen'", (org_id,))).fetchone()  # fmt: skip
     assert frozen_events == (0,)
+
+
+#: The live submission's bound: short of SERVICE_LOCK_WAIT_SECONDS (30 s), where it would fail.
+SERVICE_LOCK_WAIT_SECONDS_LEFT = 25
+
+
+async def _at_least(count, expected: int) -> bool:
+    return await count() >= expected
