@@ -295,7 +295,7 @@ async def _configure(conn: psycopg.AsyncConnection) -> None:
 #: How long a statement waits for one of the service's own advisory locks (see :func:`service_lock_wait`).
 SERVICE_LOCK_WAIT_SECONDS = 30
 
-#: How long a transaction holding one of the service's own advisory locks may sit idle, waiting for the
+#: How long a server's transaction holding one of the service's own advisory locks may sit idle, waiting for the
 #: server's next statement, before PostgreSQL ends its session (:data:`IDLE_IN_TRANSACTION_SECONDS`
 #: for any transaction). A frozen process's transactions queued for a lock each get it in turn, then
 #: sit idle holding it: those of a process frozen while its requests queued for the log's order held
@@ -320,10 +320,14 @@ def service_lock_wait(lock_select: str) -> str:
     each. The bound is changed in a subquery the planner cannot fold into
     the lock's own (``OFFSET 0``), so before the lock is waited for, and set
     back in the outer select, once it is held. The outer select also bounds
-    the transaction's idle time from then on (:data:`LOCK_HOLDER_IDLE_SECONDS`).
+    the transaction's idle time from then on (:data:`LOCK_HOLDER_IDLE_SECONDS`)
+    on a connection whose idle transactions are bounded at all (a server's:
+    :func:`bound_waits`); a session that holds a lock open on purpose (a
+    test's "change in flight"), or the CLI's, keeps its own setting.
     """
     return ("SELECT set_config('lock_timeout', bound.was, true), "
-            f"set_config('idle_in_transaction_session_timeout', '{LOCK_HOLDER_IDLE_SECONDS}s', true) "
+            "set_config('idle_in_transaction_session_timeout', CASE current_setting('idle_in_transaction_session_timeout')"
+            f" WHEN '0' THEN '0' ELSE '{LOCK_HOLDER_IDLE_SECONDS}s' END, true) "
             f"FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '{SERVICE_LOCK_WAIT_SECONDS}s', true) "
             f"OFFSET 0) AS bound, LATERAL ({lock_select} OFFSET 0) AS held")
 
