@@ -64,10 +64,15 @@ WHERE NOT l.granted AND a.datname = current_database() AND (%(type)s::text IS NU
 """
 
 
+async def sessions_waiting_on_a_lock(conn, locktype: str | None = None) -> int:
+    """How many sessions of ``conn``'s database (this test's own) wait for a lock, of ``locktype`` if given."""
+    row = await (await conn.execute(_WAITING, {"type": locktype})).fetchone()
+    return row[0]
+
+
 async def waiting_on_a_lock(conn, locktype: str | None = None) -> bool:
     """Whether a session of ``conn``'s database (this test's own) waits for a lock, of ``locktype`` if given."""
-    row = await (await conn.execute(_WAITING, {"type": locktype})).fetchone()
-    return row[0] > 0
+    return await sessions_waiting_on_a_lock(conn, locktype) > 0
 
 
 async def until_done_or_waiting(conn, done: Callable[[], bool], *, timeout: float = 10.0) -> None:

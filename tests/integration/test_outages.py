@@ -30,7 +30,7 @@ import pytest
 from psycopg import conninfo
 
 from tests.conftest import free_port
-from tests.helpers import bearer, eventually
+from tests.helpers import bearer, eventually, sessions_waiting_on_a_lock
 
 pytestmark = pytest.mark.anyio
 
@@ -888,10 +888,6 @@ async def test_a_server_stopped_while_it_holds_the_logs_order_stalls_the_others_
             except db.DATABASE_AWAY as exc:
                 ended.append(exc)
 
-    async def waiting_for_the_order() -> int:
-        cursor = await conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-        return (await cursor.fetchone())[0]
-
     async with db.open_pool(db_url, size=frozen_count) as frozen_pool, db.open_pool(db_url, size=2) as live_pool:
         async with anyio.create_task_group() as tg:
             first = anyio.Event()
@@ -899,14 +895,15 @@ async def test_a_server_stopped_while_it_holds_the_logs_order_stalls_the_others_
             await first.wait()
             for _ in range(frozen_count - 1):
                 tg.start_soon(frozen_writer, frozen_pool, anyio.Event())
-            await eventually(lambda: _at_least(waiting_for_the_order, frozen_count - 1))
+            await eventually(lambda: _queued_behind(conn, frozen_count - 1))
             started = time.monotonic()
             with anyio.fail_after(SERVICE_LOCK_WAIT_SECONDS_LEFT):
                 async with live_pool.connection() as live:
                     done = await submit(live, org_id, "live")
             waited = time.monotonic() - started
             thaw.set()
-    assert waited >= frozen_count * 1.5, waited  # it waited for each frozen holder to be ended, in turn
+    # It waited behind the frozen holders, ended in turn: the two queued before it each held the lock that long.
+    assert waited >= (frozen_count - 1) * db.LOCK_HOLDER_IDLE_SECONDS, waited
     assert len(ended) == frozen_count and all(db.database_away(exc) for exc in ended), ended  # thawed: 503s
     kinds = await (await conn.execute("SELECT kind FROM jobs WHERE organization_id = %s", (org_id,))).fetchall()
     assert kinds == [("live",)] and done.kind == "live"
@@ -919,5 +916,5 @@ async def test_a_server_stopped_while_it_holds_the_logs_order_stalls_the_others_
 SERVICE_LOCK_WAIT_SECONDS_LEFT = 25
 
 
-async def _at_least(count, expected: int) -> bool:
-    return await count() >= expected
+async def _queued_behind(conn, expected: int) -> bool:
+    return await sessions_waiting_on_a_lock(conn, "advisory") >= expected
