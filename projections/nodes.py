@@ -202,17 +202,26 @@ async def live(conn: psycopg.AsyncConnection, organization_id: UUID | None = Non
 _NODE_EVENTS = """
 SELECT position, stream, version, organization_id, data::text, metadata::text, recorded_at
 FROM events
-WHERE stream LIKE 'node:%%' AND (%s::uuid IS NULL OR organization_id = %s)
+WHERE stream LIKE 'node:%%' AND (%(organization)s::uuid IS NULL OR organization_id = %(organization)s)
+  AND position > %(after)s
 ORDER BY position
+LIMIT %(page)s
 """
 
 
-async def rebuild(conn: psycopg.AsyncConnection, organization_id: UUID | None = None) -> list[dict[str, Any]]:
-    """Fold every node stream from the log in memory; the rows ``live`` should equal."""
+async def rebuild(conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *, page: int = 5000) -> list[dict[str, Any]]:
+    """Fold every node stream from the log in memory; the rows ``live`` should equal.
+
+    Read a page at a time, as the queue's rebuild reads the log: a fleet's heartbeats add up (a node's
+    devices, recorded when they change and every few minutes), and read at once they were all held in
+    memory, and decoded while the server's event loop waited.
+    """
     states: dict[str, NodeState] = {}
-    async with conn.cursor() as cursor:
-        await cursor.execute(_NODE_EVENTS, (organization_id, organization_id))
-        async for position, stream, version, org, data, metadata, recorded_at in cursor:
+    after = 0
+    while True:
+        cursor = await conn.execute(_NODE_EVENTS, {"organization": organization_id, "after": after, "page": page})
+        rows = await cursor.fetchall()
+        for position, stream, version, org, data, metadata, recorded_at in rows:
             recorded = RecordedEvent(
                 position=position,
                 stream=stream,
@@ -223,4 +232,7 @@ async def rebuild(conn: psycopg.AsyncConnection, organization_id: UUID | None = 
                 recorded_at=recorded_at,
             )
             states[stream] = fold(states.get(stream), recorded)
+        if len(rows) < page:
+            break
+        after = rows[-1][0]
     return [state.as_row() for state in sorted(states.values(), key=lambda s: s.id)]
