@@ -270,15 +270,15 @@ LOCK_WAIT_SECONDS = 5
 #: for another transaction of its own. A transaction idle this long belongs to a process that stopped
 #: running (paused, frozen with its virtual machine, hung), and it may hold the log's ordering lock:
 #: every other process's writes would wait for it until the operating system gave up on its
-#: connection (TCP keepalives: two hours by default). Shorter than :data:`SERVICE_LOCK_WAIT_SECONDS`,
-#: so a command queued behind such a holder gets the lock instead of failing.
+#: connection (TCP keepalives: two hours by default). One holding one of the service's own locks, the
+#: log's ordering lock among them, is ended sooner (:data:`LOCK_HOLDER_IDLE_SECONDS`).
 IDLE_IN_TRANSACTION_SECONDS = 20
 
 
 async def bound_waits(conn: psycopg.AsyncConnection) -> None:
     """Bound the connection's lock waits (:data:`LOCK_WAIT_SECONDS`) and its idle open transactions
-    (:data:`IDLE_IN_TRANSACTION_SECONDS`): a pooled one's, the sweeper's. Not the CLI's: ``umbra verify``
-    holds its snapshot while the reader of its output takes its time."""
+    (:data:`IDLE_IN_TRANSACTION_SECONDS`): a pooled one's, the sweeper's. Not the CLI's: an operator's
+    command runs as long as it takes."""
     await conn.execute("SELECT set_config('lock_timeout', %s, false), "
                        "set_config('idle_in_transaction_session_timeout', %s, false)",
                        (f"{LOCK_WAIT_SECONDS}s", f"{IDLE_IN_TRANSACTION_SECONDS}s"))  # fmt: skip
