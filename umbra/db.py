@@ -263,11 +263,12 @@ async def borrowed(db: Database) -> AsyncIterator[psycopg.AsyncConnection]:
 #: server waited with it.
 LOCK_WAIT_SECONDS = 5
 
-#: How long a server's connection may sit in an open transaction, waiting for the server to send its
-#: next statement, before PostgreSQL ends the session (rolling the transaction back). Between two
-#: statements the server's transactions wait for nothing but its own Python, milliseconds: never for a
-#: client (a request's body is read, a stream's reader is written to, with no transaction open), nor
-#: for another transaction of its own. A transaction idle this long belongs to a process that stopped
+#: How long a connection of the service (a server's, the CLI's) may sit in an open transaction, waiting
+#: for its process to send the next statement, before PostgreSQL ends the session (rolling the
+#: transaction back). Between two statements the service's transactions wait for nothing but its own
+#: Python, milliseconds (an argon2id hash at most): never for a client (a request's body is read, a
+#: stream's reader is written to, with no transaction open), nor for a person, nor for another
+#: transaction of its own. A transaction idle this long belongs to a process that stopped
 #: running (paused, frozen with its virtual machine, hung), and it may hold the log's ordering lock:
 #: every other process's writes would wait for it until the operating system gave up on its
 #: connection (TCP keepalives: two hours by default). One holding one of the service's own locks, the
@@ -275,13 +276,21 @@ LOCK_WAIT_SECONDS = 5
 IDLE_IN_TRANSACTION_SECONDS = 20
 
 
-async def bound_waits(conn: psycopg.AsyncConnection) -> None:
-    """Bound the connection's lock waits (:data:`LOCK_WAIT_SECONDS`) and its idle open transactions
-    (:data:`IDLE_IN_TRANSACTION_SECONDS`): a pooled one's, the sweeper's. Not the CLI's: an operator's
-    command runs as long as it takes."""
-    await conn.execute("SELECT set_config('lock_timeout', %s, false), "
-                       "set_config('idle_in_transaction_session_timeout', %s, false)",
-                       (f"{LOCK_WAIT_SECONDS}s", f"{IDLE_IN_TRANSACTION_SECONDS}s"))  # fmt: skip
+async def bound_waits(conn: psycopg.AsyncConnection, *, lock_waits: bool = True) -> None:
+    """Bound the connection's idle open transactions (:data:`IDLE_IN_TRANSACTION_SECONDS`) and, unless
+    ``lock_waits`` is false, its lock waits (:data:`LOCK_WAIT_SECONDS`).
+
+    Every connection of the service bounds its idle transactions: none of them
+    waits for a person between two statements, and a process stopped inside
+    one (an ``umbra admin`` command suspended with Ctrl-Z, a frozen server)
+    would otherwise hold its locks, the log's ordering lock among them, until
+    it resumed. A server's (the pool's, the sweeper's) bound their lock waits
+    too; the CLI's do not (:func:`connect`): an operator's command waits as
+    long as it takes for a server's transaction to let go.
+    """
+    await conn.execute("SELECT set_config('idle_in_transaction_session_timeout', %s, false), "
+                       "CASE WHEN %s THEN set_config('lock_timeout', %s, false) END",
+                       (f"{IDLE_IN_TRANSACTION_SECONDS}s", lock_waits, f"{LOCK_WAIT_SECONDS}s"))  # fmt: skip
 
 
 async def _configure(conn: psycopg.AsyncConnection) -> None:
@@ -321,9 +330,9 @@ def service_lock_wait(lock_select: str) -> str:
     the lock's own (``OFFSET 0``), so before the lock is waited for, and set
     back in the outer select, once it is held. The outer select also bounds
     the transaction's idle time from then on (:data:`LOCK_HOLDER_IDLE_SECONDS`)
-    on a connection whose idle transactions are bounded at all (a server's:
-    :func:`bound_waits`); a session that holds a lock open on purpose (a
-    test's "change in flight"), or the CLI's, keeps its own setting.
+    on a connection whose idle transactions are bounded at all (every one of
+    the service's: :func:`bound_waits`); a session that holds a lock open on
+    purpose (a test's "change in flight") keeps its own setting.
     """
     return ("SELECT set_config('lock_timeout', bound.was, true), "
             "set_config('idle_in_transaction_session_timeout', CASE current_setting('idle_in_transaction_session_timeout')"
@@ -351,10 +360,12 @@ async def in_utc(conn: psycopg.AsyncConnection) -> None:
 
 
 async def connect(url: str, **kwargs: Any) -> psycopg.AsyncConnection:
-    """A connection of its own (the sweeper's, the CLI's), in autocommit and reading times in UTC as pooled ones do."""
+    """A connection of its own (the sweeper's, the CLI's), in autocommit, reading times in UTC as pooled ones do
+    and with its idle transactions bounded (:func:`bound_waits`; its lock waits are not)."""
     conn = await psycopg.AsyncConnection.connect(url, autocommit=True, **kwargs)
     try:
         await in_utc(conn)
+        await bound_waits(conn, lock_waits=False)
     except BaseException:
         await conn.close()
         raise

@@ -912,6 +912,56 @@ async def test_a_server_stopped_while_it_holds_the_logs_order_stalls_the_others_
     assert frozen_events == (0,)
 
 
+async def test_an_admin_command_stopped_inside_its_transaction_lets_go_of_its_locks(cli, conn, org, monkeypatch):
+    """An ``umbra admin`` command suspended (Ctrl-Z) inside its transaction, here just after it took the
+    pairing code's lock, has its session ended by PostgreSQL once it has sat idle holding one of the
+    service's locks for ``LOCK_HOLDER_IDLE_SECONDS``, as a server's would: the servers' transactions that
+    need the lock wait briefly, not until the operator resumes it. Resumed, the command fails, database
+    unavailable, and wrote nothing. Before, the CLI's connection had no bound: the lock was held for as
+    long as the command stayed stopped."""
+    from umbra import db
+    from umbra.compute import pairing
+
+    org_id, _ = org
+    issue = pairing.issue_pairing_code
+    suspended: list[int] = []  # the command's backend, once it holds the lock
+    resume = threading.Event()
+
+    async def issued_then_suspended(command_conn, *args, **kwargs):
+        issued = await issue(command_conn, *args, **kwargs)
+        [(pid,)] = await (await command_conn.execute("SELECT pg_backend_pid()")).fetchall()
+        suspended.append(pid)
+        while not resume.is_set():  # sends nothing more, as a stopped process
+            await anyio.sleep(0.05)
+        return issued
+
+    async def holding() -> bool:
+        return bool(suspended)
+
+    async def session_ended() -> bool:
+        row = await (await conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (suspended[0],))).fetchone()
+        return row == (0,)
+
+    monkeypatch.setattr(pairing, "issue_pairing_code", issued_then_suspended)
+    async with anyio.create_task_group() as tg:
+        outcome: list[tuple[int, str, str]] = []
+
+        async def command() -> None:
+            outcome.append(await cli("admin", "pairing-code", "--org", str(org_id), "--name", "box-9", "--json"))
+
+        tg.start_soon(command)
+        try:
+            await eventually(holding)
+            # Ended at the bound of a lock holder (2 s), well before the bound of any idle transaction (20 s).
+            await eventually(session_ended, timeout=db.IDLE_IN_TRANSACTION_SECONDS - 5, interval=0.1)
+        finally:
+            resume.set()
+    [(status, out, err)] = outcome
+    assert status == 1 and out == "" and "database_unavailable" in err, (status, out, err)
+    codes = await (await conn.execute("SELECT count(*) FROM pairing_codes WHERE organization_id = %s", (org_id,))).fetchone()
+    assert codes == (0,)
+
+
 #: The live submission's bound: short of SERVICE_LOCK_WAIT_SECONDS (30 s), where it would fail.
 SERVICE_LOCK_WAIT_SECONDS_LEFT = 25
 
