@@ -39,6 +39,7 @@ from .http import acting_as, authorized, batch_principal, json_response, read_js
 from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
 from .middleware import REQUEST_ID_PATTERN
 from .params import KIND_QUERY, query_int, query_kinds
+from .rates import RELEASE_BURST, RELEASES_PER_SECOND
 from .routing import endpoint
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ class UnreadClaimOut(msgspec.Struct, kw_only=True):
 async def release_unread(request: Request) -> Response:
     """The agent never read a claim request's answer: give back what that request took, if anything."""
     who = await authorized(request, "compute:claim")
+    request.app.state.services.release_rates.take(who.node_id, "give-backs of unread claims")
     body = await read_json(request, UnreadClaimRequest)
     # Two transactions: the abandonment commits first, holding the node's claim guard only that long (the
     # nodes sharing it look again in a moment), then what the request took is given back.
@@ -208,5 +210,8 @@ routes = [
     endpoint("POST", "/v1/agent/claim/release", release_unread,
              summary="Give back what a claim request took when its answer was never read (the agent gave up on "
                      "it): each such job still leased to the node, untouched since, is released, uncharged.",
-             auth="node", scopes=("compute:claim",), body=UnreadClaimRequest, response=UnreadClaimOut),
+             auth="node", scopes=("compute:claim",), body=UnreadClaimRequest, response=UnreadClaimOut,
+             errors={429: f"More than {RELEASE_BURST} at once or {RELEASES_PER_SECOND:g} a second after that from this "
+                          "node (`rate_limited`, with `Retry-After`), checked before the body: each holds claims "
+                          "of the nodes that share its claim guard for a moment."}),
 ]

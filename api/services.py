@@ -11,6 +11,8 @@ from umbra.compute.auth import VerifiedTokenCache
 from umbra.events.listener import LogListener
 from umbra.settings import Settings
 
+from .rates import RELEASE_BURST, RELEASES_PER_SECOND, RequestRates
+
 
 @dataclass
 class Services:
@@ -19,6 +21,8 @@ class Services:
     pool: AsyncConnectionPool
     listener: LogListener
     token_cache: VerifiedTokenCache = field(default_factory=VerifiedTokenCache)
+    #: Each node's give-backs of unread claims (:mod:`umbra.api.rates`).
+    release_rates: RequestRates = field(default_factory=lambda: RequestRates(RELEASES_PER_SECOND, RELEASE_BURST))
     #: How many streams' reads (SSE: the log, the live views) hold a pooled connection at once: a
     #: quarter of the pool. Every stream of an organization reads again at each of its hints, and
     #: three hundred open dashboards of one organization held every connection, so every other

@@ -21,6 +21,7 @@ import pytest
 from tests.conftest import LiveServer
 from tests.helpers import bearer, eventually, until, waiting_on_a_lock
 from umbra import metrics
+from umbra.api.rates import RELEASE_BURST
 from umbra.compute import batch_commands
 from umbra.compute.abandoned_claims import ABANDONED_SECONDS
 from umbra.compute.accounts import create_organization
@@ -405,6 +406,26 @@ async def test_many_claims_and_releases_of_other_ids_for_one_node_all_claim(clie
     for i in range(12):
         assert (await claim_raw(client, node, f"gone-{i}")).status_code == 204
     assert await verify(conn, org_id) == []
+
+
+async def test_a_node_sending_give_backs_back_to_back_is_refused_past_its_burst_and_the_refused_write_nothing(client, conn, org):
+    """Each give-back holds the claim guard a 64th of the organization's nodes share: a node sending them back
+    to back kept its neighbours' ``wait=0`` claims answering 204 with work queued. Past ``RELEASE_BURST`` (and
+    the refill meanwhile) it is refused 429 ``rate_limited`` with ``Retry-After``, recording nothing; another
+    node's give-backs go on."""
+    _, key = org
+    _, node = await online(client, key, "box")
+    _, neighbour = await online(client, key, "neighbour")
+    answers = []
+    while len(answers) < 10 * RELEASE_BURST and (not answers or answers[-1].status_code == 200):
+        answers.append(await release_unread(client, node, f"r-{len(answers)}"))
+    refused = answers[-1]
+    assert refused.status_code == 429 and refused.json()["error"] == "rate_limited", (len(answers), refused.text)
+    assert int(refused.headers["Retry-After"]) >= 1
+    allowed = len(answers) - 1
+    assert allowed >= RELEASE_BURST
+    assert [row[1] for row in await abandoned_rows(conn)] == sorted(f"r-{i}" for i in range(allowed))
+    assert (await release_unread(client, neighbour, "n-0")).status_code == 200
 
 
 # -- the claim guard: buckets and fleet changes ----------------------------------------------------------
