@@ -419,10 +419,11 @@ async def append(
     return await append_many(conn, [PendingAppend(stream, expected_version, events, organization_id, metadata)])
 
 
-_COLUMNS = "position, stream, version, organization_id, data::text, metadata::text, recorded_at"
+LOG_COLUMNS = "position, stream, version, organization_id, data::text, metadata::text, recorded_at"
 
 
-def _recorded(row: tuple) -> RecordedEvent:
+def recorded_from_row(row: tuple) -> RecordedEvent:
+    """An event as read from the log, from a row of :data:`LOG_COLUMNS`."""
     position, stream, version, organization_id, data, metadata, recorded_at = row
     return RecordedEvent(
         position=position,
@@ -441,11 +442,11 @@ async def read_stream(
     """A stream's events in version order, optionally only those at or before a position, or of ``types``
     (a job's claims, say, without the renewals of a long run)."""
     cursor = await conn.execute(
-        f"SELECT {_COLUMNS} FROM events WHERE stream = %s AND (%s::bigint IS NULL OR position <= %s)"
+        f"SELECT {LOG_COLUMNS} FROM events WHERE stream = %s AND (%s::bigint IS NULL OR position <= %s)"
         " AND (%s::text[] IS NULL OR type = ANY(%s::text[])) ORDER BY version",
         (stream, up_to_position, up_to_position, types, types),
     )
-    return [_recorded(row) for row in await cursor.fetchall()]
+    return [recorded_from_row(row) for row in await cursor.fetchall()]
 
 
 async def count_by_stream(
@@ -474,10 +475,10 @@ async def count_by_stream(
 async def last_by_stream(conn: psycopg.AsyncConnection, streams: Sequence[str], type_: str) -> dict[str, RecordedEvent]:
     """Each of ``streams``' last event of ``type_``; streams with none are left out."""
     cursor = await conn.execute(
-        f"SELECT DISTINCT ON (stream) {_COLUMNS} FROM events WHERE stream = ANY(%s) AND type = %s ORDER BY stream, version DESC",
+        f"SELECT DISTINCT ON (stream) {LOG_COLUMNS} FROM events WHERE stream = ANY(%s) AND type = %s ORDER BY stream, version DESC",
         (list(streams), type_),
     )
-    return {recorded.stream: recorded for recorded in map(_recorded, await cursor.fetchall())}
+    return {recorded.stream: recorded for recorded in map(recorded_from_row, await cursor.fetchall())}
 
 
 async def read_log(
@@ -490,14 +491,14 @@ async def read_log(
     """Events after ``after`` in commit order (= position order, see module doc)."""
     if organization_id is None:
         cursor = await conn.execute(
-            f"SELECT {_COLUMNS} FROM events WHERE position > %s ORDER BY position LIMIT %s", (after, limit)
+            f"SELECT {LOG_COLUMNS} FROM events WHERE position > %s ORDER BY position LIMIT %s", (after, limit)
         )
     else:
         cursor = await conn.execute(
-            f"SELECT {_COLUMNS} FROM events WHERE organization_id = %s AND position > %s ORDER BY position LIMIT %s",
+            f"SELECT {LOG_COLUMNS} FROM events WHERE organization_id = %s AND position > %s ORDER BY position LIMIT %s",
             (organization_id, after, limit),
         )
-    return [_recorded(row) for row in await cursor.fetchall()]
+    return [recorded_from_row(row) for row in await cursor.fetchall()]
 
 
 async def head_position(conn: psycopg.AsyncConnection, organization_id: UUID | None = None) -> int:

@@ -51,6 +51,8 @@ from umbra.events.types import (
     UnknownEvent,
 )
 
+from .long_folds import FOLD_PAGE, long_fold
+
 
 @dataclass(frozen=True, slots=True)
 class JobRow:
@@ -600,39 +602,40 @@ async def record(
 _LIVE = f"SELECT {SELECT_LIST} FROM jobs WHERE %s::uuid IS NULL OR organization_id = %s ORDER BY seq"
 
 
-#: Rows :func:`live` turns into values between two turns it gives the event loop.
-LIVE_CHUNK = 5000
-
-
 async def live(conn: psycopg.AsyncConnection, organization_id: UUID | None = None) -> dict[UUID, JobRow]:
-    """The stored rows. Made into values a chunk at a time, the event loop served between chunks: at
-    once, 100,000 rows held a server's loop for 1.5 s (its long-polls, and its transactions that hold a
-    lock, which PostgreSQL ends after ``umbra.db.LOCK_HOLDER_IDLE_SECONDS``)."""
+    """The stored rows. Made into values a page at a time (:mod:`.long_folds`), the event loop served between
+    pages: at once, 100,000 rows held a server's loop for 1.5 s (its long-polls, and its transactions that
+    hold a lock, which PostgreSQL ends after ``umbra.db.LOCK_HOLDER_IDLE_SECONDS``)."""
     cursor = await conn.execute(_LIVE, (organization_id, organization_id))
     rows: dict[UUID, JobRow] = {}
-    while chunk := await cursor.fetchmany(LIVE_CHUNK):
-        rows.update((row.id, row) for row in map(from_db, chunk))
-        await anyio.lowlevel.checkpoint()
+    with long_fold() as set_aside:
+        while chunk := await cursor.fetchmany(FOLD_PAGE):
+            rows.update((row.id, row) for row in map(from_db, chunk))
+            set_aside()
+            await anyio.lowlevel.checkpoint()
     return rows
 
 
 async def rebuild(
-    conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *, page: int = 5000
+    conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *, page: int = FOLD_PAGE
 ) -> dict[UUID, JobRow]:
     """Fold every job stream in the log from nothing; nothing is written."""
     rows: dict[UUID, JobRow] = {}
     ids: dict[str, UUID] = {}  # a stream's id, parsed once
     after = 0
-    while True:
-        events = await store.read_log(conn, after=after, limit=page, organization_id=organization_id)
-        for event_record in events:
-            stream = event_record.stream
-            if stream.startswith("job:"):
-                job_id = ids.get(stream) or ids.setdefault(stream, job_id_of(stream))
-                rows[job_id] = fold(rows.get(job_id), event_record, job_id=job_id)
-        if len(events) < page:
-            return rows
-        after = events[-1].position
+    with long_fold() as set_aside:
+        while True:
+            events = await store.read_log(conn, after=after, limit=page, organization_id=organization_id)
+            for event_record in events:
+                stream = event_record.stream
+                if stream.startswith("job:"):
+                    job_id = ids.get(stream) or ids.setdefault(stream, job_id_of(stream))
+                    rows[job_id] = fold(rows.get(job_id), event_record, job_id=job_id)
+            if len(events) < page:
+                return rows
+            after = events[-1].position
+            del events  # not set aside: the page's events are garbage once folded
+            set_aside()
 
 
 _canonical = documents.canonical_encoder

@@ -21,8 +21,7 @@ import msgspec
 import psycopg
 
 from umbra.domain.nodes import after_draining, after_heartbeat, after_revoked, after_went_offline
-from umbra.events import documents
-from umbra.events.store import RecordedEvent
+from umbra.events.store import LOG_COLUMNS, RecordedEvent, recorded_from_row
 from umbra.events.types import (
     Device,
     NodeCreated,
@@ -35,8 +34,9 @@ from umbra.events.types import (
     NodeRetired,
     NodeWentOffline,
     UnknownEvent,
-    decode_event,
 )
+
+from .long_folds import FOLD_PAGE, long_fold
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +199,8 @@ async def live(conn: psycopg.AsyncConnection, organization_id: UUID | None = Non
     return [from_row(row).as_row() for row in await cursor.fetchall()]
 
 
-_NODE_EVENTS = """
-SELECT position, stream, version, organization_id, data::text, metadata::text, recorded_at
+_NODE_EVENTS = f"""
+SELECT {LOG_COLUMNS}
 FROM events
 WHERE stream LIKE 'node:%%' AND (%(organization)s::uuid IS NULL OR organization_id = %(organization)s)
   AND position > %(after)s
@@ -209,7 +209,7 @@ LIMIT %(page)s
 """
 
 
-async def rebuild(conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *, page: int = 5000) -> list[dict[str, Any]]:
+async def rebuild(conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *, page: int = FOLD_PAGE) -> list[dict[str, Any]]:
     """Fold every node stream from the log in memory; the rows ``live`` should equal.
 
     Read a page at a time, as the queue's rebuild reads the log: a fleet's heartbeats add up (a node's
@@ -218,21 +218,15 @@ async def rebuild(conn: psycopg.AsyncConnection, organization_id: UUID | None = 
     """
     states: dict[str, NodeState] = {}
     after = 0
-    while True:
-        cursor = await conn.execute(_NODE_EVENTS, {"organization": organization_id, "after": after, "page": page})
-        rows = await cursor.fetchall()
-        for position, stream, version, org, data, metadata, recorded_at in rows:
-            recorded = RecordedEvent(
-                position=position,
-                stream=stream,
-                version=version,
-                organization_id=org,
-                event=decode_event(data),
-                metadata=documents.decode(metadata),
-                recorded_at=recorded_at,
-            )
-            states[stream] = fold(states.get(stream), recorded)
-        if len(rows) < page:
-            break
-        after = rows[-1][0]
+    with long_fold() as set_aside:
+        while True:
+            cursor = await conn.execute(_NODE_EVENTS, {"organization": organization_id, "after": after, "page": page})
+            rows = await cursor.fetchall()
+            for recorded in map(recorded_from_row, rows):
+                states[recorded.stream] = fold(states.get(recorded.stream), recorded)
+            if len(rows) < page:
+                break
+            after = rows[-1][0]
+            del rows, recorded  # not set aside: the page is garbage once folded
+            set_aside()
     return [state.as_row() for state in sorted(states.values(), key=lambda s: s.id)]

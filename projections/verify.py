@@ -20,6 +20,7 @@ import anyio
 import psycopg
 
 from . import jobs, nodes
+from .long_folds import let_go, long_fold
 
 
 def diff_rows(view: str, rebuilt: Sequence[Mapping[str, Any]], live: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -45,12 +46,19 @@ async def verify(conn: psycopg.AsyncConnection, organization_id: UUID | None = N
     Opens its own transaction on ``conn`` (read only, one snapshot); the
     connection must not be inside another transaction.
     """
-    async with conn.transaction():
-        # Read only and holding no lock a writer waits for, while the server folds between its reads
-        # (seconds on a large organization): not ended as a stopped process's would be (db.IDLE_IN_TRANSACTION_SECONDS).
-        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
-                           "SET LOCAL idle_in_transaction_session_timeout = 0")  # fmt: skip
-        rebuilt_jobs, live_jobs = await jobs.rebuild(conn, organization_id), await jobs.live(conn, organization_id)
-        rebuilt_nodes, live_nodes = await nodes.rebuild(conn, organization_id), await nodes.live(conn, organization_id)
-    # In a worker thread: 100,000 jobs' columns are compared in 1.5 s, which would hold the event loop.
-    return await anyio.to_thread.run_sync(lambda: jobs.diff(rebuilt_jobs, live_jobs) + diff_rows("nodes", rebuilt_nodes, live_nodes))
+    # One long fold for all of it: what each read built stays set aside while the next ones and the comparison
+    # run, and it is given back to the collector only once nothing of it is left to compare.
+    with long_fold():
+        async with conn.transaction():
+            # Read only and holding no lock a writer waits for, while the server folds between its reads
+            # (seconds on a large organization): not ended as a stopped process's would be (db.IDLE_IN_TRANSACTION_SECONDS).
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
+                               "SET LOCAL idle_in_transaction_session_timeout = 0")  # fmt: skip
+            rebuilt_jobs, live_jobs = await jobs.rebuild(conn, organization_id), await jobs.live(conn, organization_id)
+            rebuilt_nodes, live_nodes = await nodes.rebuild(conn, organization_id), await nodes.live(conn, organization_id)
+        # In a worker thread: 100,000 jobs' columns are compared in 1.5 s, which would hold the event loop.
+        differences = await anyio.to_thread.run_sync(
+            lambda: jobs.diff(rebuilt_jobs, live_jobs) + diff_rows("nodes", rebuilt_nodes, live_nodes))
+        await let_go(rebuilt_jobs)
+        await let_go(live_jobs)
+    return differences

@@ -133,3 +133,39 @@ async def test_a_transition_whose_event_is_not_in_the_log_is_refused(conn, org):
             await queue.write_transitions(conn, [unrecorded])
     [(status, version)] = await (await conn.execute("SELECT status, version FROM jobs WHERE id = %s", (job_id,))).fetchall()
     assert (status, version) == (row.status, row.version)
+
+
+async def test_a_rebuild_and_a_verify_keep_what_they_built_out_of_the_collectors_passes_until_they_end(conn, org, monkeypatch):
+    """A long fold sets aside each page it built (``projections.long_folds``): the collector's full passes
+    walked every row again each time the rows grew by a quarter (5.7 s of a 14.8 s rebuild, holds of up to
+    0.7 s). Seen from the reads: from the second page on, what the earlier pages built is set aside; the
+    comparison of ``verify`` runs with all four reads' rows set aside; all is given back at the end."""
+    import gc
+
+    from umbra.projections import verify as verification
+
+    org_id, _ = org
+    submitted, _ = await jobs.submit(conn, org_id, [spec() for _ in range(6)], actor="t", batch=True)
+    set_aside_at_reads: list[int] = []
+    read_log = store.read_log
+
+    async def read_log_noting(*args, **kwargs):
+        set_aside_at_reads.append(gc.get_freeze_count())
+        return await read_log(*args, **kwargs)
+
+    monkeypatch.setattr(store, "read_log", read_log_noting)
+    rebuilt = await queue.rebuild(conn, org_id, page=2)
+    assert len(rebuilt) == 6 and gc.get_freeze_count() == 0
+    assert set_aside_at_reads[0] == 0 and all(count > 0 for count in set_aside_at_reads[1:]), set_aside_at_reads
+
+    set_aside_at_comparison: list[int] = []
+    diff = queue.diff
+
+    def diff_noting(*args):
+        set_aside_at_comparison.append(gc.get_freeze_count())
+        return diff(*args)
+
+    monkeypatch.setattr(queue, "diff", diff_noting)
+    assert await verification.verify(conn, org_id) == []
+    assert set_aside_at_comparison and set_aside_at_comparison[0] > 0
+    assert gc.get_freeze_count() == 0

@@ -1,0 +1,68 @@
+"""``projections.long_folds``: what a long fold built is kept out of the collector's passes, and given back."""
+
+from __future__ import annotations
+
+import gc
+
+import anyio
+import pytest
+
+from umbra.projections.long_folds import FOLD_PAGE, let_go, long_fold
+
+pytestmark = pytest.mark.anyio
+
+
+class Built:  # an object the collector tracks, as a fold's rows are
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def test_what_is_set_aside_is_out_of_the_collectors_generations_until_the_fold_ends():
+    assert gc.get_freeze_count() == 0
+    with long_fold() as set_aside:
+        built = [Built(n) for n in range(1000)]
+        set_aside()
+        assert gc.get_freeze_count() >= len(built)
+        assert not any(obj is built for obj in gc.get_objects())  # the collector's generations no longer hold it
+    assert gc.get_freeze_count() == 0
+    assert any(obj is built for obj in gc.get_objects())
+
+
+def test_folds_that_nest_or_interleave_give_back_only_when_the_last_ends():
+    outer = long_fold()
+    set_aside = outer.__enter__()
+    with long_fold() as inner_set_aside:
+        inner_set_aside()
+    set_aside()
+    assert gc.get_freeze_count() > 0  # the inner fold ended; the outer one still runs
+    outer.__exit__(None, None, None)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_fold_that_fails_gives_back_all_the_same():
+    with pytest.raises(RuntimeError):
+        with long_fold() as set_aside:
+            set_aside()
+            raise RuntimeError("the read failed")
+    assert gc.get_freeze_count() == 0
+
+
+async def test_let_go_empties_a_page_at_a_time_serving_the_loop_between():
+    built = {n: Built(n) for n in range(4 * FOLD_PAGE + 1)}
+    turns = 0
+    emptied = anyio.Event()
+
+    async def other_task() -> None:
+        nonlocal turns
+        while not emptied.is_set():
+            turns += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_task)
+        await anyio.lowlevel.checkpoint()
+        before = turns
+        await let_go(built)
+        emptied.set()
+    assert built == {}
+    assert turns - before >= 4  # served between the five pages
