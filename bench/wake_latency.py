@@ -40,6 +40,7 @@ from typing import AsyncIterator
 
 import anyio
 import httpx
+import msgspec
 import psycopg
 
 from umbra.compute.accounts import create_organization
@@ -52,6 +53,9 @@ from umbra.events.types import Device
 from .common import percentile, print_table, scratch_database, write_json
 
 CPU = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=60000)
+CPU_DEVICE = msgspec.to_builtins(CPU)
+#: How often the bench's node beats while samples are taken, as ``umbra agent`` does by default.
+BEAT_SECONDS = 10
 
 
 def _free_port() -> int:
@@ -98,10 +102,15 @@ async def _parked(client: httpx.AsyncClient, *gauges: str) -> None:
 
 
 async def _parked_claim(client: httpx.AsyncClient, headers: dict[str, str], answered: list[float]) -> None:
-    """A long-poll claim that must return a job; appends when it returned."""
+    """A long-poll claim that must return a job; appends when it returned, then completes the job: left
+    leased, the jobs of a measurement longer than a lease (60 s: 1,000 samples on a slow machine) went back
+    to the queue, and later parked claims took them at once instead of waiting for their own."""
     response = await client.post("/v1/agent/claim", params={"wait": 30}, headers=headers)
     answered.append(time.perf_counter())
     assert response.status_code == 200, response.status_code
+    job = response.json()["job"]
+    done = await client.post(f"/v1/agent/jobs/{job['id']}/complete", json={"attempt": job["attempt"], "result": {}}, headers=headers)
+    assert done.status_code == 200, done.text
 
 
 def _bearer(secret: str) -> dict[str, str]:
@@ -109,18 +118,31 @@ def _bearer(secret: str) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def _clients(base: str, url: str) -> AsyncIterator[tuple[httpx.AsyncClient, psycopg.AsyncConnection]]:
-    """The samples' HTTP client (one keep-alive connection) and their own database connection."""
+async def _clients(base: str, url: str, credential: str) -> AsyncIterator[tuple[httpx.AsyncClient, psycopg.AsyncConnection]]:
+    """The samples' HTTP client (one keep-alive connection) and their own database connection, while the node
+    beats as its agent would (on a connection of its own): a measurement outlasting the stale threshold
+    (45 s; 1,000 samples on a slow machine) otherwise found the node offline, and its claims answered 204."""
     async with httpx.AsyncClient(base_url=base, timeout=60) as client, \
-            await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:  # fmt: skip
+            await psycopg.AsyncConnection.connect(url, autocommit=True) as conn, \
+            anyio.create_task_group() as beating:  # fmt: skip
+        beating.start_soon(_beat, base, credential)
         yield client, conn
+        beating.cancel_scope.cancel()
+
+
+async def _beat(base: str, credential: str) -> None:
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        while True:
+            await anyio.sleep(BEAT_SECONDS)
+            beat = await client.post("/v1/agent/heartbeat", json={"devices": [CPU_DEVICE]}, headers=_bearer(credential))
+            assert beat.status_code == 200, beat.text
 
 
 async def _long_poll_samples(base: str, url: str, org: uuid.UUID, api_key: str, credential: str, samples: int, *, via_http: bool):
     latencies: list[float] = []
     round_trips: list[float] = []
     node_headers, key_headers = _bearer(credential), _bearer(api_key)
-    async with _clients(base, url) as (client, conn):
+    async with _clients(base, url, credential) as (client, conn):
         for i in range(samples):
             answered: list[float] = []
             async with anyio.create_task_group() as tg:
@@ -145,7 +167,7 @@ async def _next_step_samples(base: str, url: str, org: uuid.UUID, api_key: str, 
     answered: list[float] = []
     round_trips: list[float] = []
     node_headers, key_headers = _bearer(credential), _bearer(api_key)
-    async with _clients(base, url) as (client, conn):
+    async with _clients(base, url, credential) as (client, conn):
         for i in range(samples):
             [first, _], _ = await submit(conn, org, [JobRequest(kind="step", payload={"i": i}),
                                                      JobRequest(kind="step", depends_on=[0])], actor="bench", batch=True)  # fmt: skip
