@@ -17,7 +17,9 @@ from msgspec import Meta
 from umbra.events.types import Device, ResidentModel
 
 Megabytes = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-Label = Annotated[str, Meta(min_length=1, max_length=200)]
+#: Longest device label (and model slug) a report may carry.
+LABEL_MAX = 200
+Label = Annotated[str, Meta(min_length=1, max_length=LABEL_MAX)]
 Word = Annotated[str, Meta(min_length=1, max_length=100)]
 #: Most devices one node reports.
 MAX_DEVICES = 256

@@ -13,9 +13,12 @@ import msgspec
 import pytest
 
 from umbra.agent.credentials import CredentialFile, CredentialFileError, StoredCredential
+from umbra.agent import devices as agent_devices
 from umbra.agent.devices import (
     MAX_DEVICES,
     DeviceSpecError,
+    amd_devices,
+    apple_gpu,
     check_device_set,
     cpu_device,
     parse_device_spec,
@@ -25,6 +28,7 @@ from umbra.agent.devices import (
 from umbra.agent.handlers import HandlerRegistry, PermanentError, RetryableError, UnknownKind, is_retryable
 from umbra.agent.jobrun import backoff_delay
 from umbra.cli_events import SseParser
+from umbra.domain.nodes import is_busy
 from umbra.events.types import Device
 
 pytestmark = pytest.mark.anyio
@@ -42,6 +46,93 @@ def test_nvidia_smi_lines_become_discrete_cuda_devices_and_unreadable_lines_are_
     first = devices[0]
     assert first.kind == "gpu_discrete" and first.accelerators == ("cuda",)
     assert (first.vram_total_mb, first.vram_free_mb, first.ram_total_mb) == (24564, 23012, 0)
+
+
+GIB = 1024**3
+
+
+def _card(drm, name, **files):
+    device = drm / name / "device"
+    device.mkdir(parents=True)
+    for file, text in files.items():
+        (device / file).write_text(text)
+
+
+def test_amd_cards_in_sysfs_become_discrete_rocm_devices_and_other_cards_are_skipped(tmp_path):
+    _card(tmp_path, "card0", vendor="0x8086\n")  # an Intel iGPU: not AMD
+    (tmp_path / "card0-DP-1").mkdir()  # a connector of card0, not a card
+    _card(tmp_path, "card1", vendor="0x1002\n", mem_info_vram_total=f"{24 * GIB}\n",
+          mem_info_vram_used=f"{GIB}\n", product_name="AMD Radeon RX 7900 XTX\n", device="0x744c\n")
+    _card(tmp_path, "card2", vendor="0x1002\n", mem_info_vram_total="\n", mem_info_vram_used="0\n")  # unreadable
+    _card(tmp_path, "card3", vendor="0x1002\n", mem_info_vram_total=f"{16 * GIB}\n")  # no used figure
+    # card10 sorts after card2 by number, not before it by text; no product name: its PCI id names it.
+    _card(tmp_path, "card10", vendor="0x1002\n", mem_info_vram_total=f"{64 * GIB}\n", mem_info_vram_used="0\n",
+          product_name="\n", device="0x740c\n")
+    _card(tmp_path, "card11", vendor="0x1002\n", mem_info_vram_total=f"{8 * GIB}\n",
+          mem_info_vram_used=f"{9 * GIB}\n")  # used past total (read while it moved): none free
+
+    found = amd_devices(tmp_path)
+    assert [d.label for d in found] == ["rocm:0 AMD Radeon RX 7900 XTX", "rocm:1 AMD GPU 0x740c", "rocm:2 AMD GPU"]
+    assert all(d.kind == "gpu_discrete" and d.accelerators == ("rocm",) for d in found)
+    assert [(d.vram_total_mb, d.vram_free_mb, d.ram_total_mb) for d in found] == [
+        (24576, 23552, 0), (65536, 65536, 0), (8192, 0, 0)]
+    assert is_busy(found[2]) and not is_busy(found[0])
+    assert amd_devices(tmp_path / "missing") == []
+
+
+def test_amd_cards_are_reported_only_where_rocm_is_installed(tmp_path, monkeypatch):
+    """The ``amdgpu`` driver comes with every kernel: without ROCm, a Radeon only drives the screen."""
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setenv("ROCM_PATH", str(tmp_path / "rocm"))
+    assert not agent_devices.rocm_installed()
+    (tmp_path / "rocm").mkdir()
+    assert agent_devices.rocm_installed()
+    monkeypatch.setenv("ROCM_PATH", str(tmp_path / "elsewhere"))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "rocminfo").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "rocminfo").chmod(0o755)
+    assert agent_devices.rocm_installed()
+
+
+def test_an_apple_silicon_gpu_is_unified_memory_sized_by_macos_share_or_the_operators_limit():
+    small = apple_gpu("Apple M2 Max", ram_total_mb=32768, ram_free_mb=20000)
+    assert (small.kind, small.label, small.accelerators) == ("gpu_integrated", "metal:0 Apple M2 Max GPU", ("metal",))
+    assert (small.vram_total_mb, small.vram_free_mb, small.ram_total_mb, small.ram_free_mb) == (21845, 20000, 32768, 20000)
+    large = apple_gpu("Apple M3 Ultra", ram_total_mb=196608, ram_free_mb=180000)
+    assert (large.vram_total_mb, large.vram_free_mb) == (147456, 147456)  # three quarters, free up to it
+    raised = apple_gpu("Apple M3 Ultra", ram_total_mb=196608, ram_free_mb=180000, wired_limit_mb=188416)
+    assert (raised.vram_total_mb, raised.vram_free_mb) == (188416, 180000)
+    assert apple_gpu("Apple M1", ram_total_mb=8192, ram_free_mb=4000, wired_limit_mb=99999).vram_total_mb == 8192
+    assert is_busy(apple_gpu("Apple M1", ram_total_mb=8192, ram_free_mb=0)) and not is_busy(small)
+
+
+def test_a_mac_reports_its_gpu_read_from_sysctl_and_other_machines_none(monkeypatch):
+    values = {"machdep.cpu.brand_string": "Apple M4 Pro", "iogpu.wired_limit_mb": "0"}
+    monkeypatch.setattr(agent_devices, "_sysctl", values.get)
+    agent_devices._apple_chip.cache_clear()
+    monkeypatch.setattr(agent_devices.sys, "platform", "linux")
+    assert agent_devices.apple_devices() == []
+    monkeypatch.setattr(agent_devices.sys, "platform", "darwin")
+    monkeypatch.setattr(agent_devices.platform, "machine", lambda: "arm64")
+    [gpu] = agent_devices.apple_devices()
+    assert gpu.label == "metal:0 Apple M4 Pro GPU" and gpu.ram_total_mb == cpu_device().ram_total_mb
+    values["iogpu.wired_limit_mb"] = "12000"
+    values["machdep.cpu.brand_string"] = "renamed"  # read once: the label stays
+    assert [(d.label, d.vram_total_mb) for d in agent_devices.apple_devices()] == [("metal:0 Apple M4 Pro GPU", 12000)]
+    values["iogpu.wired_limit_mb"] = "not a number"
+    assert agent_devices.apple_devices()[0].vram_total_mb == gpu.vram_total_mb  # macOS's share, as with "0"
+    agent_devices._apple_chip.cache_clear()
+
+
+def test_every_device_discovery_makes_is_one_the_server_accepts(tmp_path):
+    """The agent's reports pass the server's own decoding (``DeviceReport``), as a heartbeat's would."""
+    _card(tmp_path, "card1", vendor="0x1002", mem_info_vram_total=str(24 * GIB), mem_info_vram_used="0",
+          product_name="x" * 300)  # a firmware name past the label's limit
+    found = [cpu_device(), *parse_nvidia_smi(NVIDIA_OUTPUT), *amd_devices(tmp_path),
+             apple_gpu("Apple M2", ram_total_mb=16384, ram_free_mb=9000)]
+    check_device_set(found)
+    for device in found:
+        assert parse_device_spec(msgspec.json.encode(device).decode()) == device
 
 
 def test_cpu_device_reports_system_memory():
