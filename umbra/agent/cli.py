@@ -33,6 +33,7 @@ from .credentials import CredentialFile, StoredCredential
 from .devices import DeviceSpecError, check_device_set, discover, parse_device_spec
 from .commands import CommandHandler, parse_command
 from .handlers import HandlerRegistry, load_object
+from .resident import OllamaModels, ollama_url, place_resident
 from .runner import Agent, AgentConfig
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=_device, action=_AddDevice, default=[], metavar="JSON",
                    help="report this device instead of discovering (repeatable; a Device object as in API.md, checked"
                         " as the server checks it: no unknown fields, a non-empty label of its own, no negative MB)")
+    p.add_argument("--ollama", nargs="?", const="", default=None, metavar="URL",
+                   help="report the models the Ollama server at URL holds loaded, on the devices holding them, with "
+                        "each heartbeat (default URL: OLLAMA_HOST, else http://127.0.0.1:11434)")  # fmt: skip
     p.add_argument("--handler", type=_handler_spec, action="append", default=[], metavar="KIND=MODULE:FUNC",
                    help="add or replace the handler for a job kind (repeatable)")
     p.add_argument("--command", type=_command_spec, action="append", default=[], metavar="KIND='PROGRAM ARGS'",
@@ -152,9 +156,11 @@ def run_agent(args) -> int:
     for kind, argv in args.command:
         registry.register(kind, CommandHandler(argv))
     overrides = list(args.device)
+    resident = OllamaModels(ollama_url(args.ollama or None)) if args.ollama is not None else None
 
     def devices():
-        return overrides or discover()
+        found = overrides or discover()
+        return found if resident is None else place_resident(found, resident())
 
     try:
         status = anyio.run(_main, args, store, registry, devices)
@@ -165,6 +171,9 @@ def run_agent(args) -> int:
                     " another --credential-file, and pair again with --code)")  # fmt: skip
         print(f"umbra: {refusal.code}: {refusal.message}{hint}", file=sys.stderr)
         status = 1
+    finally:
+        if resident is not None:
+            resident.close()
     _exit_past_abandoned_handlers(status)
     return status
 

@@ -1,0 +1,115 @@
+"""Which models this machine holds loaded, read from the local model server (Ollama), for each heartbeat.
+
+Placement prefers a device where a job's model is resident to one that must
+load it, and one that must load it to one that must evict another model
+(SPEC: resident beats load beats eviction). It knows what is resident only from
+the heartbeats; an agent that reports none makes every node look cold, and the
+first node to ask takes a job whose model another node holds warm. So with
+``--ollama``, each heartbeat asks the Ollama server beside the agent what it
+has loaded (``GET /api/ps``) and reports each model on the device holding it.
+
+Ollama says how much of a model sits in GPU memory (``size_vram``), not on
+which GPU: a model with none is on the CPU device; one with some, on the GPU
+when there is one (an Apple silicon GPU included); on a machine with several,
+it is reported on each, its VRAM split evenly between them, as Ollama spreads
+a model's layers over the GPUs it has. Slugs are Ollama's names
+(``gemma3:27b``), which is what an organization's model registry names them
+by for these jobs to match.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import httpx
+import msgspec
+
+from umbra.domain.device_reports import LABEL_MAX
+from umbra.events.types import Device, ResidentModel
+
+log = logging.getLogger(__name__)
+
+#: Where Ollama listens unless ``OLLAMA_HOST`` says otherwise (its own default).
+OLLAMA_DEFAULT = "http://127.0.0.1:11434"
+#: Ollama answers from memory: a server that takes longer is hung, and a heartbeat must not wait on it.
+OLLAMA_TIMEOUT_SECONDS = 2.0
+#: Most resident models one device's report carries (the server's limit).
+MAX_RESIDENT = 256
+MB = 1024 * 1024
+
+
+class RunningModel(msgspec.Struct, frozen=True):
+    """One model Ollama has loaded: its name, and of its bytes how many are in GPU memory."""
+
+    name: str
+    size: int = 0
+    size_vram: int = 0
+
+
+class _Running(msgspec.Struct):
+    models: list[RunningModel] = []
+
+
+def ollama_url(given: str | None = None) -> str:
+    """The Ollama server's URL: the one given, else ``OLLAMA_HOST`` (Ollama's own setting: ``host:port``
+    or a URL), else its default."""
+    url = given or os.environ.get("OLLAMA_HOST") or OLLAMA_DEFAULT
+    if "://" not in url:
+        url = f"http://{url}"
+    return url.rstrip("/")
+
+
+def parse_running(body: bytes) -> list[RunningModel]:
+    """Models from an ``/api/ps`` answer; raises ``msgspec.DecodeError`` / ``ValidationError`` for another body."""
+    return msgspec.json.decode(body, type=_Running).models
+
+
+def place_resident(devices: Sequence[Device], running: Sequence[RunningModel]) -> list[Device]:
+    """``devices`` with each running model added to the resident models of the device that holds it
+    (see the module's docstring). A model whose name a report could not carry is left out."""
+    cpus = [i for i, device in enumerate(devices) if device.kind == "cpu"]
+    gpus = [i for i, device in enumerate(devices) if device.kind != "cpu"]
+    added: dict[int, list[ResidentModel]] = {}
+    for model in running:
+        if not 0 < len(model.name) <= LABEL_MAX:
+            continue
+        holders = gpus if model.size_vram > 0 and gpus else cpus[:1] or gpus[:1]
+        for i in holders:
+            held = -(-max(model.size_vram, 0) // (MB * len(holders)))  # MB, rounded up: never reported as nothing
+            added.setdefault(i, []).append(ResidentModel(slug=model.name, vram_held_mb=held if devices[i].kind != "cpu" else 0))
+    return [
+        msgspec.structs.replace(device, resident_models=(*device.resident_models, *added[i])[:MAX_RESIDENT])
+        if i in added else device
+        for i, device in enumerate(devices)
+    ]  # fmt: skip
+
+
+class OllamaModels:
+    """Reads the models an Ollama server has loaded, once per call; an Ollama that does not answer reads as
+    none loaded (its models are not held any more, or not knowably), said once in the log until it answers."""
+
+    def __init__(self, url: str, *, timeout: float = OLLAMA_TIMEOUT_SECONDS) -> None:
+        self.url = url
+        self._client = httpx.Client(base_url=url, timeout=timeout, trust_env=False)
+        self._failing = False
+
+    def __call__(self) -> list[RunningModel]:
+        try:
+            response = self._client.get("/api/ps")
+            response.raise_for_status()
+            running = parse_running(response.content)
+        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if not self._failing:
+                log.warning("ollama did not say which models it holds", extra={
+                    "action": "resident_models_unknown", "url": self.url, "error": type(exc).__name__})  # fmt: skip
+            self._failing = True
+            return []
+        if self._failing:
+            log.info("ollama answers again", extra={"action": "resident_models_known", "url": self.url})
+        self._failing = False
+        return running
+
+    def close(self) -> None:
+        self._client.close()
