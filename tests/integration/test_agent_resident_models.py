@@ -88,6 +88,8 @@ def test_what_a_device_already_reported_is_kept_and_what_a_report_cannot_carry_i
     [gpu] = place_resident([held], [_running(f"m{i}", 0.01) for i in range(MAX_RESIDENT + 5)])
     assert len(gpu.resident_models) == MAX_RESIDENT
     assert place_resident([CPU, GPU0], []) == [CPU, GPU0]
+    # A model in system RAM on a node that reports no CPU device (``--device`` GPUs only) is on none of them.
+    assert place_resident([GPU0], [_running("phi3:mini", 0)]) == [GPU0]
 
 
 def test_the_ollama_url_is_the_one_given_else_ollamas_own_setting_else_its_default(monkeypatch):

@@ -75,7 +75,7 @@ def place_resident(devices: Sequence[Device], running: Sequence[RunningModel]) -
     for model in running:
         if not 0 < len(model.name) <= LABEL_MAX:
             continue
-        holders = gpus if model.size_vram > 0 and gpus else cpus[:1] or gpus[:1]
+        holders = gpus if model.size_vram > 0 and gpus else cpus[:1]  # none: a model in RAM, no CPU reported
         for i in holders:
             held = -(-max(model.size_vram, 0) // (MB * len(holders)))  # MB, rounded up: never reported as nothing
             added.setdefault(i, []).append(ResidentModel(slug=model.name, vram_held_mb=held if devices[i].kind != "cpu" else 0))
