@@ -92,6 +92,7 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
                 listener.on_hint(watcher.on_hint)
                 listener.on_reconnect(watcher.on_reconnect)
                 listener.on_everything(watcher.on_reconnect)
+            listener.on_waiting(log_moved.on_waiting)
             # Agents' claims, renewals and completions share transactions; their hints
             # are sent after commit, outside the data transactions.
             notifier = HintNotifier(pool)

@@ -78,7 +78,7 @@ from umbra.projections.jobs import Change, JobRow
 from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, read_nodes
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, Siblings, ancestors_held_elsewhere, check_json_depth, check_shape_size,
-    jobs_by_idempotency_key, lock_idempotency_keys, may_end, record_and_settle, refusing_nul,
+    jobs_by_idempotency_key, lock_idempotency_keys, may_end, publish_new_jobs, record_and_settle, refusing_nul,
     submitted_events,
 )  # fmt: skip
 from .abandoned_claims import ClaimAbandoned, is_abandoned
@@ -1045,8 +1045,7 @@ async def _add_children(
         decomposed = JobDecomposed(attempt=attempt, children=tuple(c.job_id for c in child_changes))
         rows = await queue.record(conn, [Change(parent.id, organization_id, parent, [decomposed]), *child_changes],
                                   metadata=store.event_metadata(actor, request_id))  # fmt: skip
-        queued = sum(1 for row in rows[1:] if row.status == "queued")
-        await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])
+        await publish_new_jobs(conn, organization_id, rows[1:], max(r.position for r in rows))
     return rows[1:]
 
 

@@ -411,9 +411,24 @@ async def _submit(
 
     rows = await queue.record(conn, changes(), metadata=store.event_metadata(actor, request_id), events=events) if fresh else []
     if rows:
-        queued = sum(1 for row in rows if row.status == "queued")
-        await store.publish(conn, [(organization_id, max(r.position for r in rows), queued)])
+        await publish_new_jobs(conn, organization_id, rows, max(r.position for r in rows))
     return [rows[slot] if isinstance(slot, int) else slot for slot in slots], len(rows)
+
+
+async def publish_new_jobs(conn: psycopg.AsyncConnection, organization_id: UUID, new: Sequence[JobRow], position: int) -> None:
+    """The notifications of a transaction that wrote new jobs (``position``: the last event it appended).
+
+    The log's hint counts those of them queued, for the parked claims. When
+    some were set aside to wait for others, it also says so
+    (:func:`~umbra.events.store.announce_waiting`): while no job waits, the
+    sweeper's leader looks at waiting jobs only every
+    :data:`~umbra.compute.sweeper.IDLE_LOOK_SECONDS`, and without the word a
+    dependent submitted in that while would be released up to that long after
+    its dependencies end.
+    """
+    await store.publish(conn, [(organization_id, position, sum(1 for row in new if row.status == "queued"))])
+    if any(row.awaiting_dependencies for row in new):
+        await store.announce_waiting(conn, organization_id)
 
 
 async def _delayed(conn: psycopg.AsyncConnection, specs: Sequence[JobRequest], *, batch: bool) -> set[int]:

@@ -401,26 +401,43 @@ async def _mark_stale_nodes(conn: psycopg.AsyncConnection, settings: Settings) -
 #: Shortest time between two prompt looks at waiting jobs: the log's moves in between are looked at together.
 PROMPT_LOOK_SECONDS = 0.02
 #: The same after a look that found no job waiting: a busy queue without dependencies (a drain) then costs
-#: the sweeper one query every 0.1 s, not one per hint; a job that begins to wait is seen within it.
+#: the sweeper one query every 0.1 s, not one per hint. A job that begins to wait ends that pause at once
+#: (:meth:`LogMoved.on_waiting`): its dependency may end within it.
 IDLE_LOOK_SECONDS = 0.1
 
 
 class LogMoved:
     """Wakes the sweeper's leader between ticks when the log moves.
 
-    The server's one listener calls :meth:`on_hint` for every hint and
+    The server's one listener calls :meth:`on_hint` for every hint,
+    :meth:`on_waiting` when jobs began waiting for others, and
     :meth:`on_reconnect` after a reconnect (hints may have been lost); the
-    leader's :meth:`wait` returns True once one came since it last returned.
+    leader's :meth:`wait` returns True once one came since it last returned,
+    and its :meth:`pause` after a look that found no job waiting ends early
+    when jobs began to wait.
     """
 
     def __init__(self) -> None:
         self._moved = anyio.Event()
+        self._waiting = anyio.Event()
 
     def on_hint(self, organization_id: UUID, position: int, claimable: int) -> None:
         self._moved.set()
 
-    def on_reconnect(self) -> None:
+    def on_waiting(self, organization_id: UUID) -> None:
+        self._waiting.set()
         self._moved.set()
+
+    def on_reconnect(self) -> None:
+        self._waiting.set()
+        self._moved.set()
+
+    async def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` before the next look, or until jobs began waiting (at once, when they did since the
+        last pause: perhaps during the look that found none)."""
+        with anyio.move_on_after(seconds):
+            await self._waiting.wait()
+        self._waiting = anyio.Event()
 
     async def wait(self, seconds: float) -> bool:
         """Whether the log moved within ``seconds`` (at once, when it moved since the last call)."""
@@ -525,7 +542,10 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
                 catch_up = catch_up or passed_over
                 # The move may be a job submitted to run before the next tick.
                 due_at, looked = await _next_due(conn, after=looked)
-                await anyio.sleep(PROMPT_LOOK_SECONDS if waiting else IDLE_LOOK_SECONDS)
+                if waiting:
+                    await anyio.sleep(PROMPT_LOOK_SECONDS)
+                else:
+                    await log_moved.pause(IDLE_LOOK_SECONDS)
 
 
 async def _next_due(conn: psycopg.AsyncConnection, *, after: delayed.Look | None) -> tuple[float | None, delayed.Look | None]:

@@ -24,7 +24,7 @@ import psycopg
 from umbra import jitter
 from umbra.db import own_connection
 
-from .store import EVERYTHING, LOG_CHANNEL, RECHECK_CHANNEL, parse_hints
+from .store import EVERYTHING, LOG_CHANNEL, RECHECK_CHANNEL, WAITING_CHANNEL, parse_hints
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ RecheckCallback = Callable[[UUID], None]
 
 
 class LogListener:
-    """Listens on :data:`LOG_CHANNEL` and :data:`RECHECK_CHANNEL` and calls subscribers synchronously."""
+    """Listens on :data:`LOG_CHANNEL`, :data:`RECHECK_CHANNEL` and :data:`WAITING_CHANNEL` and calls subscribers
+    synchronously."""
 
     def __init__(self, url: str, *, idle_check_seconds: float = 5.0, probe_seconds: float = PROBE_SECONDS,
                  ignore_backend_pids: Callable[[], set[int]] | None = None) -> None:  # fmt: skip
@@ -55,7 +56,8 @@ class LogListener:
         self._probe = probe_seconds
         self._hint_subscribers: list[HintCallback] = []
         self._reconnect_subscribers: list[ReconnectCallback] = []
-        self._recheck_subscribers: list[RecheckCallback] = []
+        #: The organization-named channels' subscribers, by channel.
+        self._organization_subscribers: dict[str, list[RecheckCallback]] = {RECHECK_CHANNEL: [], WAITING_CHANNEL: []}
         self._everything_subscribers: list[ReconnectCallback] = []
         self._ignore = ignore_backend_pids or (lambda: set())
         self.connected = anyio.Event()
@@ -75,19 +77,23 @@ class LogListener:
 
     def on_recheck(self, callback: RecheckCallback) -> None:
         """``callback(organization_id)`` for each :data:`~umbra.events.store.RECHECK_CHANNEL` notification."""
-        self._recheck_subscribers.append(callback)
+        self._organization_subscribers[RECHECK_CHANNEL].append(callback)
+
+    def on_waiting(self, callback: RecheckCallback) -> None:
+        """``callback(organization_id)`` for each :data:`~umbra.events.store.WAITING_CHANNEL` notification."""
+        self._organization_subscribers[WAITING_CHANNEL].append(callback)
 
     def _dispatch(self, payload: str, sender_pid: int, channel: str = LOG_CHANNEL) -> None:
         if sender_pid in self._ignore():
             return
-        if channel == RECHECK_CHANNEL:
+        if channel in self._organization_subscribers:
             try:
                 organization_id = UUID(hex=payload)
             except ValueError:
                 log.warning("ignored malformed notification", extra={"action": "bad_hint"})
                 return
-            for recheck in self._recheck_subscribers:
-                recheck(organization_id)
+            for callback in self._organization_subscribers[channel]:
+                callback(organization_id)
             return
         if payload == EVERYTHING:
             for callback in self._everything_subscribers:
@@ -108,7 +114,7 @@ class LogListener:
         while True:
             try:
                 async with own_connection(self._url, application_name=APPLICATION_NAME, **CONNECTION_OPTIONS) as conn:
-                    await conn.execute(f"LISTEN {LOG_CHANNEL}; LISTEN {RECHECK_CHANNEL}")
+                    await conn.execute(f"LISTEN {LOG_CHANNEL}; LISTEN {RECHECK_CHANNEL}; LISTEN {WAITING_CHANNEL}")
                     self.backend_pid = conn.info.backend_pid
                     if self.connected.is_set():
                         self.connected = anyio.Event()

@@ -47,6 +47,9 @@ LOG_CHANNEL = "umbra_log"
 #: The notification channel for "every parked claim of this organization, try again now": a change
 #: that refuses some of them (a node's credentials revoked) makes no work to hint at.
 RECHECK_CHANNEL = "umbra_recheck"
+#: The notification channel for "this organization's jobs began waiting for others": the one reader that
+#: looks at waiting jobs only while some wait (the sweeper's leader) looks again at once.
+WAITING_CHANNEL = "umbra_waiting"
 
 
 class RecordedEvent(msgspec.Struct, frozen=True):
@@ -594,6 +597,12 @@ async def ask_recheck(conn: psycopg.AsyncConnection, organization_id: UUID) -> N
     await conn.execute("SELECT pg_notify(%s, %s)", (RECHECK_CHANNEL, organization_id.hex))
 
 
+async def announce_waiting(conn: psycopg.AsyncConnection, organization_id: UUID) -> None:
+    """Say, when the transaction commits, that jobs of the organization began waiting for others
+    (:data:`WAITING_CHANNEL`). Only transactions that set jobs aside send it: rare next to the log's hints."""
+    await conn.execute("SELECT pg_notify(%s, %s)", (WAITING_CHANNEL, organization_id.hex))
+
+
 async def publish(
     conn: psycopg.AsyncConnection, hints: Iterable[tuple[UUID, int, int]]
 ) -> None:
@@ -609,6 +618,8 @@ async def publish(
 __all__ = [
     "LOG_CHANNEL",
     "RECHECK_CHANNEL",
+    "WAITING_CHANNEL",
+    "announce_waiting",
     "ask_recheck",
     "PendingAppend",
     "RecordedEvent",

@@ -322,6 +322,49 @@ async def test_a_leader_looks_from_its_last_position_each_tick_so_a_lost_hint_or
         tg.cancel_scope.cancel()
 
 
+async def test_a_dependent_submitted_while_no_job_waited_is_released_as_its_dependency_ends_not_a_pause_later(
+    db_url, conn, org, monkeypatch
+):
+    """While no job waits, the leader looks at waiting jobs at most every ``IDLE_LOOK_SECONDS`` (a minute here;
+    its ticks an hour apart). B's submission says that a job began waiting (``WAITING_CHANNEL``, through the
+    listener, as the server wires it): the leader looks at once, finds B waiting, and so looks again when A's
+    completion moves the log. B is queued within seconds of A's completion, not up to a minute later. Only
+    the submission that set a job aside says so."""
+    import functools
+
+    from umbra.compute import sweeper
+    from umbra.events.listener import LogListener
+
+    monkeypatch.setattr(sweeper, "IDLE_LOOK_SECONDS", 60.0)
+    monkeypatch.setattr(sweeper, "REEXAMINE_SECONDS", 3600.0)
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    moved, heard = sweeper.LogMoved(), []
+    listener = LogListener(db_url)
+    listener.on_hint(moved.on_hint)
+    listener.on_waiting(moved.on_waiting)
+    listener.on_waiting(heard.append)
+    async with anyio.create_task_group() as tg:
+        await tg.start(listener.run)
+        tg.start_soon(functools.partial(sweeper.run, dataclasses.replace(SETTINGS, sweep_interval_seconds=3600), db_url,
+                                        retry_seconds=0.1, log_moved=moved))  # fmt: skip
+        first = await submit(conn, org_id, "first")
+        await anyio.sleep(0.5)  # the leader leads, and has taken its first tick
+        await run(conn, org_id, node, first.id)
+        await anyio.sleep(0.5)  # the move's look found no job waiting: the leader pauses
+        a = await submit(conn, org_id, "a")
+        b = await submit(conn, org_id, "b", depends_on=[str(a.id)])
+        assert await eventually(lambda: _listed(heard))
+        await run(conn, org_id, node, a.id)
+        assert await eventually(lambda: _queued(conn, org_id, b.id), timeout=10)
+        tg.cancel_scope.cancel()
+    assert heard == [org_id]
+
+
+async def _listed(items: list) -> bool:
+    return bool(items)
+
+
 async def test_a_dependent_passed_over_for_a_fleet_change_is_released_at_the_next_tick(db_url, conn, org, monkeypatch):
     """A fleet change holds the organization's capacity lock while A completes: the prompt look passes B over
     (its release must be judged against the fleet) and says so; the tick after it takes the whole look, which
@@ -737,6 +780,26 @@ async def test_a_decomposition_s_merge_step_waits_for_its_shards_and_the_contain
     await run(conn, org_id, node, merge.id)
     assert (await row(conn, org_id, parent.id)).status == "complete"
     assert await verify(conn) == []
+
+
+async def test_children_set_aside_after_their_siblings_say_so_and_jobs_that_run_at_once_do_not(db_url, conn, org):
+    """The word the sweeper's leader waits for (``WAITING_CHANNEL``) comes from a node's children as from a
+    submission: once for a merge after its shard, never for a batch with no dependent."""
+    from umbra.events.listener import LogListener
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "box", [CPU64])
+    heard: list = []
+    listener = LogListener(db_url)
+    listener.on_waiting(heard.append)
+    async with anyio.create_task_group() as tg:
+        await tg.start(listener.run)
+        await _split(conn, org_id, node, child("shard"), child("merge", depends_on=[0]))
+        await jobs.submit(conn, org_id, [spec("one"), spec("two")], actor="t", batch=True)
+        assert await eventually(lambda: _listed(heard))
+        await anyio.sleep(0.3)  # the batch's word, had it said one, has come by then
+        tg.cancel_scope.cancel()
+    assert heard == [org_id]
 
 
 async def test_a_failed_shard_fails_the_merge_and_the_container_settles_partial(conn, org):
