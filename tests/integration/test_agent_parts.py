@@ -135,6 +135,26 @@ def test_every_device_discovery_makes_is_one_the_server_accepts(tmp_path):
         assert parse_device_spec(msgspec.json.encode(device).decode()) == device
 
 
+def test_a_discovered_gpu_is_placed_before_the_cpu_for_work_that_asks_for_vram(tmp_path):
+    """Both are eligible (the CPU through the RAM, its slow path): the GPU's factor puts it first, even when
+    the job's model must be loaded there; a job the GPU cannot hold still goes to the CPU."""
+    from uuid import uuid4
+
+    from umbra.domain.eligibility import NodeView
+    from umbra.domain.placement import placements
+    from umbra.events.types import Requirements
+
+    _card(tmp_path, "card0", vendor="0x1002", mem_info_vram_total=str(16 * GIB), mem_info_vram_used="0")
+    cpu = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=60000)
+    for gpu in (parse_nvidia_smi(NVIDIA_OUTPUT)[0], amd_devices(tmp_path)[0],
+                apple_gpu("Apple M2 Max", ram_total_mb=65536, ram_free_mb=60000)):
+        node = NodeView(id=uuid4(), name="box", status="online", trust_domain="local", devices=(cpu, gpu))
+        [best, *_], _ = placements([node], Requirements(vram_min_mb=8000), {})
+        assert (best.device_id, best.via) == (gpu.label, "vram"), gpu.label
+        [best, *_], _ = placements([node], Requirements(vram_min_mb=gpu.vram_total_mb + 1, ram_min_mb=1000), {})
+        assert best.device_id == ("cpu" if gpu.kind == "gpu_discrete" else gpu.label), gpu.label
+
+
 def test_cpu_device_reports_system_memory():
     cpu = cpu_device()
     assert cpu.kind == "cpu" and cpu.ram_total_mb > 0 and 0 < cpu.ram_free_mb <= cpu.ram_total_mb

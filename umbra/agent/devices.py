@@ -51,6 +51,12 @@ _CARD = re.compile(r"card(\d+)")
 APPLE_GPU_SHARE_SMALL = 2 / 3
 APPLE_GPU_SHARE_LARGE = 3 / 4
 APPLE_SMALL_RAM_MB = 36 * 1024
+#: A discovered GPU's ``throughput_factor``, against the CPU's 1.0. It only ranks (never decides eligibility),
+#: but it must rank: a CPU device is eligible for a job of any VRAM floor whenever the RAM fits (its slow
+#: path), so at equal factors a job asking for 8 GB of VRAM went to the CPU, listed first, on the node whose
+#: GPU had it free. A GPU runs such work an order of magnitude faster; this puts it first, still ahead after
+#: a load (×0.7) or an eviction (×0.4). GPUs of one node are not told apart: ``--device`` says more.
+DISCOVERED_GPU_FACTOR = 10.0
 
 
 class DeviceSpecError(ValueError):
@@ -99,7 +105,7 @@ def parse_nvidia_smi(output: str) -> list[Device]:
                 label=device_label(f"cuda:{index}", name),
                 vram_total_mb=total_mb,
                 vram_free_mb=free_mb,
-                throughput_factor=1.0,
+                throughput_factor=DISCOVERED_GPU_FACTOR,
                 accelerators=("cuda",),
             )
         )
@@ -159,7 +165,7 @@ def amd_devices(drm: Path = DRM_CLASS) -> list[Device]:
                 label=device_label(f"rocm:{len(devices)}", name),
                 vram_total_mb=total // (1024 * 1024),
                 vram_free_mb=max(total - used, 0) // (1024 * 1024),
-                throughput_factor=1.0,
+                throughput_factor=DISCOVERED_GPU_FACTOR,
                 accelerators=("rocm",),
             )
         )
@@ -197,7 +203,7 @@ def apple_gpu(chip: str, ram_total_mb: int, ram_free_mb: int, wired_limit_mb: in
         vram_free_mb=max(min(limit, ram_free_mb), 0),
         ram_total_mb=ram_total_mb,
         ram_free_mb=ram_free_mb,
-        throughput_factor=1.0,
+        throughput_factor=DISCOVERED_GPU_FACTOR,
         accelerators=("metal",),
     )
 
