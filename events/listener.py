@@ -42,7 +42,7 @@ PROBE_SECONDS = 5.0
 
 HintCallback = Callable[[UUID, int, int], None]
 ReconnectCallback = Callable[[], None]
-RecheckCallback = Callable[[UUID], None]
+OrganizationCallback = Callable[[UUID], None]
 
 
 class LogListener:
@@ -57,7 +57,7 @@ class LogListener:
         self._hint_subscribers: list[HintCallback] = []
         self._reconnect_subscribers: list[ReconnectCallback] = []
         #: The organization-named channels' subscribers, by channel.
-        self._organization_subscribers: dict[str, list[RecheckCallback]] = {RECHECK_CHANNEL: [], WAITING_CHANNEL: []}
+        self._organization_subscribers: dict[str, list[OrganizationCallback]] = {RECHECK_CHANNEL: [], WAITING_CHANNEL: []}
         self._everything_subscribers: list[ReconnectCallback] = []
         self._ignore = ignore_backend_pids or (lambda: set())
         self.connected = anyio.Event()
@@ -75,11 +75,11 @@ class LogListener:
         more moved than one can name, so everything is to be re-checked, as after a reconnect."""
         self._everything_subscribers.append(callback)
 
-    def on_recheck(self, callback: RecheckCallback) -> None:
+    def on_recheck(self, callback: OrganizationCallback) -> None:
         """``callback(organization_id)`` for each :data:`~umbra.events.store.RECHECK_CHANNEL` notification."""
         self._organization_subscribers[RECHECK_CHANNEL].append(callback)
 
-    def on_waiting(self, callback: RecheckCallback) -> None:
+    def on_waiting(self, callback: OrganizationCallback) -> None:
         """``callback(organization_id)`` for each :data:`~umbra.events.store.WAITING_CHANNEL` notification."""
         self._organization_subscribers[WAITING_CHANNEL].append(callback)
 
