@@ -23,6 +23,8 @@ Label = Annotated[str, Meta(min_length=1, max_length=LABEL_MAX)]
 Word = Annotated[str, Meta(min_length=1, max_length=100)]
 #: Most devices one node reports.
 MAX_DEVICES = 256
+#: Most resident models one device reports.
+MAX_RESIDENT_MODELS = 256
 
 
 class ResidentModelReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -42,7 +44,7 @@ class DeviceReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     compute_units: Annotated[int, Meta(ge=0)] | None = None
     throughput_factor: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
     accelerators: Annotated[list[Word], Meta(max_length=32)] = []
-    resident_models: Annotated[list[ResidentModelReport], Meta(max_length=256)] = []
+    resident_models: Annotated[list[ResidentModelReport], Meta(max_length=MAX_RESIDENT_MODELS)] = []
 
 
 def as_device(report: DeviceReport) -> Device:

@@ -14,7 +14,8 @@ import anyio
 import pytest
 
 from tests.helpers import eventually
-from umbra.agent.resident import MAX_RESIDENT, OllamaModels, RunningModel, ollama_url, place_resident
+from umbra.agent.resident import OllamaModels, RunningModel, ollama_url, place_resident
+from umbra.domain.device_reports import MAX_RESIDENT_MODELS as MAX_RESIDENT
 from umbra.events.types import Device, ResidentModel
 
 from .test_agent_process import ROOT, _paired_file, api, server  # noqa: F401

@@ -2,11 +2,13 @@
 
 Placement prefers a device where a job's model is resident to one that must
 load it, and one that must load it to one that must evict another model
-(SPEC: resident beats load beats eviction). It knows what is resident only from
-the heartbeats; an agent that reports none makes every node look cold, and the
-first node to ask takes a job whose model another node holds warm. So with
-``--ollama``, each heartbeat asks the Ollama server beside the agent what it
-has loaded (``GET /api/ps``) and reports each model on the device holding it.
+(SPEC: resident beats load beats eviction); with model affinity a node takes
+the jobs whose models it holds first. Both know what is resident only from the
+heartbeats, and an agent that reports nothing makes every device look cold. So
+with ``--ollama``, each heartbeat asks the Ollama server beside the agent what
+it has loaded (``GET /api/ps``) and reports each model on the device holding
+it. (Which node a job goes to is still the first eligible one to ask: a warm
+node elsewhere is not waited for.)
 
 Ollama says how much of a model sits in GPU memory (``size_vram``), not on
 which GPU: a model with none is on the CPU device; one with some, on the GPU
@@ -26,7 +28,7 @@ from typing import Sequence
 import httpx
 import msgspec
 
-from umbra.domain.device_reports import LABEL_MAX
+from umbra.domain.device_reports import LABEL_MAX, MAX_RESIDENT_MODELS
 from umbra.events.types import Device, ResidentModel
 
 log = logging.getLogger(__name__)
@@ -35,8 +37,6 @@ log = logging.getLogger(__name__)
 OLLAMA_DEFAULT = "http://127.0.0.1:11434"
 #: Ollama answers from memory: a server that takes longer is hung, and a heartbeat must not wait on it.
 OLLAMA_TIMEOUT_SECONDS = 2.0
-#: Most resident models one device's report carries (the server's limit).
-MAX_RESIDENT = 256
 MB = 1024 * 1024
 
 
@@ -80,7 +80,7 @@ def place_resident(devices: Sequence[Device], running: Sequence[RunningModel]) -
             held = -(-max(model.size_vram, 0) // (MB * len(holders)))  # MB, rounded up: never reported as nothing
             added.setdefault(i, []).append(ResidentModel(slug=model.name, vram_held_mb=held if devices[i].kind != "cpu" else 0))
     return [
-        msgspec.structs.replace(device, resident_models=(*device.resident_models, *added[i])[:MAX_RESIDENT])
+        msgspec.structs.replace(device, resident_models=(*device.resident_models, *added[i])[:MAX_RESIDENT_MODELS])
         if i in added else device
         for i, device in enumerate(devices)
     ]  # fmt: skip
