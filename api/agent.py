@@ -36,7 +36,7 @@ from umbra.events.types import Placement
 from umbra.projections.jobs import JobOut, JobRow
 
 from .http import acting_as, authorized, batch_principal, json_response, read_json, received_at, request_id, watch_disconnect
-from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, WaiterHub
+from .longpoll import LOOK_AGAIN_SOON, NOTHING_QUEUED, LookAgainIn, WaiterHub
 from .middleware import REQUEST_ID_PATTERN
 from .params import KIND_QUERY, query_int, query_kinds
 from .rates import RELEASE_BURST, RELEASES_PER_SECOND
@@ -110,6 +110,7 @@ async def claim(request: Request) -> Response:
             stale_seconds=settings.heartbeat_stale_seconds,
             empty=NOTHING_QUEUED,
             busy=LOOK_AGAIN_SOON,
+            later=LookAgainIn,
             credential_id=who.credential_id,
             request_id=request_id(request),
             kinds=kinds,

@@ -86,6 +86,25 @@ class _LookAgainSoon:
 #: heartbeat, a drain, a registry update, another claim for the node) sends no notification that would wake it.
 LOOK_AGAIN_SOON = _LookAgainSoon()
 
+class LookAgainIn:
+    """An attempt's answer when it took nothing but passed over jobs it leaves, for now, to nodes that hold
+    their models (model affinity across nodes): the wake goes on to them, and this waiter looks again in
+    ``seconds`` of its own accord, when the first of those jobs has waited the affinity and is its to take
+    (nothing notifies that moment)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __repr__(self) -> str:
+        return f"LookAgainIn({self.seconds:.3f})"
+
+
+#: Added to a :class:`LookAgainIn`'s wait: the job's wait is measured by the database's clock, and the waiter
+#: that looks a moment too early passes it over again.
+LOOK_AGAIN_MARGIN_SECONDS = 0.05
+
 #: How long a waiter stopped by a committing change first waits before it looks again: such changes
 #: are single short transactions. Each further stop doubles it (jittered), up to the safety poll's
 #: interval: a long change (a registry update re-examining many blocked jobs) holds the organization's
@@ -227,9 +246,11 @@ class WaiterHub:
 
         ``attempt`` returns a value, ``None`` (nothing this waiter can take: the
         wake is passed on), :data:`NOTHING_QUEUED` (nothing for anyone: the
-        wake ends here) or :data:`LOOK_AGAIN_SOON` (the wake is passed on, and
-        this waiter tries again shortly even if nothing wakes it); in each case
-        the waiter goes back to waiting.
+        wake ends here), :data:`LOOK_AGAIN_SOON` (the wake is passed on, and
+        this waiter tries again shortly even if nothing wakes it) or a
+        :class:`LookAgainIn` (the wake is passed on, and this waiter tries again
+        after its seconds even if nothing wakes it); in each case the waiter
+        goes back to waiting.
 
         ``attempt`` opens (and returns) its own pooled connection; nothing is held
         between attempts. Each attempt is shielded from cancellation, so a
@@ -256,18 +277,22 @@ class WaiterHub:
                 if result is NOTHING_QUEUED:
                     if token is not None:
                         metrics.ATTEMPTS_PER_WAKE.observe(token.attempts)
-                elif result is not None and result is not LOOK_AGAIN_SOON:
+                elif result is not None and result is not LOOK_AGAIN_SOON and not isinstance(result, LookAgainIn):
                     self._used(waiter, token)
                     return result  # type: ignore[return-value]
                 elif token is not None:
                     self._pass_on(token, waiter)
-                again = result is LOOK_AGAIN_SOON
-                stops = stops + 1 if again else 0
+                stops = stops + 1 if result is LOOK_AGAIN_SOON else 0
+                if result is LOOK_AGAIN_SOON:
+                    pause: float | None = min(LOOK_AGAIN_SECONDS * 2 ** (stops - 1), self.poll_seconds) * jitter.uniform(0.75, 1.25)
+                elif isinstance(result, LookAgainIn):
+                    pause = result.seconds + LOOK_AGAIN_MARGIN_SECONDS
+                else:
+                    pause = None
                 remaining = deadline - time.monotonic()
                 if remaining > 0 and not self.stopped:
-                    pause = min(LOOK_AGAIN_SECONDS * 2 ** (stops - 1), self.poll_seconds) * jitter.uniform(0.75, 1.25)
-                    await waiter.wait(min(remaining, pause) if again else remaining)
-                if self.stopped or not (waiter.pending or again and time.monotonic() < deadline):
+                    await waiter.wait(remaining if pause is None else min(remaining, pause))
+                if self.stopped or not (waiter.pending or pause is not None and time.monotonic() < deadline):
                     return None
         finally:
             self._unregister(waiter)

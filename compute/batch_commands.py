@@ -52,7 +52,7 @@ from .blocked import CORDONED, LATEST_DEVICES, decode_devices, RUNNING_TAKING_ME
 from .claims import (
     claim_rank,
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
-    frees_room, models_for_shapes, node_metadata, shapes_take_memory,
+    frees_room, model_holders, models_for_shapes, node_metadata, passed_over, shapes_take_memory,
 )  # fmt: skip
 from .jobs import ancestors_held_elsewhere, settle_parents
 from .nodes import SHARE_CLAIM_GUARDS, TRY_NODE_MEMORY, guard_key, node_memory_key
@@ -87,6 +87,10 @@ class Command:
     #: memory lock (:func:`umbra.compute.nodes.hold_node_memory`): that is committing, so the claimer
     #: should look again in a moment rather than wait for the next wake.
     guard_held: bool = False
+    #: Set on a claim that took nothing but passed over jobs left to nodes that hold their models (model
+    #: affinity across nodes: :func:`umbra.domain.placement.passes_over`): the seconds until the first of
+    #: them has waited the affinity, when the claimer may take it. Nothing will notify it then.
+    look_again_in: float | None = None
     #: A claim for the same node to run in the same transaction once this command succeeds (a completion
     #: that asks for the node's next job): staged after it, never when it is refused, deferred or repeated.
     then: Command | None = None
@@ -540,6 +544,10 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
 
     staged: list[_Staged] = []
     saw_eligible: set[int] = set()  # claimers that saw a row they could run
+    holders = await model_holders(conn, org, shapes, lambda shape: [placement_for(command, shape) for command, _ in waiting],
+                                  models, affinity_seconds=affinity_seconds,
+                                  stale_seconds=waiting[0][0].stale_seconds if waiting else 0)  # fmt: skip
+    passing_over: dict[int, float] = {}  # by claimer: the seconds until the first row it left to a holder is its to take
     # Each waiting claimer wants its first `want` eligible rows: enough for it even if earlier claimers take theirs.
     want = sum(command.count for command, _ in waiting)
     left = {id(command): command.count for command, _ in waiting}
@@ -549,7 +557,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                          waited=affinity_seconds > 0)  # fmt: skip
     locked_here: set[UUID] = set()  # rows this transaction has locked for a claimer: it could lock them again
     only = scan.only_shape()
-    if only is not None and all(placement_for(command, only) is not None for command, _ in waiting):
+    if only is not None and not holders.any and all(placement_for(command, only) is not None for command, _ in waiting):
         # Every waiting claimer can run the one shape any of them can: the claim order is that shape's own,
         # and its first rows are found and locked in one statement, then handed out in arrival order.
         # Only as many rows as the claimers' nodes have room for: a row locked and not handed out would be
@@ -578,6 +586,16 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
         for job_id, _priority, _seq, shape, *_ in page:
             shape_of[job_id] = shape
             by_shape.setdefault(shape, []).append(job_id)
+        row_of = {row[0]: row for row in page} if holders.any else {}
+
+        def its_to_take(command: Command, job_id: UUID) -> bool:
+            """Not a row the claimer leaves to a node that holds its models (noted, with when it may take it)."""
+            wait = passed_over(row_of[job_id], placement_for(command, shape_of[job_id]), node_of[id(command)], holders, affinity_seconds)
+            if wait is None:
+                return True
+            passing_over[id(command)] = min(wait, passing_over.get(id(command), wait))
+            return False
+
         order = {job_id: index for index, job_id in enumerate(shape_of)}
         rank = claim_rank(page, affinity_seconds) if affinity_seconds else None
         taking_memory = {shape for shape in by_shape if takes_memory(decode_shape(shape)[1])}
@@ -600,7 +618,7 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                 shapes_here = [shape for shape in by_shape if placement_for(command, shape) is not None]
                 if shapes_here:
                     saw_eligible.add(id(command))
-                unpromised = [[j for j in by_shape[shape] if j not in tried and j not in taken_by_promise][:want]
+                unpromised = [[j for j in by_shape[shape] if j not in tried and j not in taken_by_promise and (not row_of or its_to_take(command, j))][:want]
                               for shape in shapes_here]  # fmt: skip
                 in_rank = order.__getitem__ if rank is None else rank(lambda shape, command=command: placement_for(command, shape))
                 ids = (unpromised[0] if len(unpromised) == 1
@@ -652,6 +670,8 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
             # to a waiter that can run the rest.
             runs_all = every_shape_judged and all(judged[id(command)].get(shape) is not None for shape in shapes)
             command.nothing_left = scan.nothing_due or (id(command) in saw_eligible and runs_all)
+            if id(command) in passing_over:  # left to holders: its wake goes on to them, and it looks again later
+                command.nothing_left, command.look_again_in = False, max(0.0, passing_over[id(command)])
     return staged
 
 

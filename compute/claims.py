@@ -65,7 +65,7 @@ from umbra.domain.jobs import (
 )  # fmt: skip
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
-from umbra.domain.placement import best_placement, defers, takes_memory
+from umbra.domain.placement import NO_HOLDERS, ModelHolders, best_placement, defers, passes_over, takes_memory
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
 from umbra.events.types import (
@@ -76,6 +76,7 @@ from umbra.projections import jobs as queue
 from umbra.projections.jobs import Change, JobRow
 
 from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, read_nodes
+from .model_holders import read_model_holders
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, Siblings, ancestors_held_elsewhere, check_json_depth, check_shape_size,
     jobs_by_idempotency_key, lock_idempotency_keys, may_end, publish_new_jobs, record_and_settle, refusing_nul,
@@ -230,6 +231,37 @@ def shapes_take_memory(shapes: Sequence[str], kinds: frozenset[str] | None = Non
     if len(shapes) > MAX_SHAPES:
         return True
     return any(takes_memory(requires) and takes_kind(kinds, kind) for kind, requires in map(decode_shape, shapes))
+
+
+def models_to_load(shapes: Sequence[str], would_load: Callable[[str], bool]) -> list[str]:
+    """The models named by the queued ``shapes`` that a claimer would load (``would_load``: placed where they
+    are not resident): who else holds them decides whether model affinity passes their jobs over."""
+    return sorted({slug for shape in shapes if decode_shape(shape)[1].models and would_load(shape)
+                   for slug in decode_shape(shape)[1].models})  # fmt: skip
+
+
+async def model_holders(conn: psycopg.AsyncConnection, organization_id: UUID, shapes: Sequence[str],
+                        placements_of: Callable[[str], Collection[Placement | None]], models: Mapping[str, RegisteredModel], *,
+                        affinity_seconds: int, stale_seconds: int) -> ModelHolders:  # fmt: skip
+    """The nodes a claim leaves jobs to (:func:`passed_over`): with model affinity, those holding a model the
+    claimers (``placements_of``: their placements of a shape) would load for a queued shape; read only then."""
+    if not affinity_seconds:
+        return NO_HOLDERS
+
+    def would_load(shape: str) -> bool:
+        return any(placed is not None and not placed.resident for placed in placements_of(shape))
+
+    slugs = models_to_load(shapes[:MAX_SHAPES], would_load)
+    return await read_model_holders(conn, organization_id, slugs, models, stale_seconds=stale_seconds)
+
+
+def passed_over(row: ScanRow, placement: Placement | None, node_id: UUID, holders: ModelHolders, affinity_seconds: int) -> float | None:
+    """For a row of a scan that read the rows' waits: the seconds for which ``node_id`` leaves it to a node that
+    holds its models (:func:`umbra.domain.placement.passes_over`), or ``None`` when it may take it now."""
+    if placement is None or holders is NO_HOLDERS or len(row) < 5:
+        return None
+    return passes_over(decode_shape(row[3])[1], placement, node_id=node_id, waited_seconds=row[4],
+                       affinity_seconds=affinity_seconds, holders=holders)  # fmt: skip
 
 
 async def queued_shapes(conn: psycopg.AsyncConnection, organization_id: UUID) -> psycopg.AsyncCursor[Any]:
@@ -517,11 +549,18 @@ async def claim(
             judged[shape] = best_placement(node, requires, models) if takes_kind(kinds, kind) else None
             return judged[shape] is not None
 
+        def placement_of(shape: str) -> Placement | None:
+            return judged[shape] if shape in judged or runnable(shape) else None
+
         scan = ClaimableScan(conn, organization_id, shapes, runnable, kinds=kinds, waited=affinity_seconds > 0)
+        holders = await model_holders(conn, organization_id, shapes, lambda shape: (placement_of(shape),), models,
+                                      affinity_seconds=affinity_seconds, stale_seconds=stale_seconds)  # fmt: skip
         only = scan.only_shape()
-        if only is not None and (locked := await lock_first_of_shape(conn, organization_id, only)):
+        if only is not None and not holders.any and (locked := await lock_first_of_shape(conn, organization_id, only)):
             return await _take(conn, locked[0], node_id, judged[only], lease_seconds, request_id)  # type: ignore[arg-type]
         async for page in scan.pages():
+            if holders.any:  # the jobs this node leaves to one that holds their models (model affinity across nodes)
+                page = [row for row in page if passed_over(row, judged.get(row[3]), node_id, holders, affinity_seconds) is None]
             shape_of = {row[0]: row[3] for row in page}
             for ids in _in_rank(page, claim_rank(page, affinity_seconds)(judged.get)) if affinity_seconds else [list(shape_of)]:
                 locked = next(iter(await lock_queued(conn, organization_id, ids, first_only=True)), None)

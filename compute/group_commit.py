@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from uuid import UUID
 
 import anyio
@@ -168,8 +168,9 @@ class GroupCommit:
     # -- the commands (the same arguments and answers as umbra.compute.claims) ------------
 
     async def claim(self, *, node_id: UUID, organization_id: UUID, lease_seconds: int, stale_seconds: int,
-                    empty: Any = None, busy: Any = None, credential_id: UUID | None = None,
-                    request_id: str | None = None, kinds: frozenset[str] | None = None) -> Any:  # fmt: skip
+                    empty: Any = None, busy: Any = None, later: Callable[[float], Any] | None = None,
+                    credential_id: UUID | None = None, request_id: str | None = None,
+                    kinds: frozenset[str] | None = None) -> Any:  # fmt: skip
         """A :class:`~umbra.compute.claims.ClaimResult`, or ``None`` when none this node may take.
 
         ``empty`` is answered instead of ``None`` when nothing but other
@@ -179,22 +180,26 @@ class GroupCommit:
         ``busy`` is answered when the claim took nothing because a change of
         its node or of the organization's registry, or another claim for the
         node holding its memory lock, was committing: looking again in a
-        moment may find work, and no notification will say so.
+        moment may find work, and no notification will say so. ``later(s)`` is
+        answered when the claim took nothing but passed over jobs it leaves to
+        nodes that hold their models (model affinity): in ``s`` seconds the
+        first of them is this node's to take, and nothing will notify it.
         """
         claimed = await self.claim_many(node_id=node_id, organization_id=organization_id, count=1,
                                         lease_seconds=lease_seconds, stale_seconds=stale_seconds, empty=empty,
-                                        busy=busy, credential_id=credential_id, request_id=request_id,
+                                        busy=busy, later=later, credential_id=credential_id, request_id=request_id,
                                         kinds=kinds)  # fmt: skip
         return claimed[0] if isinstance(claimed, list) else claimed
 
     async def claim_many(self, *, node_id: UUID, organization_id: UUID, count: int, lease_seconds: int,
                          stale_seconds: int, empty: Any = None, busy: Any = None,
-                         credential_id: UUID | None = None, request_id: str | None = None,
-                         kinds: frozenset[str] | None = None) -> Any:  # fmt: skip
+                         later: Callable[[float], Any] | None = None, credential_id: UUID | None = None,
+                         request_id: str | None = None, kinds: frozenset[str] | None = None) -> Any:  # fmt: skip
         """Up to ``count`` jobs for one node in one claim: a non-empty list of
         :class:`~umbra.compute.claims.ClaimResult` in claim order, or ``None``
         (``empty`` when nothing but other claimers stood in the way, ``busy``
-        when a change held the claim guard or another claim the node's memory lock), as :meth:`claim`."""
+        when a change held the claim guard or another claim the node's memory lock,
+        ``later(s)`` when it left jobs to nodes that hold their models), as :meth:`claim`."""
         command = Command("claim", organization_id, node_id, lease_seconds=lease_seconds, stale_seconds=stale_seconds,
                           credential_id=credential_id, count=count, request_id=request_id, kinds=kinds)  # fmt: skip
         await self._call(command)
@@ -202,7 +207,12 @@ class GroupCommit:
             return list(command.claims)
         if command.nothing_left:
             return empty
-        return busy if command.guard_held else None
+        if command.guard_held:
+            return busy
+        if command.look_again_in is None:
+            return None
+        metrics.CLAIMS_LEFT_TO_HOLDERS.inc()
+        return None if later is None else later(command.look_again_in)
 
     async def complete_many(self, *, organization_id: UUID, node_id: UUID, results: list[tuple[UUID, int, Any]],
                             claim_next: int = 0, lease_seconds: int = 60, stale_seconds: int = 45,
@@ -393,6 +403,7 @@ class GroupCommit:
                     if each is not None:
                         each.outcome, each.error, each.nothing_left, each.guard_held = None, None, False, False
                         each.repeated = each.locked_elsewhere = False
+                        each.look_again_in = None
                         each.claims.clear()
                 if not command.reporting:  # a completion alone claims nothing (see _run_beside), a report neither
                     await self._alone(command)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
+from uuid import UUID
 
 import msgspec
 
@@ -126,9 +127,65 @@ def defers(requires: Requirements, placement: Placement, *, waited_seconds: floa
     priority it can start at once (its models resident, or naming none), until
     it has been queued that long: a node that holds its models has that long
     to take it, and it never waits longer (delay scheduling, as Spark's
-    locality wait). A node with nothing else to take takes it at once.
+    locality wait). A node with nothing else to take takes it at once, unless
+    another node holds the job's models (:func:`passes_over`).
     """
     return affinity_seconds > 0 and bool(requires.models) and not placement.resident and waited_seconds < affinity_seconds
+
+
+def holds_models(node: NodeView, requires: Requirements, models: Mapping[str, RegisteredModel]) -> bool:
+    """Whether ``node`` could start a job of ``requires`` now with every model it names resident on one
+    eligible device: online, that device neither cordoned nor busy, the job's other requirements met."""
+    return bool(requires.models) and any(placement.resident for placement in placements([node], requires, models)[0])
+
+
+class ModelHolders:
+    """The nodes that hold models (as last reported), asked which of them besides a claimer's could start a
+    job with its models resident (:func:`holds_models`); each answer is kept, for one claim's decisions."""
+
+    def __init__(self, nodes: Sequence[NodeView], models: Mapping[str, RegisteredModel]) -> None:
+        self._nodes = nodes
+        self._models = models
+        self._holders: dict[Requirements, frozenset[UUID]] = {}
+
+    @property
+    def any(self) -> bool:
+        """Whether any node holds a model asked about: without, no job is passed over."""
+        return bool(self._nodes)
+
+    def elsewhere(self, node_id: UUID, requires: Requirements) -> bool:
+        """Whether a node other than ``node_id`` could start a job of ``requires`` with its models resident."""
+        if not self._nodes or not requires.models:
+            return False
+        holders = self._holders.get(requires)
+        if holders is None:
+            holders = self._holders[requires] = frozenset(n.id for n in self._nodes if holds_models(n, requires, self._models))
+        return bool(holders - {node_id})
+
+
+#: Nobody holds anything: a claim judges against this when affinity is off or it would load no model.
+NO_HOLDERS = ModelHolders((), {})
+
+
+def passes_over(requires: Requirements, placement: Placement, *, node_id: UUID, waited_seconds: float,
+                affinity_seconds: float, holders: ModelHolders) -> float | None:  # fmt: skip
+    """Model affinity across nodes: the seconds for which ``node_id`` leaves this job alone even with nothing
+    else to take, because another node holds its models; ``None`` when it may take it now.
+
+    :func:`defers` only orders one node's choices, so a node with nothing
+    else queued would take at once a job it must load a model for while an
+    idle node beside it holds that model warm: a load (seconds to minutes of
+    a GPU), often an eviction, for nothing. Such a job is left to the nodes
+    that hold its models until it has waited the affinity; then any eligible
+    node takes it, so no job waits longer than the affinity (Spark's locality
+    wait, across machines). When no other node holds them there is nobody to
+    leave it to, and the node takes it in the order :func:`defers` gives.
+    """
+    if not defers(requires, placement, waited_seconds=waited_seconds, affinity_seconds=affinity_seconds):
+        return None
+    if not holders.elsewhere(node_id, requires):
+        return None
+    return affinity_seconds - waited_seconds
 
 
 def takes_memory(requires: Requirements) -> bool:

@@ -117,6 +117,12 @@ GROUP_COMMIT_FALLBACKS = Counter(
     "Group-commit transactions that failed and re-ran their commands one by one.",
     registry=None,
 )
+CLAIMS_LEFT_TO_HOLDERS = Counter(
+    "umbra_claims_left_to_holders",
+    "Claims that took nothing because the jobs they could run were left, for now, to nodes that hold the "
+    "jobs' models (model affinity across nodes, UMBRA_MODEL_AFFINITY_SECONDS).",
+    registry=None,
+)
 
 #: The label values of the labelled counters and histograms, each given its series at start, so a
 #: fresh server shows them at 0: a dashboard or an alert on ``rate(umbra_claims_total[5m])`` reads 0,
@@ -154,6 +160,7 @@ PROCESS_COLLECTORS: tuple[Collector, ...] = (
     GROUP_COMMIT_BATCH_COMMANDS,
     GROUP_COMMIT_BATCH_SECONDS,
     GROUP_COMMIT_FALLBACKS,
+    CLAIMS_LEFT_TO_HOLDERS,
 )
 
 

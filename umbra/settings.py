@@ -52,7 +52,8 @@ class Settings:
     lease_seconds: int = 60
     #: ``UMBRA_MODEL_AFFINITY_SECONDS``. 0 (the default): each node claims in queue order. Above 0, a node
     #: takes a job whose models are resident on it before an older job of the same priority that would make
-    #: it load one, unless that job has been queued this long (``umbra.domain.placement.defers``).
+    #: it load one, unless that job has been queued this long (``umbra.domain.placement.defers``), and leaves
+    #: such a job to another node that holds its models until then (``umbra.domain.placement.passes_over``).
     model_affinity_seconds: int = 0
     #: ``UMBRA_HEARTBEAT_INTERVAL_SECONDS``. Interval agents are told to heartbeat at.
     heartbeat_interval_seconds: int = 10

@@ -336,3 +336,37 @@ async def test_a_waiter_stopped_again_and_again_looks_less_and_less_often():
     gaps = [b - a for a, b in zip(calls, calls[1:])]
     assert 6 <= len(calls) <= 14, len(calls)  # 20, 40, 80, 160, 320 ms, then 400 ms: not 100 looks
     assert gaps[-1] > 4 * gaps[0] and max(gaps) <= 0.4 * 1.25 + 0.1
+
+
+async def test_a_waiter_that_leaves_a_job_to_another_passes_the_wake_on_and_looks_again_when_told():
+    """Model affinity across nodes: the oldest waiter is woken for a job it leaves to a node that holds its
+    model (``LookAgainIn``). The wake goes on to the next waiter, which takes it, and the first looks again
+    by itself after the seconds it was given, with no wake at all, and takes what is then its to take."""
+    from umbra.api.longpoll import LOOK_AGAIN_MARGIN_SECONDS, LookAgainIn
+
+    hub = WaiterHub(poll_seconds=60)
+    calls: dict[str, list[float]] = {"a": [], "b": []}
+
+    async def cold():
+        calls["a"].append(anyio.current_time())
+        return [None, LookAgainIn(0.3)][len(calls["a"]) - 1] if len(calls["a"]) <= 2 else "job-2"
+
+    async def holder():
+        calls["b"].append(anyio.current_time())
+        return "job-1" if len(calls["b"]) == 2 else None
+
+    results: dict[str, object] = {}
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+
+            async def run(name, attempt):
+                results[name] = await hub.wait_for(ORG, attempt, timeout=10)
+
+            tg.start_soon(run, "a", cold)
+            await eventually(lambda: _async(len(calls["a"]) == 1))
+            tg.start_soon(run, "b", holder)
+            await eventually(lambda: _async(len(calls["b"]) == 1))
+            hub.on_hint(ORG, 1, 1)  # to a, the oldest: it leaves the job, and b takes it
+    assert results == {"a": "job-2", "b": "job-1"}
+    assert len(calls["a"]) == 3 and calls["a"][2] - calls["a"][1] >= 0.3 + LOOK_AGAIN_MARGIN_SECONDS - 0.01
+    assert calls["b"][1] < calls["a"][2]  # the wake went on at once, not after a's pause

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from uuid import uuid4
 
@@ -10,7 +11,10 @@ import pytest
 from umbra.domain.eligibility import NodeView, judge_device
 from umbra.domain.explain import survey
 from umbra.domain.models import RegisteredModel
-from umbra.domain.placement import RunningJob, after_placement, best_placement, defers, placements, with_running_jobs
+from umbra.domain.placement import (
+    NO_HOLDERS, ModelHolders, RunningJob, after_placement, best_placement, defers, holds_models, passes_over, placements,
+    with_running_jobs,
+)  # fmt: skip
 from umbra.events.types import Device, Requirements, ResidentModel
 
 MODELS = {"m": RegisteredModel(slug="m", vram_min_mb=4000, vram_preferred_mb=8000, load_seconds=12.5)}
@@ -306,6 +310,48 @@ def test_model_affinity_defers_only_young_jobs_naming_models_the_node_must_load(
     assert not defers(Requirements(models=("m",)), loading, waited_seconds=5, affinity_seconds=0)
     assert not defers(Requirements(models=("m",)), resident, waited_seconds=5, affinity_seconds=30)
     assert not defers(Requirements(), bare, waited_seconds=0, affinity_seconds=30)
+
+
+def test_a_node_leaves_a_young_job_to_another_node_that_holds_its_models_until_it_has_waited_the_affinity():
+    """Model affinity across nodes: a node that would load ``m`` passes the job over, even with nothing else to
+    take, while another node could start it with ``m`` resident, for what is left of the affinity; not once it
+    has waited that long, not when the node holds ``m`` itself, and not when nobody else holds it."""
+    needs_m = Requirements(models=("m",))
+    cold, warm = node(gpu("g0", 1.0), name="cold"), node(gpu("g0", 1.0, resident=[("m", 8000)]), name="warm")
+    holders = ModelHolders([warm], MODELS)
+    loading = best_placement(cold, needs_m, MODELS)
+    resident = best_placement(warm, needs_m, MODELS)
+    assert passes_over(needs_m, loading, node_id=cold.id, waited_seconds=5, affinity_seconds=30, holders=holders) == 25
+    assert passes_over(needs_m, loading, node_id=cold.id, waited_seconds=30, affinity_seconds=30, holders=holders) is None
+    assert passes_over(needs_m, loading, node_id=cold.id, waited_seconds=5, affinity_seconds=0, holders=holders) is None
+    assert passes_over(needs_m, resident, node_id=warm.id, waited_seconds=5, affinity_seconds=30, holders=holders) is None
+    assert passes_over(needs_m, loading, node_id=cold.id, waited_seconds=5, affinity_seconds=30, holders=NO_HOLDERS) is None
+    # The holder is not "another node" to itself: a warm node that reads as loading (its model resident on one
+    # card, the job placed on another) is not told to leave the job to itself.
+    assert passes_over(needs_m, loading, node_id=warm.id, waited_seconds=5, affinity_seconds=30, holders=holders) is None
+    # A job naming no model is never passed over, nor one whose models the holder does not hold all of.
+    bare = best_placement(cold, Requirements(), MODELS)
+    assert passes_over(Requirements(), bare, node_id=cold.id, waited_seconds=0, affinity_seconds=30, holders=holders) is None
+    both = Requirements(models=("m", "n"))
+    two = {**MODELS, "n": RegisteredModel(slug="n", vram_min_mb=4000)}
+    assert passes_over(both, best_placement(cold, both, two), node_id=cold.id, waited_seconds=0, affinity_seconds=30,
+                       holders=ModelHolders([warm], two)) is None  # fmt: skip
+
+
+def test_only_a_node_that_could_start_the_job_now_holds_its_models():
+    """A holder must be able to take the job with its models resident: online, the device not cordoned, the
+    job's other requirements met (here a trust domain). Otherwise nobody is waited for."""
+    needs_m = Requirements(models=("m",))
+    warm = node(gpu("g0", 1.0, resident=[("m", 8000)]), name="warm")
+    assert holds_models(warm, needs_m, MODELS)
+    assert not holds_models(warm, Requirements(), MODELS)
+    assert not holds_models(dataclasses.replace(warm, status="offline"), needs_m, MODELS)
+    assert not holds_models(dataclasses.replace(warm, cordoned=frozenset({"g0"})), needs_m, MODELS)
+    assert not holds_models(warm, Requirements(models=("m",), trust_domains=("vault",)), MODELS)
+    assert not holds_models(node(gpu("g0", 1.0), gpu("g1", 1.0, resident=[("other", 8000)])), needs_m, MODELS)
+    cold = node(gpu("g0", 1.0), name="cold")
+    assert ModelHolders([warm], MODELS).elsewhere(cold.id, needs_m) and not ModelHolders([warm], MODELS).elsewhere(warm.id, needs_m)
+    assert not ModelHolders([dataclasses.replace(warm, status="offline")], MODELS).elsewhere(cold.id, needs_m)
 
 
 def test_claim_rank_puts_deferred_jobs_after_the_others_of_their_priority_only():

@@ -3,12 +3,12 @@
 Placement prefers a device where a job's model is resident to one that must
 load it, and one that must load it to one that must evict another model
 (SPEC: resident beats load beats eviction); with model affinity a node takes
-the jobs whose models it holds first. Both know what is resident only from the
-heartbeats, and an agent that reports nothing makes every device look cold. So
-with ``--ollama``, each heartbeat asks the Ollama server beside the agent what
-it has loaded (``GET /api/ps``) and reports each model on the device holding
-it. (Which node a job goes to is still the first eligible one to ask: a warm
-node elsewhere is not waited for.)
+the jobs whose models it holds first, and a node that would load a job's
+models leaves it to a node that holds them, for up to the affinity. All of it
+knows what is resident only from the heartbeats, and an agent that reports
+nothing makes every device look cold. So with ``--ollama``, each heartbeat
+asks the Ollama server beside the agent what it has loaded (``GET /api/ps``)
+and reports each model on the device holding it.
 
 Ollama says how much of a model sits in GPU memory (``size_vram``), not on
 which GPU: a model with none is on the CPU device; one with some, on the GPU
