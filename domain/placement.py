@@ -209,7 +209,9 @@ def after_placement(
     models it runs on are in use: no later job of the claim evicts them. On a
     unified-memory device (``cpu``, ``gpu_integrated``) the memory is the
     node's system RAM, which every such device of the node reports: what one
-    takes, none has. Returns ``node`` itself when the job takes nothing (no
+    takes, none has, and an integrated GPU's VRAM (its share of that RAM) has
+    no more free than the RAM has left, so a CPU job and a GPU job on an
+    Apple silicon Mac cannot together ask for more than its RAM. Returns ``node`` itself when the job takes nothing (no
     requirement), so a claim of such jobs costs no second judgement.
 
     Claims made one after another are bounded by the jobs of earlier claims
@@ -239,6 +241,8 @@ def after_placement(
             vram += change
         if system_ram and d.kind in UNIFIED_MEMORY_KINDS:
             ram += change
+            if d.kind == "gpu_integrated":
+                vram = min(vram, ram)  # its VRAM is that same RAM: never more free than the RAM has left
         if i == index:
             return msgspec.structs.replace(d, vram_free_mb=max(0, vram), ram_free_mb=max(0, ram), resident_models=resident)
         return msgspec.structs.replace(d, vram_free_mb=max(0, vram), ram_free_mb=max(0, ram)) if (vram, ram) != (d.vram_free_mb, d.ram_free_mb) else d
@@ -262,15 +266,18 @@ class RunningJob:
 
 def _without_jobs(node: NodeView) -> tuple[Device, ...]:
     """The node's devices with nothing running: their totals, less what the models they list resident hold
-    (on unified memory, what those of every such device of the node hold)."""
+    (on unified memory, what those of every such device of the node hold; an integrated GPU's VRAM is that
+    same RAM, so it has no more free than the RAM has)."""
     in_system_ram = sum(m.vram_held_mb for d in node.devices if d.kind in UNIFIED_MEMORY_KINDS for m in d.resident_models)
-    return tuple(
-        msgspec.structs.replace(
-            d, vram_free_mb=max(0, d.vram_total_mb - sum(m.vram_held_mb for m in d.resident_models)),
-            ram_free_mb=max(0, d.ram_total_mb - (in_system_ram if d.kind in UNIFIED_MEMORY_KINDS else 0)),
-        )  # fmt: skip
-        for d in node.devices
-    )
+
+    def idle(d: Device) -> Device:
+        vram = d.vram_total_mb - sum(m.vram_held_mb for m in d.resident_models)
+        ram = d.ram_total_mb - (in_system_ram if d.kind in UNIFIED_MEMORY_KINDS else 0)
+        if d.kind == "gpu_integrated":
+            vram = min(vram, ram)
+        return msgspec.structs.replace(d, vram_free_mb=max(0, vram), ram_free_mb=max(0, ram))
+
+    return tuple(idle(d) for d in node.devices)
 
 
 def with_running_jobs(node: NodeView, running: Sequence[RunningJob], models: Mapping[str, RegisteredModel]) -> NodeView:

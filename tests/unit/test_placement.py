@@ -214,6 +214,27 @@ def test_on_unified_memory_what_one_device_takes_every_such_device_of_the_node_l
     assert [(d.vram_free_mb, d.ram_free_mb) for d in after.devices] == [(0, 14000), (2000, 14000)]
 
 
+def test_an_integrated_gpu_has_no_more_vram_free_than_the_ram_a_cpu_job_left():
+    """An Apple silicon Mac: the GPU may use up to 48 GB of the 64 GB RAM. A CPU job taking 40 GB leaves 20 GB
+    of RAM, so a job wanting 30 GB of VRAM no longer fits the GPU, though its own share was untouched; one
+    wanting 16 GB still does. The same when the CPU job is a running one the claim reads."""
+    cpu = Device(kind="cpu", label="cpu", ram_total_mb=64000, ram_free_mb=60000)
+    igpu = Device(kind="gpu_integrated", label="metal:0", vram_total_mb=48000, vram_free_mb=48000, ram_total_mb=64000,
+                  ram_free_mb=60000, throughput_factor=10.0)  # fmt: skip
+    box = node(cpu, igpu)
+    big_cpu_job = Requirements(ram_min_mb=40000)
+    on_cpu = best_placement(node(cpu), big_cpu_job, {})
+    after = after_placement(box, on_cpu, big_cpu_job, {})
+    assert [(d.vram_free_mb, d.ram_free_mb) for d in after.devices] == [(0, 20000), (20000, 20000)]
+    assert best_placement(after, Requirements(vram_min_mb=30000), {}) is None
+    assert best_placement(after, Requirements(vram_min_mb=16000), {}).device_id == "metal:0"
+    bounded = with_running_jobs(box, [RunningJob(big_cpu_job, on_cpu)], {})
+    assert [(d.vram_free_mb, d.ram_free_mb) for d in bounded.devices] == [(0, 24000), (24000, 24000)]  # from the totals
+    assert best_placement(bounded, Requirements(vram_min_mb=30000), {}) is None
+    # Its own share still bounds it: with the RAM all free, 48 GB, not 64.
+    assert best_placement(box, Requirements(vram_min_mb=50000), {}).via == "ram"
+
+
 def test_a_model_a_job_of_the_claim_runs_on_is_never_evicted_for_a_later_one():
     registry = {"m": RegisteredModel(slug="m", vram_min_mb=8000),
                 "n": RegisteredModel(slug="n", vram_min_mb=4000, vram_preferred_mb=16000)}  # fmt: skip
