@@ -22,6 +22,7 @@ async def explain_job(request: Request) -> Response:
             job_id,
             stale_seconds=settings.heartbeat_stale_seconds,
             blocked_timeout_seconds=settings.blocked_timeout_seconds,
+            affinity_seconds=settings.model_affinity_seconds,
         )
     return json_response(answer)
 

@@ -24,7 +24,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from umbra.domain.eligibility import NodeView, blocking_reason, takes_kind
-from umbra.domain.explain import DependencyStatus, Explanation, QueueStanding, competing_ahead, survey
+from umbra.domain.explain import DependencyStatus, Explanation, QueueStanding, competing_ahead, left_to_holders, survey
 from umbra.domain.explain_text import blocked_summary, delayed_summary, placed_summary, queued_summary, waiting_summary
 from umbra.domain.models import RegisteredModel
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS
@@ -65,8 +65,12 @@ async def explain(
     *,
     stale_seconds: int = DEFAULT_STALE_SECONDS,
     blocked_timeout_seconds: int = DEFAULT_BLOCKED_TIMEOUT_SECONDS,
+    affinity_seconds: int = 0,
 ) -> Explanation:
-    """Explain one job of the organization; another organization's job is ``job_not_found``."""
+    """Explain one job of the organization; another organization's job is ``job_not_found``.
+
+    ``affinity_seconds``: the server's model affinity, under which a queued job may be left to the nodes
+    that hold its models for a while (the summary says so)."""
     outermost = conn.info.transaction_status == TransactionStatus.IDLE
     async with conn.transaction():
         if outermost:
@@ -78,7 +82,7 @@ async def explain(
         if row.status in ("queued", "blocked"):
             models = await read_models(conn, organization_id)
             nodes = await read_nodes(conn, organization_id, stale_seconds=stale_seconds, models=models)  # as a claim finds them
-            return await _waiting(conn, row, nodes, models, now, blocked_timeout_seconds)
+            return await _waiting(conn, row, nodes, models, now, blocked_timeout_seconds, affinity_seconds)
         return await _placed(conn, row, await read_nodes(conn, organization_id, stale_seconds=stale_seconds), now)
 
 
@@ -89,6 +93,7 @@ async def _waiting(
     models: Mapping[str, RegisteredModel],
     now: datetime,
     blocked_timeout_seconds: int,
+    affinity_seconds: int,
 ) -> Explanation:
     eligible, ineligible = survey(nodes, row.requires, models)
     if row.awaiting_dependencies and row.depends_on:
@@ -120,7 +125,11 @@ async def _waiting(
     shapes = [(k, _requirements.decode(r), n) for k, r, n in await (await conn.execute(_AHEAD, params)).fetchall()]
     ahead = competing_ahead(shapes, [node for node in nodes if node.id in able], models, kinds_taken)
     due_in = max(0.0, (row.not_before - now).total_seconds()) if row.not_before else 0.0
-    standing = QueueStanding(due_in_seconds=due_in, ahead=ahead)
+    # As the claims measure a job's wait: from its submission or, if later, from when it fell due.
+    waited = (now - max(row.created_at, row.not_before or row.created_at)).total_seconds()
+    left_to, left_for = left_to_holders([e for e in eligible if e.node_id in able], row.requires, waited_seconds=waited,
+                                        affinity_seconds=affinity_seconds)  # fmt: skip
+    standing = QueueStanding(due_in_seconds=due_in, ahead=ahead, left_to=left_to, left_for_seconds=left_for)
     summary = queued_summary(
         eligible, ineligible, nodes=nodes, requires=row.requires, models=models, standing=standing,
         not_before=row.not_before, kind=row.kind, kinds_taken=kinds_taken,

@@ -103,6 +103,24 @@ class QueueStanding:
     due_in_seconds: float = 0.0
     #: Due jobs ahead of it in claim order that one of its eligible nodes would take first.
     ahead: int = 0
+    #: With model affinity: the nodes holding its models that the nodes which would load them leave it to
+    #: (:func:`left_to_holders`), and for how many seconds more.
+    left_to: tuple[str, ...] = ()
+    left_for_seconds: float = 0.0
+
+
+def left_to_holders(eligible: Sequence[EligibleDevice], requires: Requirements, *, waited_seconds: float,
+                    affinity_seconds: float) -> tuple[tuple[str, ...], float]:  # fmt: skip
+    """The nodes the job is left to for now, and for how long: with model affinity, the eligible nodes that
+    hold its models, when other eligible nodes would load them and it has not waited the affinity yet
+    (:func:`umbra.domain.placement.passes_over`, seen from the job). ``((), 0.0)`` when nothing is left."""
+    if affinity_seconds <= 0 or not requires.models or waited_seconds >= affinity_seconds:
+        return (), 0.0
+    holders = tuple(dict.fromkeys(e.node_name for e in eligible if e.resident))
+    loaders = {e.node_name for e in eligible if not e.resident} - set(holders)
+    if not holders or not loaders:
+        return (), 0.0
+    return holders, affinity_seconds - waited_seconds
 
 
 def node_level_reason(node: NodeView, requires: Requirements, models: Mapping[str, RegisteredModel]) -> str | None:

@@ -143,6 +143,11 @@ def queued_summary(
     if standing.ahead:
         ahead = _count(standing.ahead, "job")
         waits.append(f"{ahead} ahead of it in the queue would be claimed first by the same nodes")
+    if standing.left_to:
+        one = len(standing.left_to) == 1
+        waits.append(f"nodes that would load {', '.join(requires.models)} leave it to {', '.join(standing.left_to)}, "
+                     f"which {'holds' if one else 'hold'} {'it' if len(requires.models) == 1 else 'them'}, "
+                     f"for {standing.left_for_seconds:.0f} s more (model affinity)")  # fmt: skip
     if not waits:
         waits.append("nothing holds it back: the next claim by an eligible node takes it")
     return head + "; " + " and ".join(waits) + "."

@@ -4,6 +4,7 @@ default, the queue's order stands. Through the single claim and through the agen
 
 from __future__ import annotations
 
+import re
 from contextlib import asynccontextmanager
 
 import anyio
@@ -319,3 +320,17 @@ async def test_a_parked_cold_node_takes_the_job_once_it_has_waited_the_affinity(
     assert answer[0].status_code == 200, answer[0].text
     assert answer[0].json()["job"]["id"] == queued.json()["id"] and answer[0].json()["placement"]["resident"] is False
     assert took >= 1.5  # left to the holder for the affinity first (20 s, the poll's end, would mean no look again)
+
+
+async def test_explain_says_a_job_is_left_to_the_node_that_holds_its_model(db_url, conn, org):
+    """``GET /v1/jobs/{id}/explain`` on a server with an affinity of 60 s: the queued llama job is left to warm
+    for about a minute more, and the summary says so (the cold node, asked now, takes nothing)."""
+    _, key = org
+    async with agents_of_two_nodes(db_url, conn, org, affinity=60) as (client, cold, _warm):
+        queued = await client.post("/v1/jobs", json={"kind": "chat", "requires": {"models": ["llama"]}}, headers=bearer(key))
+        assert (await client.post("/v1/agent/claim", params={"wait": 0}, headers=cold)).status_code == 204
+        explained = await client.get(f"/v1/jobs/{queued.json()['id']}/explain", headers=bearer(key))
+    assert explained.status_code == 200, explained.text
+    assert re.search(r"nodes that would load llama leave it to warm, which holds it, for (5\d|60) s more \(model affinity\)\.$",
+                     explained.json()["summary"]), explained.json()["summary"]  # fmt: skip
+    assert [e["node_name"] for e in explained.json()["eligible"] if e["resident"]] == ["warm"]

@@ -250,3 +250,25 @@ def test_placed_and_finished_sentences_name_the_recorded_placement():
                           **{**container, "error": "1 of 5 children failed"}) == "Partial: 1 of 5 children failed."  # fmt: skip
     with pytest.raises(ValueError):
         placed_summary(status="queued", attempt=0, lease_seconds_left=None, **common)
+
+
+def test_a_job_left_to_the_node_holding_its_model_says_so_and_for_how_long():
+    """Model affinity: gemma is resident on warm, cold would load it. For the affinity's rest the job is left
+    to warm, and the sentence says so; not once it waited the affinity, with affinity off, when no node holds
+    gemma, nor when every eligible node holds it (nobody leaves it to anybody)."""
+    from umbra.domain.explain import left_to_holders
+
+    warm_gpu = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=8000, accelerators=("cuda",),
+                      resident_models=(ResidentModel(slug="gemma", vram_held_mb=16000),), throughput_factor=10.0)  # fmt: skip
+    fleet = [node(GPU, name="cold"), node(warm_gpu, name="warm")]
+    needs = Requirements(models=("gemma",))
+    eligible, ineligible = survey(fleet, needs, MODELS)
+    assert left_to_holders(eligible, needs, waited_seconds=12, affinity_seconds=30) == (("warm",), 18)
+    assert left_to_holders(eligible, needs, waited_seconds=30, affinity_seconds=30) == ((), 0.0)
+    assert left_to_holders(eligible, needs, waited_seconds=12, affinity_seconds=0) == ((), 0.0)
+    assert left_to_holders(survey([fleet[0]], needs, MODELS)[0], needs, waited_seconds=12, affinity_seconds=30) == ((), 0.0)
+    assert left_to_holders(survey([fleet[1]], needs, MODELS)[0], needs, waited_seconds=12, affinity_seconds=30) == ((), 0.0)
+    text = queued_summary(eligible, ineligible, nodes=fleet, requires=needs, models=MODELS, not_before=None,
+                          standing=QueueStanding(left_to=("warm",), left_for_seconds=18.4))  # fmt: skip
+    assert text == ("Can run on 2 devices; the best is warm/gpu0 via vram (score 10, placed:gpu_discrete); "
+                    "nodes that would load gemma leave it to warm, which holds it, for 18 s more (model affinity).")  # fmt: skip
