@@ -86,6 +86,7 @@ class _LookAgainSoon:
 #: heartbeat, a drain, a registry update, another claim for the node) sends no notification that would wake it.
 LOOK_AGAIN_SOON = _LookAgainSoon()
 
+
 class LookAgainIn:
     """An attempt's answer when it took nothing but passed over jobs it leaves, for now, to nodes that hold
     their models (model affinity across nodes): the wake goes on to them, and this waiter looks again in

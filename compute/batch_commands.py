@@ -590,7 +590,8 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
 
         def its_to_take(command: Command, job_id: UUID) -> bool:
             """Not a row the claimer leaves to a node that holds its models (noted, with when it may take it)."""
-            wait = passed_over(row_of[job_id], placement_for(command, shape_of[job_id]), node_of[id(command)], holders, affinity_seconds)
+            placement = placement_for(command, shape_of[job_id])
+            wait = passed_over(row_of[job_id], placement, node_of[id(command)], holders, affinity_seconds)
             if wait is None:
                 return True
             passing_over[id(command)] = min(wait, passing_over.get(id(command), wait))
@@ -618,7 +619,8 @@ async def _claim_for_org(conn: psycopg.AsyncConnection, org: UUID, waiting: list
                 shapes_here = [shape for shape in by_shape if placement_for(command, shape) is not None]
                 if shapes_here:
                     saw_eligible.add(id(command))
-                unpromised = [[j for j in by_shape[shape] if j not in tried and j not in taken_by_promise and (not row_of or its_to_take(command, j))][:want]
+                unpromised = [[j for j in by_shape[shape]
+                               if j not in tried and j not in taken_by_promise and (not row_of or its_to_take(command, j))][:want]
                               for shape in shapes_here]  # fmt: skip
                 in_rank = order.__getitem__ if rank is None else rank(lambda shape, command=command: placement_for(command, shape))
                 ids = (unpromised[0] if len(unpromised) == 1

@@ -255,7 +255,8 @@ async def model_holders(conn: psycopg.AsyncConnection, organization_id: UUID, sh
     return await read_model_holders(conn, organization_id, slugs, models, stale_seconds=stale_seconds)
 
 
-def passed_over(row: ScanRow, placement: Placement | None, node_id: UUID, holders: ModelHolders, affinity_seconds: int) -> float | None:
+def passed_over(row: ScanRow, placement: Placement | None, node_id: UUID, holders: ModelHolders,
+                affinity_seconds: int) -> float | None:  # fmt: skip
     """For a row of a scan that read the rows' waits: the seconds for which ``node_id`` leaves it to a node that
     holds its models (:func:`umbra.domain.placement.passes_over`), or ``None`` when it may take it now."""
     if placement is None or holders is NO_HOLDERS or len(row) < 5:
