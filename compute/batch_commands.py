@@ -38,7 +38,6 @@ import psycopg
 from umbra.db import PreparedStatement, begin_with, commit_with, run_together, text_array, uuid_array
 from umbra.domain.eligibility import NodeView, in_service, takes_kind
 from umbra.domain.jobs import check_holder, repeats_completion
-from umbra.domain.node_status import effective_status
 from umbra.domain.placement import after_placement, best_placement, takes_memory
 from umbra.errors import NotFound, UmbraError
 from umbra.events import store
@@ -48,7 +47,7 @@ from umbra.projections.jobs import JobRow
 
 from .abandoned_claims import ABANDONED_COLUMN, ClaimAbandoned
 from .auth import live_node_credentials, revoked
-from .blocked import CORDONED, LATEST_DEVICES, decode_devices, RUNNING_TAKING_MEMORY, running_jobs, with_running_jobs_read
+from .blocked import CORDONED, LATEST_DEVICES, RUNNING_TAKING_MEMORY, node_as_read, running_jobs, with_running_jobs_read
 from .claims import (
     claim_rank,
     MAX_SHAPES, QUEUED_SHAPES, SCAN_PAGE, SHAPE_PAGE, ClaimableScan, ClaimResult, decode_shape, lock_first_of_shape, lock_queued,
@@ -429,10 +428,8 @@ def _waiting_claimers(records: Sequence[Any], claimers: Sequence[Command]) -> tu
     and each node's running jobs that take memory (the :data:`RUNNING_TAKING_MEMORY` column)."""
     stale = {c.node_id: c.stale_seconds for c in claimers}
     nodes = {
-        nid: (org, NodeView(id=nid, name=name, trust_domain=trust, devices=decode_devices(devices),
-                            status=effective_status(status, last_seen, now, stale_seconds=stale[nid]),
-                            cordoned=frozenset(cordoned)))
-        for nid, org, name, status, trust, devices, last_seen, now, cordoned, _running in records
+        nid: (org, node_as_read(nid, *rest, stale_seconds=stale[nid]))
+        for nid, org, *rest, _running in records
         if nid in stale  # a refused claimer's node was read with the others
     }  # fmt: skip
     by_org: dict[UUID, list[tuple[Command, NodeView]]] = {}

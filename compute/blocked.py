@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Collection, Mapping, Sequence
 from uuid import UUID
 
@@ -74,8 +75,10 @@ LATEST_DEVICES = "coalesce(l.devices, n.devices)::text"
 #: A node's cordoned devices, ``{label: reason}`` (``n`` is the node's row): eligibility reads the labels,
 #: the set of the mapping's keys (``{}`` for nearly every node; no subquery per node to list them).
 CORDONED = "n.cordoned"
+#: What a node's reads return for :func:`node_as_read` (``n`` the node's row, ``l`` its liveness row).
+NODE_COLUMNS = f"n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {CORDONED}"
 _NODES = f"""
-SELECT n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {CORDONED}, {{running}}
+SELECT {NODE_COLUMNS}, {{running}}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.organization_id = %s AND (%s::uuid IS NULL OR n.id = %s) AND (%s OR n.status NOT IN ('draining', 'retired'))
 ORDER BY n.name
@@ -85,6 +88,14 @@ _NODES_AS_CLAIMS_FIND_THEM = _NODES.format(running=RUNNING_TAKING_MEMORY)
 #: A JSON device set (a node row's, a report's) as the structs eligibility judges.
 decode_devices = msgspec.json.Decoder(tuple[Device, ...]).decode
 _running = msgspec.json.Decoder(list[tuple[UUID, Requirements, Placement]])
+
+
+def node_as_read(node_id: UUID, name: str, status: str, trust_domain: str, devices: str, last_seen_at: datetime | None,
+                 now: datetime, cordoned: Collection[str], *, stale_seconds: int) -> NodeView:  # fmt: skip
+    """A node as eligibility judges it, from the columns of :data:`NODE_COLUMNS`: its effective status by the
+    database clock (``now``), its devices as last reported, the labels of its cordoned devices."""
+    return NodeView(id=node_id, name=name, status=effective_status(status, last_seen_at, now, stale_seconds=stale_seconds),
+                    trust_domain=trust_domain, devices=decode_devices(devices), cordoned=frozenset(cordoned))  # fmt: skip
 
 
 def running_jobs(column: str | None, ending: Collection[UUID] = ()) -> list[RunningJob]:
@@ -132,20 +143,7 @@ async def read_nodes(
     """
     query = _NODES_AS_REPORTED if models is None else _NODES_AS_CLAIMS_FIND_THEM
     cursor = await conn.execute(query, (organization_id, node_id, node_id, not accepting_only))
-    nodes = [
-        (
-            NodeView(
-                id=nid,
-                name=name,
-                status=effective_status(status, last_seen, now, stale_seconds=stale_seconds),
-                trust_domain=trust_domain,
-                devices=decode_devices(devices),
-                cordoned=frozenset(cordoned),
-            ),
-            running_jobs(running),
-        )
-        for nid, name, status, trust_domain, devices, last_seen, now, cordoned, running in await cursor.fetchall()
-    ]
+    nodes = [(node_as_read(*row[:-1], stale_seconds=stale_seconds), running_jobs(row[-1])) for row in await cursor.fetchall()]
     if models is None:
         return [node for node, _ in nodes]
     return await with_running_jobs_read(conn, organization_id, nodes, models)

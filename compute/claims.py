@@ -259,7 +259,7 @@ def passed_over(row: ScanRow, placement: Placement | None, node_id: UUID, holder
                 affinity_seconds: int) -> float | None:  # fmt: skip
     """For a row of a scan that read the rows' waits: the seconds for which ``node_id`` leaves it to a node that
     holds its models (:func:`umbra.domain.placement.passes_over`), or ``None`` when it may take it now."""
-    if placement is None or holders is NO_HOLDERS or len(row) < 5:
+    if placement is None or len(row) < 5:
         return None
     return passes_over(decode_shape(row[3])[1], placement, node_id=node_id, waited_seconds=row[4],
                        affinity_seconds=affinity_seconds, holders=holders)  # fmt: skip

@@ -17,22 +17,19 @@ from uuid import UUID
 
 import psycopg
 
-from umbra.domain.eligibility import NodeView
 from umbra.domain.models import RegisteredModel
-from umbra.domain.node_status import effective_status
 from umbra.domain.placement import NO_HOLDERS, ModelHolders
 
-from .blocked import CORDONED, LATEST_DEVICES, decode_devices
+from .blocked import NODE_COLUMNS, node_as_read
 
 #: The organization's online nodes whose devices last reported one of ``slugs`` resident (``n`` the node's row,
 #: ``l`` its liveness row, as the claims' own reads of their nodes).
 _HOLDING = f"""
-SELECT n.id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(), {CORDONED}
+SELECT {NODE_COLUMNS}
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.organization_id = %(org)s AND n.status = 'online'
   AND EXISTS (SELECT FROM jsonb_array_elements(coalesce(l.devices, n.devices)) AS d,
-                          jsonb_array_elements(CASE jsonb_typeof(d -> 'resident_models')
-                                               WHEN 'array' THEN d -> 'resident_models' ELSE '[]' END) AS m
+                          jsonb_array_elements(d -> 'resident_models') AS m
               WHERE m ->> 'slug' = ANY(%(slugs)s::text[]))
 ORDER BY n.name
 """
@@ -44,9 +41,5 @@ async def read_model_holders(conn: psycopg.AsyncConnection, organization_id: UUI
     if not slugs:
         return NO_HOLDERS
     cursor = await conn.execute(_HOLDING, {"org": organization_id, "slugs": sorted(set(slugs))})
-    nodes = [
-        NodeView(id=node_id, name=name, status=effective_status(status, last_seen, now, stale_seconds=stale_seconds),
-                 trust_domain=trust_domain, devices=decode_devices(devices), cordoned=frozenset(cordoned))  # fmt: skip
-        for node_id, name, status, trust_domain, devices, last_seen, now, cordoned in await cursor.fetchall()
-    ]
+    nodes = [node_as_read(*row, stale_seconds=stale_seconds) for row in await cursor.fetchall()]
     return ModelHolders(nodes, models)
