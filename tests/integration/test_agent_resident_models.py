@@ -9,14 +9,17 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from uuid import uuid4
 
 import anyio
 import pytest
 
 from tests.helpers import eventually
-from umbra.agent.resident import OllamaModels, RunningModel, ollama_url, place_resident
+from umbra.agent.resident import MB, OllamaModels, RunningModel, ollama_url, place_resident
 from umbra.domain.device_reports import MAX_RESIDENT_MODELS as MAX_RESIDENT
-from umbra.events.types import Device, ResidentModel
+from umbra.domain.eligibility import NodeView, judge_device
+from umbra.domain.models import RegisteredModel
+from umbra.events.types import Device, Requirements, ResidentModel
 
 from .test_agent_process import ROOT, _paired_file, api, server  # noqa: F401
 
@@ -68,7 +71,7 @@ def _running(name: str, vram_gib: float) -> RunningModel:
 def test_each_loaded_model_is_reported_on_the_device_that_holds_it():
     on_cpu, on_gpu = _running("phi3:mini", 0), _running("gemma3:27b", 17.5)
     [cpu, gpu] = place_resident([CPU, GPU0], [on_cpu, on_gpu])
-    assert cpu.resident_models == (ResidentModel(slug="phi3:mini", vram_held_mb=0),)
+    assert cpu.resident_models == (ResidentModel(slug="phi3:mini", vram_held_mb=1024),)  # the RAM it takes
     assert gpu.resident_models == (ResidentModel(slug="gemma3:27b", vram_held_mb=17920),)
     # Several GPUs: Ollama spreads a model over them and does not say how; each reports it, with half.
     [cpu, gpu0, gpu1] = place_resident([CPU, GPU0, GPU1], [on_gpu])
@@ -79,6 +82,23 @@ def test_each_loaded_model_is_reported_on_the_device_that_holds_it():
                    ram_total_mb=32768, ram_free_mb=20000, accelerators=("metal",))
     assert place_resident([CPU, metal], [on_gpu])[1].resident_models[0].vram_held_mb == 17920
     assert place_resident([CPU], [on_gpu])[0].resident_models == (ResidentModel(slug="gemma3:27b", vram_held_mb=0),)
+
+
+def test_a_model_ollama_holds_in_ram_counts_as_held_by_the_cpu_so_its_job_fits_there():
+    """A 30 GB model loaded in RAM, 10 GB of RAM left free: its job needs no more memory than the model has
+    taken already, and is placed on the CPU as resident; a job of another model that size does not fit."""
+    registry = {slug: RegisteredModel(slug=slug, vram_min_mb=0, ram_min_mb=30000) for slug in ("llama3:70b-q2", "other")}
+    cpu = Device(kind="cpu", label="cpu", ram_total_mb=65536, ram_free_mb=10000)
+    loaded = RunningModel(name="llama3:70b-q2", size=30000 * MB, size_vram=0)
+    [reported] = place_resident([cpu], [loaded])
+    assert reported.resident_models == (ResidentModel(slug="llama3:70b-q2", vram_held_mb=30000),)
+    box = NodeView(id=uuid4(), name="box", status="online", trust_domain="local", devices=(reported,))
+    verdict = judge_device(box, reported, Requirements(models=("llama3:70b-q2",)), registry)
+    assert (verdict.eligible, verdict.via, verdict.resident) == (True, "ram", True), verdict
+    assert judge_device(box, reported, Requirements(models=("other",)), registry).reason == "ram_insufficient"
+    # Split between a GPU the agent does not report and RAM: the CPU holds the part in RAM.
+    split = RunningModel(name="llama3:70b-q2", size=30000 * MB, size_vram=20000 * MB)
+    assert place_resident([cpu], [split])[0].resident_models[0].vram_held_mb == 10000
 
 
 def test_what_a_device_already_reported_is_kept_and_what_a_report_cannot_carry_is_left_out():

@@ -11,7 +11,9 @@ asks the Ollama server beside the agent what it has loaded (``GET /api/ps``)
 and reports each model on the device holding it.
 
 Ollama says how much of a model sits in GPU memory (``size_vram``), not on
-which GPU: a model with none is on the CPU device; one with some, on the GPU
+which GPU: a model with none is on the CPU device, holding its ``size`` of
+RAM (the memory a job of that model finds already taken by it, as a GPU's
+resident model holds VRAM); one with some, on the GPU
 when there is one (an Apple silicon GPU included); on a machine with several,
 it is reported on each, its VRAM split evenly between them, as Ollama spreads
 a model's layers over the GPUs it has. Slugs are Ollama's names
@@ -75,10 +77,14 @@ def place_resident(devices: Sequence[Device], running: Sequence[RunningModel]) -
     for model in running:
         if not 0 < len(model.name) <= LABEL_MAX:
             continue
-        holders = gpus if model.size_vram > 0 and gpus else cpus[:1]  # none: a model in RAM, no CPU reported
+        in_vram = max(model.size_vram, 0)
+        holders = gpus if in_vram > 0 and gpus else cpus[:1]  # none: a model in RAM, no CPU reported
+        # What the model holds on each holder: its share of the VRAM on a GPU; on the CPU device, the RAM it
+        # takes (its size less what an unreported GPU holds), which a job of that model may count as its own.
+        in_ram = max(model.size - in_vram, 0)
         for i in holders:
-            held = -(-max(model.size_vram, 0) // (MB * len(holders)))  # MB, rounded up: never reported as nothing
-            added.setdefault(i, []).append(ResidentModel(slug=model.name, vram_held_mb=held if devices[i].kind != "cpu" else 0))
+            held = -(-(in_vram if devices[i].kind != "cpu" else in_ram) // (MB * len(holders)))  # MB, rounded up
+            added.setdefault(i, []).append(ResidentModel(slug=model.name, vram_held_mb=held))
     return [
         msgspec.structs.replace(device, resident_models=(*device.resident_models, *added[i])[:MAX_RESIDENT_MODELS])
         if i in added else device
