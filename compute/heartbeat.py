@@ -20,13 +20,13 @@ from uuid import UUID
 import msgspec
 import psycopg
 
-from umbra.domain.heartbeat import HeartbeatReport, Silence, decide_heartbeat, normalize_devices
+from umbra.domain.heartbeat import HeartbeatReport, Silence, decide_heartbeat, frees_memory, normalize_devices
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status
 from umbra.events import store
 from umbra.projections import nodes as projection
 
 from .auth import live_node_credentials, revoked
-from .blocked import hold_capacity, reexamine_waiting_jobs
+from .blocked import decode_devices, hold_capacity, reexamine_waiting_jobs
 from .nodes import append_node_events, capacity_cause, guard_against_claims, node_not_found
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class HeartbeatResult:
 
 
 _BEAT = f"""
-WITH before AS (SELECT last_seen_at FROM node_liveness WHERE node_id = %(node)s),
+WITH before AS (SELECT last_seen_at, devices FROM node_liveness WHERE node_id = %(node)s),
 seen AS (
     INSERT INTO node_liveness (node_id, last_seen_at, devices, reported_at)
     SELECT id, umbra_now(), %(devices)s::jsonb, CASE WHEN %(devices)s::jsonb IS NULL THEN NULL ELSE umbra_now() END FROM nodes WHERE id = %(node)s AND organization_id = %(org)s
@@ -65,7 +65,8 @@ seen AS (
                                                            ELSE EXCLUDED.last_seen_at END
     RETURNING last_seen_at
 )
-SELECT {projection.COLUMNS}, seen.last_seen_at, umbra_now(), (SELECT last_seen_at FROM before)
+SELECT {projection.COLUMNS}, seen.last_seen_at, umbra_now(), (SELECT last_seen_at FROM before),
+       CASE WHEN %(devices)s::jsonb IS NOT NULL THEN (SELECT devices::text FROM before) END
 FROM nodes n, seen
 WHERE n.id = %(node)s
 """
@@ -92,14 +93,15 @@ async def heartbeat(
     """
     # The devices as reported, kept at every beat (migration 0034): a move of free memory within the tolerance
     # records no event, and claims judge these.
-    devices = None if report.devices is None else msgspec.json.encode(normalize_devices(report.devices)).decode()
+    reported = None if report.devices is None else normalize_devices(report.devices)
+    devices = None if reported is None else msgspec.json.encode(reported).decode()
     row = await (await conn.execute(_BEAT, {"node": node_id, "org": organization_id, "credential": credential_id,
                                             "devices": devices})).fetchone()  # fmt: skip
     if row is None:  # nothing written: no such node, or (asked only then) a credential revoked since it authenticated
         if credential_id is not None and not await live_node_credentials(conn, [credential_id]):
             raise revoked()
         raise node_not_found(node_id)
-    state, (last_seen_at, now, before) = projection.from_row(row), row[projection.WIDTH:]
+    state, (last_seen_at, now, before, reported_before) = projection.from_row(row), row[projection.WIDTH:]
     # The silence this beat ends, judged against the row read with it (one snapshot): if views read the node
     # offline meanwhile and the log does not say so yet, the beat records the spell (see Silence).
     silence = Silence(before, last_seen_at, stale_seconds, state.version)
@@ -107,7 +109,12 @@ async def heartbeat(
     # After a silence, the sweeper may be marking this node offline right now, from a read made before
     # this beat: the stored status read here may already be out of date. Look again under the row's lock.
     back_from_silence = before is None or (now - before).total_seconds() > stale_seconds
+    # Memory freed since the last report, recorded or not (see MEMORY_EVENT_SPACING_SECONDS): a claim parked
+    # because nothing fitted looks again now.
+    freed = reported_before is not None and frees_memory(decode_devices(reported_before), reported)
     if decision.event is None and not back_from_silence:
+        if freed:  # no event: the hint names no position
+            await store.publish(conn, [(organization_id, 0, await _queued_hint(conn, organization_id))])
         return HeartbeatResult(node_id, effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds), False, False)
     # Locks by what the beat changes, decided from the read above and checked again under the row's lock:
     # the claim guard when placements change (see nodes.guard_against_claims), the organization's capacity
@@ -117,7 +124,7 @@ async def heartbeat(
         try:
             state, decision, now = await _record(conn, organization_id, node_id, report, guard=guard, capacity=capacity,
                                                  event_interval_seconds=event_interval_seconds, request_id=request_id,
-                                                 credential_id=credential_id, silence=silence)  # fmt: skip
+                                                 credential_id=credential_id, silence=silence, freed=freed)  # fmt: skip
             break
         except _MoreLocks as more:  # the locked row says the beat changes more than the first read did
             guard, capacity = guard or more.guard, capacity or more.capacity
@@ -130,13 +137,11 @@ async def heartbeat(
 _ANY_QUEUED = "SELECT EXISTS (SELECT 1 FROM jobs WHERE organization_id = %s AND status = 'queued')"
 
 
-async def _room_for_queued(conn: psycopg.AsyncConnection, organization_id: UUID, decision) -> int:
-    """The claimable count of the beat's hint: 1 when it changes what the node could run (memory freed, a model
-    loaded, devices) while jobs are queued, so a parked claim looks again now. A job that did not fit the memory
-    the node last reported is not blocked (the device's total fits it): no other event says it fits now, and the
-    node's long-poll waited for the safety poll."""
-    if not decision.changes_capacity:
-        return 0
+async def _queued_hint(conn: psycopg.AsyncConnection, organization_id: UUID) -> int:
+    """The claimable count of a beat's hint when it changes what the node could run (memory freed, a model
+    loaded, devices): 1 while jobs are queued, so a parked claim looks again now. A job that did not fit the
+    memory the node last reported is not blocked (the device's total fits it): no other event says it fits now,
+    and the node's long-poll waited for the safety poll."""
     return 1 if (await (await conn.execute(_ANY_QUEUED, (organization_id,))).fetchone())[0] else 0
 
 
@@ -148,11 +153,14 @@ async def _refuse_if_revoked(conn: psycopg.AsyncConnection, state, credential_id
 
 async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, report: HeartbeatReport, *,
                   guard: bool, capacity: bool, event_interval_seconds: int, request_id: str | None,
-                  credential_id: UUID | None, silence: Silence):  # fmt: skip
+                  credential_id: UUID | None, silence: Silence, freed: bool):  # fmt: skip
     """Decide again under the node's row lock and record the beat; returns (state, decision, now).
 
     Raises :class:`_MoreLocks` (nothing written) when the locked row calls for
     a lock not taken: they are taken before the row's, so the caller starts over.
+
+    ``freed``: the beat frees memory since the last report (:func:`~umbra.domain.heartbeat.frees_memory`), and
+    its hint wakes a parked claim whatever the decision's reasons.
 
     An unrecorded offline spell is judged again here: under the row's lock,
     a sweeper that recorded it since, or another beat that ended the same
@@ -180,7 +188,8 @@ async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id:
         state, recorded = await append_node_events(conn, state, [decision.event], node_id=node_id,
                                                    organization_id=organization_id, actor=f"node:{node_id}",
                                                    request_id=request_id)  # fmt: skip
-        hints = [(organization_id, recorded[-1].position, await _room_for_queued(conn, organization_id, decision))]
+        room = await _queued_hint(conn, organization_id) if decision.changes_capacity or freed else 0
+        hints = [(organization_id, recorded[-1].position, room)]
         if _changes_devices(decision):
             reexamined = await reexamine_waiting_jobs(conn, organization_id, publish=False,
                                                       metadata=capacity_cause(node_id, request_id))  # fmt: skip

@@ -10,8 +10,17 @@ is older than the event interval. Every other beat only refreshes
 Free memory is a measurement that jitters on every beat. A change counts when
 it crosses the busy line (a GPU's free VRAM reaching or leaving zero) or moves
 by at least :data:`MEMORY_TOLERANCE_FRACTION` of the device's total (and at
-least :data:`MEMORY_TOLERANCE_FLOOR_MB`), so the folded device set stays within
-that tolerance of what the node last said, and the periodic beat re-anchors it.
+least :data:`MEMORY_TOLERANCE_FLOOR_MB`), and the periodic beat re-anchors the
+folded device set.
+
+On a busy GPU fleet free memory moves past that tolerance whenever a job
+starts, loads or ends, and a training job's memory can grow on every beat: a
+beat whose only news is such a move is recorded at most once per
+:data:`MEMORY_EVENT_SPACING_SECONDS` (a busy-line crossing at once). Nothing
+placement judges is lost by it: claims, ``explain`` and the Node object read
+the devices as last reported, kept at every beat, and memory freed between
+recorded beats still wakes a parked claim (:func:`frees_memory`). The node's
+history shows its memory at most that often, and at every other change.
 
 A beat after a silence longer than the stale threshold ends an offline spell:
 views read the node ``offline`` meanwhile (the effective status). When the
@@ -38,6 +47,10 @@ from .nodes import PROMOTABLE, after_went_offline, is_busy
 MEMORY_TOLERANCE_FRACTION = 0.02
 #: ... and smaller than this many MB, whatever the total.
 MEMORY_TOLERANCE_FLOOR_MB = 128
+
+#: A beat that only moved free memory (not across the busy line) is recorded no sooner than this after the
+#: last recorded beat (see the module's docstring).
+MEMORY_EVENT_SPACING_SECONDS = 60
 
 #: Reasons that change what could run where (blocked jobs deserve a second look).
 CAPACITY_REASONS = frozenset({"devices", "memory", "models", "promotion"})
@@ -129,9 +142,12 @@ def _shape(d: Device) -> tuple:
     return (d.kind, d.vram_total_mb, d.ram_total_mb, d.compute_units, d.throughput_factor, d.accelerators)
 
 
+def _tolerance(total: int) -> float:
+    return max(MEMORY_TOLERANCE_FLOOR_MB, total * MEMORY_TOLERANCE_FRACTION)
+
+
 def _moved(old_free: int, new_free: int, total: int) -> bool:
-    tolerance = max(MEMORY_TOLERANCE_FLOOR_MB, total * MEMORY_TOLERANCE_FRACTION)
-    return abs(new_free - old_free) >= tolerance
+    return abs(new_free - old_free) >= _tolerance(total)
 
 
 def _models(d: Device) -> frozenset[str]:
@@ -140,6 +156,28 @@ def _models(d: Device) -> frozenset[str]:
 
 def _held(models: tuple[ResidentModel, ...]) -> dict[str, int]:
     return {m.slug: m.vram_held_mb for m in models}
+
+
+def _same_labels(old: Iterable[Device], new: Iterable[Device]) -> Iterable[tuple[Device, Device]]:
+    before = {d.label: d for d in old}
+    return ((before[d.label], d) for d in new if d.label in before)
+
+
+def crosses_busy_line(old: tuple[Device, ...], new: tuple[Device, ...]) -> bool:
+    """Whether a device of both sets became busy or stopped being busy (:func:`umbra.domain.nodes.is_busy`)."""
+    return any(is_busy(a) != is_busy(b) for a, b in _same_labels(old, new))
+
+
+def frees_memory(old: tuple[Device, ...], new: tuple[Device, ...]) -> bool:
+    """Whether ``new`` has room ``old`` had not: a device stopped being busy, or its free VRAM or RAM grew by at
+    least the tolerance. Between two consecutive reports, whether or not either was recorded: a claim parked
+    because nothing fitted should look again."""
+    return any(
+        (is_busy(a) and not is_busy(b))
+        or b.vram_free_mb - a.vram_free_mb >= _tolerance(b.vram_total_mb)
+        or b.ram_free_mb - a.ram_free_mb >= _tolerance(b.ram_total_mb)
+        for a, b in _same_labels(old, new)
+    )
 
 
 def device_changes(old: tuple[Device, ...], new: tuple[Device, ...]) -> set[str]:
@@ -212,7 +250,7 @@ def decide_heartbeat(
         reasons.append("promotion")
     if current.last_heartbeat_at is None or now - current.last_heartbeat_at >= timedelta(seconds=event_interval_seconds):
         reasons.append("periodic")
-    if not reasons:
+    if not reasons or (reasons == ["memory"] and _memory_recorded_lately(current, devices, now)):
         return HeartbeatDecision(None, ())
     event = NodeHeartbeat(
         agent_version=report.agent_version if report.agent_version is not None else current.agent_version,
@@ -221,3 +259,13 @@ def decide_heartbeat(
         kinds=reported if reported is not None else current.kinds,
     )
     return HeartbeatDecision(event, tuple(reasons), went_offline)
+
+
+def _memory_recorded_lately(current: HeartbeatBasis, devices: tuple[Device, ...], now: datetime) -> bool:
+    """Whether a beat that only moved free memory waits for the spacing (:data:`MEMORY_EVENT_SPACING_SECONDS`):
+    a busy-line crossing does not, and neither does the first beat of a node."""
+    return (
+        current.last_heartbeat_at is not None
+        and now - current.last_heartbeat_at < timedelta(seconds=MEMORY_EVENT_SPACING_SECONDS)
+        and not crosses_busy_line(current.devices, devices)
+    )

@@ -222,21 +222,32 @@ async def test_a_parked_long_poll_takes_a_job_as_soon_as_a_change_unblocks_it(co
     assert types == ["job.submitted", "job.blocked", "job.unblocked", "job.claimed"]
 
 
-async def test_a_heartbeat_that_frees_memory_wakes_the_parked_node_it_made_eligible(conn, org, server):
+@pytest.mark.parametrize("recorded", [True, False], ids=["beat_recorded", "beat_within_the_memory_spacing"])
+async def test_a_heartbeat_that_frees_memory_wakes_the_parked_node_it_made_eligible(conn, org, server, recorded):
     """A claim answers as soon as a job its node is eligible for is queued, and that includes a job already
     queued that the node becomes eligible for: one too big for its GPU's free VRAM (held by another process;
     not blocked, as the card's total fits it) fits once the node's heartbeat reports the VRAM free again, and
-    that beat wakes the node's parked long-poll at once, not at the safety poll (30 s here)."""
+    that beat wakes the node's parked long-poll at once, not at the safety poll (30 s here). So it does when
+    the beat is recorded (here it also names the agent's version for the first time) and when, a move of
+    free memory alone soon after a recorded beat, it is not (MEMORY_EVENT_SPACING_SECONDS)."""
     org_id, _ = org
     squeezed = msgspec.structs.replace(GPU, vram_free_mb=4000)
-    _, credential = await online_node(conn, org_id, "box", devices=(squeezed,))
+    node_id, credential = await online_node(conn, org_id, "box", devices=(squeezed,))
     job_id = await submit_job(conn, org_id, vram_min_mb=16000)
     assert await job_status(conn, job_id) == "queued"
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        if not recorded:
+            await _report(client, credential, squeezed)  # records the agent's version: the next beat's only news is memory
+        beats = await _heartbeat_events(conn, node_id)
         answer, elapsed = await _claim_parked_across(client, server.app.state.waiters, org_id, credential,
                                                      lambda: _report(client, credential, GPU))  # fmt: skip
     assert answer.status_code == 200 and elapsed < 3, (answer.status_code, round(elapsed, 1))
     assert answer.json()["job"]["id"] == str(job_id)
+    assert await _heartbeat_events(conn, node_id) == beats + (1 if recorded else 0)
+
+
+async def _heartbeat_events(conn, node_id) -> int:
+    return sum(r.type == "node.heartbeat" for r in await store.read_stream(conn, store.node_stream(node_id)))
 
 
 async def test_a_client_that_disconnects_while_waiting_claims_nothing(conn, org, server):

@@ -13,7 +13,7 @@ from umbra.compute import claims
 from umbra.compute.heartbeat import heartbeat
 from umbra.compute.nodes import drain_node, mark_stale_page, node_view, retire_node
 from umbra.compute.pairing import issue_pairing_code, redeem_pairing_code
-from umbra.domain.heartbeat import HeartbeatReport
+from umbra.domain.heartbeat import MEMORY_EVENT_SPACING_SECONDS, HeartbeatReport
 from umbra.events import store
 from umbra.events.types import Device, ResidentModel
 
@@ -44,6 +44,14 @@ async def types(conn, node_id) -> list[str]:
 
 async def offset(conn, seconds: int) -> None:
     await conn.execute("SELECT set_config('umbra.clock_offset', %s, false)", (f"{seconds} seconds",))
+
+
+async def past_the_memory_spacing(conn, org_id, node_id, devices) -> None:
+    """The database clock moved past the spacing of memory-only events since the node's last recorded beat, with
+    the node beating (``devices`` as last reported) on the way: not silent long enough to be read offline."""
+    await offset(conn, MEMORY_EVENT_SPACING_SECONDS // 2)
+    await beat(conn, org_id, node_id, devices=devices)
+    await offset(conn, MEMORY_EVENT_SPACING_SECONDS)
 
 
 async def test_the_first_beat_promotes_a_provisioning_node(conn, org):
@@ -233,6 +241,7 @@ async def test_a_beat_that_changes_only_free_memory_does_not_wait_for_submission
     org_id, _ = org
     node_id = await pair(conn, org_id)
     await beat(conn, org_id, node_id)
+    await past_the_memory_spacing(conn, org_id, node_id, (GPU, CPU))  # a move of free memory alone is recorded no sooner
     busy = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=12000, accelerators=("cuda",))
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as submitter:
         async with submitter.transaction():
@@ -240,6 +249,30 @@ async def test_a_beat_that_changes_only_free_memory_does_not_wait_for_submission
             with anyio.fail_after(5):
                 result = await beat(conn, org_id, node_id, devices=(busy, CPU))
     assert result.recorded and result.changed_capacity
+
+
+async def test_free_memory_moving_on_every_beat_is_recorded_once_per_spacing_and_claims_judge_the_latest(conn, org):
+    """A training job's memory growing on every beat does not append an event each time: the first move after a
+    recorded beat waits for the spacing, while the node as claims, ``explain`` and the API read it has the
+    latest report; once the spacing has passed, the next move is recorded with the devices as they are then."""
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)  # the first beat: recorded (a promotion)
+    recorded = await types(conn, node_id)
+    for free in (18000, 12000, 6000):
+        result = await beat(conn, org_id, node_id, devices=(msgspec.structs.replace(GPU, vram_free_mb=free), CPU))
+        assert not result.recorded
+    assert await types(conn, node_id) == recorded
+    latest = {d.label: d.vram_free_mb for d in (await node_view(conn, node_id)).devices}
+    assert latest["gpu0"] == 6000  # the node as read: the last report
+    await submit(conn, org_id, requires={"accelerators": ["cuda"], "vram_min_mb": 8000})
+    assert await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60) is None  # 6,000 free
+    await past_the_memory_spacing(conn, org_id, node_id, (msgspec.structs.replace(GPU, vram_free_mb=6000), CPU))
+    assert await types(conn, node_id) == recorded
+    result = await beat(conn, org_id, node_id, devices=(msgspec.structs.replace(GPU, vram_free_mb=5000), CPU))
+    assert result.recorded and result.changed_capacity
+    [event] = (await store.read_stream(conn, store.node_stream(node_id)))[len(recorded):]
+    assert event.type == "node.heartbeat" and event.event.devices[1].vram_free_mb == 5000
 
 
 async def test_a_beat_authenticated_before_its_node_was_revoked_is_refused_and_not_recorded(conn, org):

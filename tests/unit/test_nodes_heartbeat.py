@@ -9,7 +9,16 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from umbra.domain.heartbeat import HeartbeatReport, Silence, decide_heartbeat, device_changes, normalize_devices
+from umbra.domain.heartbeat import (
+    MEMORY_EVENT_SPACING_SECONDS,
+    HeartbeatReport,
+    Silence,
+    crosses_busy_line,
+    decide_heartbeat,
+    device_changes,
+    frees_memory,
+    normalize_devices,
+)
 from umbra.events.types import Device, ResidentModel
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
@@ -122,6 +131,34 @@ def test_a_gpu_running_out_of_vram_is_a_change_however_small():
     almost = normalize_devices([replace(GPU, vram_free_mb=50), CPU])
     full = normalize_devices([replace(GPU, vram_free_mb=0), CPU])
     assert device_changes(almost, full) == {"memory"}
+
+
+def test_a_move_of_free_memory_alone_is_recorded_at_most_once_per_spacing_and_a_busy_line_crossing_at_once():
+    moved = (replace(GPU, vram_free_mb=8000), CPU)
+    lately = Recorded(last_heartbeat_at=NOW - timedelta(seconds=MEMORY_EVENT_SPACING_SECONDS - 1))
+    assert decide(lately, devices=moved).event is None
+    spaced = decide(Recorded(last_heartbeat_at=NOW - timedelta(seconds=MEMORY_EVENT_SPACING_SECONDS)), devices=moved)
+    assert spaced.reasons == ("memory",) and spaced.event.devices[1].vram_free_mb == 8000
+    full = decide(lately, devices=(replace(GPU, vram_free_mb=0), CPU))
+    assert full.reasons == ("memory",) and full.changes_capacity  # its one GPU is busy now: at once
+    assert decide(Recorded(last_heartbeat_at=None), devices=moved).event is not None  # the node's first beat
+    # With other news, the beat is recorded with its memory, for every reason it has.
+    both = decide(lately, devices=moved, agent_version="1.1")
+    assert both.reasons == ("memory", "agent_version") and both.event.devices[1].vram_free_mb == 8000
+    loaded = replace(moved[0], resident_models=(*GPU.resident_models, ResidentModel(slug="phi3", vram_held_mb=9000)))
+    assert decide(lately, devices=(loaded, CPU)).reasons == ("memory", "models")
+
+
+def test_memory_freed_between_two_reports_is_room_a_parked_claim_should_look_at():
+    before = normalize_devices([GPU, CPU])
+    assert frees_memory(before, normalize_devices([replace(GPU, vram_free_mb=21000), CPU]))
+    assert frees_memory(before, normalize_devices([GPU, replace(CPU, ram_free_mb=32000)]))
+    assert not frees_memory(before, normalize_devices([replace(GPU, vram_free_mb=20400), CPU]))  # jitter
+    assert not frees_memory(before, normalize_devices([replace(GPU, vram_free_mb=8000), CPU]))  # taken, not freed
+    busy = normalize_devices([replace(GPU, vram_free_mb=0), CPU])
+    assert frees_memory(busy, normalize_devices([replace(GPU, vram_free_mb=100), CPU]))  # no longer busy
+    assert not frees_memory(busy, normalize_devices([CPU]))  # a device gone frees nothing of the ones left
+    assert crosses_busy_line(before, busy) and crosses_busy_line(busy, before) and not crosses_busy_line(before, before)
 
 
 def test_resident_models_coming_and_going_is_a_change():
