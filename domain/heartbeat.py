@@ -185,8 +185,8 @@ def device_changes(old: tuple[Device, ...], new: tuple[Device, ...]) -> set[str]
 
     ``devices``: a device appeared, disappeared or changed kind, totals,
     accelerators or throughput; ``memory``: free memory crossed the busy line or
-    moved beyond the tolerance; ``models``: resident models came or went (or
-    the VRAM one holds moved beyond the tolerance).
+    moved beyond the tolerance, or the memory a resident model holds did;
+    ``models``: resident models came or went.
     """
     before = {d.label: d for d in old}
     after = {d.label: d for d in new}
@@ -207,8 +207,8 @@ def device_changes(old: tuple[Device, ...], new: tuple[Device, ...]) -> set[str]
             changes.add("models")
         else:
             held_a, held_b = _held(a.resident_models), _held(b.resident_models)
-            if any(_moved(held_a[s], held_b[s], b.vram_total_mb) for s in held_a):
-                changes.add("models")
+            if any(_moved(held_a[s], held_b[s], b.vram_total_mb or b.ram_total_mb) for s in held_a):
+                changes.add("memory")
     return changes
 
 

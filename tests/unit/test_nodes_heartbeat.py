@@ -147,6 +147,12 @@ def test_a_move_of_free_memory_alone_is_recorded_at_most_once_per_spacing_and_a_
     assert both.reasons == ("memory", "agent_version") and both.event.devices[1].vram_free_mb == 8000
     loaded = replace(moved[0], resident_models=(*GPU.resident_models, ResidentModel(slug="phi3", vram_held_mb=9000)))
     assert decide(lately, devices=(loaded, CPU)).reasons == ("memory", "models")
+    # The memory a resident model holds is memory: it moving (a model's cache growing) waits the same.
+    grown = replace(GPU, vram_free_mb=16000, resident_models=(ResidentModel(slug="gemma4:26b", vram_held_mb=8000),))
+    assert decide(lately, devices=(grown, CPU)).event is None
+    assert decide(Recorded(last_heartbeat_at=NOW - timedelta(seconds=61)), devices=(grown, CPU)).reasons == ("memory",)
+    in_ram = replace(CPU, resident_models=(ResidentModel(slug="phi3", vram_held_mb=3000),))
+    assert device_changes((in_ram,), (replace(in_ram, resident_models=(ResidentModel(slug="phi3", vram_held_mb=6000),)),)) == {"memory"}
 
 
 def test_memory_freed_between_two_reports_is_room_a_parked_claim_should_look_at():
