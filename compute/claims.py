@@ -79,7 +79,7 @@ from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, r
 from .model_holders import read_model_holders
 from .jobs import (
     IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, Siblings, ancestors_held_elsewhere, check_json_depth, check_shape_size,
-    jobs_by_idempotency_key, lock_idempotency_keys, may_end, publish_new_jobs, record_and_settle, refusing_nul,
+    jobs_by_idempotency_key, lock_idempotency_keys, may_end, publish_new_jobs, record_and_settle, refusing_unstorable,
     submitted_events,
 )  # fmt: skip
 from .abandoned_claims import ClaimAbandoned, is_abandoned
@@ -849,7 +849,7 @@ async def record_completion(
 ) -> tuple[JobRow, bool]:
     """:func:`complete`, and whether this call recorded it: ``False`` for a completion sent again, answered
     with the first result (see :func:`umbra.domain.jobs.repeats_completion`), which must claim nothing more."""
-    with refusing_nul():
+    with refusing_unstorable():
         async with conn.transaction():
             row, _ = await _held(conn, organization_id, job_id, node_id, attempt, repeated_completion_ok=True)
             if row.status == "complete":  # a repeat: the first result stands
@@ -937,7 +937,7 @@ async def fail(
     answered with the job as it stands and records nothing (the first
     outcome stands: see :func:`umbra.domain.jobs.repeats_failure`).
     """
-    with refusing_nul():
+    with refusing_unstorable():
         async with conn.transaction():
             row, now = await _locked(conn, organization_id, job_id)
             if await _repeats_failure(conn, row, node_id, attempt):
@@ -1040,9 +1040,8 @@ async def add_children(
     :func:`umbra.domain.jobs.repeats_decomposition`): it is recognised before
     its idempotency keys are looked up, which the first one took.
     """
-    if not children:
-        raise InvalidRequest("children must name at least one child.", field="children")
-    with refusing_nul():
+    check_children(children)
+    with refusing_unstorable():
         return await _add_children(conn, organization_id, node_id, job_id, attempt, children, request_id)
 
 
@@ -1068,14 +1067,12 @@ async def _add_children(
                 # Not naming the job: a node reads only jobs it has held, and the id would be one it may not.
                 raise InvalidRequest(f"children[{index}].idempotency_key is already used in this organization.",
                                      field=f"children[{index}].idempotency_key", index=index)  # fmt: skip
-        if len(set(keys)) != len(keys):
-            raise InvalidRequest("children repeat an idempotency_key.", field="children")
         judge = await BlockingJudge.load(conn, organization_id)
         actor = f"node:{node_id}"
         ids = [uuid4() for _ in children]
         child_changes = []
         for index, (c, child_id) in enumerate(zip(children, ids)):
-            siblings = tuple(dict.fromkeys(ids[_earlier(index, sibling)] for sibling in c.depends_on))
+            siblings = tuple(dict.fromkeys(ids[sibling] for sibling in c.depends_on))  # earlier ones (check_children)
             child_changes.append(Change(child_id, organization_id, None, submitted_events(
                 kind=c.kind, payload=c.payload, requires=c.requires.to_requirements(),
                 priority=parent.priority if c.priority is None else c.priority, max_attempts=c.max_attempts,
@@ -1089,13 +1086,21 @@ async def _add_children(
     return rows[1:]
 
 
-def _earlier(index: int, sibling: int) -> int:
-    """``sibling``, a number in ``children[index].depends_on``, if it names an earlier child; refused (422)
-    otherwise."""
-    if sibling >= index:
-        raise InvalidRequest(f"children[{index}].depends_on names child {sibling}: only an earlier child of the same "
-                             "request can be depended on.", field=f"children[{index}].depends_on", index=index)  # fmt: skip
-    return sibling
+def check_children(children: Sequence[ChildRequest]) -> None:
+    """Refuse (422) a decomposition no job could make, before the job is looked up (the body before the
+    object its path names: a well-formed id of no job, or of another node's, with such a body is 422 too):
+    no child, a child depending on itself or a later child, two children naming one idempotency key."""
+    if not children:
+        raise InvalidRequest("children must name at least one child.", field="children")
+    for index, child in enumerate(children):
+        for sibling in child.depends_on:
+            if sibling >= index:
+                raise InvalidRequest(f"children[{index}].depends_on names child {sibling}: only an earlier child of "
+                                     "the same request can be depended on.", field=f"children[{index}].depends_on",
+                                     index=index)  # fmt: skip
+    keys = [c.idempotency_key for c in children if c.idempotency_key]
+    if len(set(keys)) != len(keys):
+        raise InvalidRequest("children repeat an idempotency_key.", field="children")
 
 
 _CHILDREN = f"SELECT {queue.SELECT_LIST} FROM jobs WHERE id = ANY(%s) AND organization_id = %s"

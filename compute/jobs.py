@@ -91,10 +91,13 @@ class RequiresRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if (named := self.named_bytes()) > MAX_REQUIRES_NAMED:
             raise ValueError(f"the names in requires (models, trust_domains, accelerators) take {named} bytes "
-                             f"in all; at most {MAX_REQUIRES_NAMED}")  # fmt: skip
+                             f"in all, the digits of max_runtime_s counted; at most {MAX_REQUIRES_NAMED}")  # fmt: skip
 
     def named_bytes(self) -> int:
-        return sum(len(name.encode()) for name in (*self.models, *self.trust_domains, *self.accelerators))
+        """Bytes the requirements add to the queue's shape key beyond their fixed-size fields: the names, and the
+        digits of ``max_runtime_s``, a number of any size (kept as ``numeric`` in the key's ``jsonb``)."""
+        limit = 0 if self.max_runtime_s is None else len(str(self.max_runtime_s))
+        return limit + sum(len(name.encode()) for name in (*self.models, *self.trust_domains, *self.accelerators))
 
     def to_requirements(self) -> Requirements:
         if self == _NO_REQUIREMENTS_REQUEST:
@@ -181,7 +184,7 @@ def check_shape_size(kind: str, requires: RequiresRequest) -> None:
     named = len(kind.encode()) + requires.named_bytes()
     if named > MAX_REQUIRES_NAMED:
         raise ValueError(f"the kind and the names in requires (models, trust_domains, accelerators) take {named} "
-                         f"bytes in all; at most {MAX_REQUIRES_NAMED}")  # fmt: skip
+                         f"bytes in all, the digits of max_runtime_s counted; at most {MAX_REQUIRES_NAMED}")  # fmt: skip
 
 
 class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -189,15 +192,21 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 @contextlib.contextmanager
-def refusing_nul() -> Iterator[None]:
-    """PostgreSQL text and jsonb cannot hold U+0000; say so as a refusal, not a server error.
+def refusing_unstorable() -> Iterator[None]:
+    """A value PostgreSQL cannot store (SQLSTATE class 22: U+0000 in text or jsonb, a number past
+    ``numeric``'s range) is the command's refusal (422), not a server error.
 
-    Wrap it around the transaction, so the refused command has rolled back.
+    Wrap it around the transaction, so the refused command has rolled back. Raised
+    here rather than left to the HTTP layer, a refusal stays the command's own: in a
+    report of several results (``POST /v1/agent/complete``) that result is answered
+    422 and the others land, as for any other refused result.
     """
     try:
         yield
     except psycopg.errors.UntranslatableCharacter:
         raise InvalidRequest("Strings may not contain the NUL character (\\u0000).") from None
+    except psycopg.DataError:
+        raise InvalidRequest("A value in the request cannot be stored (a number out of range?).") from None
 
 
 def submitted_events(
@@ -352,7 +361,7 @@ async def submit(
 
     ``batch`` adds the failing item's ``index`` to a refusal.
     """
-    with refusing_nul():
+    with refusing_unstorable():
         async with conn.transaction():
             return await _submit(conn, organization_id, specs, actor=actor, batch=batch, request_id=request_id)
 
