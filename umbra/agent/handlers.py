@@ -189,7 +189,10 @@ class HandlerRegistry:
         # is answered at once, and the thread is left to finish; see :meth:`returned`.
         self._abandoned[id(claim)] = returned
         try:
-            result = await to_thread.run_sync(call, abandon_on_cancel=True)
+            # A limiter of its own: the agent's slots bound its handler threads (--concurrency, up to 64), not
+            # anyio's default limiter of 40, which the heartbeat's device discovery shares; with every slot
+            # busy, a job past the 40th waited leased and unstarted, and the heartbeat behind it.
+            result = await to_thread.run_sync(call, abandon_on_cancel=True, limiter=anyio.CapacityLimiter(1))
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException:

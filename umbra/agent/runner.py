@@ -61,6 +61,9 @@ def answer_maybe_unread(error: Exception | None) -> bool:
                                                                          httpx.PoolTimeout))  # fmt: skip
 
 
+#: How many finished jobs' outcomes an agent keeps (:attr:`Agent.outcomes`).
+OUTCOMES_KEPT = 100
+
 #: How long a stopping agent lets a heartbeat already on its way finish before it signs off.
 LAST_BEAT_SECONDS = 5.0
 
@@ -113,6 +116,8 @@ class Agent:
         self.kinds = claim_kinds(registry.kinds)
         self.config = config
         self.started_at = process_start_time()
+        #: The last :data:`OUTCOMES_KEPT` jobs' outcomes (for logs and tests): each holds its Job, payload and
+        #: result, and an agent runs for months.
         self.outcomes: list[Outcome] = []
         self.node_status: str | None = None
         self._devices = devices
@@ -336,6 +341,7 @@ class Agent:
         finally:
             self._current.discard(run)
         self.outcomes.append(outcome)
+        del self.outcomes[:-OUTCOMES_KEPT]
         log.info("job finished", extra={"action": "job_finished", "job_id": claim.job_id, "outcome": outcome.status})
         if not self.stopping:
             with self._poll_scope():  # a stop need not wait for it: the process exits
