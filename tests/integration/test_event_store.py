@@ -226,8 +226,23 @@ async def test_read_log_filters_by_organization(conn):
     assert len(await store.read_log(conn)) == 2
 
 
-async def _tail_while_writing(db_url: str, org_id, *, writers: int, per_writer: int) -> tuple[list[int], list[int]]:
-    """Run concurrent writers with random transaction lengths while tailing.
+_GROUP_CLOCK = PreparedStatement("test_group_clock", "SELECT umbra_now()")
+
+
+async def _group_append(c: psycopg.AsyncConnection, org_id, events, rng: random.Random) -> None:
+    """One append as the group commit sends it: the batch's clock read with its BEGIN, the append with COMMIT."""
+    [(now,)] = await begin_with(c, [(_GROUP_CLOCK, {})], generic_plans=True, family=(store.APPEND_AT,))
+    if rng.random() < 0.3:
+        await anyio.sleep(rng.uniform(0, 0.003))
+    append, _ = store.append_statement([store.PendingAppend(store.job_stream(uuid.uuid4()), 0, events, org_id)],
+                                       recorded_at=now[0])  # fmt: skip
+    await commit_with(c, [append])
+
+
+async def _tail_while_writing(db_url: str, org_id, *, writers: int, per_writer: int,
+                              group_commit: bool = False) -> tuple[list[int], list[int]]:  # fmt: skip
+    """Run concurrent writers with random transaction lengths while tailing; with ``group_commit``, every other
+    writer appends as the group commit does.
 
     Returns (positions seen by the tailer in order, positions of a final full read).
     """
@@ -238,6 +253,9 @@ async def _tail_while_writing(db_url: str, org_id, *, writers: int, per_writer: 
         rng = random.Random(seed)
         async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
             for i in range(per_writer):
+                if group_commit and seed % 2:
+                    await _group_append(c, org_id, [_submitted(i) for _ in range(rng.randint(1, 3))], rng)
+                    continue
                 async with c.transaction():
                     events = [_submitted(i) for _ in range(rng.randint(1, 3))]
                     await store.append(c, store.job_stream(uuid.uuid4()), 0, events, organization_id=org_id)
@@ -281,6 +299,15 @@ async def _tail_while_writing(db_url: str, org_id, *, writers: int, per_writer: 
 async def test_tailing_reader_sees_every_event_exactly_once_in_commit_order(db_url, org, append_path):
     org_id, _ = org
     seen, full = await _tail_while_writing(db_url, org_id, writers=10, per_writer=150)
+    assert len(full) >= 10 * 150
+    assert seen == full, f"tailer missed {len(set(full) - set(seen))} events"
+
+
+async def test_tailing_reader_sees_every_event_of_group_commit_appends_exactly_once_in_commit_order(db_url, org):
+    """The group commit's append (``append_statement`` sent with ``COMMIT``) keeps positions in commit order too,
+    racing the other append path."""
+    org_id, _ = org
+    seen, full = await _tail_while_writing(db_url, org_id, writers=10, per_writer=150, group_commit=True)
     assert len(full) >= 10 * 150
     assert seen == full, f"tailer missed {len(set(full) - set(seen))} events"
 
