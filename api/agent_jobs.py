@@ -25,7 +25,7 @@ from starlette.responses import Response
 
 from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
-from umbra.compute.jobs import check_json_depth
+from umbra.compute.jobs import check_document
 from umbra.errors import InvalidRequest, Unauthenticated, UmbraError
 from umbra.events.types import Progress
 from umbra.projections import jobs as queue
@@ -60,7 +60,7 @@ class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if isinstance(self.result, (dict, list)):
-            check_json_depth(self.result, "result")
+            check_document(self.result, "result")
 
 
 class ReportedResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,7 +70,7 @@ class ReportedResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if isinstance(self.result, (dict, list)):
-            check_json_depth(self.result, "result")
+            check_document(self.result, "result")
 
 
 class CompleteManyRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from umbra.compute.auth import Principal, authenticate, authenticated_connection, credential_is_live, revoked
 from umbra.db import DATABASE_AWAY
-from umbra.compute.jobs import MAX_JSON_DEPTH, NOT_BLANK, TOO_DEEP, TOO_DEEP_FIELD
+from umbra.compute.jobs import DOCUMENT_FIELD, MAX_JSON_DEPTH, NOT_BLANK, TOO_DEEP
 from umbra.errors import InvalidRequest, NotFound, UmbraError
 from umbra.events import documents
 
@@ -102,8 +102,8 @@ async def read_json(request: Request, type_: type[T], *, empty_ok: bool = False,
         decoded = documents.decoder(type_).decode(body)
     except msgspec.ValidationError as exc:
         field = _field_of(str(exc))
-        if deep := TOO_DEEP_FIELD.match(str(exc)):  # raised by the struct (field names it), about one of its fields
-            field = f"{field}.{deep.group(1)}" if field else deep.group(1)
+        if document := DOCUMENT_FIELD.match(str(exc)):  # raised by the struct (field names it), about one of its fields
+            field = f"{field}.{document.group(1)}" if field else document.group(1)
         item = _ITEM.match(field or "") if items else None
         extra = {"index": int(item.group(2))} if item and item.group(1) == items else {}
         message = str(exc).replace(_BLANK_NAME, "a `str` that is not blank (whitespace only)")

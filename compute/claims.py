@@ -78,7 +78,7 @@ from umbra.projections.jobs import Change, JobRow
 from .blocked import QUEUED_SHAPES, BlockingJudge, hold_capacity, read_models, read_nodes
 from .model_holders import read_model_holders
 from .jobs import (
-    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, Siblings, ancestors_held_elsewhere, check_json_depth, check_shape_size,
+    IdempotencyKey, MaxAttempts, Name, Priority, RequiresRequest, Siblings, ancestors_held_elsewhere, check_document, check_shape_size,
     jobs_by_idempotency_key, lock_idempotency_keys, may_end, publish_new_jobs, record_and_settle, refusing_unstorable,
     submitted_events,
 )  # fmt: skip
@@ -1015,7 +1015,7 @@ class ChildRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         check_shape_size(self.kind, self.requires)
         if self.payload:
-            check_json_depth(self.payload, "payload")
+            check_document(self.payload, "payload")
 
 
 async def add_children(

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 from datetime import datetime
+from decimal import Decimal
 from typing import Annotated, Any, Collection, Iterator, Mapping, Sequence
 from uuid import UUID
 
@@ -35,7 +36,7 @@ from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.jobs import MAX_DELAY, decide_cancel, dependencies_of, wait_for_time
 from umbra.domain.settlement import settle
 from umbra.errors import Conflict, InvalidRequest, NotFound
-from umbra.events import store
+from umbra.events import documents, store
 from umbra.events.types import (
     TERMINAL_JOB_STATUSES, Event, JobBlocked, JobClaimed, JobDecomposed, JobLeaseExpired, JobLeaseRenewed,
     JobReleased, JobReprioritized, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, Requirements,
@@ -125,19 +126,23 @@ _NO_REQUIREMENTS = Requirements()
 #: of its organization's job list, failed.
 MAX_JSON_DEPTH = 100
 TOO_DEEP = f"JSON may nest arrays and objects at most {MAX_JSON_DEPTH} levels deep."
-#: How a depth refusal from a struct's ``__post_init__`` starts: the field it is about, then :data:`TOO_DEEP`.
-TOO_DEEP_FIELD = re.compile(r"^`(\w+)`: " + re.escape(TOO_DEEP))
+UNSTORABLE_NUMBER = (f"a number may have at most {documents.NUMERIC_WHOLE_DIGITS} digits before the decimal point "
+                     f"and {documents.NUMERIC_FRACTION_DIGITS} after it.")
+#: How a document's refusal from a struct's ``__post_init__`` starts: the field it is about, in backquotes.
+DOCUMENT_FIELD = re.compile(r"^`(\w+)`: ")
 
 
-def check_json_depth(value: Any, field: str) -> None:
-    """Refuse ``value`` (the body's ``field``) nested deeper than :data:`MAX_JSON_DEPTH`.
+def check_document(value: Any, field: str) -> None:
+    """Refuse ``value`` (the body's free-form ``field``) when it could not be stored: nested deeper than
+    :data:`MAX_JSON_DEPTH`, or holding a number ``numeric`` cannot hold (``1e200000``, read as a ``Decimal``).
 
-    Raises ``ValueError`` naming the field (:data:`TOO_DEEP_FIELD`), which msgspec
+    Raises ``ValueError`` naming the field (:data:`DOCUMENT_FIELD`), which msgspec
     reports as a validation error of the struct when it comes from its
     ``__post_init__``: the HTTP layer reads the field back from the message
-    (``umbra.api.http.read_json``). Level by level, visiting only
-    containers: a flat payload costs one pass over its values (under a
-    microsecond), which a 10,000-job batch pays for every job.
+    (``umbra.api.http.read_json``), and in a batch the item's index, so the
+    refusal comes before anything is written and says where. Level by level,
+    visiting every value once: a flat payload costs one pass over its values
+    (about a microsecond), which a 10,000-job batch pays for every job.
     """
     level = [value]
     depth = 1
@@ -149,6 +154,8 @@ def check_json_depth(value: Any, field: str) -> None:
             for child in item.values() if type(item) is dict else item:
                 if type(child) is dict or type(child) is list:
                     deeper.append(child)
+                elif type(child) is Decimal and not documents.storable_number(child):
+                    raise ValueError(f"`{field}`: {UNSTORABLE_NUMBER}")
         level = deeper
         depth += 1
 
@@ -175,7 +182,7 @@ class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         check_shape_size(self.kind, self.requires)
         if self.payload:
-            check_json_depth(self.payload, "payload")
+            check_document(self.payload, "payload")
 
 
 def check_shape_size(kind: str, requires: RequiresRequest) -> None:

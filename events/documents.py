@@ -40,6 +40,17 @@ def decode(data: bytes | str) -> Any:
     return decoder().decode(data)
 
 
+#: The digits ``numeric`` (what ``jsonb`` keeps a number as) holds before and after the decimal point.
+NUMERIC_WHOLE_DIGITS, NUMERIC_FRACTION_DIGITS = 131_072, 16_383
+
+
+def storable_number(number: Decimal) -> bool:
+    """Whether ``jsonb`` can hold ``number``: ``1e131072`` and ``1.5e-16383`` are read here, exactly, but
+    PostgreSQL refuses them ("value overflows numeric format"), which writes nothing of the command."""
+    _, digits, exponent = number.as_tuple()
+    return isinstance(exponent, int) and -exponent <= NUMERIC_FRACTION_DIGITS and len(digits) + exponent <= NUMERIC_WHOLE_DIGITS
+
+
 def to_builtins(value: Any) -> Any:
     """``msgspec.to_builtins`` keeping a :class:`~decimal.Decimal` as it is, for :data:`encoder` to write as a number."""
     return msgspec.to_builtins(value, builtin_types=(Decimal,))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from decimal import Decimal
 
+import psycopg
 import pytest
 
 from tests.helpers import bearer
@@ -65,6 +66,40 @@ async def test_a_number_past_a_doubles_range_is_accepted_not_refused(client, org
     submitted = await _submit(client, key, b'{"huge": 1e400, "negative": -1e-400}')
     shown = exact((await client.get(f"/v1/jobs/{submitted['id']}", headers=bearer(key))).text)["payload"]
     assert shown == {"huge": Decimal("1e400"), "negative": Decimal("-1e-400")}
+
+
+#: Numbers at the edges of what ``numeric`` holds: 131,072 digits before the point, 16,383 after.
+EDGES = ("9.99e131071", "1e131072", "-1e131072", "1e-16383", "1.5e-16383", "1e-16384", "0e-16383", "0e-16384",
+         "123456.7e131066", "123456.7e131067", "1e2", "-0.0")
+
+
+async def test_the_numbers_refused_as_unstorable_are_exactly_those_postgresql_refuses(conn):
+    """``documents.storable_number`` is asked before anything is written; PostgreSQL is the judge it stands for."""
+    from umbra.events.documents import storable_number
+
+    for text in EDGES:
+        try:
+            await conn.execute("SELECT %s::jsonb", (f"[{text}]",))
+            stored = True
+        except psycopg.errors.NumericValueOutOfRange:
+            stored = False
+        assert storable_number(Decimal(text)) is stored, text
+    assert {storable_number(Decimal(t)) for t in EDGES} == {True, False}  # the edges hold both
+
+
+async def test_a_number_postgresql_cannot_store_is_refused_naming_where_it_is_and_writes_nothing(client, conn, org):
+    """``1e200000`` reads as a ``Decimal``, but ``jsonb`` cannot hold it: a 422 naming the field (and in a
+    batch the item), before anything is written, not the database's refusal of the whole command."""
+    _, key = org
+    headers = {**bearer(key), "Content-Type": "application/json"}
+    single = await client.post("/v1/jobs", content=b'{"kind": "echo", "payload": {"a": [{"b": 1.5e-16383}]}}',
+                               headers=headers)  # fmt: skip
+    assert single.status_code == 422 and single.json()["field"] == "payload", single.text
+    items = [b'{"kind": "echo", "payload": {"i": %d}}' % i for i in range(3)] + [b'{"kind": "echo", "payload": {"x": 1e200000}}']
+    batch = await client.post("/v1/jobs/batch", content=b'{"jobs": [' + b", ".join(items) + b"]}", headers=headers)
+    assert batch.status_code == 422, batch.text
+    assert (batch.json()["error"], batch.json()["index"], batch.json()["field"]) == ("invalid_request", 3, "jobs[3].payload")
+    assert (await (await conn.execute("SELECT count(*) FROM jobs")).fetchone())[0] == 0
 
 
 async def test_a_batchs_payloads_written_by_copy_keep_their_numbers(client, conn, org):

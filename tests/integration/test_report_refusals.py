@@ -1,5 +1,5 @@
-"""Refusals of an agent's reports: a report of several results (``POST /v1/agent/complete``) answers each
-result on its own, a result the database cannot store included; a decomposition's invalid body is 422 before
+"""Refusals of an agent's reports: a result the database cannot store refuses a report of several results
+(``POST /v1/agent/complete``) before anything lands, naming it; a decomposition's invalid body is 422 before
 the job its path names is looked up."""
 
 from __future__ import annotations
@@ -15,31 +15,29 @@ from .test_repeated_reports import claim, claim_several, paired, submit
 pytestmark = pytest.mark.anyio
 
 
-async def test_a_result_the_database_cannot_store_is_refused_alone_in_a_report(client, conn, org):
-    """Rule: a refused request writes nothing; a report's refused result changes nothing and the others still
-    land, each answered on its own (docs/API.md).
+async def test_a_number_the_database_cannot_store_refuses_the_report_naming_its_result_before_anything_lands(
+        client, conn, org):  # fmt: skip
+    """Rule: a refused request writes nothing, and a refused item of a list is named by its index (docs/API.md).
 
     ``1e200000`` decodes (free-form numbers are kept as ``Decimal``) but PostgreSQL's ``numeric`` cannot hold
-    it. The report's batch rolls back and its completions run one by one: A's lands, B's raises the
-    driver's ``DataError``, which ``complete_many`` took for an unexpected error and raised for the whole
-    request: 422 "cannot be stored" while A was recorded complete, so the agent, told its report was refused,
-    cannot know A landed."""
+    it. It was found only by the database: the report's batch rolled back and its completions ran one by
+    one, A's landing and B's raising the driver's ``DataError`` for the whole request, 422 while A was
+    recorded complete, so the agent, told its report was refused, could not know A landed. Now the body is
+    refused as a NUL or a document too deep is, naming the result, and nothing lands."""
     org_id, _ = org
     _, credential = await paired(conn, org_id, "a")
     a, b = await submit(conn, org_id), await submit(conn, org_id)
     held = await claim_several(client, credential, 2)
     body = ('{"results": [{"job_id": "%s", "attempt": %d, "result": {"ok": 1}}, '
-            '{"job_id": "%s", "attempt": %d, "result": {"x": 1e200000}}]}'
+            '{"job_id": "%s", "attempt": %d, "result": {"x": [1e200000]}}]}'
             % (a.id, held[str(a.id)], b.id, held[str(b.id)]))  # fmt: skip
     answer = await client.post("/v1/agent/complete", content=body.encode(),
                                headers={**bearer(credential), "Content-Type": "application/json"})  # fmt: skip
+    assert answer.status_code == 422, answer.text
+    assert (answer.json()["error"], answer.json()["index"], answer.json()["field"]) == (
+        "invalid_request", 1, "results[1].result"), answer.json()
     statuses = dict(await (await conn.execute("SELECT id::text, status FROM jobs")).fetchall())
-    assert statuses == {str(a.id): "complete", str(b.id): "running"}
-    assert answer.status_code == 200, answer.text
-    results = answer.json()["results"]
-    assert [(r["job_id"], r["status"]) for r in results] == [(str(a.id), 200), (str(b.id), 422)]
-    assert results[0]["job"]["status"] == "complete"
-    assert results[1]["error"] == "invalid_request"
+    assert statuses == {str(a.id): "running", str(b.id): "running"}
 
 
 async def children_total(conn) -> int:

@@ -186,7 +186,7 @@ async def test_a_json_result_is_made_storable_and_one_the_server_would_refuse_is
     server takes, or one that written again no longer fits a request (``1e9`` is sent as ``1E+9``), is the
     result as text, not a completion the server refuses."""
     assert await python("print('{\"na\\\\u0000me\": \"a\\\\u0000b\"}')")(FakeClaim()) == {"na\ufffdme": "a\ufffdb"}
-    from umbra.compute.jobs import check_json_depth
+    from umbra.compute.jobs import check_document
 
     deep = await python("import sys\nsys.stdout.write('[' * 100000 + ']' * 100000)")(FakeClaim())
     assert deep["output"].endswith("]]]")  # the end of it, not a RecursionError
@@ -194,13 +194,16 @@ async def test_a_json_result_is_made_storable_and_one_the_server_would_refuse_is
         text = "[" * levels + "]" * levels
         shown = await python(f"print({text!r})")(FakeClaim())
         try:
-            check_json_depth(documents.decode(text), "result")
+            check_document(documents.decode(text), "result")
         except ValueError:
             assert shown == {"output": text + "\n"}, levels
         else:
             assert shown == documents.decode(text), levels
     grown = await python(f"import sys\nsys.stdout.write('[' + ','.join(['1e9'] * {(commands.OUTPUT_MAX_BYTES - 2) // 4}) + ']')")(FakeClaim())
     assert set(grown) == {"output"}
+    # A number the server's database cannot hold is text too; the largest it holds stays a number.
+    assert await python("print('{\"x\": [1e200000]}')")(FakeClaim()) == {"output": '{"x": [1e200000]}\n'}
+    assert await python("print('{\"x\": 1e131071}')")(FakeClaim()) == {"x": Decimal("1e131071")}
 
 
 async def test_the_agent_s_own_settings_do_not_reach_the_program(monkeypatch):

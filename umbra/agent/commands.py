@@ -34,6 +34,7 @@ import shlex
 import signal
 import subprocess
 from collections import deque
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -240,8 +241,8 @@ class _Output:
 
     def result(self) -> Any:
         """The job's result: a JSON document as written (its strings made storable), else ``{"output": the
-        text's end}``: also for a document deeper than the server takes, or one that, written again, would
-        not fit a request (``1e9`` is sent as ``1E+9``)."""
+        text's end}``: also for a document deeper than the server takes, holding a number it cannot store, or
+        one that, written again, would not fit a request (``1e9`` is sent as ``1E+9``)."""
         if not self.cut:
             try:
                 document = _storable(documents.decode(bytes(self.data)), RESULT_MAX_DEPTH)
@@ -255,7 +256,10 @@ class _Output:
 
 def _storable(value: Any, levels: int) -> Any:
     """``value`` with every string (keys too) as the server can store it (:func:`storable_text`: no NUL, no
-    lone surrogate); ValueError for arrays and objects nested more than ``levels`` deep."""
+    lone surrogate); ValueError for arrays and objects nested more than ``levels`` deep, or a number the server
+    cannot store (:func:`~umbra.events.documents.storable_number`)."""
+    if isinstance(value, Decimal) and not documents.storable_number(value):
+        raise ValueError("a number the server cannot store")
     if isinstance(value, str):
         return storable_text(value, len(value) * 10 + 1)
     if isinstance(value, (dict, list)) and levels <= 0:
