@@ -179,17 +179,35 @@ def _database_url(env: Mapping[str, str]) -> str | None:
     url = env.get("UMBRA_DATABASE_URL", "").strip() or None
     if url is not None:
         try:
-            conninfo.conninfo_to_dict(url)
+            parsed = conninfo.conninfo_to_dict(url)
         except psycopg.Error:
             raise SettingsError("UMBRA_DATABASE_URL is not a PostgreSQL URL (postgresql://user:password@host:port/dbname)"
                                 " or a conninfo string (host=... dbname=...)") from None  # fmt: skip
+        if _raw_at_misread(url, parsed):
+            raise SettingsError("UMBRA_DATABASE_URL has an @ where PostgreSQL reads a host, a port or a database name: "
+                                "percent-encode each @, /, ? or # of its user name or password (@ is %40, / is %2F)")  # fmt: skip
     return url
+
+
+def _raw_at_misread(url: str, parsed: Mapping[str, str]) -> bool:
+    """Whether a password (or user name) written with a raw ``@`` or ``/`` was parsed into the host, port or
+    database name: libpq ends the user information at the first ``@`` or ``/``, so ``user:p@ss@db`` connects
+    to the host ``ss@db``, and the failure to resolve it printed the password's tail. A host name never
+    holds an ``@`` (a socket directory, starting with ``/``, may), nor does a URL's path but percent-encoded."""
+    hosts = [host for host in str(parsed.get("host") or "").split(",") if host and not host.startswith("/")]
+    if any("@" in host for host in hosts):
+        return True
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("postgres", "postgresql"):
+        return False
+    authority, _, path = rest.split("?", 1)[0].partition("/")
+    return authority.count("@") > 1 or "@" in path
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Build the settings from ``env`` (default: the process environment)."""
     env = os.environ if env is None else env
-    level = env.get("UMBRA_LOG_LEVEL", "INFO").upper()
+    level = env.get("UMBRA_LOG_LEVEL", "").strip().upper() or "INFO"  # empty is unset, as for every other variable
     if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
         raise SettingsError(f"UMBRA_LOG_LEVEL must be a logging level name, got {level!r}")
     data_dir = env.get("UMBRA_DATA_DIR")

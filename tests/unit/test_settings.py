@@ -114,3 +114,43 @@ def test_a_malformed_database_url_is_named_and_its_password_never_printed(comman
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "Hunter2-s3cret" not in done.stderr + done.stdout, done.stderr
     assert done.stderr.startswith("umbra: configuration error: UMBRA_DATABASE_URL"), done.stderr
+
+
+@pytest.mark.parametrize("url", ["postgresql://umbra:Hunter2@s3cret-tail@127.0.0.1/umbra",
+                                 "postgresql://umbra:Hunter2@s3cret/tail@127.0.0.1/umbra",
+                                 "postgresql://umbra:Hunter2/s3cret@127.0.0.1:5432/umbra",
+                                 "postgres://umbra:Pass?x@s3cret-tail@127.0.0.1/umbra"],
+                         ids=["at", "at-and-slash", "slash", "question-and-at"])  # fmt: skip
+def test_a_password_whose_at_or_slash_is_not_percent_encoded_is_refused_and_never_printed(url):
+    """A password holding an @ (or a /) written raw, not as %40, is a URL libpq parses, but not as meant: the
+    password's tail becomes the host (or the database name, the port) and the connection's failure
+    ("failed to resolve host 's3cret-tail@127.0.0.1'") printed it on stderr, and in the server's log at
+    every listener retry and /readyz probe. Refused at start naming the variable, like any other
+    malformed UMBRA_DATABASE_URL, and nothing of the password printed."""
+    with pytest.raises(SettingsError, match="UMBRA_DATABASE_URL") as refused:
+        load_settings({"UMBRA_DATABASE_URL": url})
+    assert "s3cret" not in str(refused.value) and "Hunter2" not in str(refused.value)
+
+
+def test_a_password_with_a_raw_at_is_not_printed_by_migrate():
+    env = {**os.environ, "UMBRA_DATABASE_URL": "postgresql://umbra:Hunter2@s3cret-tail@127.0.0.1/umbra"}
+    done = subprocess.run([sys.executable, "-m", "umbra.cli", "migrate"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "s3cret" not in done.stderr + done.stdout, done.stderr
+    assert done.returncode == 2 and done.stderr.startswith("umbra: configuration error: UMBRA_DATABASE_URL"), done.stderr
+
+
+@pytest.mark.parametrize("url", ["postgresql://umbra:p%40ss%2Fw@db.internal:5432/umbra", "postgresql://umbra@db/umbra",
+                                 "postgresql:///umbra?host=/run/postgresql@x", "host=/tmp/a@b dbname=x user=u@corp",
+                                 "postgresql://u%40corp@db1,db2/umbra?sslmode=require&application_name=a@b"])  # fmt: skip
+def test_a_database_url_with_its_at_signs_encoded_or_in_their_place_is_taken(url):
+    assert load_settings({"UMBRA_DATABASE_URL": url}).database_url == url
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_log_level_is_unset_as_every_other_variable(value):
+    """``UMBRA_LOG_LEVEL=`` (an empty line in an EnvironmentFile, a compose ``UMBRA_LOG_LEVEL:``) is unset, as
+    ``UMBRA_HOST=`` and every other variable: it was refused, and the server (every admin command too)
+    would not start."""
+    assert load_settings({"UMBRA_LOG_LEVEL": value}).log_level == "INFO"
+    assert load_settings({"UMBRA_LOG_LEVEL": " debug "}).log_level == "DEBUG"
