@@ -261,8 +261,9 @@ def passed_over(row: ScanRow, placement: Placement | None, node_id: UUID, holder
     holds its models (:func:`umbra.domain.placement.passes_over`), or ``None`` when it may take it now."""
     if placement is None or len(row) < 5:
         return None
-    return passes_over(decode_shape(row[3])[1], placement, node_id=node_id, waited_seconds=row[4],
-                       affinity_seconds=affinity_seconds, holders=holders)  # fmt: skip
+    kind, requires = decode_shape(row[3])
+    return passes_over(requires, placement, node_id=node_id, waited_seconds=row[4], affinity_seconds=affinity_seconds,
+                       holders=holders, kind=kind)  # fmt: skip
 
 
 async def queued_shapes(conn: psycopg.AsyncConnection, organization_id: UUID) -> psycopg.AsyncCursor[Any]:

@@ -25,7 +25,7 @@ from .blocked import NODE_COLUMNS, node_as_read
 #: The organization's online nodes whose devices last reported one of ``slugs`` resident (``n`` the node's row,
 #: ``l`` its liveness row, as the claims' own reads of their nodes).
 _HOLDING = f"""
-SELECT {NODE_COLUMNS}
+SELECT {NODE_COLUMNS}, n.kinds
 FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
 WHERE n.organization_id = %(org)s AND n.status = 'online'
   AND EXISTS (SELECT FROM jsonb_array_elements(coalesce(l.devices, n.devices)) AS d,
@@ -41,5 +41,8 @@ async def read_model_holders(conn: psycopg.AsyncConnection, organization_id: UUI
     if not slugs:
         return NO_HOLDERS
     cursor = await conn.execute(_HOLDING, {"org": organization_id, "slugs": sorted(set(slugs))})
-    nodes = [node_as_read(*row, stale_seconds=stale_seconds) for row in await cursor.fetchall()]
-    return ModelHolders(nodes, models)
+    rows = await cursor.fetchall()
+    nodes = [node_as_read(*row[:-1], stale_seconds=stale_seconds) for row in rows]
+    # The kinds each holder's agent takes (NULL: every kind): a holder that never takes a job's kind is no
+    # node to leave the job to.
+    return ModelHolders(nodes, models, {row[0]: row[-1] for row in rows})

@@ -17,14 +17,14 @@ so a queue shows which jobs run on the slow path and why:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
 
 from umbra.events.types import Device, Placement, Requirements, ResidentModel
 
-from .eligibility import UNIFIED_MEMORY_KINDS, NodeView, Verdict, judge_node
+from .eligibility import UNIFIED_MEMORY_KINDS, NodeView, Verdict, judge_node, takes_kind
 from .models import RegisteredModel
 
 #: Score multiplier when the job's models must be loaded first.
@@ -141,11 +141,15 @@ def holds_models(node: NodeView, requires: Requirements, models: Mapping[str, Re
 
 class ModelHolders:
     """The nodes that hold models (as last reported), asked which of them besides a claimer's could start a
-    job with its models resident (:func:`holds_models`); each answer is kept, for one claim's decisions."""
+    job with its models resident (:func:`holds_models`) and would take it: their agents take its kind
+    (``kinds``, by node, as their heartbeats reported them; absent or None: every kind). Each answer is kept,
+    for one claim's decisions."""
 
-    def __init__(self, nodes: Sequence[NodeView], models: Mapping[str, RegisteredModel]) -> None:
+    def __init__(self, nodes: Sequence[NodeView], models: Mapping[str, RegisteredModel],
+                 kinds: Mapping[UUID, Collection[str] | None] | None = None) -> None:  # fmt: skip
         self._nodes = nodes
         self._models = models
+        self._kinds = kinds or {}
         self._holders: dict[Requirements, frozenset[UUID]] = {}
 
     @property
@@ -153,14 +157,15 @@ class ModelHolders:
         """Whether any node holds a model asked about: without, no job is passed over."""
         return bool(self._nodes)
 
-    def elsewhere(self, node_id: UUID, requires: Requirements) -> bool:
-        """Whether a node other than ``node_id`` could start a job of ``requires`` with its models resident."""
+    def elsewhere(self, node_id: UUID, requires: Requirements, kind: str | None = None) -> bool:
+        """Whether a node other than ``node_id`` could start a job of ``requires`` with its models resident, and
+        its agent takes ``kind`` (None: any): a holder without a handler for the job never claims it."""
         if not self._nodes or not requires.models:
             return False
         holders = self._holders.get(requires)
         if holders is None:
             holders = self._holders[requires] = frozenset(n.id for n in self._nodes if holds_models(n, requires, self._models))
-        return bool(holders - {node_id})
+        return any(holder != node_id and (kind is None or takes_kind(self._kinds.get(holder), kind)) for holder in holders)
 
 
 #: Nobody holds anything: a claim judges against this when affinity is off or it would load no model.
@@ -168,7 +173,7 @@ NO_HOLDERS = ModelHolders((), {})
 
 
 def passes_over(requires: Requirements, placement: Placement, *, node_id: UUID, waited_seconds: float,
-                affinity_seconds: float, holders: ModelHolders) -> float | None:  # fmt: skip
+                affinity_seconds: float, holders: ModelHolders, kind: str | None = None) -> float | None:  # fmt: skip
     """Model affinity across nodes: the seconds for which ``node_id`` leaves this job alone even with nothing
     else to take, because another node holds its models; ``None`` when it may take it now.
 
@@ -183,7 +188,7 @@ def passes_over(requires: Requirements, placement: Placement, *, node_id: UUID, 
     """
     if not defers(requires, placement, waited_seconds=waited_seconds, affinity_seconds=affinity_seconds):
         return None
-    if not holders.elsewhere(node_id, requires):
+    if not holders.elsewhere(node_id, requires, kind):
         return None
     return affinity_seconds - waited_seconds
 
@@ -316,11 +321,15 @@ def with_running_jobs(node: NodeView, running: Sequence[RunningJob], models: Map
         listed = {m.slug for m in reported.resident_models}
         unlisted = tuple(m for m in promised.resident_models if m.slug not in listed)
         loading |= {(reported.label, m.slug) for m in unlisted}
+        # A model a running job evicts (its placement's ``would_evict``) is gone from the bound, which counts
+        # its memory free: it is not resident for a later job to share as well (its memory counted twice).
+        kept_slugs = {m.slug for m in promised.resident_models}
+        kept = tuple(m for m in reported.resident_models if m.slug in kept_slugs)
         vram, ram = min(reported.vram_free_mb, promised.vram_free_mb), min(reported.ram_free_mb, promised.ram_free_mb)
-        if (vram, ram) == (reported.vram_free_mb, reported.ram_free_mb) and not unlisted:
+        if (vram, ram) == (reported.vram_free_mb, reported.ram_free_mb) and not unlisted and len(kept) == len(reported.resident_models):
             devices.append(reported)
         else:
             devices.append(msgspec.structs.replace(
-                reported, vram_free_mb=vram, ram_free_mb=ram, resident_models=(*reported.resident_models, *unlisted)
+                reported, vram_free_mb=vram, ram_free_mb=ram, resident_models=(*kept, *unlisted)
             ))  # fmt: skip
     return replace(node, devices=tuple(devices), in_use=node.in_use | idle.in_use, loading=frozenset(loading))

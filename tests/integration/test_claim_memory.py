@@ -178,3 +178,22 @@ async def test_a_claimer_whose_card_is_full_stops_reading_the_queue(conn, org, m
     await batch_commands.write(conn, staged)
     assert len(staged) == 1
     assert pages <= 2, f"a claimer with no room left read {pages} pages of the queue"
+
+
+async def test_a_model_a_running_job_evicts_is_not_counted_resident_by_the_next_claim(client, org):
+    """The first claim's job loads n and, for n's preferred size, evicts m (8,000 MB held). The node has not
+    reported since. The next claim must not count m's memory twice: freed (the running job evicts it) and held
+    for a job naming m. Before, it placed a 20,000 MB job on m beside n on a 24,576 MB card (n's 8,000 MB, m's
+    8,000 and 12,000 more), which one claim of both jobs refuses."""
+    _, key = org
+    for slug, body in (("m", {"vram_min_mb": 8000}), ("n", {"vram_min_mb": 8000, "vram_preferred_mb": 20000})):
+        assert (await client.put(f"/v1/models/{slug}", json=body, headers=bearer(key))).status_code == 200
+    card = gpu("gpu0", free=16576) | {"resident_models": [{"slug": "m", "vram_held_mb": 8000}]}
+    credential = await online_node(client, key, "one-card", [card])
+    await submit_one(client, key, {"models": ["n"]})
+    await submit_one(client, key, {"models": ["m"], "vram_min_mb": 20000})
+    first = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+    assert first.status_code == 200, first.text
+    assert first.json()["job"]["requires"]["models"] == ["n"] and first.json()["placement"]["would_evict"] == ["m"]
+    second = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+    assert second.status_code == 204, f"the next claim put the job naming m beside n on a card they fill: {second.text}"

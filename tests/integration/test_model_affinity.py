@@ -334,3 +334,18 @@ async def test_explain_says_a_job_is_left_to_the_node_that_holds_its_model(db_ur
     assert re.search(r"nodes that would load llama leave it to warm, which holds it, for (5\d|60) s more \(model affinity\)\.$",
                      explained.json()["summary"]), explained.json()["summary"]  # fmt: skip
     assert [e["node_name"] for e in explained.json()["eligible"] if e["resident"]] == ["warm"]
+
+
+async def test_a_job_is_not_left_to_a_holder_whose_agent_does_not_take_its_kind(conn, org):
+    """warm holds llama, but its agent takes only ``embed`` (its heartbeat's kinds): it never claims a ``chat``
+    job. Leaving the llama chat job to it kept the cold node idle for the whole affinity while ``explain`` said
+    nothing held the job back; nobody else would take it, so the cold node takes it at once."""
+    from umbra.compute.explain import explain
+
+    org_id, _ = org
+    cold, warm = await two_nodes(conn, org_id)
+    await conn.execute("UPDATE nodes SET kinds = '{embed}' WHERE id = %s", (warm,))
+    job = await submit(conn, org_id, "chat", requires={"models": ["llama"]})
+    explained = await explain(conn, org_id, job.id, affinity_seconds=60)
+    assert explained.summary.endswith("nothing holds it back: the next claim by an eligible node takes it."), explained.summary
+    assert await take(conn, org_id, cold, 60) == "llama"

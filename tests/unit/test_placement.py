@@ -293,6 +293,22 @@ def test_a_model_a_running_job_uses_is_never_evicted():
     assert beside is not None and beside.would_evict == ()
 
 
+def test_a_model_a_running_job_evicts_is_not_shared_by_the_next_claim():
+    """The running job evicts m for n's preferred size: the bound counts m's 8,000 MB free, so m is not also
+    resident (its 8,000 MB held) for a job naming it: 16,000 free beside m and n was 32,000 MB on a 24,000 card."""
+    registry = {"m": RegisteredModel(slug="m", vram_min_mb=8000),
+                "n": RegisteredModel(slug="n", vram_min_mb=8000, vram_preferred_mb=20000)}  # fmt: skip
+    box = node(gpu("g", 1.0, free=16000, resident=[("m", 8000)]))
+    evicting = running(box, Requirements(models=("n",)), registry)
+    assert evicting.placement.would_evict == ("m",)
+    on_m = Requirements(models=("m",), vram_min_mb=20000)
+    assert best_placement(after_placement(box, evicting.placement, evicting.requires, registry), on_m, registry) is None
+    bounded = with_running_jobs(box, [evicting], registry)
+    device = bounded.devices[0]
+    assert device.vram_free_mb + sum(m.vram_held_mb for m in device.resident_models) <= device.vram_total_mb
+    assert best_placement(bounded, on_m, registry) is None  # as one claim of both jobs decides
+
+
 def test_running_jobs_on_unified_memory_bound_every_such_device_of_the_node():
     cpu = Device(kind="cpu", label="cpu", ram_total_mb=32000, ram_free_mb=30000)
     igpu = Device(kind="gpu_integrated", label="i", vram_total_mb=8000, vram_free_mb=8000, ram_total_mb=32000, ram_free_mb=30000)
