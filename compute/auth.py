@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 from uuid import UUID
 
 import anyio
@@ -100,13 +100,30 @@ class VerifiedTokenCache:
         #: Prefix -> when its wrong secrets were refused, the prefix guessed longest ago first (it leaves first).
         self._failures: OrderedDict[str, list[float]] = OrderedDict()
         self._verifying: dict[bytes, _Verification] = {}  # token fingerprint -> its verification under way
+        #: Prefix -> its argon2 verifications under way: each may be one more wrong secret, so they count
+        #: against the limit until they end (else requests sent at once all found the count at zero).
+        self._checking: dict[str, int] = {}
 
     def refuse_if_guessed(self, prefix: str) -> None:
-        """Raise 429 when ``prefix`` has had too many wrong secrets lately."""
+        """Raise 429 when ``prefix`` has had too many wrong secrets lately (verifications under way included)."""
         recent = self._recent_failures(prefix)
-        if len(recent) >= self._max_failures:
-            retry_after = max(1, int(recent[0] + self._failure_window - time.monotonic()) + 1)
+        if len(recent) + self._checking.get(prefix, 0) >= self._max_failures:
+            # Only verifications under way (no wrong secret yet): they end within a verification's time.
+            oldest = recent[0] if recent else time.monotonic() - self._failure_window
+            retry_after = max(1, int(oldest + self._failure_window - time.monotonic()) + 1)
             raise RateLimited(f"Too many wrong secrets for this key lately; try again in {retry_after} s.", retry_after)
+
+    @contextmanager
+    def checking(self, prefix: str) -> Iterator[None]:
+        """Refuse (429) or count one verification of ``prefix`` under way, for as long as the block runs."""
+        self.refuse_if_guessed(prefix)
+        self._checking[prefix] = self._checking.get(prefix, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._checking.pop(prefix) - 1
+            if left:
+                self._checking[prefix] = left
 
     def note_failure(self, prefix: str) -> None:
         now = time.monotonic()
@@ -329,6 +346,9 @@ async def _verify_uncached(db: Database, kind: str, token: str, cache: VerifiedT
     async def verify() -> Principal:
         async with borrowed(db) as conn:
             rows = await _candidates(conn, kind, token)
-        return await _verify(kind, token, rows, cache)
+        if not rows:  # no such prefix: nothing to verify, nothing counted
+            return await _verify(kind, token, rows, cache)
+        with cache.checking(token_prefix(token, kind)):  # type: ignore[arg-type]
+            return await _verify(kind, token, rows, cache)
 
     return await cache.verify_once(token, verify)
