@@ -131,7 +131,8 @@ class _Staged:
     command: Command
     state: JobRow
     event: Event
-    #: The transaction's clock (``umbra_now()``, read with the row): when the event is recorded.
+    #: The transaction's clock (``umbra_now()``, read with the row); once :func:`write` has sent the events,
+    #: the time they are recorded at (later, when a row it read was changed later than that clock).
     at: datetime
     placement: Placement | None = None
     row: JobRow | None = field(default=None)
@@ -290,6 +291,8 @@ async def write(conn: psycopg.AsyncConnection, staged: Sequence[_Staged]) -> lis
     # The transaction's clock, or later: a job read after its last change committed, in a batch begun before
     # that change's transaction, would otherwise have its event recorded before the one it follows.
     at = max(staged[0].at, max(item.state.updated_at for item in staged))
+    for item in staged:  # the time each row will carry: how a broken batch's clean-up knows its claims
+        item.at = at
     append, recorded = store.append_statement(batch, recorded_at=at)
     rows = [queue.fold(item.state, event_record, job_id=item.state.id) for item, event_record in zip(staged, recorded)]
     writes = [append, (queue.TRANSITIONS, queue.transition_params(rows))]

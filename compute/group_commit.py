@@ -338,6 +338,7 @@ class GroupCommit:
                     self._ready = anyio.Event()
                 await self._ready.wait()
             batch = [self._queue.popleft() for _ in range(min(self._max_batch, len(self._queue)))]
+            self._rest_of_report(batch)
             self._running += 1
             try:
                 with anyio.CancelScope(shield=True):
@@ -352,6 +353,25 @@ class GroupCommit:
                     self._beside.start_soon(self._run_beside, item)
                 else:
                     item[1].set()
+
+    def _rest_of_report(self, batch: list[tuple[Command, anyio.Event]]) -> None:
+        """Take into ``batch`` the rest of a report (``complete_many``) the batch size cut in two.
+
+        A report's claim must be made in its completions' batch: the first of them recorded names the
+        jobs it took (``next_claims``), so the report sent again is answered with them, and the claim is
+        not made when one of them ran alone (``Command.reporting``). A report's commands are queued
+        together, its claim last: when the batch ends on a completion, the queue's head up to the first
+        command that is not a completion is the rest of that completion's report if that command is the
+        report's claim.
+        """
+        last = batch[-1][0] if batch else None
+        if last is None or last.kind != "complete":
+            return
+        for index, (command, _) in enumerate(self._queue):
+            if command.kind != "complete":
+                if any(reported is last for reported in command.reporting):
+                    batch.extend(self._queue.popleft() for _ in range(index + 1))
+                return
 
     async def _run_beside(self, item: tuple[Command, anyio.Event]) -> None:
         """A command whose row another transaction holds, run alone while the batches go on: it waits for
