@@ -195,16 +195,18 @@ def _admin_action(command):
 
 
 async def _drain(request, conn, who, node_id):
-    await nodes.drain_node(conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request))
+    await nodes.drain_node(conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request),
+                           stale_seconds=_stale(request))
 
 
 async def _retire(request, conn, who, node_id):
-    await nodes.retire_node(conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request))
+    await nodes.retire_node(conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request),
+                           stale_seconds=_stale(request))
 
 
 async def _revoke(request, conn, who, node_id):
     _, revoked = await credentials.revoke_node(
-        conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request)
+        conn, who.organization_id, node_id, actor=who.actor, request_id=request_id(request), stale_seconds=_stale(request)
     )
     for credential_id in revoked:
         request.app.state.services.token_cache.forget_credential(credential_id)
@@ -224,12 +226,14 @@ async def _device_change(request: Request, body_type: type, change) -> Response:
 
 async def cordon(request: Request) -> Response:
     return await _device_change(request, CordonRequest, lambda conn, who, node_id, body: nodes.cordon_device(
-        conn, who.organization_id, node_id, body.device, reason=body.reason, actor=who.actor, request_id=request_id(request)))
+        conn, who.organization_id, node_id, body.device, reason=body.reason, actor=who.actor, request_id=request_id(request),
+        stale_seconds=_stale(request)))
 
 
 async def uncordon(request: Request) -> Response:
     return await _device_change(request, UncordonRequest, lambda conn, who, node_id, body: nodes.uncordon_device(
-        conn, who.organization_id, node_id, body.device, actor=who.actor, request_id=request_id(request)))
+        conn, who.organization_id, node_id, body.device, actor=who.actor, request_id=request_id(request),
+        stale_seconds=_stale(request)))
 
 
 def _admin_route(verb: str, command, summary: str, errors: dict[int, str] | None = None):

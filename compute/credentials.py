@@ -23,6 +23,7 @@ import psycopg
 
 from umbra import metrics
 from umbra.domain.jobs import NODE_REVOKED_ERROR
+from umbra.domain.node_status import DEFAULT_STALE_SECONDS
 from umbra.events import store
 from umbra.events.types import Event, NodeCredentialRevoked
 from umbra.projections import jobs as queue
@@ -83,6 +84,7 @@ async def revoke_node(
     *,
     actor: str | None = None,
     request_id: str | None = None,
+    stale_seconds: int = DEFAULT_STALE_SECONDS,
 ) -> tuple[NodeState, list[UUID]]:
     """Revoke every live credential of the node, recording one ``node.revoked`` each.
 
@@ -126,7 +128,8 @@ async def revoke_node(
         ended.extend(await end_leases(conn, held, delay_seconds=0, node_revoked=True, metadata=metadata))
         return [(row.organization_id, row.position, 1 if row.status == "queued" else 0) for row in ended]
 
-    state, events = await change_node(conn, organization_id, node_id, decide, actor, request_id, then=end_held_leases)
+    state, events = await change_node(conn, organization_id, node_id, decide, actor, request_id, then=end_held_leases,
+                                       stale_seconds=stale_seconds)
     revoked = [e.credential_id for e in events if isinstance(e, NodeCredentialRevoked)]
     # Back in the queue (not those that had expired, nor those past their free interruptions that failed).
     metrics.count_given_back("node_revoked", sum(row.error == NODE_REVOKED_ERROR and row.status != "failed" for row in ended))

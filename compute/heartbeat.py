@@ -13,6 +13,7 @@ meanwhile, and the log must say so whenever the sweeper looks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from uuid import UUID
@@ -145,6 +146,15 @@ async def _queued_hint(conn: psycopg.AsyncConnection, organization_id: UUID) -> 
     return 1 if (await (await conn.execute(_ANY_QUEUED, (organization_id,))).fetchone())[0] else 0
 
 
+_WENT_OFFLINE_SINCE = "SELECT EXISTS (SELECT 1 FROM events WHERE stream = %s AND version > %s AND type = 'node.went_offline')"
+
+
+async def _went_offline_since(conn: psycopg.AsyncConnection, node_id: UUID, version: int) -> bool:
+    """Whether a ``node.went_offline`` (the sweeper's, a sign-off's, another change's) was appended to the node's
+    stream after ``version``."""
+    return (await (await conn.execute(_WENT_OFFLINE_SINCE, (store.node_stream(node_id), version))).fetchone())[0]
+
+
 async def _refuse_if_revoked(conn: psycopg.AsyncConnection, state, credential_id: UUID | None) -> None:
     """Under the row's lock: a revocation makes the node retired, and then only the beat's own credential tells."""
     if credential_id is not None and state.status == "retired" and not await live_node_credentials(conn, [credential_id]):
@@ -174,6 +184,10 @@ async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id:
         locked = await projection.load(conn, node_id, organization_id=organization_id, for_update=True)
         assert locked is not None
         await _refuse_if_revoked(conn, locked, credential_id)  # the revocation may have committed since the first read
+        if locked.version != silence.version and not await _went_offline_since(conn, node_id, silence.version):
+            # The node's events since the first read (an operator's cordon, say) answered for no silence: the
+            # spell views showed is still the log's to record.
+            silence = dataclasses.replace(silence, version=locked.version)
         now = (await (await conn.execute("SELECT umbra_now()")).fetchone())[0]
         decision = decide_heartbeat(locked, report, now, event_interval_seconds=event_interval_seconds, silence=silence)
         if (decision.changes_capacity and not guard) or (_changes_devices(decision) and not capacity):

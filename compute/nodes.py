@@ -19,6 +19,7 @@ import psycopg
 
 from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.eligibility import NodeView as EligibilityView, is_schedulable
+from umbra.domain.heartbeat import Silence
 from umbra.domain.node_status import DEFAULT_STALE_SECONDS, effective_status, stored_statuses_for
 from umbra.domain.nodes import after_went_offline, check_drain, check_retire, decide_cordon, decide_uncordon
 from umbra.errors import NotFound
@@ -279,6 +280,8 @@ async def change_node(
     actor: str | None,
     request_id: str | None,
     then: Callable[[psycopg.AsyncConnection], Awaitable[list[tuple[UUID, int, int]]]] | None = None,
+    *,
+    stale_seconds: int = DEFAULT_STALE_SECONDS,
 ) -> tuple[NodeState, list[Event]]:
     """An administrator's change of what a node may take (drain, retire, revoke, a device's cordon).
 
@@ -302,6 +305,10 @@ async def change_node(
         events = await decide(conn, state)
         if not events:
             return state, []
+        spell = await _unrecorded_spell(conn, state, events, stale_seconds)
+        if spell is not None:  # time took the node offline, not this change: the sweeper's actor, as a beat records it
+            state, _ = await append_node_events(conn, state, [spell], node_id=node_id, organization_id=organization_id,
+                                                actor="sweeper", request_id=request_id)  # fmt: skip
         state, recorded = await append_node_events(
             conn, state, events, node_id=node_id, organization_id=organization_id, actor=actor, request_id=request_id
         )
@@ -311,6 +318,23 @@ async def change_node(
         await store.publish(conn, [(organization_id, recorded[-1].position, 0), *hints, *reexamined.hints])
     log.info("node changed", extra={"action": recorded[-1].type, "node_id": str(node_id)})
     return state, events
+
+
+_SILENCE = "SELECT (SELECT last_seen_at FROM node_liveness WHERE node_id = %s), umbra_now()"
+
+
+async def _unrecorded_spell(conn: psycopg.AsyncConnection, state: NodeState, events: Sequence[Event],
+                            stale_seconds: int) -> NodeWentOffline | None:  # fmt: skip
+    """The ``node.went_offline`` the views' ``offline`` reading calls for and the log lacks, when an operator's
+    change lands on a stored ``online`` node silent past the threshold, recorded first (as a beat after such
+    a silence records it: :class:`umbra.domain.heartbeat.Silence`). Otherwise a drain, retirement or
+    revocation left the node no longer stored ``online``, which no sweep looks at again, and any change moved
+    the node's version, so a beat ending that silence meanwhile took the spell as already answered for: the
+    log never explained the ``offline`` a view showed. A sign-off records its own."""
+    if state.status != "online" or any(isinstance(e, NodeWentOffline) for e in events):
+        return None
+    last_seen_at, now = await (await conn.execute(_SILENCE, (state.id,))).fetchone()
+    return Silence(last_seen_at, now, stale_seconds, state.version).unrecorded_spell(state)
 
 
 def _one_event(event: Event, check: Callable[[str], bool]):
@@ -327,9 +351,11 @@ async def drain_node(
     *,
     actor: str | None = None,
     request_id: str | None = None,
+    stale_seconds: int = DEFAULT_STALE_SECONDS,
 ) -> NodeState:
     """Finish current work, take no new. Idempotent; a retired node answers ``node_retired``."""
-    state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeDraining(by=actor), check_drain), actor, request_id)
+    state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeDraining(by=actor), check_drain), actor, request_id,
+                                 stale_seconds=stale_seconds)
     return state
 
 
@@ -340,14 +366,17 @@ async def retire_node(
     *,
     actor: str | None = None,
     request_id: str | None = None,
+    stale_seconds: int = DEFAULT_STALE_SECONDS,
 ) -> NodeState:
     """Take the node out of service for good. Idempotent."""
-    state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeRetired(by=actor), check_retire), actor, request_id)
+    state, _ = await change_node(conn, organization_id, node_id, _one_event(NodeRetired(by=actor), check_retire), actor, request_id,
+                                 stale_seconds=stale_seconds)
     return state
 
 
 async def cordon_device(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, device: str, *,
-                        reason: str | None = None, actor: str | None = None, request_id: str | None = None) -> NodeState:  # fmt: skip
+                        reason: str | None = None, actor: str | None = None, request_id: str | None = None,
+                        stale_seconds: int = DEFAULT_STALE_SECONDS) -> NodeState:  # fmt: skip
     """Take one of the node's devices out of service (:func:`umbra.domain.nodes.decide_cordon`). Through
     :func:`change_node`: no claim for the node commits after this answers, and waiting jobs only that device
     could run are blocked."""
@@ -356,12 +385,13 @@ async def cordon_device(conn: psycopg.AsyncConnection, organization_id: UUID, no
         return decide_cordon(stored=state.status, labels={d.label for d in state.devices}, cordoned=dict(state.cordoned),
                              device=device, reason=reason, by=actor)  # fmt: skip
 
-    state, _ = await change_node(conn, organization_id, node_id, decide, actor, request_id)
+    state, _ = await change_node(conn, organization_id, node_id, decide, actor, request_id, stale_seconds=stale_seconds)
     return state
 
 
 async def uncordon_device(conn: psycopg.AsyncConnection, organization_id: UUID, node_id: UUID, device: str, *,
-                          actor: str | None = None, request_id: str | None = None) -> NodeState:  # fmt: skip
+                          actor: str | None = None, request_id: str | None = None,
+                          stale_seconds: int = DEFAULT_STALE_SECONDS) -> NodeState:  # fmt: skip
     """Put a cordoned device back in service; the jobs it alone could run are unblocked."""
 
     async def decide(conn: psycopg.AsyncConnection, state: NodeState) -> list[Event]:
@@ -372,7 +402,8 @@ async def uncordon_device(conn: psycopg.AsyncConnection, organization_id: UUID, 
         # node (or another, the token passing on) looks again, rather than at the safety poll.
         return [(organization_id, 0, 1)]
 
-    state, _ = await change_node(conn, organization_id, node_id, decide, actor, request_id, then=wake)
+    state, _ = await change_node(conn, organization_id, node_id, decide, actor, request_id, then=wake,
+                                 stale_seconds=stale_seconds)
     return state
 
 

@@ -76,21 +76,26 @@ def _node_command(name: str):
     async def run(conn, args) -> int:
         from umbra.cli_events import printable
         from umbra.compute import credentials, nodes
+        from umbra.settings import load_settings
 
+        stale = load_settings().heartbeat_stale_seconds  # a silence the views read offline is recorded first
         if name == "drain":
-            state = await nodes.drain_node(conn, args.org, args.node_id, actor=CLI_ACTOR)
+            state = await nodes.drain_node(conn, args.org, args.node_id, actor=CLI_ACTOR, stale_seconds=stale)
             out = _node_json(state)
         elif name == "retire":
-            state = await nodes.retire_node(conn, args.org, args.node_id, actor=CLI_ACTOR)
+            state = await nodes.retire_node(conn, args.org, args.node_id, actor=CLI_ACTOR, stale_seconds=stale)
             out = _node_json(state)
         elif name == "cordon":
-            state = await nodes.cordon_device(conn, args.org, args.node_id, args.device, reason=args.reason, actor=CLI_ACTOR)
+            state = await nodes.cordon_device(conn, args.org, args.node_id, args.device, reason=args.reason, actor=CLI_ACTOR,
+                                              stale_seconds=stale)
             out = _node_json(state)
         elif name == "uncordon":
-            state = await nodes.uncordon_device(conn, args.org, args.node_id, args.device, actor=CLI_ACTOR)
+            state = await nodes.uncordon_device(conn, args.org, args.node_id, args.device, actor=CLI_ACTOR,
+                                                stale_seconds=stale)
             out = _node_json(state)
         else:
-            state, revoked = await credentials.revoke_node(conn, args.org, args.node_id, actor=CLI_ACTOR)
+            state, revoked = await credentials.revoke_node(conn, args.org, args.node_id, actor=CLI_ACTOR,
+                                                              stale_seconds=stale)
             out = {**_node_json(state), "revoked_credentials": [str(c) for c in revoked]}
         if args.json:
             print(json.dumps(out))

@@ -328,3 +328,86 @@ async def test_a_job_is_not_claimed_onto_vram_the_last_beat_said_was_not_free(co
     await submit(conn, org_id, requires={"vram_min_mb": 23900})
     claimed = await claims.claim(conn, node_id=node_id, organization_id=org_id, lease_seconds=60)
     assert claimed is None, claimed.placed if claimed else None
+
+
+async def _revoke(conn, org_id, node_id):
+    from umbra.compute.credentials import revoke_node
+
+    await revoke_node(conn, org_id, node_id)
+
+
+@pytest.mark.parametrize("command,status,last", [(drain_node, "draining", "node.draining"), (retire_node, "retired", "node.retired"),
+                                                 (_revoke, "retired", "node.revoked")])  # fmt: skip
+async def test_draining_or_retiring_a_node_read_offline_before_the_sweep_looked_records_the_spell(conn, org, command, status, last):
+    """A node silent past the threshold reads ``offline`` before the sweeper records it; drained or retired then,
+    it is no longer stored ``online`` and no sweep ever records that spell. The log must still explain the
+    ``offline`` a view showed, as a beat after such a silence records it (see ``Silence``)."""
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    await offset(conn, 60)
+    view = await node_view(conn, node_id)
+    assert (view.status, view.stored_status) == ("offline", "online")
+    await command(conn, org_id, node_id)
+    assert (await mark_stale_page(conn))[0] == []
+    assert (await node_view(conn, node_id)).status == status
+    history = await store.read_stream(conn, store.node_stream(node_id))
+    assert [r.type for r in history][-2:] == ["node.went_offline", last]
+    assert history[-2].metadata["actor"] == "sweeper"
+
+
+async def test_a_cordon_committing_while_a_beat_ends_an_unrecorded_silence_leaves_the_spell_in_the_log(db_url, conn, org):
+    """The beat read the node silent past the threshold and stored ``online`` (views read it ``offline``), then
+    waited for the node's claim guard while an operator cordoned a device. The cordon moved the node's version
+    but answered for no silence: the log must still say the node went offline before the beat's return (no
+    sweep ever will: the node is live again)."""
+    from umbra.compute.nodes import cordon_device
+
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    await offset(conn, 60)
+    assert (await node_view(conn, node_id)).status == "offline"
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as agent, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:  # fmt: skip
+        await offset(agent, 60)
+        await offset(admin, 60)
+        answers = []
+
+        async def beat_now() -> None:
+            answers.append(await beat(agent, org_id, node_id))
+
+        async with anyio.create_task_group() as tg:
+            async with admin.transaction():
+                await cordon_device(admin, org_id, node_id, "gpu0", actor="admin")
+                tg.start_soon(beat_now)
+                await until_done_or_waiting(conn, lambda: bool(answers))
+    assert answers[0].status == "online"
+    assert (await mark_stale_page(conn))[0] == []
+    assert "node.went_offline" in await types(conn, node_id)
+
+
+async def test_a_cordon_committing_between_a_beats_first_read_and_its_lock_leaves_the_spell_in_the_log(db_url, conn, org, monkeypatch):
+    """The beat's first statement (its liveness, committed) read the node silent past the threshold and stored
+    ``online``; an operator's cordon committed before the beat locked the node's row. The cordon, finding the
+    node heard from, had no spell to record, and answered for none: the beat must still record it."""
+    from umbra.compute import heartbeat as beats
+    from umbra.compute.nodes import cordon_device
+
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    await beat(conn, org_id, node_id)
+    await offset(conn, 60)
+    assert (await node_view(conn, node_id)).status == "offline"
+    record = beats._record
+
+    async def cordoned_first(*args, **kwargs):
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:
+            await offset(admin, 60)
+            await cordon_device(admin, org_id, node_id, "gpu0", actor="admin")
+        return await record(*args, **kwargs)
+
+    monkeypatch.setattr(beats, "_record", cordoned_first)
+    assert (await beat(conn, org_id, node_id)).status == "online"
+    assert (await mark_stale_page(conn))[0] == []
+    assert (await types(conn, node_id))[-3:] == ["node.device_cordoned", "node.went_offline", "node.heartbeat"]
