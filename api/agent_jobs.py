@@ -59,8 +59,7 @@ class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     result: Any = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.result, (dict, list)):
-            check_document(self.result, "result")
+        check_document(self.result, "result")
 
 
 class ReportedResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -69,8 +68,7 @@ class ReportedResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     result: Any = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.result, (dict, list)):
-            check_document(self.result, "result")
+        check_document(self.result, "result")
 
 
 class CompleteManyRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -114,8 +114,8 @@ async def heartbeat(
     # because nothing fitted looks again now.
     freed = reported_before is not None and frees_memory(decode_devices(reported_before), reported)
     if decision.event is None and not back_from_silence:
-        if freed:  # no event: the hint names no position
-            await store.publish(conn, [(organization_id, 0, await _queued_hint(conn, organization_id))])
+        if freed:
+            await _wake_for_freed_memory(conn, organization_id)
         return HeartbeatResult(node_id, effective_status(state.status, last_seen_at, now, stale_seconds=stale_seconds), False, False)
     # Locks by what the beat changes, decided from the read above and checked again under the row's lock:
     # the claim guard when placements change (see nodes.guard_against_claims), the organization's capacity
@@ -153,6 +153,13 @@ async def _went_offline_since(conn: psycopg.AsyncConnection, node_id: UUID, vers
     """Whether a ``node.went_offline`` (the sweeper's, a sign-off's, another change's) was appended to the node's
     stream after ``version``."""
     return (await (await conn.execute(_WENT_OFFLINE_SINCE, (store.node_stream(node_id), version))).fetchone())[0]
+
+
+async def _wake_for_freed_memory(conn: psycopg.AsyncConnection, organization_id: UUID) -> None:
+    """The hint of a beat that freed memory and records no event (so it names no position): sent only while
+    jobs are queued, as a NOTIFY is read by every listener of the cluster."""
+    if await _queued_hint(conn, organization_id):
+        await store.publish(conn, [(organization_id, 0, 1)])
 
 
 async def _refuse_if_revoked(conn: psycopg.AsyncConnection, state, credential_id: UUID | None) -> None:
@@ -193,6 +200,8 @@ async def _record(conn: psycopg.AsyncConnection, organization_id: UUID, node_id:
         if (decision.changes_capacity and not guard) or (_changes_devices(decision) and not capacity):
             raise _MoreLocks(decision.changes_capacity, _changes_devices(decision))
         if decision.event is None:
+            if freed:  # sent when the transaction commits
+                await _wake_for_freed_memory(conn, organization_id)
             return locked, decision, now
         state = locked
         if decision.went_offline is not None:  # time took the node offline, not the node: the sweeper's actor

@@ -144,7 +144,9 @@ def check_document(value: Any, field: str) -> None:
     visiting every value once: a flat payload costs one pass over its values
     (about a microsecond), which a 10,000-job batch pays for every job.
     """
-    level = [value]
+    if type(value) is Decimal and not documents.storable_number(value):  # a document that is one number
+        raise ValueError(f"`{field}`: {UNSTORABLE_NUMBER}")
+    level = [value] if type(value) is dict or type(value) is list else []
     depth = 1
     while level:
         if depth > MAX_JSON_DEPTH:
@@ -200,20 +202,22 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 @contextlib.contextmanager
 def refusing_unstorable() -> Iterator[None]:
-    """A value PostgreSQL cannot store (SQLSTATE class 22: U+0000 in text or jsonb, a number past
-    ``numeric``'s range) is the command's refusal (422), not a server error.
+    """A value PostgreSQL cannot store (U+0000 in text or jsonb; a number past ``numeric``'s range) is the
+    command's refusal (422), not a server error.
 
-    Wrap it around the transaction, so the refused command has rolled back. Raised
-    here rather than left to the HTTP layer, a refusal stays the command's own: in a
-    report of several results (``POST /v1/agent/complete``) that result is answered
-    422 and the others land, as for any other refused result.
+    Wrap it around the transaction, so the refused command has rolled back. The
+    body's own checks (the NUL scan, :func:`check_document`) refuse such values
+    before any command runs, naming where they are; this is the net under them,
+    and a refusal here stays the command's own (in a report of several results,
+    that result's 422). Only these two: any other error of the data is the
+    server's to show, not the caller's.
     """
     try:
         yield
     except psycopg.errors.UntranslatableCharacter:
         raise InvalidRequest("Strings may not contain the NUL character (\\u0000).") from None
-    except psycopg.DataError:
-        raise InvalidRequest("A value in the request cannot be stored (a number out of range?).") from None
+    except psycopg.errors.NumericValueOutOfRange:
+        raise InvalidRequest("A value in the request cannot be stored (a number out of range).") from None
 
 
 def submitted_events(

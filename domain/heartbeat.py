@@ -207,7 +207,8 @@ def device_changes(old: tuple[Device, ...], new: tuple[Device, ...]) -> set[str]
             changes.add("models")
         else:
             held_a, held_b = _held(a.resident_models), _held(b.resident_models)
-            if any(_moved(held_a[s], held_b[s], b.vram_total_mb or b.ram_total_mb) for s in held_a):
+            memory = b.ram_total_mb if b.kind == "cpu" else b.vram_total_mb  # what a model there holds
+            if any(_moved(held_a[s], held_b[s], memory) for s in held_a):
                 changes.add("memory")
     return changes
 

@@ -241,7 +241,7 @@ async def test_a_heartbeat_that_frees_memory_wakes_the_parked_node_it_made_eligi
         beats = await _heartbeat_events(conn, node_id)
         answer, elapsed = await _claim_parked_across(client, server.app.state.waiters, org_id, credential,
                                                      lambda: _report(client, credential, GPU))  # fmt: skip
-    assert answer.status_code == 200 and elapsed < 3, (answer.status_code, round(elapsed, 1))
+    assert answer.status_code == 200 and elapsed < 15, (answer.status_code, round(elapsed, 1))  # not woken, it ends 204 at 20 s
     assert answer.json()["job"]["id"] == str(job_id)
     assert await _heartbeat_events(conn, node_id) == beats + (1 if recorded else 0)
 

@@ -275,6 +275,29 @@ async def test_free_memory_moving_on_every_beat_is_recorded_once_per_spacing_and
     assert event.type == "node.heartbeat" and event.event.devices[1].vram_free_mb == 5000
 
 
+async def test_an_unrecorded_beat_that_frees_memory_hints_only_while_jobs_are_queued(db_url, conn, org):
+    """Its hint is a NOTIFY every listener of the cluster reads (the log's channel): sent while jobs are queued,
+    for a parked claim that may fit now, and not for nothing."""
+    org_id, _ = org
+    node_id = await pair(conn, org_id)
+    squeezed = msgspec.structs.replace(GPU, vram_free_mb=4000)
+    await beat(conn, org_id, node_id, devices=(squeezed, CPU))  # the first beat: recorded
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
+        await listener.execute(f"LISTEN {store.LOG_CHANNEL}")
+
+        async def heard() -> list[tuple]:
+            return [hint async for note in listener.notifies(timeout=0.5) for hint in store.parse_hints(note.payload)]
+
+        assert not (await beat(conn, org_id, node_id, devices=(GPU, CPU))).recorded  # freed, nothing queued
+        assert await heard() == []
+        await submit(conn, org_id, requires={"accelerators": ["cuda"], "vram_min_mb": 16000})
+        await heard()  # the submission's own
+        assert not (await beat(conn, org_id, node_id, devices=(squeezed, CPU))).recorded  # taken: no hint
+        assert await heard() == []
+        assert not (await beat(conn, org_id, node_id, devices=(GPU, CPU))).recorded  # freed, a job queued
+        assert await heard() == [(org_id, 0, 1)]
+
+
 async def test_a_beat_authenticated_before_its_node_was_revoked_is_refused_and_not_recorded(conn, org):
     """The beat's credential was checked before its body arrived; the revocation committed meanwhile.
     The beat finds the node retired, checks its credential again and is refused 401: no beat after the

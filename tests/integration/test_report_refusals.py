@@ -40,6 +40,23 @@ async def test_a_number_the_database_cannot_store_refuses_the_report_naming_its_
     assert statuses == {str(a.id): "running", str(b.id): "running"}
 
 
+async def test_a_result_that_is_one_unstorable_number_is_refused_as_one_inside_a_document_is(client, conn, org):
+    """A result may be any JSON value, a bare number too: ``1e200000`` alone is refused as ``{"x": 1e200000}``
+    is, naming it, before anything lands."""
+    org_id, _ = org
+    _, credential = await paired(conn, org_id, "a")
+    job = await submit(conn, org_id)
+    attempt = await claim(client, credential, job.id)
+    headers = {**bearer(credential), "Content-Type": "application/json"}
+    single = await client.post(f"/v1/agent/jobs/{job.id}/complete", headers=headers,
+                               content=b'{"attempt": %d, "result": 1e200000}' % attempt)  # fmt: skip
+    assert (single.status_code, single.json().get("field")) == (422, "result"), single.text
+    report = await client.post("/v1/agent/complete", headers=headers, content=(
+        b'{"results": [{"job_id": "%s", "attempt": %d, "result": -1e-20000}]}' % (str(job.id).encode(), attempt)))
+    assert (report.status_code, report.json().get("index")) == (422, 0), report.text
+    assert (await (await conn.execute("SELECT status FROM jobs")).fetchone())[0] == "running"
+
+
 async def children_total(conn) -> int:
     return (await (await conn.execute("SELECT count(*) FROM jobs WHERE parent_job_id IS NOT NULL")).fetchone())[0]
 
