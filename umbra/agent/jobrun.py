@@ -212,11 +212,12 @@ class JobRun:
         self._stop_deadline: float | None = None
         self._lost: ServiceError | None = None
         self._abandoned = anyio.Event()
-        #: When the lease the last answer granting it left runs out (the claim's, then each renewal's), on
-        #: this process's clock: until then a report is sent again. A claim that took long on its way leaves
-        #: a short lease its first renewal makes whole; a report given up when the claim's few seconds ran
-        #: out would throw a result away.
-        self._lease_until = anyio.current_time() + claim.lease_seconds
+        #: Seconds of lease the last answer granting it left (the claim's, then each renewal's): for how long
+        #: a report is sent again. A claim that took long on its way leaves a short lease its first renewal
+        #: makes whole; a report given up after the claim's few seconds would throw a result away. Counted
+        #: from the report's start, it may outlast the lease by up to a third of it: until the sweeper takes
+        #: the job back, the server still takes the report (then 409, which ends the retries).
+        self._lease_seconds = claim.lease_seconds
 
     def stop(self, grace_seconds: float) -> None:
         """The agent is stopping: the handler may run ``grace_seconds`` more.
@@ -328,7 +329,7 @@ class JobRun:
         no sooner than its ``Retry-After``: thrown away, a computed result would be computed again.
         """
         claim = self.claim
-        deadline = max(self._lease_until, anyio.current_time() + 1.0)
+        deadline = anyio.current_time() + max(self._lease_seconds, 1.0)
         failures = 0
         while True:
             try:
@@ -373,8 +374,8 @@ class JobRun:
                 await self._until_renewal(max(0.2, interval))
             progress = None if renew_bare or refusals >= PROGRESS_REFUSALS else claim.progress_note.unsent()
             try:
-                lease_seconds = await self.client.renew(claim.job_id, claim.attempt, progress=progress)
-                self._lease_until, interval = anyio.current_time() + lease_seconds, lease_seconds / 3
+                self._lease_seconds = await self.client.renew(claim.job_id, claim.attempt, progress=progress)
+                interval = self._lease_seconds / 3
                 if progress is not None:
                     claim.progress_note.sent = progress
                     refusals = 0
