@@ -16,6 +16,7 @@ from typing import Callable
 
 import anyio
 import httpx
+import psycopg
 import pytest
 
 from tests.conftest import LiveServer
@@ -632,6 +633,40 @@ class HoldCompletionAnswers(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class CountClaims(httpx.AsyncBaseTransport):
+    """The real transport, counting the claim requests sent."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.claims = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.claims += request.url.path == "/v1/agent/claim"
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_stopping_agent_of_more_slots_than_the_servers_burst_gives_back_every_parked_claim(server, api, db_url):
+    """Each parked long-poll a stop cancels is given back by its request id (its answer may have been on its
+    way). The server takes 20 such give-backs of a node at once and 5 a second after that
+    (``umbra.api.rates``): the ones refused ``rate_limited`` are sent again after their ``Retry-After``,
+    not dropped, so none of those requests can leave a job leased to an agent that never heard of it."""
+    paired = await pair(server, api, "box-many-slots")
+    transport = CountClaims()
+    slots = 32
+    async with running_agent(server, paired["credential"], transport=transport, concurrency=slots,
+                             claim_wait_seconds=30) as agent:  # fmt: skip
+        await until(lambda: transport.claims >= slots, timeout=15)
+        with anyio.fail_after(30):
+            agent.stop()
+    async with await psycopg.AsyncConnection.connect(db_url) as conn:
+        given_back = (await (await conn.execute("SELECT count(*) FROM abandoned_claim_requests WHERE node_id = %s",
+                                                (paired["node_id"],))).fetchone())[0]  # fmt: skip
+    assert given_back == slots
 
 
 async def test_a_next_job_that_arrives_after_a_stop_is_given_back_unstarted(server, api):

@@ -48,6 +48,7 @@ import anyio
 import httpx
 import msgspec
 
+from umbra import jitter
 from umbra.domain.jobs import STOPPED_ERROR
 
 from .client import HTTP_ERROR, AgentClient, Claim, ServiceError, storable_text
@@ -65,6 +66,10 @@ UNDELIVERABLE_CODES = frozenset({"invalid_request", "payload_too_large"})
 RUNTIME_MESSAGE = "The job exceeded its max_runtime_s."
 #: How long giving back an unread claim may take at most (its request times out sooner).
 RELEASE_SECONDS = 5.0
+#: ... and with the server's ``rate_limited`` refusals waited out: a node may send 20 give-backs at once and
+#: 5 a second after that (``umbra.api.rates``), and a stopping agent sends one per slot, so 90 slots' worth
+#: are through within this.
+RELEASE_RATE_LIMITED_SECONDS = 15.0
 #: Longest failure message sent; the server accepts 10,000 characters.
 MAX_ERROR_CHARS = 4000
 #: Doublings :func:`backoff_delay` counts at most (``2.0 ** 1024`` overflows a float).
@@ -174,16 +179,32 @@ def _finite(value: Any) -> bool:
 async def give_back_unread(client: AgentClient, request_id: str) -> None:
     """Give back what the request sent as ``request_id`` claimed, its answer never read
     (``POST /v1/agent/claim/release``). Best effort, within :data:`RELEASE_SECONDS`, whatever this task's
-    cancellation: a server that cannot be reached leaves the job to its lease."""
-    with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_SECONDS):
-        try:
-            released = await client.release_unread(request_id)
-        except Exception as exc:  # noqa: BLE001 - best effort: the lease recovers the job
-            log.warning("could not give back an unread claim", extra={"action": "claim_release_failed",
-                                                                       "error": describe(exc)})  # fmt: skip
-            return
+    cancellation: a server that cannot be reached leaves the job to its lease.
+
+    A ``rate_limited`` refusal is sent again after its ``Retry-After`` (spread over a second, so the slots
+    refused together do not come back together), within :data:`RELEASE_RATE_LIMITED_SECONDS`: a stopping
+    agent of more slots than the server takes give-backs at once would otherwise leave a job that one of
+    the refused requests claimed leased to it until the lease ran out."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_RATE_LIMITED_SECONDS) as patience:
+        while True:
+            try:
+                with anyio.fail_after(RELEASE_SECONDS):
+                    released = await client.release_unread(request_id)
+                break
+            except ServiceError as exc:
+                if exc.code != "rate_limited":
+                    return _release_failed(exc)
+                await anyio.sleep((exc.retry_after or 1.0) + jitter.uniform(0.0, 1.0))
+            except Exception as exc:  # noqa: BLE001 - best effort: the lease recovers the job
+                return _release_failed(exc)
         if released:
             log.info("unread claim given back", extra={"action": "claim_released_unread", "job_ids": released})
+    if patience.cancelled_caught:
+        _release_failed(TimeoutError("still refused as rate limited"))
+
+
+def _release_failed(exc: Exception) -> None:
+    log.warning("could not give back an unread claim", extra={"action": "claim_release_failed", "error": describe(exc)})
 
 
 class JobRun:
