@@ -1,5 +1,6 @@
-"""A report is retried while the lease could still hold: the lease the last renewal granted, not the
-part of the first lease that was left when the claim's answer arrived.
+"""A report is retried while the lease could still hold, and a failing renewal is sent again at the
+lease's pace: the lease the last renewal granted, not the part of the first lease that was left when the
+claim's answer arrived.
 
 A claim whose answer took long on its way leaves its run a short lease (the claim's
 ``Umbra-Lease-Seconds`` less the time on the way); the first renewal, a third of it later, brings the
@@ -52,3 +53,31 @@ async def test_a_completion_is_retried_for_as_long_as_the_renewed_lease_holds():
     agent = await run_until_an_outcome(handler)
     assert said.count(f"/v1/agent/jobs/{JOB['id']}/renew") >= 1, said
     assert [o.status for o in agent.outcomes] == ["complete"], (agent.outcomes, said)
+
+
+async def test_a_failing_renewal_is_sent_again_at_the_pace_of_the_renewed_lease_not_the_claims():
+    """The claim arrived with 0.3 s of lease left; its first renewal grants 6 s, and every renewal after it
+    meets a proxy's 502 until the job ends. Sent again at the pace of a 0.3 s lease (every 0.2 s, the
+    floor), a server restarting behind its proxy got five a second of each running job; at the pace of the
+    6 s lease the renewed lease allows, the retries back off from 0.2 s towards a sixth of it."""
+    later = (datetime.now(timezone.utc) + timedelta(seconds=30)).isoformat()
+    run = {**JOB, "payload": {"seconds": 5.0}}
+
+    def claim(request: httpx.Request, n: int) -> httpx.Response:
+        if n > 1:
+            return httpx.Response(204)
+        return httpx.Response(200, json={"job": run, "placement": {}, "lease_expires_at": later},
+                              headers={"Umbra-Lease-Seconds": "0.300"})  # fmt: skip
+
+    def renew(request: httpx.Request, n: int) -> httpx.Response:
+        if n == 1:
+            return httpx.Response(200, json={"lease_expires_at": later, "attempt": 1}, headers={"Umbra-Lease-Seconds": "6.000"})
+        return httpx.Response(502, text="Bad Gateway", headers={"content-type": "text/plain"})
+
+    handler, said = server(claim=claim, renew=renew)
+    agent = await run_until_an_outcome(handler)
+    assert [o.status for o in agent.outcomes] == ["complete"], (agent.outcomes, said)
+    refused = said.count(f"/v1/agent/jobs/{JOB['id']}/renew") - 1
+    # The second renewal is due 2 s in, so about 3 s of refusals: 0.1-0.2, 0.2-0.4, 0.4-0.8 and then
+    # 0.5-1 s apart is 5 to 8 of them; every 0.2 s would be about 15.
+    assert 1 <= refused <= 9, said

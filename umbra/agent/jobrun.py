@@ -424,7 +424,7 @@ class JobRun:
             except httpx.HTTPError as exc:
                 error = exc
             failures += 1
-            interval = retry_delay(error, failures, 0.2, claim.lease_seconds / 6)
+            interval = retry_delay(error, failures, 0.2, self._lease_seconds / 6)  # the last lease granted
             log.warning("renewal failed; sending it again", extra={"action": "renew_failed", "job_id": claim.job_id,
                                                                    "error": describe(error), "delay_s": round(interval, 2)})
 
