@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from umbra.compute import credentials, heartbeat, nodes
-from umbra.compute.jobs import Kinds
+from umbra.compute.jobs import Kinds, in_utc
 from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, Label, as_device, label_given_twice
 from umbra.domain.heartbeat import HeartbeatReport
 from umbra.domain.nodes import MAX_CORDON_REASON, is_busy
@@ -48,12 +48,8 @@ class HeartbeatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     kinds: Kinds | None = None
 
     def __post_init__(self) -> None:
-        # The log records times in UTC: the agent's offset would otherwise go into node.heartbeat as sent.
         if self.agent_started_at is not None:
-            try:
-                self.agent_started_at = self.agent_started_at.astimezone(timezone.utc)
-            except OverflowError:  # msgspec answers only ValueError and TypeError as the body's fault (422)
-                raise ValueError("agent_started_at is out of range in UTC") from None
+            self.agent_started_at = in_utc(self.agent_started_at, "agent_started_at")
 
 
 class CordonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import os
 import re
-from datetime import datetime
+from datetime import datetime, timezone
 from decimal import Decimal
 from typing import Annotated, Any, Collection, Iterator, Mapping, Sequence
 from uuid import UUID
@@ -185,6 +185,23 @@ class JobRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         check_shape_size(self.kind, self.requires)
         if self.payload:
             check_document(self.payload, "payload")
+        if self.not_before is not None:
+            self.not_before = in_utc(self.not_before, "not_before")
+
+
+def in_utc(value: datetime, field: str) -> datetime:
+    """A time a request body gives (with its offset), in UTC: as the log records times, where the sender's
+    offset would otherwise go as sent (``job.submitted``'s ``not_before``, ``node.heartbeat``'s
+    ``agent_started_at``).
+
+    For a struct's ``__post_init__``: a time that leaves datetime's years 1 to 9999 in UTC raises
+    ``ValueError`` naming the field, which msgspec answers as the body's fault (422); the ``OverflowError``
+    it would otherwise be is a server error.
+    """
+    try:
+        return value.astimezone(timezone.utc)
+    except OverflowError:
+        raise ValueError(f"`{field}`: out of range in UTC") from None
 
 
 def check_shape_size(kind: str, requires: RequiresRequest) -> None:

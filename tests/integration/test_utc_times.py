@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 
 import anyio
 import httpx
@@ -101,6 +102,23 @@ async def test_a_heartbeats_agent_started_at_is_recorded_in_utc(client, org):
     events = (await client.get("/v1/events", params={"limit": 1000}, headers=bearer(key))).json()["events"]
     started = [e["data"]["agent_started_at"] for e in events if e["type"] == "node.heartbeat" and e["data"].get("agent_started_at")]
     assert started == ["2026-01-01T08:00:00Z"], started
+
+
+async def test_a_submissions_not_before_is_recorded_in_utc(client, org):
+    """A ``not_before`` sent with an offset goes into the log in UTC (``job.submitted``'s ``not_before``, the
+    ``until`` of the ``job.blocked`` it waits with), as the Job object shows it: not with the offset it was
+    sent with."""
+    _, key = org
+    later = (datetime.now(timezone.utc) + timedelta(hours=1)).replace(microsecond=0)
+    sent = later.astimezone(timezone(timedelta(hours=5, minutes=30))).isoformat()
+    response = await client.post("/v1/jobs", json={"kind": "echo", "not_before": sent}, headers=bearer(key))
+    assert response.status_code == 201, response.text
+    job = response.json()
+    utc = later.isoformat().replace("+00:00", "Z")
+    assert (job["status"], job["not_before"]) == ("blocked", utc)
+    events = (await client.get(f"/v1/jobs/{job['id']}/events", headers=bearer(key))).json()["events"]
+    recorded = {e["type"]: e["data"] for e in events}
+    assert (recorded["job.submitted"]["not_before"], recorded["job.blocked"]["until"]) == (utc, utc)
 
 
 @pytest.mark.parametrize("started", ["0001-01-01T00:00:00+01:00", "9999-12-31T23:30:00-01:00"])
