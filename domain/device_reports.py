@@ -46,6 +46,16 @@ class DeviceReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     accelerators: Annotated[list[Word], Meta(max_length=32)] = []
     resident_models: Annotated[list[ResidentModelReport], Meta(max_length=MAX_RESIDENT_MODELS)] = []
 
+    def __post_init__(self) -> None:
+        """Refuse a device saying it has more free memory than the total it reports: claims judge free
+        memory, blocking judges totals, and a 24,576 MB card saying 30,000 MB free was given a 28,000 MB job.
+        A total left out (0, the default) says nothing to contradict. The message starts with the field, in
+        backquotes, which the server's refusal names (``umbra.api.http.read_json``)."""
+        for free, total in (("vram_free_mb", "vram_total_mb"), ("ram_free_mb", "ram_total_mb")):
+            if getattr(self, total) and getattr(self, free) > getattr(self, total):
+                raise ValueError(f"`{free}`: {getattr(self, free)} MB free is more than the device's {total} "
+                                 f"({getattr(self, total)} MB).")
+
 
 def as_device(report: DeviceReport) -> Device:
     """The reported device as the stored value the node's events carry."""

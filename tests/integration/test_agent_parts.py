@@ -48,6 +48,13 @@ def test_nvidia_smi_lines_become_discrete_cuda_devices_and_unreadable_lines_are_
     assert (first.vram_total_mb, first.vram_free_mb, first.ram_total_mb) == (24564, 23012, 0)
 
 
+def test_an_nvidia_smi_line_with_more_free_than_total_reports_the_total_free():
+    """The server refuses a device saying it has more free memory than it has (a driver's rounding would
+    otherwise stop the agent at its first heartbeat): what is free is at most the total."""
+    [device] = parse_nvidia_smi("0, NVIDIA A10, 23028, 23040\n")
+    assert (device.vram_total_mb, device.vram_free_mb) == (23028, 23028)
+
+
 GIB = 1024**3
 
 

@@ -19,7 +19,7 @@ from umbra.events.types import Device, ResidentModel
 
 from tests.helpers import bearer, until_done_or_waiting
 
-from .queue_support import CPU64, GPU24, add_node, submit
+from .queue_support import CPU64, GPU24, add_node, http_pair, submit, written
 
 pytestmark = pytest.mark.anyio
 
@@ -339,6 +339,33 @@ async def test_a_heartbeat_replaces_the_device_set_free_memory_included(client, 
     assert beat.status_code == 200
     node = (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()
     assert node["devices"][0]["vram_free_mb"] == 23700
+
+
+@pytest.mark.parametrize("field, device", [
+    ("vram_free_mb", {**_GPU_JSON, "vram_free_mb": 30000}),
+    ("ram_free_mb", {"kind": "cpu", "label": "cpu", "ram_total_mb": 8192, "ram_free_mb": 9000}),
+], ids=["vram", "ram"])
+async def test_a_device_reporting_more_free_memory_than_it_has_is_refused(client, org, db_url, field, device):
+    """Claims judge a device's free memory: a 24,576 MB card that said 30,000 MB free was given a job needing
+    28,000 MB (which a 48 GB card of the fleet was there for), and ran out of memory. Such a report (an agent's
+    bug) is refused 422 naming the field, at pairing and at every beat, and writes nothing: the node keeps the
+    devices it last reported."""
+    _, key = org
+    node_id, credential = await http_pair(client, key, "gpu-box", devices=[_GPU_JSON])
+    before = await written(db_url, "node_liveness WHERE reported_at IS NOT NULL")
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": [_GPU_JSON, {**device, "label": "bad"}]},
+                             headers=bearer(credential))  # fmt: skip
+    assert (beat.status_code, beat.json()["error"], beat.json()["field"]) == (422, "invalid_request", f"devices[1].{field}")
+    assert await written(db_url, "node_liveness WHERE reported_at IS NOT NULL") == before
+    node = (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()
+    assert [d["label"] for d in node["devices"]] == ["gpu0"]
+    issued = (await client.post("/v1/pairings", json={"name": "other"}, headers=bearer(key))).json()
+    redeemed = await client.post("/v1/pairings/redeem", json={"code": issued["code"], "name": "other", "agent_version": "1",
+                                                              "devices": [device]})  # fmt: skip
+    assert (redeemed.status_code, redeemed.json()["field"]) == (422, f"devices[0].{field}")
+    unsaid = {**device, "label": "no-total", "vram_total_mb": 0, "ram_total_mb": 0}  # a total left out contradicts nothing
+    beat = await client.post("/v1/agent/heartbeat", json={"devices": [_GPU_JSON, unsaid]}, headers=bearer(credential))
+    assert beat.status_code == 200, beat.text
 
 
 async def test_a_job_is_not_claimed_onto_vram_the_last_beat_said_was_not_free(conn, org):

@@ -64,9 +64,10 @@ def test_a_device_with_a_field_the_device_object_does_not_have_is_refused_naming
         ({**CPU, "compute_units": -2}, "$.compute_units"),
         ({**CPU, "accelerators": [""]}, "$.accelerators[0]"),
         ({**CPU, "resident_models": [{"slug": "m", "vram_held_mb": -5}]}, "$.resident_models[0].vram_held_mb"),
+        ({**CPU, "ram_free_mb": 9000}, "`ram_free_mb`"),
     ],
     ids=["empty-label", "long-label", "negative-mb", "huge-mb", "zero-throughput", "negative-units",
-         "empty-accelerator", "negative-resident"],
+         "empty-accelerator", "negative-resident", "more-free-than-total"],
 )
 def test_a_device_the_server_would_refuse_is_refused_at_start(capsys, spec, where):
     """The server refuses such a heartbeat (422) every time it is sent: the agent refuses it first."""

@@ -104,7 +104,7 @@ def parse_nvidia_smi(output: str) -> list[Device]:
                 kind="gpu_discrete",
                 label=device_label(f"cuda:{index}", name),
                 vram_total_mb=total_mb,
-                vram_free_mb=free_mb,
+                vram_free_mb=min(free_mb, total_mb),  # the server refuses a device with more free than its total
                 throughput_factor=DISCOVERED_GPU_FACTOR,
                 accelerators=("cuda",),
             )
