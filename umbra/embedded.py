@@ -7,10 +7,11 @@ traps, each handled here or in ``umbra.db``:
 1. A process that dies without running atexit leaves its PID in the data dir's
    handle list, so the postmaster is adopted by every later run and never
    stopped. :func:`start_embedded` prunes such handles before attaching: PIDs
-   no process has, and PIDs the OS has since given to another process. That
-   process is no holder: it was created after the holder recorded its own
-   create time beside the list (see :func:`_record_handle`), and a PID is only
-   reused once its process is gone.
+   no process has (or a zombie's, not yet waited for by its parent), and PIDs
+   the OS has since given to another process. That process is no holder: it
+   was created after the holder recorded its own create time beside the list
+   (see :func:`_record_handle`), and a PID is only reused once its process is
+   gone.
 2. A process ended by SIGTERM or SIGHUP with Python's default handlers never
    runs ``finally`` nor atexit, so its handle stays behind (and uvicorn
    re-raises SIGTERM after a graceful shutdown). Every command on the embedded
@@ -139,10 +140,13 @@ def _alive_since(pid: int, when: float) -> bool:
     """Whether ``pid`` is a live process created no later than ``when``.
 
     A PID is only reused once its process is gone, so a process created after
-    the holder with that PID was known to exist is some other program.
+    the holder with that PID was known to exist is some other program. A
+    zombie (killed, not yet waited for by its parent) is gone too: it will
+    never let go of its handle.
     """
     try:
-        return psutil.Process(pid).create_time() <= when + _CLOCK_SLACK
+        process = psutil.Process(pid)
+        return process.create_time() <= when + _CLOCK_SLACK and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:

@@ -185,6 +185,30 @@ def test_a_handle_whose_pid_now_names_another_process_is_pruned_and_a_live_holde
             proc.wait()
 
 
+def test_a_holder_killed_but_not_yet_reaped_is_pruned(tmp_path):
+    """A killed holder stays a zombie until its parent waits for it (an init that reaps late, a supervisor
+    between two calls): it will never let go of its handle, so the next command, adopting the orphaned
+    server, must not keep it running for that zombie."""
+    pgdata = tmp_path / "pg"
+    pgdata.mkdir()
+    holder = subprocess.Popen(["sleep", "120"])
+    try:
+        (pgdata / ".handle_pids.json").write_text(json.dumps([holder.pid]))
+        _record_handle(pgdata, holder.pid)
+        holder.send_signal(signal.SIGKILL)  # not waited for: a zombie
+        deadline = time.monotonic() + 10
+        while psutil.Process(holder.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        _prune_dead_handles(pgdata)
+
+        assert json.loads((pgdata / ".handle_pids.json").read_text()) == []
+        assert json.loads((pgdata / _HANDLE_STARTS).read_text()) == {}
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_an_unrecorded_handle_is_kept_only_if_its_process_predates_the_list(tmp_path):
     """With no recorded create time, a process created after the list was last written cannot have added itself."""
     pgdata = tmp_path / "pg"
