@@ -139,11 +139,12 @@ async def test_many_delayed_jobs_are_released_page_by_page_in_the_order_they_fal
     org_id, _ = org
     await add_node(conn, org_id, "box", [CPU64])
     base = await now_of(conn)
-    jobs_ = [await submit(conn, org_id, "later", not_before=text(base + timedelta(seconds=10 + i))) for i in range(7)]
-    await set_clock(conn, 13.5)  # the first four fell due
+    # Ten seconds apart: the clock is moved from the real time, which goes on while the jobs are submitted.
+    jobs_ = [await submit(conn, org_id, "later", not_before=text(base + timedelta(seconds=10 + 10 * i))) for i in range(7)]
+    await set_clock(conn, 45)  # the first four fell due
     assert (await sweep_once(conn, SETTINGS)).delayed_released == 4
     assert [(await row(conn, org_id, j.id)).status for j in jobs_] == ["queued"] * 4 + ["blocked"] * 3
-    await set_clock(conn, 60)
+    await set_clock(conn, 200)
     assert (await sweep_once(conn, SETTINGS)).delayed_released == 3
     assert await verify(conn) == []
 
