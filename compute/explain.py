@@ -2,7 +2,8 @@
 
 The fleet and the model registry are read with the claim's own readers
 (:func:`umbra.compute.blocked.read_nodes` with the same stale threshold, and
-:func:`read_models`), and every verdict comes from the claim's pure functions
+:func:`read_models`; with model affinity, the nodes holding a queued job's models with
+:func:`read_model_holders`), and every verdict comes from the claim's pure functions
 (:mod:`umbra.domain.explain` over :mod:`umbra.domain.placement`). A blocked
 job's reason is judged with :func:`blocking_reason`, the function the queue
 stored it with, so the two cannot disagree unless the fleet changed in a way
@@ -36,6 +37,7 @@ from umbra.projections.jobs import JobRow
 from .blocked import read_models, read_nodes
 from .claims import uncharged_claims
 from .jobs import dependency_statuses_of
+from .model_holders import read_model_holders
 
 #: How long a job may stay blocked before the sweeper fails it (the settings default).
 DEFAULT_BLOCKED_TIMEOUT_SECONDS = 86_400
@@ -82,7 +84,7 @@ async def explain(
         if row.status in ("queued", "blocked"):
             models = await read_models(conn, organization_id)
             nodes = await read_nodes(conn, organization_id, stale_seconds=stale_seconds, models=models)  # as a claim finds them
-            return await _waiting(conn, row, nodes, models, now, blocked_timeout_seconds, affinity_seconds)
+            return await _waiting(conn, row, nodes, models, now, blocked_timeout_seconds, affinity_seconds, stale_seconds)
         return await _placed(conn, row, await read_nodes(conn, organization_id, stale_seconds=stale_seconds), now)
 
 
@@ -94,6 +96,7 @@ async def _waiting(
     now: datetime,
     blocked_timeout_seconds: int,
     affinity_seconds: int,
+    stale_seconds: int,
 ) -> Explanation:
     eligible, ineligible = survey(nodes, row.requires, models)
     if row.awaiting_dependencies and row.depends_on:
@@ -127,8 +130,11 @@ async def _waiting(
     due_in = max(0.0, (row.not_before - now).total_seconds()) if row.not_before else 0.0
     # As the claims measure a job's wait: from its submission or, if later, from when it fell due.
     waited = (now - max(row.created_at, row.not_before or row.created_at)).total_seconds()
+    # The nodes holding its models as the claims read them (only when one may be left to them).
+    slugs = row.requires.models if affinity_seconds > 0 and waited < affinity_seconds else ()
+    holders = await read_model_holders(conn, row.organization_id, slugs, models, stale_seconds=stale_seconds)
     left_to, left_for = left_to_holders([e for e in eligible if e.node_id in able], row.requires, waited_seconds=waited,
-                                        affinity_seconds=affinity_seconds)  # fmt: skip
+                                        affinity_seconds=affinity_seconds, holders=holders, kind=row.kind)  # fmt: skip
     standing = QueueStanding(due_in_seconds=due_in, ahead=ahead, left_to=left_to, left_for_seconds=left_for)
     summary = queued_summary(
         eligible, ineligible, nodes=nodes, requires=row.requires, models=models, standing=standing,

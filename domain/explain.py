@@ -29,7 +29,7 @@ from umbra.events.types import Device, Placement, Requirements
 
 from .eligibility import NodeView, judge_device, required_accelerators, takes_kind
 from .models import RegisteredModel
-from .placement import best_placement, placements
+from .placement import ModelHolders, best_placement, placements
 
 #: Memory of the ideal device used to find a device-less node's node-level reason.
 _UNBOUNDED_MB = 2**62
@@ -110,17 +110,23 @@ class QueueStanding:
 
 
 def left_to_holders(eligible: Sequence[EligibleDevice], requires: Requirements, *, waited_seconds: float,
-                    affinity_seconds: float) -> tuple[tuple[str, ...], float]:  # fmt: skip
-    """The nodes the job is left to for now, and for how long: with model affinity, the eligible nodes that
-    hold its models, when other eligible nodes would load them and it has not waited the affinity yet
-    (:func:`umbra.domain.placement.passes_over`, seen from the job). ``((), 0.0)`` when nothing is left."""
+                    affinity_seconds: float, holders: ModelHolders,
+                    kind: str | None = None) -> tuple[tuple[str, ...], float]:  # fmt: skip
+    """The nodes the job is left to for now, and for how long: with model affinity, when an eligible node whose
+    best placement (its first in ``eligible``, which is best first) would load the job's models passes it over
+    for another node that holds them (:func:`umbra.domain.placement.passes_over`, seen from the job), the
+    nodes that hold them as the claims judge it (``holders``: as last reported, so a holder whose card its
+    running jobs fill for now still counts, and only those whose agents take ``kind``). ``((), 0.0)`` when
+    nothing is left. Judging holders from ``eligible`` instead told of a job every claim of the cold node
+    passed over that nothing held it back."""
     if affinity_seconds <= 0 or not requires.models or waited_seconds >= affinity_seconds:
         return (), 0.0
-    holders = tuple(dict.fromkeys(e.node_name for e in eligible if e.resident))
-    loaders = {e.node_name for e in eligible if not e.resident} - set(holders)
-    if not holders or not loaders:
+    best: dict[UUID, EligibleDevice] = {}
+    for device in eligible:
+        best.setdefault(device.node_id, device)
+    if not any(not device.resident and holders.elsewhere(node_id, requires, kind) for node_id, device in best.items()):
         return (), 0.0
-    return holders, affinity_seconds - waited_seconds
+    return tuple(node.name for node in holders.holding(requires, kind)), affinity_seconds - waited_seconds
 
 
 def node_level_reason(node: NodeView, requires: Requirements, models: Mapping[str, RegisteredModel]) -> str | None:

@@ -157,15 +157,20 @@ class ModelHolders:
         """Whether any node holds a model asked about: without, no job is passed over."""
         return bool(self._nodes)
 
-    def elsewhere(self, node_id: UUID, requires: Requirements, kind: str | None = None) -> bool:
-        """Whether a node other than ``node_id`` could start a job of ``requires`` with its models resident, and
-        its agent takes ``kind`` (None: any): a holder without a handler for the job never claims it."""
+    def holding(self, requires: Requirements, kind: str | None = None) -> list[NodeView]:
+        """The nodes that could start a job of ``requires`` with its models resident and whose agents take
+        ``kind`` (None: any), in the order they were read: a holder without a handler for the job never claims it."""
         if not self._nodes or not requires.models:
-            return False
+            return []
         holders = self._holders.get(requires)
         if holders is None:
             holders = self._holders[requires] = frozenset(n.id for n in self._nodes if holds_models(n, requires, self._models))
-        return any(holder != node_id and (kind is None or takes_kind(self._kinds.get(holder), kind)) for holder in holders)
+        return [n for n in self._nodes if n.id in holders and (kind is None or takes_kind(self._kinds.get(n.id), kind))]
+
+    def elsewhere(self, node_id: UUID, requires: Requirements, kind: str | None = None) -> bool:
+        """Whether a node other than ``node_id`` holds the models of a job of ``requires`` and takes ``kind``
+        (:meth:`holding`)."""
+        return any(holder.id != node_id for holder in self.holding(requires, kind))
 
 
 #: Nobody holds anything: a claim judges against this when affinity is off or it would load no model.
@@ -255,7 +260,9 @@ def after_placement(
     return replace(
         node,
         devices=tuple(after(d, i) for i, d in enumerate(node.devices)),
-        in_use=node.in_use | {(device.label, m.slug) for m in named},
+        # Every model it names, registered or not: one removed from the registry while the job runs on it
+        # (DELETE /v1/models) is still in use, and no later claim may evict it.
+        in_use=node.in_use | {(device.label, slug) for slug in requires.models},
         loading=node.loading | {(device.label, slug) for slug, _ in loaded},
     )
 

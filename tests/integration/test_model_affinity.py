@@ -349,3 +349,25 @@ async def test_a_job_is_not_left_to_a_holder_whose_agent_does_not_take_its_kind(
     explained = await explain(conn, org_id, job.id, affinity_seconds=60)
     assert explained.summary.endswith("nothing holds it back: the next claim by an eligible node takes it."), explained.summary
     assert await take(conn, org_id, cold, 60) == "llama"
+
+
+async def test_explain_says_a_job_is_left_to_a_holder_whose_card_its_running_job_fills(conn, org):
+    """warm holds llama (8,576 MB) and runs a llama job that reserves the rest of its card: a claim judges its
+    card busy until that job ends, yet warm, as it last reported, holds llama, and the cold node leaves the next
+    llama job to it for the affinity (as delay scheduling does: docs/API.md). ``explain`` must say so, not that
+    nothing holds the job back while every claim of the cold node takes nothing."""
+    from umbra.compute.explain import explain
+
+    org_id, _ = org
+    await register_both(conn, org_id)
+    cold = await add_node(conn, org_id, "cold", [HOLDS_MISTRAL])
+    warm_card = msgspec.structs.replace(HOLDS_MISTRAL, resident_models=(ResidentModel(slug="llama", vram_held_mb=8576),))
+    warm = await add_node(conn, org_id, "warm", [warm_card])
+    await submit(conn, org_id, "chat", requires={"models": ["llama"], "vram_min_mb": 24576})
+    claimed = await claims.claim(conn, node_id=warm, organization_id=org_id, lease_seconds=60)
+    assert claimed is not None and claimed.placed.resident
+    job = await submit(conn, org_id, "chat", requires={"models": ["llama"]})
+    assert await take(conn, org_id, cold, 60) is None  # left to warm, which holds llama
+    explained = await explain(conn, org_id, job.id, affinity_seconds=60)
+    assert re.search(r"nodes that would load llama leave it to warm, which holds it, for (5\d|60) s more \(model affinity\)\.$",
+                     explained.summary), explained.summary  # fmt: skip

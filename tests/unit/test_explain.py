@@ -12,6 +12,7 @@ from umbra.domain.eligibility import REASONS, NodeView
 from umbra.domain.explain import QueueStanding, competing_ahead, node_level_reason, survey
 from umbra.domain.explain_text import blocked_summary, placed_summary, queued_summary
 from umbra.domain.models import RegisteredModel
+from umbra.domain.placement import ModelHolders
 from umbra.events.types import Device, Placement, Requirements, ResidentModel
 
 GPU = Device(kind="gpu_discrete", label="gpu0", vram_total_mb=24576, vram_free_mb=24576, accelerators=("cuda",),
@@ -263,11 +264,21 @@ def test_a_job_left_to_the_node_holding_its_model_says_so_and_for_how_long():
     fleet = [node(GPU, name="cold"), node(warm_gpu, name="warm")]
     needs = Requirements(models=("gemma",))
     eligible, ineligible = survey(fleet, needs, MODELS)
-    assert left_to_holders(eligible, needs, waited_seconds=12, affinity_seconds=30) == (("warm",), 18)
-    assert left_to_holders(eligible, needs, waited_seconds=30, affinity_seconds=30) == ((), 0.0)
-    assert left_to_holders(eligible, needs, waited_seconds=12, affinity_seconds=0) == ((), 0.0)
-    assert left_to_holders(survey([fleet[0]], needs, MODELS)[0], needs, waited_seconds=12, affinity_seconds=30) == ((), 0.0)
-    assert left_to_holders(survey([fleet[1]], needs, MODELS)[0], needs, waited_seconds=12, affinity_seconds=30) == ((), 0.0)
+    holders = ModelHolders(fleet, MODELS)
+    assert left_to_holders(eligible, needs, waited_seconds=12, affinity_seconds=30, holders=holders) == (("warm",), 18)
+    assert left_to_holders(eligible, needs, waited_seconds=30, affinity_seconds=30, holders=holders) == ((), 0.0)
+    assert left_to_holders(eligible, needs, waited_seconds=12, affinity_seconds=0, holders=holders) == ((), 0.0)
+    cold_only, warm_only = ModelHolders([fleet[0]], MODELS), ModelHolders([fleet[1]], MODELS)
+    assert left_to_holders(survey([fleet[0]], needs, MODELS)[0], needs, waited_seconds=12, affinity_seconds=30,
+                           holders=cold_only) == ((), 0.0)  # fmt: skip
+    assert left_to_holders(survey([fleet[1]], needs, MODELS)[0], needs, waited_seconds=12, affinity_seconds=30,
+                           holders=warm_only) == ((), 0.0)  # fmt: skip
+    # The holders are the claims' (as last reported): one whose card its running jobs fill for now still counts,
+    # though explain lists it ineligible; one whose agent does not take the job's kind does not.
+    assert left_to_holders(survey([fleet[0]], needs, MODELS)[0], needs, waited_seconds=12, affinity_seconds=30,
+                           holders=holders) == (("warm",), 18)  # fmt: skip
+    embeds = ModelHolders(fleet, MODELS, {fleet[1].id: ("embed",)})
+    assert left_to_holders(eligible, needs, waited_seconds=12, affinity_seconds=30, holders=embeds, kind="chat") == ((), 0.0)
     text = queued_summary(eligible, ineligible, nodes=fleet, requires=needs, models=MODELS, not_before=None,
                           standing=QueueStanding(left_to=("warm",), left_for_seconds=18.4))  # fmt: skip
     assert text == ("Can run on 2 devices; the best is warm/gpu0 via vram (score 10, placed:gpu_discrete); "

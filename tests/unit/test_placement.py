@@ -293,6 +293,20 @@ def test_a_model_a_running_job_uses_is_never_evicted():
     assert beside is not None and beside.would_evict == ()
 
 
+def test_a_model_a_running_job_uses_is_never_evicted_once_removed_from_the_registry():
+    """``DELETE /v1/models/m`` while a job runs on m: the job runs on (docs/API.md), and m stays in use. Judged by
+    the registry's models only, m was free to evict for n's preferred size, and its 8,000 MB counted free."""
+    box = node(gpu("g", 1.0, free=7000, resident=[("m", 8000)]))
+    other = {"n": RegisteredModel(slug="n", vram_min_mb=6000, vram_preferred_mb=12000), **MODELS}
+    job = running(box, Requirements(models=("m",)), other)
+    without_m = {slug: model for slug, model in other.items() if slug != "m"}
+    bounded = with_running_jobs(box, [job], without_m)
+    assert ("g", "m") in bounded.in_use
+    beside = best_placement(bounded, Requirements(models=("n",)), without_m)
+    assert beside is not None and beside.would_evict == ()
+    assert after_placement(bounded, beside, Requirements(models=("n",)), without_m).devices[0].vram_free_mb == 7000 - 6000
+
+
 def test_a_model_a_running_job_evicts_is_not_shared_by_the_next_claim():
     """The running job evicts m for n's preferred size: the bound counts m's 8,000 MB free, so m is not also
     resident (its 8,000 MB held) for a job naming it: 16,000 free beside m and n was 32,000 MB on a 24,000 card."""
