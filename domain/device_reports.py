@@ -58,13 +58,17 @@ class DeviceReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def as_device(report: DeviceReport) -> Device:
-    """The reported device as the stored value the node's events carry."""
+    """The reported device as the stored value the node's events carry.
+
+    A total left out (0) while memory is free is taken as that free memory: blocking judges totals and
+    claims judge what is free, so such a card read as having no VRAM for the one (a job only it could run
+    was blocked) and as having it for the other."""
     return Device(
         kind=report.kind,
         label=report.label,
-        vram_total_mb=report.vram_total_mb,
+        vram_total_mb=max(report.vram_total_mb, report.vram_free_mb),
         vram_free_mb=report.vram_free_mb,
-        ram_total_mb=report.ram_total_mb,
+        ram_total_mb=max(report.ram_total_mb, report.ram_free_mb),
         ram_free_mb=report.ram_free_mb,
         compute_units=report.compute_units,
         throughput_factor=report.throughput_factor,

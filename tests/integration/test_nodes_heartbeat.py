@@ -368,6 +368,21 @@ async def test_a_device_reporting_more_free_memory_than_it_has_is_refused(client
     assert beat.status_code == 200, beat.text
 
 
+async def test_a_device_reporting_free_memory_and_no_total_is_taken_to_have_that_much(client, org):
+    """A total left out (0) while memory is free: blocking judges totals and claims what is free, so a job
+    only that card could run was blocked (it read as having no VRAM) while a claim would have taken it. The
+    total is taken as what is free: the job queues, and the card runs it."""
+    _, key = org
+    card = {"kind": "gpu_discrete", "label": "gpu0", "vram_free_mb": 8000, "accelerators": ["cuda"]}
+    node_id, credential = await http_pair(client, key, "no-totals", devices=[card])
+    node = (await client.get(f"/v1/nodes/{node_id}", headers=bearer(key))).json()
+    assert [(d["vram_total_mb"], d["vram_free_mb"]) for d in node["devices"]] == [(8000, 8000)]
+    job = (await client.post("/v1/jobs", json={"kind": "render", "requires": {"vram_min_mb": 6000}}, headers=bearer(key))).json()
+    assert job["status"] == "queued", job
+    claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
+    assert (claimed.status_code, claimed.json()["job"]["id"]) == (200, job["id"])
+
+
 async def test_a_job_is_not_claimed_onto_vram_the_last_beat_said_was_not_free(conn, org):
     """A claim judges the memory the node last reported free, also when the beat moved it too little to be
     recorded: the last beat said 23,700 MB free, so a job needing 23,900 MB is not placed there."""
