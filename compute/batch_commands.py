@@ -98,9 +98,9 @@ class Command:
     #: of the first (see :func:`umbra.compute.claims.claimed_with`).
     repeated: bool = False
     #: Set on a renewal or completion whose row the batch did not get: another transaction holds its lock
-    #: (or there is no such job). It is run alone, beside the batches (``GroupCommit``), and waits for
-    #: that lock there, for at most the pool's ``lock_timeout``: one row locked elsewhere (an operator's
-    #: open transaction, a cancel of a large tree) never stalls every agent's batch behind it.
+    #: (or its organization has no such job). It is run alone, beside the batches (``GroupCommit``), and
+    #: waits for that lock there, for at most the pool's ``lock_timeout``: one row locked elsewhere (an
+    #: operator's open transaction, a cancel of a large tree) never stalls every agent's batch behind it.
     locked_elsewhere: bool = False
     #: Jobs a claim takes at most (an agent that runs several at once); it gets fewer when fewer are free.
     count: int = 1
@@ -142,8 +142,16 @@ class _Staged:
 #: of its first reads: the revocation check costs no statement of its own.
 _LIVE_COLUMN = "(SELECT array_agg(id) FROM node_credentials WHERE id = ANY(%(credentials)s) AND revoked_at IS NULL)"
 #: The held rows, locked; a row another transaction holds is skipped and its command run alone, outside the
-#: batch (see ``Command.locked_elsewhere``).
-_LOCK_HELD = f"SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE SKIP LOCKED"
+#: batch (see ``Command.locked_elsewhere``). Only a row of the organization of a command naming it
+#: (``ids`` and ``orgs`` are the commands' jobs and organizations, pair by pair): the batch mixes
+#: organizations' commands, and a command naming another organization's job locked that job until the
+#: batch committed, so that its own organization's claims skipped it meanwhile. Such a command finds no
+#: row, as for a job that does not exist, and is refused alone (``job_not_found``).
+_LOCK_HELD = f"""
+SELECT {queue.SELECT_LIST}, umbra_now(), {_LIVE_COLUMN} FROM jobs
+WHERE id = ANY(%(ids)s) AND (id, organization_id) IN (SELECT * FROM unnest(%(ids)s::uuid[], %(orgs)s::uuid[]))
+ORDER BY id FOR UPDATE SKIP LOCKED
+"""
 _NODES_QUERY = f"""
 SELECT n.id, n.organization_id, n.name, n.status, n.trust_domain, {LATEST_DEVICES}, l.last_seen_at, umbra_now(),
        {CORDONED}, {RUNNING_TAKING_MEMORY}, {ABANDONED_COLUMN}, {_LIVE_COLUMN}
@@ -180,11 +188,11 @@ async def stage(conn: psycopg.AsyncConnection, commands: Sequence[Command], *,
     held = [c for c in commands if c.kind != "claim"]
     # In arrival order, each chained claim right after the command it follows.
     claimers = [c for command in commands for c in (command, command.then) if c is not None and c.kind == "claim"]
-    held_ids = sorted({c.job_id for c in held}, key=str)
     node_ids = list({c.node_id for c in claimers})
     orgs = list(dict.fromkeys(c.organization_id for c in claimers))
     credential_ids = uuid_array(credentials)
-    reads = [(_HELD, {"ids": uuid_array(held_ids), "credentials": credential_ids})] if held else []
+    reads = [(_HELD, {"ids": uuid_array(c.job_id for c in held), "orgs": uuid_array(c.organization_id for c in held),
+                      "credentials": credential_ids})] if held else []  # fmt: skip
     if claimers:
         # The guards first: the nodes' and registries' reads then start after any change holding
         # one has committed (see nodes.guard_against_claims).

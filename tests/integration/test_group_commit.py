@@ -129,6 +129,31 @@ async def test_a_batch_claim_never_crosses_organizations(db_url, conn, org):
     assert results[2] is not None and results[2].job["organization_id"] == str(org_id)
 
 
+async def test_a_batch_never_locks_another_organizations_job(db_url, conn, org):
+    """A renewal or completion naming another organization's job is refused without its row ever being
+    locked: held until the batch commits, the job was skipped by its own organization's claims meanwhile."""
+    from umbra.compute import batch_commands
+    from umbra.compute.accounts import create_organization
+    from umbra.compute.batch_commands import Command
+
+    org_id, _ = org
+    other_id, _ = await create_organization(conn, "other")
+    ours = await add_node(conn, org_id, "ours", [CPU64])
+    theirs = await add_node(conn, other_id, "theirs", [CPU64])
+    their_job = (await submit(conn, other_id)).id
+    renewal = Command("renew", org_id, ours, their_job, 1)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as batch:
+        staged, _ = await batch_commands.stage(batch, [renewal])
+        try:
+            # Their node claims while the batch is open: its organization's one job is there to take.
+            claimed = await claim_now(conn, other_id, theirs)
+        finally:
+            await batch_commands.write(batch, staged)
+    assert claimed is not None and claimed.job_id == their_job
+    # Refused as a job that does not exist: at once, or run alone beside the batches, where it is refused so.
+    assert staged == [] and (isinstance(renewal.error, NotFound) or renewal.locked_elsewhere)
+
+
 async def test_a_fencing_refusal_answers_only_its_own_command(db_url, conn, org):
     org_id, _ = org
     a, b, job_a, job_b = await two_held_jobs(conn, org_id)
