@@ -160,7 +160,10 @@ async def watched_reads(services: Any, watch: LogWatch, who: Principal, read: St
     sends a last ``error`` message (the 401's body) and ends; an EventSource
     reconnecting then meets the 401 itself.
 
-    A read that fails because the database is away (a restart, a failover)
+    A read that fails because the database is away (a restart, a failover),
+    or is given up at its bound (:data:`READ_SHIELD_SECONDS`: a connection the
+    network dropped silently; it says nothing of the credential, and a last
+    ``error`` message told the client its credential was revoked),
     sends nothing and is tried again at the next wake: the stream stays open,
     its heartbeats go on, and ``read`` keeps its position, so nothing is
     skipped once the database is back (the listener's reconnect wakes every
@@ -176,15 +179,17 @@ async def watched_reads(services: Any, watch: LogWatch, who: Principal, read: St
                 # A read once begun is finished even if the client leaves meanwhile (for READ_SHIELD_SECONDS
                 # at most): cancelled mid-query, psycopg closes the connection, and a crowd of dashboards
                 # closing their tabs took the pool's connections down faster than it made new ones.
-                with anyio.CancelScope(shield=True, deadline=anyio.current_time() + READ_SHIELD_SECONDS):
+                with anyio.CancelScope(shield=True, deadline=anyio.current_time() + READ_SHIELD_SECONDS) as bounded:
                     live = await credential_is_live(conn, who)
                     if live:
                         out, more = await read(conn)
+            if bounded.cancelled_caught:  # given up at its bound: the credential is not known to be revoked
+                raise TimeoutError("stream read outlasted READ_SHIELD_SECONDS")
             if not live:
                 yield message(revoked().to_json(), event="error")
                 return
             away = False
-        except DATABASE_AWAY as exc:
+        except (TimeoutError, *DATABASE_AWAY) as exc:
             if not away:
                 log.warning("stream read failed; reading again at the next wake",
                             extra={"action": "stream_read_failed", "error": type(exc).__name__})  # fmt: skip

@@ -58,7 +58,7 @@ import psycopg
 from anyio.abc import TaskStatus
 
 from umbra import jitter, metrics
-from umbra.db import assume_service_role, bound_waits, database_away, lock_wait_ended, own_connection
+from umbra.db import DATABASE_AWAY, assume_service_role, bound_waits, database_away, lock_wait_ended, own_connection
 from umbra.domain.jobs import decide_overrun
 from umbra.events import store
 from umbra.events.types import JobFailed
@@ -456,7 +456,13 @@ async def run(
     log_moved: LogMoved | None = None,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Lead the sweep when no other process does; retry leadership every ``retry_seconds``."""
+    """Lead the sweep when no other process does; retry leadership every ``retry_seconds``.
+
+    A lost connection is replaced, whatever ended it (:data:`~umbra.db.DATABASE_AWAY`): the session
+    PostgreSQL ends under a transaction left idle too long (the process stopped running inside it)
+    answers ``IdleInTransactionSessionTimeout``, not an ``OperationalError``, and it stopped the
+    sweeper, and the server with it.
+    """
     task_status.started()
     delay = 0.5
     while True:
@@ -464,7 +470,7 @@ async def run(
             async with own_connection(database_url) as conn:
                 delay = 0.5
                 await _lead(conn, settings, retry_seconds, log_moved)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+        except DATABASE_AWAY as exc:
             log.warning("sweeper connection lost", extra={"action": "sweeper_lost", "error": str(exc)[:200]})
             await anyio.sleep(delay + jitter.uniform(0, delay))
             delay = min(delay * 2, retry_seconds)
@@ -519,7 +525,7 @@ async def _lead(conn: psycopg.AsyncConnection, settings: Settings, retry_seconds
             tick = delayed.Look(report.now, before)
             if reexamine:
                 last_reexamined = time.monotonic()
-        except (psycopg.OperationalError, psycopg.InterfaceError):
+        except DATABASE_AWAY:
             raise
         except Exception:  # a bad tick must not stop recovery for good
             log.exception("sweep failed", extra={"action": "sweep_failed"})

@@ -1,12 +1,16 @@
-"""Fixtures of the command-line tests: ``umbra`` run in-process on the test's database, and an API client."""
+"""Fixtures of the integration tests: ``umbra`` run in-process on the test's database, an API client, and a
+TCP proxy in front of the database (outages)."""
 
 from __future__ import annotations
 
 import anyio
 import httpx
 import pytest
+from psycopg import conninfo
 
 from umbra.cli import main
+
+from .pg_proxy import PgProxy
 
 
 @pytest.fixture
@@ -38,3 +42,12 @@ async def api(live_server, org):
     """An HTTP client of the live server with the organization's all-scopes key."""
     async with httpx.AsyncClient(base_url=live_server.url, headers={"Authorization": f"Bearer {org[1]}"}) as client:
         yield client
+
+
+@pytest.fixture
+def pg_proxy(db_url):
+    """A :class:`PgProxy` to the test's database: a server started on ``pg_proxy.url(db_url)`` meets its outages."""
+    parts = conninfo.conninfo_to_dict(db_url)
+    proxy = PgProxy(parts.get("host") or "127.0.0.1", int(parts.get("port") or 5432))
+    yield proxy
+    proxy.close()

@@ -19,7 +19,7 @@ from psycopg import conninfo
 from tests.conftest import LiveServer
 from tests.helpers import bearer, eventually
 from tests.integration.queue_support import CPU64_JSON, http_claim, http_pair
-from tests.integration.test_outages import metric_sum, pair_node, pg_proxy, samples, serve  # noqa: F401  (fixtures)
+from tests.integration.test_outages import metric_sum, pair_node, samples, serve  # noqa: F401  (fixtures)
 from umbra.compute.accounts import create_organization
 from umbra.events.types import JOB_STATUSES
 
@@ -334,7 +334,7 @@ async def test_readyz_follows_pending_migrations(conn, live_server):
     assert back.status_code == 200
 
 
-async def test_readyz_is_503_while_the_database_is_unreachable_and_200_after(db_url, pg_proxy):  # noqa: F811
+async def test_readyz_is_503_while_the_database_is_unreachable_and_200_after(db_url, pg_proxy):
     """/readyz answers 503 `database_unavailable` promptly while the database host is cut off, and 200 again
     once it is back; /healthz stays 200 (the process is up)."""
     with LiveServer(pg_proxy.url(db_url), UMBRA_SWEEP_INTERVAL_SECONDS="0.2") as server:

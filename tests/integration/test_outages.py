@@ -13,9 +13,7 @@ import contextlib
 import json
 import os
 import re
-import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,116 +35,6 @@ pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[2]
 DEVICES = [{"kind": "cpu", "label": "cpu0", "ram_total_mb": 8192, "ram_free_mb": 8000}]
 DEVICE_JSON = json.dumps(DEVICES[0])
-
-
-# -- a TCP proxy in front of PostgreSQL ------------------------------------------------------------
-
-
-class PgProxy:
-    """Forwards 127.0.0.1:<port> to PostgreSQL; :meth:`cut` makes the database unreachable."""
-
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
-        self.upstream = (upstream_host, upstream_port)
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(128)
-        self.port = self.listener.getsockname()[1]
-        self.down = False
-        self.closed = False
-        self._lock = threading.Lock()
-        self._pairs: list[tuple[socket.socket, socket.socket]] = []
-        self._frozen: set[int] = set()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _connect_upstream(self) -> socket.socket:
-        host, port = self.upstream
-        if host.startswith("/"):  # a Unix-socket directory (the embedded server's)
-            server = socket.socket(socket.AF_UNIX)
-            server.settimeout(5)
-            server.connect(f"{host}/.s.PGSQL.{port}")
-            return server
-        return socket.create_connection(self.upstream, timeout=5)
-
-    def url(self, db_url: str) -> str:
-        return conninfo.make_conninfo(db_url, host="127.0.0.1", port=str(self.port))
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.down:
-                client.close()
-                continue
-            try:
-                server = self._connect_upstream()
-                server.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._pairs.append((client, server))
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
-
-    def _pump(self, a: socket.socket, b: socket.socket) -> None:
-        try:
-            while True:
-                if id(a) in self._frozen:  # a network that drops packets silently: nothing passes, nothing closes
-                    if self.closed:
-                        break
-                    time.sleep(0.05)
-                    continue
-                readable, _, _ = select.select([a, b], [], [], 0.5)
-                if self.closed:
-                    break
-                for source in readable:
-                    data = source.recv(65536)
-                    if not data:
-                        raise OSError("closed")
-                    (b if source is a else a).sendall(data)
-        except (OSError, ValueError):
-            pass
-        finally:
-            for s in (a, b):
-                with contextlib.suppress(OSError):
-                    s.close()
-
-    def cut(self) -> None:
-        """Close every forwarded connection and refuse new ones (the database host went away)."""
-        self.down = True
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for pair in pairs:
-            for s in pair:
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-                with contextlib.suppress(OSError):
-                    s.close()
-
-    def freeze(self) -> None:
-        """Stop forwarding on every open connection, without closing any (new ones pass as usual)."""
-        with self._lock:
-            self._frozen.update(id(a) for a, _ in self._pairs)
-
-    def restore(self) -> None:
-        self.down = False
-
-    def close(self) -> None:
-        self.closed = True
-        self.cut()
-        with contextlib.suppress(OSError):
-            self.listener.close()
-
-
-@pytest.fixture
-def pg_proxy(db_url):
-    parts = conninfo.conninfo_to_dict(db_url)
-    proxy = PgProxy(parts.get("host") or "127.0.0.1", int(parts.get("port") or 5432))
-    yield proxy
-    proxy.close()
 
 
 # -- umbra serve as a real process ------------------------------------------------------------------
@@ -793,7 +681,7 @@ async def test_the_listener_replaces_a_connection_the_network_silently_dropped(d
         tg.cancel_scope.cancel()
 
 
-async def test_a_claim_during_a_database_outage_answers_503_not_500(db_url, conn, org):
+async def test_a_claim_during_a_database_outage_answers_503_not_500(db_url, conn, org, pg_proxy):
     """The database unreachable -> 503 database_unavailable, for the claim long-poll too (its attempt runs
     in a task group: the error must reach the handlers as itself, not wrapped in an exception group)."""
     from tests.conftest import LiveServer
@@ -801,18 +689,13 @@ async def test_a_claim_during_a_database_outage_answers_503_not_500(db_url, conn
 
     org_id, _ = org
     _, credential = await paired(conn, org_id)
-    parts = conninfo.conninfo_to_dict(db_url)
-    proxy = PgProxy(parts.get("host") or "127.0.0.1", int(parts.get("port") or 5432))
-    try:
-        with LiveServer(proxy.url(db_url)) as server:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
-                warm = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
-                assert warm.status_code == 204  # the credential is now cached: the claim needs no query to authenticate
-                proxy.cut()
-                response = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
-        assert response.status_code == 503 and response.json()["error"] == "database_unavailable", response.text
-    finally:
-        proxy.close()
+    with LiveServer(pg_proxy.url(db_url)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+            warm = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+            assert warm.status_code == 204  # the credential is now cached: the claim needs no query to authenticate
+            pg_proxy.cut()
+            response = await client.post("/v1/agent/claim?wait=0", headers=bearer(credential))
+    assert response.status_code == 503 and response.json()["error"] == "database_unavailable", response.text
 
 
 async def test_a_protocol_violation_is_a_bug_not_an_outage(conn):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -343,3 +344,25 @@ async def test_one_transaction_sends_at_most_one_notification_on_the_log_channel
     sizes = [len(note.payload.encode()) for note in received]
     assert len(received) == 1, f"one transaction sent {len(received)} notifications of {sizes} bytes"
     assert received[0].payload == store.EVERYTHING
+
+
+async def test_a_stream_whose_read_outlasts_its_bound_is_not_told_its_credential_was_revoked(conn, org, db_url, pg_proxy,
+                                                                                            monkeypatch):
+    """The network drops a stream's pooled connection mid-read (or the database takes that long): the read
+    is given up at its bound, which says nothing of the credential. The stream stays open and, read again
+    on another connection, sends what was appended, rather than a last ``unauthenticated`` message."""
+    monkeypatch.setattr(sse, "READ_SHIELD_SECONDS", 1.0)
+    org_id, key = org
+    with LiveServer(pg_proxy.url(db_url), UMBRA_POLL_FALLBACK_SECONDS="0.2") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            async with client.stream("GET", "/v1/events/stream", headers=_auth(key)) as response:
+                reader = SseReader(response)
+                before = await _append(conn, org_id, 1)
+                assert [int(m["id"]) for m in await reader.take(1)] == before
+                pg_proxy.freeze()  # nothing passes on the open connections, nothing closes them
+                after = await _append(conn, org_id, 2)
+                messages: list[dict] = []
+                with anyio.fail_after(30), contextlib.suppress(EOFError):
+                    while len(messages) < 2:
+                        messages.append(await reader.next_message())
+                assert [(m.get("event"), m.get("id")) for m in messages] == [("job.submitted", str(p)) for p in after]

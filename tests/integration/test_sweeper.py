@@ -9,7 +9,7 @@ import anyio
 import psycopg
 import pytest
 
-from umbra.compute import claims, jobs, sweeper
+from umbra.compute import claims, dependencies, jobs, sweeper
 from umbra.compute.accounts import create_organization
 from umbra.compute.claims import ChildRequest
 from umbra.compute.sweeper import SWEEPER_LOCK_KEY, sweep_once
@@ -177,6 +177,35 @@ async def test_one_sweeper_leads_and_another_takes_over_when_it_dies(db_url, con
             holder = await _lock_holder(conn)
             return holder if holder not in (None, leader) else None
 
+        await eventually(new_leader)
+        tg.cancel_scope.cancel()
+
+
+async def test_a_leader_whose_session_was_ended_inside_a_transaction_reconnects_and_leads_again(db_url, conn, monkeypatch):
+    """PostgreSQL ends the session of a transaction left idle past its bound (a process that stopped running
+    inside it: paused, frozen with its virtual machine) with ``IdleInTransactionSessionTimeout``, which is not
+    an ``OperationalError``: met in a prompt look between ticks, it stopped the sweeper, and the server with it."""
+    settings = dataclasses.replace(SETTINGS, sweep_interval_seconds=0.05)
+    release_moved = dependencies.release_moved
+    stalled: list[int] = []
+
+    async def stalls_once(c, after, *, metadata):
+        if stalled:
+            return await release_moved(c, after, metadata=metadata)
+        stalled.append(c.info.backend_pid)
+        async with c.transaction():
+            await c.execute("SET LOCAL idle_in_transaction_session_timeout = '100ms'")  # 20 s in a server
+            await anyio.sleep(0.5)  # the process stopped running inside its transaction
+            return await release_moved(c, after, metadata=metadata)
+
+    monkeypatch.setattr(dependencies, "release_moved", stalls_once)
+
+    async def new_leader():
+        holder = await _lock_holder(conn)
+        return holder if stalled and holder not in (None, stalled[0]) else None
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: sweeper.run(settings, db_url, retry_seconds=0.1, log_moved=sweeper.LogMoved()))
         await eventually(new_leader)
         tg.cancel_scope.cancel()
 
