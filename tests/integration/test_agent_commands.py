@@ -3,8 +3,10 @@ progress and the failures reach the job; a cancelled job's program is stopped.""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from decimal import Decimal
 
 import pytest
 
@@ -134,3 +136,29 @@ async def test_an_immediate_stop_gives_the_job_back_within_the_program_s_short_g
         await eventually(lambda: _outcome(agent), timeout=TERMINATE_GRACE_SECONDS + 8)
         took = time.monotonic() - stopped_at
     assert agent.outcomes[0].status == "released" and took < TERMINATE_GRACE_SECONDS + 2, (agent.outcomes, took)
+
+
+async def test_a_program_s_numbers_reach_its_result_as_the_numbers_it_wrote(server, api):
+    """Its JSON output is read exactly (decimals): those must be sent as JSON numbers, not as the strings
+    msgspec writes of a ``Decimal`` by default (``{"loss": "0.5"}`` was stored)."""
+    paired = await pair(server, api, "scripts-numbers")
+    handler = CommandHandler([sys.executable, "-c", "print('{\"loss\": 0.5, \"exact\": 0.10000000000000000001, \"n\": 3}')"])
+    async with running_agent(server, paired["credential"], handlers={"script": handler}):
+        job = await submit(api, "script")
+        await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=20)
+    done = json.loads((await api.get(f"/v1/jobs/{job['id']}")).text, parse_float=Decimal)
+    assert done["status"] == "complete", done
+    assert done["result"] == {"loss": Decimal("0.5"), "exact": Decimal("0.10000000000000000001"), "n": 3}, done["result"]
+
+
+async def test_a_program_reads_the_payload_s_numbers_as_the_submitter_wrote_them(server, api):
+    """Its standard input is the payload as the submitter wrote it: read as Python's floats on the way, a number
+    of more than 17 digits reached the program rounded (``0.1``)."""
+    paired = await pair(server, api, "scripts-payload")
+    handler = CommandHandler([sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"])
+    async with running_agent(server, paired["credential"], handlers={"script": handler}):
+        job = (await api.post("/v1/jobs", content=b'{"kind": "script", "payload": {"x": 0.10000000000000000001, "big": 1e400}}',
+                              headers={"Content-Type": "application/json"})).json()
+        await eventually(lambda: job_in(api, job["id"], "complete", "failed"), timeout=20)
+    done = json.loads((await api.get(f"/v1/jobs/{job['id']}")).text, parse_float=Decimal)
+    assert done["result"] == {"x": Decimal("0.10000000000000000001"), "big": Decimal("1e400")}, done["result"]

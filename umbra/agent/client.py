@@ -21,6 +21,7 @@ import httpx
 import msgspec
 
 from umbra.errors import UmbraError
+from umbra.events import documents
 from umbra.events.types import Device
 
 #: Extra seconds the HTTP client waits beyond a long-poll's ``wait``: the
@@ -79,6 +80,10 @@ class Claim:
     #: Seconds of lease left when the answer came (see :func:`lease_left`).
     lease_seconds: float
     progress_note: ProgressNote = field(default_factory=ProgressNote, compare=False, repr=False)
+    #: The payload with its numbers exact (a fraction or an exponent as a ``Decimal``,
+    #: :mod:`umbra.events.documents`), which a program run for the job reads as the submitter wrote them;
+    #: :attr:`payload` has Python's floats, which keep about 17 digits, for handlers written in Python.
+    exact_payload: Any = field(default=None, compare=False, repr=False)
 
     def report_progress(self, fraction: float | None = None, message: str | None = None) -> None:
         """Say how far the job is: ``fraction`` done (0 to 1) and a line for people ("epoch 4 of 10").
@@ -130,8 +135,9 @@ def _server_now(response: httpx.Response) -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _claim(body: dict[str, Any], response: httpx.Response) -> Claim:
-    """A claim as the server answers it (the long-poll's body, or a completion's ``next_claim``).
+def _claim(body: dict[str, Any], response: httpx.Response, exact: dict[str, Any]) -> Claim:
+    """A claim as the server answers it (the long-poll's body, or a completion's ``next_claim``);
+    ``exact``: the same claim read with :func:`umbra.events.documents.decode`, for its payload.
 
     Raises ``KeyError``, ``TypeError`` or ``ValueError`` for one without what running and reporting
     the job need (its id, kind and attempt), here rather than halfway through running it.
@@ -142,6 +148,7 @@ def _claim(body: dict[str, Any], response: httpx.Response) -> Claim:
         placement=body.get("placement") or {},
         lease_expires_at=expires,
         lease_seconds=lease_left(body, response),
+        exact_payload=exact["job"].get("payload"),
     )
     if not (isinstance(claim.job_id, str) and isinstance(claim.kind, str) and claim.attempt >= 0):
         raise TypeError("the claimed job has no id, kind or attempt")
@@ -288,7 +295,9 @@ class AgentClient:
                     headers: dict[str, str] | None = None) -> httpx.Response:  # fmt: skip
         kwargs: dict[str, Any] = {"params": params, "headers": dict(headers or {})}
         if body is not None:
-            kwargs["content"] = msgspec.json.encode(body)
+            # Numbers as the handler has them: a program's result read exactly (Decimal) is sent as the number
+            # it wrote, not as the string msgspec's default makes of a Decimal.
+            kwargs["content"] = documents.encode(body)
             kwargs["headers"]["Content-Type"] = "application/json"
         if timeout is not None:
             kwargs["timeout"] = timeout
@@ -329,7 +338,7 @@ class AgentClient:
         )
         if response.status_code == 204:
             return None
-        return _read(response, lambda body: _claim(body, response))
+        return _read(response, lambda body: _claim(body, response, documents.decode(response.content)))
 
     async def release_unread(self, request_id: str) -> list[str]:
         """``POST /v1/agent/claim/release``: the answer of the claim request sent as ``request_id`` was never
@@ -365,7 +374,7 @@ class AgentClient:
 
         def completed(job: dict[str, Any]) -> tuple[dict[str, Any], Claim | None]:
             following = job.pop("next_claim", None)
-            return job, (_claim(following, response) if following else None)
+            return job, (_claim(following, response, documents.decode(response.content)["next_claim"]) if following else None)
 
         return _read(response, completed)
 

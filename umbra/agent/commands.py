@@ -105,7 +105,8 @@ class CommandHandler:
         errors: deque[str] = deque(maxlen=ERROR_TAIL_LINES)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._feed, process, claim.payload)
+                exact = getattr(claim, "exact_payload", None)  # a Claim made by hand may have none: its payload then
+                tg.start_soon(self._feed, process, claim.payload if exact is None else exact)
                 read = anyio.Event()
 
                 async def read_both() -> None:
