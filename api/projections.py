@@ -89,9 +89,16 @@ async def read_queue(conn, organization_id: UUID, limit: int) -> dict[str, Any]:
 
 async def read_nodes(conn, organization_id: UUID, stale_seconds: int) -> dict[str, Any]:
     """The nodes view with effective statuses; call inside a snapshot transaction."""
+    return (await _read_nodes(conn, organization_id, stale_seconds))[0]
+
+
+async def _read_nodes(
+    conn, organization_id: UUID, stale_seconds: int
+) -> tuple[dict[str, Any], list[node_reads.NodeView]]:
+    """The nodes view, and the node reads it was made of (in its order)."""
     position = await store.head_position(conn, organization_id)
     views = await node_reads.load_schedulable_view(conn, organization_id, stale_seconds=stale_seconds)
-    return {"position": position, "nodes": [msgspec.to_builtins(node_out(v)) for v in views]}
+    return {"position": position, "nodes": [msgspec.to_builtins(node_out(v)) for v in views]}, views
 
 
 async def queue_snapshot(request: Request):
@@ -130,10 +137,14 @@ async def stream_projections(request: Request):
                       who=who, most=services.settings.max_streams_per_organization)  # fmt: skip
 
 
-def _node_key(node: dict[str, Any]) -> tuple:
+def _node_key(read: node_reads.NodeView, node: dict[str, Any]) -> tuple:
     """What makes a node worth re-sending: any folded change, or its effective reading (its devices' ``busy``
-    included, which its running jobs move)."""
-    return (node["updated_at"], node["status"], node["schedulable"], node["last_heartbeat_at"] is None,
+    included, which its running jobs move).
+
+    A folded change is told by the row's version, not its ``updated_at``: an event is stamped no earlier
+    than the one before it on its stream, so a command whose transaction began before that one committed
+    records its change at the same time, and the change was never sent."""
+    return (read.state.version, node["status"], node["schedulable"], node["last_heartbeat_at"] is None,
             tuple(device["busy"] for device in node["devices"]))  # fmt: skip
 
 
@@ -161,8 +172,8 @@ def _view_reader(organization_id: UUID, views: tuple[str, ...], stale: float) ->
                         queue["changed_truncated"] = len(moved) > MOST_CHANGED
                     out.append(message(queue, event="queue"))
             if "nodes" in views:
-                nodes = await read_nodes(conn, organization_id, stale)
-                keys = {n["id"]: _node_key(n) for n in nodes["nodes"]}
+                nodes, reads = await _read_nodes(conn, organization_id, stale)
+                keys = {n["id"]: _node_key(r, n) for r, n in zip(reads, nodes["nodes"])}
                 if keys != sent_nodes:
                     changed = [i for i, k in keys.items() if sent_nodes is None or sent_nodes.get(i) != k]
                     out.append(message({**nodes, "changed": changed}, event="nodes"))

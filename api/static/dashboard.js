@@ -76,15 +76,22 @@
     $("key-input").focus();
   }
 
-  function readKey() {
+  // A key given in the address ("#key=…") is taken out of it at once, so that it stays in neither the
+  // address bar nor the history. Looked for on load and whenever the fragment changes: opening that link
+  // in a tab already showing the dashboard changes only the fragment, and the page is not loaded again.
+  function keyFromAddress() {
     const match = location.hash.match(/[#&]key=([^&]+)/);
-    if (match) {
-      const key = decodeURIComponent(match[1]);
-      localStorage.setItem(KEY_STORAGE, key);
-      history.replaceState(null, "", location.pathname + location.search);
-      return key;
-    }
-    return localStorage.getItem(KEY_STORAGE);
+    if (!match) return null;
+    history.replaceState(null, "", location.pathname + location.search);
+    return decodeURIComponent(match[1]);
+  }
+
+  function useKey(key) {
+    localStorage.setItem(KEY_STORAGE, key);
+    if (key !== apiKey) forgetViews();  // another key may be another organization: its log positions are its own
+    apiKey = key;
+    retryDelay = 1000;
+    connect();
   }
 
   class AuthError extends Error {}
@@ -188,6 +195,11 @@
     retryDelay = Math.min(retryDelay * 2, 15000);
   }
 
+  // The server sends a ": ping" line after 15 s of silence, so a stream that says nothing for STALL_MS
+  // is one whose server went away without closing it (its host gone, the network dropped, a laptop woken
+  // from sleep): it is given up and connected again, instead of being called live for ever.
+  const STALL_MS = 45000;
+
   // The stream is read with fetch rather than EventSource: EventSource cannot
   // send an Authorization header, and a key in the URL would be written down
   // by every proxy log and browser history it passed through.
@@ -199,14 +211,20 @@
     if ($("conn-state").dataset.state !== "reconnecting") setState("connecting");
     const stream = new AbortController();
     source = stream;
-    readStream(stream).then(() => {
+    let stalled = null;
+    const heard = () => {
+      clearTimeout(stalled);
+      stalled = setTimeout(() => stream.abort(), STALL_MS);
+    };
+    heard();
+    readStream(stream, heard).then(() => {
       if (source === stream) scheduleReconnect();  // the server ended it (shutting down, say)
     }, () => {
-      if (source === stream) scheduleReconnect();  // the connection dropped
-    });
+      if (source === stream) scheduleReconnect();  // the connection dropped, or went silent
+    }).finally(() => clearTimeout(stalled));
   }
 
-  async function readStream(stream) {
+  async function readStream(stream, heard) {
     const response = await fetch("/v1/projections/stream?views=queue,nodes", {
       headers: { Authorization: `Bearer ${apiKey}`, Accept: "text/event-stream" },
       cache: "no-store",
@@ -231,6 +249,7 @@
     for (;;) {
       const { value, done } = await reader.read();
       if (done || source !== stream) return;
+      heard();
       buffer += value;
       let end;
       while ((end = buffer.indexOf("\n")) >= 0) {
@@ -461,21 +480,23 @@
       event.preventDefault();
       const key = $("key-input").value.trim();
       if (!key) return;
-      localStorage.setItem(KEY_STORAGE, key);
-      if (key !== apiKey) forgetViews();  // another key may be another organization: its log positions are its own
-      apiKey = key;
       $("key-input").value = "";
-      retryDelay = 1000;
-      connect();
+      useKey(key);
     });
     $("change-key").addEventListener("click", () => {
       localStorage.removeItem(KEY_STORAGE);
       apiKey = null;
       askForKey();
     });
+    window.addEventListener("hashchange", () => {
+      const key = keyFromAddress();
+      if (key) useKey(key);
+    });
     setInterval(tick, 1000);
-    apiKey = readKey();
-    if (apiKey) connect();
+    apiKey = localStorage.getItem(KEY_STORAGE);
+    const given = keyFromAddress();
+    if (given) useKey(given);
+    else if (apiKey) connect();
     else askForKey();
   });
 })();

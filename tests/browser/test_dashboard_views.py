@@ -234,3 +234,49 @@ def test_a_queued_job_waiting_behind_200_blocked_ones_is_not_called_none_waiting
     assert listed == 1 or not empty.is_visible() or "No job has waited" not in empty.inner_text(), (
         f"Waiting says {empty.inner_text()!r} while a queued job has waited 5 minutes"
     )
+
+
+def test_a_key_given_in_the_address_of_a_dashboard_already_open_is_used_and_taken_out_of_the_address(
+    served, browser, clients
+):
+    """``$URL/#key=…`` opened in a tab already showing the dashboard changes only the fragment: the page is not
+    loaded again, and it read the key on load alone. The new key stayed in the address bar (and the history)
+    while the page went on showing the previous key's organization."""
+    from playwright.sync_api import expect
+
+    _, quiet_key = _organization(served.settings.database_url, "quiet")
+    _, busy_key = _organization(served.settings.database_url, "busy")
+    busy = clients(served.url, busy_key)
+    jobs = [busy.post("/v1/jobs", json={"kind": "secret-kind", "payload": {}}).json() for _ in range(3)]
+    assert all(j["status"] == "blocked" for j in jobs)
+
+    page = browser.new_context().new_page()
+    page.goto(f"{served.url}/#key={busy_key}")
+    expect(page.locator("#count-blocked")).to_have_text("3")
+    assert "key=" not in page.url
+    page.evaluate("window.__sameDocument = true")
+
+    page.goto(f"{served.url}/#key={quiet_key}")
+    expect(page.locator("#count-blocked")).to_have_text("0")
+    expect(page.locator("#conn-state")).to_have_attribute("data-state", "live")
+    assert page.evaluate("window.__sameDocument") is True, "only the fragment changed: the page was not reloaded"
+    assert "key=" not in page.url, "the key is taken out of the address bar"
+    assert page.evaluate("localStorage.getItem('umbra.apiKey')") == quiet_key
+
+
+def test_a_stream_gone_silent_is_called_disconnected_and_connected_again(served, browser):
+    """A server that goes away without closing the connection (its host gone, the network dropped) sends
+    nothing more, not even the ping it sends after 15 s of silence: the page went on saying "live" for ever.
+    Here the page's clock is moved on past the bound while nothing arrives."""
+    from playwright.sync_api import expect
+
+    _, key = _organization(served.settings.database_url, "quiet")
+    page = browser.new_context().new_page()
+    page.clock.install()
+    page.goto(f"{served.url}/#key={key}")
+    expect(page.locator("#conn-state")).to_have_attribute("data-state", "live")
+    page.clock.fast_forward(60_000)  # a minute without a byte: no message, and no ping
+    expect(page.locator("#conn-state")).to_have_attribute("data-state", "reconnecting")
+    expect(page.locator("#banner")).to_be_visible()
+    page.clock.fast_forward(2_000)  # the retry
+    expect(page.locator("#conn-state")).to_have_attribute("data-state", "live")

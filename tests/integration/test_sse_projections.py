@@ -6,6 +6,7 @@ import json
 
 import anyio
 import httpx
+import psycopg
 import pytest
 
 from tests.helpers import bearer
@@ -98,3 +99,31 @@ async def test_a_node_event_pushes_no_queue_message_to_a_queue_only_subscriber(c
     assert view["changed"] == [job["id"]], (
         f"queue re-sent unchanged after a node event: position {first['position']} -> {view['position']}, "
         f"changed={view['changed']}, counts={view['counts']}")
+
+
+async def test_a_node_change_stamped_with_the_time_of_the_one_before_is_pushed(conn, org, live_server, db_url):
+    """An event is stamped no earlier than the one it follows on its stream, so a command whose transaction
+    began before the previous one on the node committed records its change at that one's time: the node's
+    ``updated_at`` does not move. The stream keyed re-sending a node on it, and the change (here a new agent
+    version) was in every snapshot and never pushed."""
+    org_id, key = org
+    node_id = await pair(conn, org_id, "box")
+    await heartbeat(conn, org_id, node_id, HeartbeatReport(devices=(CPU,), agent_version="1.0"),
+                    event_interval_seconds=300)  # fmt: skip
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30, headers=bearer(key)) as client:
+        async with client.stream("GET", "/v1/projections/stream", params={"views": "nodes"}) as response:
+            reader = SseReader(response)
+            assert (await next_view(reader, "nodes"))["nodes"][0]["agent_version"] == "1.0"
+            async with await psycopg.AsyncConnection.connect(db_url) as late:
+                async with late.transaction():
+                    await late.execute("SELECT 1")  # its clock (now()) stops here
+                    await heartbeat(conn, org_id, node_id, HeartbeatReport(devices=(CPU,), agent_version="2.0"),
+                                    event_interval_seconds=300)  # fmt: skip
+                    sent = await next_view(reader, "nodes")
+                    assert sent["nodes"][0]["agent_version"] == "2.0"
+                    await heartbeat(late, org_id, node_id, HeartbeatReport(devices=(CPU,), agent_version="3.0"),
+                                    event_interval_seconds=300)  # fmt: skip
+            snapshot = (await client.get("/v1/projections/nodes")).json()["nodes"][0]
+            assert (snapshot["agent_version"], snapshot["updated_at"]) == ("3.0", sent["nodes"][0]["updated_at"])
+            pushed = await next_view(reader, "nodes", timeout=5)
+    assert pushed["nodes"][0]["agent_version"] == "3.0" and pushed["changed"] == [str(node_id)]
