@@ -167,16 +167,22 @@ def test_a_cordoned_device_is_marked_cordoned_with_its_reason(served, browser, c
     expect(card.locator('.device[data-device="cpu"] .busy')).to_have_count(0)
 
 
-def test_a_snapshot_read_with_the_previous_key_does_not_come_back_after_a_key_change(served, browser, clients):
-    """A snapshot still being read with the previous key when the key changes is not shown: it is the other
-    organization's, at a higher position, and every later view of the new one would be dropped as stale."""
-    from playwright.sync_api import expect
-
+def _quiet_and_busy(served, clients) -> tuple[str, str, list[dict]]:
+    """The keys of two organizations, "quiet", with nothing, and "busy", and busy's three blocked jobs."""
     _, quiet_key = _organization(served.settings.database_url, "quiet")
     _, busy_key = _organization(served.settings.database_url, "busy")
     busy = clients(served.url, busy_key)
     jobs = [busy.post("/v1/jobs", json={"kind": "secret-kind", "payload": {}}).json() for _ in range(3)]
     assert all(j["status"] == "blocked" for j in jobs)
+    return quiet_key, busy_key, jobs
+
+
+def test_a_snapshot_read_with_the_previous_key_does_not_come_back_after_a_key_change(served, browser, clients):
+    """A snapshot still being read with the previous key when the key changes is not shown: it is the other
+    organization's, at a higher position, and every later view of the new one would be dropped as stale."""
+    from playwright.sync_api import expect
+
+    quiet_key, busy_key, jobs = _quiet_and_busy(served, clients)
 
     page = browser.new_context().new_page()
     held = []
@@ -244,11 +250,7 @@ def test_a_key_given_in_the_address_of_a_dashboard_already_open_is_used_and_take
     while the page went on showing the previous key's organization."""
     from playwright.sync_api import expect
 
-    _, quiet_key = _organization(served.settings.database_url, "quiet")
-    _, busy_key = _organization(served.settings.database_url, "busy")
-    busy = clients(served.url, busy_key)
-    jobs = [busy.post("/v1/jobs", json={"kind": "secret-kind", "payload": {}}).json() for _ in range(3)]
-    assert all(j["status"] == "blocked" for j in jobs)
+    quiet_key, busy_key, _ = _quiet_and_busy(served, clients)
 
     page = browser.new_context().new_page()
     page.goto(f"{served.url}/#key={busy_key}")
