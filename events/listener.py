@@ -33,11 +33,11 @@ log = logging.getLogger(__name__)
 APPLICATION_NAME = "umbra-listener"
 
 #: The listener's connection, against a network that drops packets silently (no reset): a connect
-#: that gets no answer gives up, TCP keepalives end a connection whose peer is gone, and the idle
-#: probe must answer in time. Otherwise the listener would wait for the operating system's TCP
-#: timeout (minutes) while every waiter and stream fell back to its safety poll.
-CONNECTION_OPTIONS = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-                      "keepalives_count": 3}  # fmt: skip
+#: that gets no answer gives up, TCP keepalives end a connection whose peer is gone (every connection
+#: has them: :data:`umbra.db.KEEPALIVES`), and the idle probe must answer in time. Otherwise the
+#: listener would wait for the operating system's TCP timeout while every waiter and stream fell back
+#: to its safety poll.
+CONNECTION_OPTIONS = {"connect_timeout": 5}
 PROBE_SECONDS = 5.0
 
 HintCallback = Callable[[UUID, int, int], None]

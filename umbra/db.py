@@ -359,10 +359,20 @@ async def in_utc(conn: psycopg.AsyncConnection) -> None:
     await conn.execute("SET TIME ZONE 'UTC'")
 
 
+#: TCP keepalives on every connection to the database: one whose peer went away silently (a network that
+#: drops packets, a host gone without a reset) is ended after about 25 s with nothing heard, as a connection
+#: the database closed is, instead of after the operating system's TCP timeout (two hours for one waiting
+#: for an answer): a request, a batch or the sweeper waiting on it answers or moves on. Probes are answered
+#: by the database host's kernel, so a long statement is not taken for a gone peer; a Unix socket (the
+#: embedded server's) has none.
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+
+
 async def connect(url: str, **kwargs: Any) -> psycopg.AsyncConnection:
     """A connection of its own (the sweeper's, the CLI's), in autocommit, reading times in UTC as pooled ones do
-    and with its idle transactions bounded (:func:`bound_waits`; its lock waits are not)."""
-    conn = await psycopg.AsyncConnection.connect(url, autocommit=True, **kwargs)
+    and with its idle transactions bounded (:func:`bound_waits`; its lock waits are not), and
+    :data:`KEEPALIVES`."""
+    conn = await psycopg.AsyncConnection.connect(url, autocommit=True, **{**KEEPALIVES, **kwargs})
     try:
         await in_utc(conn)
         await bound_waits(conn, lock_waits=False)
@@ -437,7 +447,7 @@ async def open_pool(url: str, *, size: int = 10) -> AsyncIterator[AsyncConnectio
         max_size=size,
         open=False,
         timeout=POOL_WAIT_SECONDS,
-        kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_SECONDS},
+        kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_SECONDS, **KEEPALIVES},
         configure=_configure,
     )
     await pool.open(wait=True, timeout=30)

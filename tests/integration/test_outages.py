@@ -851,3 +851,18 @@ SERVICE_LOCK_WAIT_SECONDS_LEFT = 25
 
 async def _queued_behind(conn, expected: int) -> bool:
     return await sessions_waiting_on_a_lock(conn, "advisory") >= expected
+
+
+async def test_every_connection_to_the_database_has_tcp_keepalives(db_url):
+    """A pooled connection (every request's, the group commit's) and a connection of its own (the sweeper's,
+    the listener's) whose peer went away silently are ended within seconds of silence, not after the
+    operating system's TCP timeout: behind a network that dropped packets, a request waited for ever."""
+    from umbra.db import KEEPALIVES, open_pool, own_connection
+
+    async with open_pool(db_url, size=1) as pool:
+        async with pool.connection() as pooled:
+            given = [pooled.info.get_parameters()]
+    async with own_connection(db_url) as own:
+        given.append(own.info.get_parameters())
+    for parameters in given:
+        assert {name: parameters.get(name) for name in KEEPALIVES} == {name: str(v) for name, v in KEEPALIVES.items()}
