@@ -3,8 +3,10 @@ progress and the failures reach the job; a cancelled job's program is stopped.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 from decimal import Decimal
 
@@ -65,6 +67,44 @@ async def test_a_cancelled_job_s_program_is_stopped(server, api, tmp_path):
         pid = int(pid_file.read_text())
         await eventually(lambda: _gone(pid), timeout=15)
         await eventually(lambda: _outcome(agent), timeout=15)
+
+
+SLEEPER = "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(120)"
+
+
+@contextlib.asynccontextmanager
+async def _sleeping(server, api, tmp_path, name: str, *, max_attempts: int):
+    """An agent on a node ``name`` whose job's program has started and sleeps: ``(agent, job, program's pid)``."""
+    paired = await pair(server, api, name)
+    pid_file = tmp_path / "pid"
+    handler = CommandHandler([sys.executable, "-c", SLEEPER, str(pid_file)])
+    async with running_agent(server, paired["credential"], handlers={"script": handler}) as agent:
+        job = await submit(api, "script", max_attempts=max_attempts)
+        await eventually(lambda: _exists(pid_file), timeout=15)
+        yield agent, job, int(pid_file.read_text())
+
+
+async def test_a_program_stopped_with_its_agent_by_a_service_manager_is_given_back(server, api, tmp_path):
+    """A service manager stopping the agent's service (systemd's default) signals every process of it at
+    once: the program ends by that SIGTERM as the agent begins to stop. The job was interrupted, not failed:
+    it is given back, uncharged, as one past the stop's grace is, rather than failed for good."""
+    async with _sleeping(server, api, tmp_path, "scripts-managed", max_attempts=1) as (agent, job, pid):
+        os.killpg(pid, signal.SIGTERM)
+        agent.stop()
+        await eventually(lambda: _outcome(agent), timeout=15)
+    assert [o.status for o in agent.outcomes] == ["released"], agent.outcomes
+    back = (await api.get(f"/v1/jobs/{job['id']}")).json()
+    assert back["status"] == "queued", back
+    assert [(e["type"], e["data"].get("reason")) for e in await job_events(api, job["id"])][-1] == ("job.released", "agent_stopping")
+
+
+async def test_a_program_stopped_from_outside_is_retried_not_failed_for_good(server, api, tmp_path):
+    """Someone else's SIGTERM (an operator, a service manager) says nothing of the job: it is retried."""
+    async with _sleeping(server, api, tmp_path, "scripts-interrupted", max_attempts=2) as (agent, job, pid):
+        os.killpg(pid, signal.SIGTERM)
+        await eventually(lambda: _outcome(agent), timeout=15)
+        assert agent.outcomes[0].status == "retrying", agent.outcomes
+    assert "job.requeued" in await event_types(api, job["id"])
 
 
 async def _exists(path) -> bool:

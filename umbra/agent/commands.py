@@ -14,8 +14,11 @@ runs one program per job, so such work needs no Python handler written for it:
   progress (``-`` for no fraction); the other lines go to the agent's log, and
   the last :data:`ERROR_TAIL_LINES` of them into the error of a failure;
 * exit status 0 completes the job; :data:`RETRYABLE_EXIT` (``EX_TEMPFAIL``
-  of sysexits.h) fails it as retryable; any other status, or a signal, fails
-  it for good;
+  of sysexits.h) fails it as retryable; ending by a signal someone else sent
+  it to stop (:data:`STOPPING_SIGNALS`: a service manager stopping every
+  process of the agent's service) is an interruption (:class:`Interrupted`:
+  given back while the agent is stopping, else retried); any other status,
+  or another signal (``SIGKILL``, a crash), fails it for good;
 * it runs in a session of its own: a Ctrl-C in the agent's terminal stops
   the agent gracefully (the program finishes within ``--grace``), and the
   program and whatever it starts are one process group;
@@ -43,12 +46,14 @@ from anyio.abc import ByteReceiveStream
 from umbra.events import documents
 
 from .client import storable_text
-from .handlers import PermanentError, RetryableError
+from .handlers import Interrupted, PermanentError, RetryableError
 
 log = logging.getLogger(__name__)
 
 #: The exit status that fails a job as retryable (``EX_TEMPFAIL``: "try again later").
 RETRYABLE_EXIT = 75
+#: Signals that stop a program on purpose; one ended by one of them was interrupted, not failed.
+STOPPING_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 #: Seconds a program (and what it started) has to exit after ``SIGTERM`` before it is killed: short, for the
 #: job is given back (a second Ctrl-C, a lost lease) only once its program is gone.
 TERMINATE_GRACE_SECONDS = 3.0
@@ -134,6 +139,8 @@ class CommandHandler:
         message = _failure(f"{self.argv[0]} {why}: ", errors)
         if status == RETRYABLE_EXIT:
             raise RetryableError(message)
+        if -status in STOPPING_SIGNALS:  # not ours: the agent signals the group only once the program ended
+            raise Interrupted(message)
         raise PermanentError(message)
 
     @staticmethod

@@ -54,6 +54,13 @@ class RetryableError(Exception):
     retryable = True
 
 
+class Interrupted(RetryableError):
+    """The run was stopped from outside, not by its own fault: a program ended by a signal someone else sent
+    it (``SIGTERM``, ``SIGINT``, ``SIGHUP``). A service manager stopping the agent signals every process of
+    the service at once: while the agent is stopping such a job is given back, as one past the stop's grace
+    is; otherwise it is retried."""
+
+
 class PermanentError(Exception):
     """A failure another attempt cannot fix (bad payload, unsupported input)."""
 

@@ -52,7 +52,7 @@ from umbra import jitter
 from umbra.domain.jobs import STOPPED_ERROR
 
 from .client import HTTP_ERROR, AgentClient, Claim, ServiceError, storable_text
-from .handlers import Decompose, HandlerRegistry, PermanentError, is_retryable
+from .handlers import Decompose, HandlerRegistry, Interrupted, PermanentError, is_retryable
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,9 @@ TRANSIENT_REFUSALS = frozenset({408, 409, 425, 429})
 #: Refusals of a result or children that no retry, and no rerun, could change.
 UNDELIVERABLE_CODES = frozenset({"invalid_request", "payload_too_large"})
 RUNTIME_MESSAGE = "The job exceeded its max_runtime_s."
+#: How long a run whose program was stopped from outside waits for the agent's own stop, signalled at the
+#: same moment by a service manager, before it is retried rather than given back (:class:`Interrupted`).
+INTERRUPTED_STOP_SECONDS = 1.0
 #: How long giving back an unread claim may take at most (its request times out sooner).
 RELEASE_SECONDS = 5.0
 #: ... and with the server's ``rate_limited`` refusals waited out: a node may send 20 give-backs at once and
@@ -231,6 +234,7 @@ class JobRun:
         self._backoff = backoff
         self._scope: anyio.CancelScope | None = None
         self._stop_deadline: float | None = None
+        self._stopping = anyio.Event()
         self._lost: ServiceError | None = None
         self._abandoned = anyio.Event()
         #: Seconds of lease the last answer granting it left (the claim's, then each renewal's): for how long
@@ -248,6 +252,7 @@ class JobRun:
         """
         if grace_seconds <= 0:
             self._abandoned.set()
+        self._stopping.set()
         deadline = anyio.current_time() + grace_seconds
         self._stop_deadline = deadline if self._stop_deadline is None else min(self._stop_deadline, deadline)
         if self._scope is not None:
@@ -280,6 +285,13 @@ class JobRun:
             if runtime_deadline is not None and runtime_deadline <= scope.deadline:
                 return await self._fail(RUNTIME_MESSAGE, retry=False)
             return await self._give_back()
+        if isinstance(failure, Interrupted):
+            # A service manager stopping the service signals the agent and the program at once, in no set
+            # order: the agent's stop is waited for a moment before the job is taken for interrupted alone.
+            with anyio.move_on_after(INTERRUPTED_STOP_SECONDS):
+                await self._stopping.wait()
+            if self._stopping.is_set():
+                return await self._give_back()
         if failure is not None:
             return await self._fail(str(failure) or type(failure).__name__, retry=is_retryable(failure))
         if isinstance(result, _Children):
