@@ -40,3 +40,44 @@ async def test_service_role_reaches_projects_of_orgs_created_by_the_admin(db_url
         assert await assume_service_role(conn)
         assert await project_exists(conn, org, project)
         assert not await project_exists(conn, org, uuid.uuid4())
+
+
+async def test_service_role_reaches_projects_of_orgs_created_before_the_role_existed(pg_server_url, monkeypatch):
+    """An organization created before 0006 got its tenant schema from 0002's function, which granted the
+    service role nothing (the role did not exist yet). Upgraded, the service role must still reach that
+    tenant's projects: a submission naming one was a 500 (permission denied for the schema)."""
+    import umbra.migrate as migrations
+    from psycopg import conninfo, sql
+
+    name = f"umbra_svc_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_server_url, autocommit=True) as c:
+        c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = conninfo.make_conninfo(pg_server_url, dbname=name)
+    try:
+        shipped = migrations.available_migrations()
+        monkeypatch.setattr(migrations, "available_migrations", lambda: [m for m in shipped if m.version < 6])
+        await migrations.migrate(url)
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
+            org, _ = await create_organization(admin, "before-0006")
+            project = await create_project(admin, org, "p")
+        monkeypatch.setattr(migrations, "available_migrations", lambda: shipped)
+        assert "0006_service_role.sql" in await migrations.migrate(url)
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            assert await assume_service_role(conn)
+            assert await project_exists(conn, org, project)
+            assert not await project_exists(conn, org, uuid.uuid4())
+    finally:
+        with psycopg.connect(pg_server_url, autocommit=True) as c:
+            c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+async def test_service_role_cannot_record_a_migration(db_url):
+    """A row of ``schema_migrations`` says a migration ran: one the service could write would make every
+    later ``umbra migrate`` skip it."""
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+        assert await assume_service_role(conn)
+        for statement in ("INSERT INTO schema_migrations (version, name) VALUES (9999, 'x')",
+                          "UPDATE schema_migrations SET name = 'x'", "DELETE FROM schema_migrations"):  # fmt: skip
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                await conn.execute(statement)
