@@ -128,13 +128,27 @@ MAX_JSON_DEPTH = 100
 TOO_DEEP = f"JSON may nest arrays and objects at most {MAX_JSON_DEPTH} levels deep."
 UNSTORABLE_NUMBER = (f"a number may have at most {documents.NUMERIC_WHOLE_DIGITS} digits before the decimal point "
                      f"and {documents.NUMERIC_FRACTION_DIGITS} after it.")
+UNREADABLE_NUMBER = (f"a number with no digits after the decimal point may be at most {documents.INTEGER_CHARACTERS} "
+                     "characters long written out, a minus sign counted (1e5000 is 5001 digits).")
 #: How a document's refusal from a struct's ``__post_init__`` starts: the field it is about, in backquotes.
 DOCUMENT_FIELD = re.compile(r"^`(\w+)`: ")
 
 
+def number_refusal(number: Decimal) -> str | None:
+    """Why a free-form number (read as a ``Decimal``) cannot be kept: ``numeric`` cannot hold it
+    (:func:`~umbra.events.documents.storable_number`), or ``jsonb`` would give it back as an integer too long
+    to read again (:func:`~umbra.events.documents.readable_number`); None when it can."""
+    if not documents.storable_number(number):
+        return UNSTORABLE_NUMBER
+    if not documents.readable_number(number):
+        return UNREADABLE_NUMBER
+    return None
+
+
 def check_document(value: Any, field: str) -> None:
     """Refuse ``value`` (the body's free-form ``field``) when it could not be stored: nested deeper than
-    :data:`MAX_JSON_DEPTH`, or holding a number ``numeric`` cannot hold (``1e200000``, read as a ``Decimal``).
+    :data:`MAX_JSON_DEPTH`, or holding a number that could not be kept (:func:`number_refusal`: ``1e200000``,
+    which ``numeric`` cannot hold, or ``1e5000``, which would not read back).
 
     Raises ``ValueError`` naming the field (:data:`DOCUMENT_FIELD`), which msgspec
     reports as a validation error of the struct when it comes from its
@@ -144,8 +158,8 @@ def check_document(value: Any, field: str) -> None:
     visiting every value once: a flat payload costs one pass over its values
     (about a microsecond), which a 10,000-job batch pays for every job.
     """
-    if type(value) is Decimal and not documents.storable_number(value):  # a document that is one number
-        raise ValueError(f"`{field}`: {UNSTORABLE_NUMBER}")
+    if type(value) is Decimal and (refused := number_refusal(value)):  # a document that is one number
+        raise ValueError(f"`{field}`: {refused}")
     level = [value] if type(value) is dict or type(value) is list else []
     depth = 1
     while level:
@@ -156,8 +170,8 @@ def check_document(value: Any, field: str) -> None:
             for child in item.values() if type(item) is dict else item:
                 if type(child) is dict or type(child) is list:
                     deeper.append(child)
-                elif type(child) is Decimal and not documents.storable_number(child):
-                    raise ValueError(f"`{field}`: {UNSTORABLE_NUMBER}")
+                elif type(child) is Decimal and (refused := number_refusal(child)):
+                    raise ValueError(f"`{field}`: {refused}")
         level = deeper
         depth += 1
 

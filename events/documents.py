@@ -51,6 +51,21 @@ def storable_number(number: Decimal) -> bool:
     return isinstance(exponent, int) and -exponent <= NUMERIC_FRACTION_DIGITS and len(digits) + exponent <= NUMERIC_WHOLE_DIGITS
 
 
+#: The longest JSON integer the decoder reads, a minus sign counted: msgspec refuses a longer one as out of
+#: range (as Python's ``int`` does past 4,300 digits).
+INTEGER_CHARACTERS = 4_300
+
+
+def readable_number(number: Decimal) -> bool:
+    """Whether ``number``, once ``jsonb`` holds it, reads back: ``jsonb`` writes a number with no digits after
+    the point in full (``1e5000`` as a 1 and 5,000 zeros), and past :data:`INTEGER_CHARACTERS` the decoder
+    refuses it, so every read of the document holding it fails. A body's own integers are held to that as
+    it is read; a number written with an exponent is not, and was stored, after which no read of its job
+    (nor of its organization's job list or log) and no verification succeeded."""
+    sign, digits, exponent = number.as_tuple()
+    return not isinstance(exponent, int) or exponent < 0 or number.is_zero() or sign + len(digits) + exponent <= INTEGER_CHARACTERS
+
+
 def to_builtins(value: Any) -> Any:
     """``msgspec.to_builtins`` keeping a :class:`~decimal.Decimal` as it is, for :data:`encoder` to write as a number."""
     return msgspec.to_builtins(value, builtin_types=(Decimal,))

@@ -141,3 +141,51 @@ async def test_the_command_line_prints_the_numbers_the_service_sent(cli, client,
     assert status == 0, err
     events = [exact(line) for line in out.splitlines()]
     assert [e["data"]["payload"] for e in events if e["type"] == "job.submitted"] == [STORED]
+
+
+#: Numbers jsonb holds and writes back with nothing after the point, around the longest JSON integer the
+#: service reads again (4,300 characters, a minus sign counted).
+WRITTEN_OUT = ("1e4299", "1e4300", "-1e4298", "-1e4299", "9.9e4299", "1.5e4298", "1.5e4299", "10e4298", "0e5000",
+               "-0e5000", "1.0e4299", "1e-5000")
+
+
+async def test_the_numbers_refused_as_unreadable_are_exactly_those_jsonb_gives_back_too_long_to_read(conn):
+    """``documents.readable_number`` stands for the decoder reading a number as ``jsonb`` writes it back."""
+    from umbra.events.documents import decode, readable_number
+
+    for text in WRITTEN_OUT:
+        [(written,)] = await (await conn.execute("SELECT (%s::jsonb)::text", (f"[{text}]",))).fetchall()
+        try:
+            decode(written)
+            readable = True
+        except ValueError:
+            readable = False
+        assert readable_number(Decimal(text)) is readable, text
+    assert {readable_number(Decimal(t)) for t in WRITTEN_OUT} == {True, False}  # the edges hold both
+
+
+async def test_a_number_jsonb_would_give_back_as_an_integer_too_long_to_read_is_refused_and_writes_nothing(client, conn, org):
+    """``1e5000`` is stored, but ``jsonb`` gives it back as 5,001 digits, which the decoder refuses as out of
+    range: every read of the job, of its organization's job list and log, and a verification failed (500).
+    It is refused (422, naming the field and the item) before anything is written, in a payload and in a
+    result; the longest number that reads back is stored, and read back exactly."""
+    _, key = org
+    headers = {**bearer(key), "Content-Type": "application/json"}
+    for payload in (b'{"n": 1e5000}', b'{"a": [{"b": -1e4299}]}'):
+        single = await client.post("/v1/jobs", content=b'{"kind": "echo", "payload": %s}' % payload, headers=headers)
+        assert (single.status_code, single.json()["field"]) == (422, "payload"), single.text
+    items = [b'{"kind": "echo", "payload": {"i": %d}}' % i for i in range(300)] + [b'{"kind": "echo", "payload": {"x": 1.5e4300}}']
+    batch = await client.post("/v1/jobs/batch", content=b'{"jobs": [' + b", ".join(items) + b"]}", headers=headers)
+    assert (batch.status_code, batch.json().get("index"), batch.json().get("field")) == (422, 300, "jobs[300].payload"), batch.text[:300]
+    assert (await (await conn.execute("SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM events)")).fetchone()) == (0, 0)
+    submitted = await _submit(client, key, b'{"n": 1e4299, "m": -1e4298, "zero": 0e5000}')
+    shown = exact((await client.get(f"/v1/jobs/{submitted['id']}", headers=bearer(key))).text)["payload"]
+    assert shown == {"n": Decimal("1e4299"), "m": Decimal("-1e4298"), "zero": 0}
+    _, credential = await http_pair(client, key)
+    job = await http_claim(client, credential)
+    refused = await client.post(f"/v1/agent/jobs/{job['id']}/complete", headers={**bearer(credential), "Content-Type": "application/json"},
+                                content=b'{"attempt": %d, "result": {"loss": 1e4300}}' % job["attempt"])  # fmt: skip
+    assert (refused.status_code, refused.json()["field"]) == (422, "result"), refused.text
+    assert (await client.get("/v1/jobs", headers=bearer(key))).status_code == 200
+    verified = await client.post("/v1/projections/verify", headers=bearer(key))
+    assert verified.json() == {"ok": True, "differences": []}

@@ -201,9 +201,11 @@ async def test_a_json_result_is_made_storable_and_one_the_server_would_refuse_is
             assert shown == documents.decode(text), levels
     grown = await python(f"import sys\nsys.stdout.write('[' + ','.join(['1e9'] * {(commands.OUTPUT_MAX_BYTES - 2) // 4}) + ']')")(FakeClaim())
     assert set(grown) == {"output"}
-    # A number the server's database cannot hold is text too; the largest it holds stays a number.
+    # A number the server's database cannot hold is text too, and so is one it would not read back (written out,
+    # 1e4300 is 4,301 digits); the largest that reads back stays a number.
     assert await python("print('{\"x\": [1e200000]}')")(FakeClaim()) == {"output": '{"x": [1e200000]}\n'}
-    assert await python("print('{\"x\": 1e131071}')")(FakeClaim()) == {"x": Decimal("1e131071")}
+    assert await python("print('{\"x\": 1e4300}')")(FakeClaim()) == {"output": '{"x": 1e4300}\n'}
+    assert await python("print('{\"x\": 1e4299}')")(FakeClaim()) == {"x": Decimal("1e4299")}
 
 
 async def test_the_agent_s_own_settings_do_not_reach_the_program(monkeypatch):

@@ -265,8 +265,9 @@ class _Output:
 def _storable(value: Any, levels: int) -> Any:
     """``value`` with every string (keys too) as the server can store it (:func:`storable_text`: no NUL, no
     lone surrogate); ValueError for arrays and objects nested more than ``levels`` deep, or a number the server
-    cannot store (:func:`~umbra.events.documents.storable_number`)."""
-    if isinstance(value, Decimal) and not documents.storable_number(value):
+    cannot store (:func:`~umbra.events.documents.storable_number`) or would not read back once stored
+    (:func:`~umbra.events.documents.readable_number`: it refuses such a result)."""
+    if isinstance(value, Decimal) and not (documents.storable_number(value) and documents.readable_number(value)):
         raise ValueError("a number the server cannot store")
     if isinstance(value, str):
         return storable_text(value, len(value) * 10 + 1)
