@@ -1,10 +1,15 @@
 -- The role the service's request connections run as (SET ROLE umbra_service):
 -- it may read and append events but never rewrite them, whatever the login role
 -- is allowed. Roles are cluster-wide, so creation tolerates a role made by
--- another database's migration (or a concurrent one).
+-- another database's migration (or a concurrent one). It is made only when it
+-- does not exist: PostgreSQL checks the right to create a role before whether
+-- it exists, and an owner without CREATEROLE, for whom it was made beforehand
+-- (README), failed here. (Where this ran already, the guard changes nothing.)
 DO $$
 BEGIN
-    CREATE ROLE umbra_service NOLOGIN;
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'umbra_service') THEN
+        CREATE ROLE umbra_service NOLOGIN;
+    END IF;
 EXCEPTION WHEN duplicate_object OR unique_violation THEN
     NULL;
 END $$;

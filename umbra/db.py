@@ -7,6 +7,7 @@ set, else the embedded server under the data dir (started or adopted).
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import weakref
 from contextlib import asynccontextmanager, contextmanager
@@ -20,6 +21,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from .embedded import EmbeddedPostgres, install_exit_on_sigterm, start_embedded, unembeddable
 from .settings import Settings, SettingsError
+
+log = logging.getLogger(__name__)
 
 
 def resolve_database(settings: Settings) -> tuple[str, EmbeddedPostgres | None]:
@@ -54,17 +57,28 @@ SERVICE_ROLE = "umbra_service"
 
 
 async def assume_service_role(conn: psycopg.AsyncConnection) -> bool:
-    """``SET ROLE umbra_service`` when the login role may; returns whether it did."""
+    """``SET ROLE umbra_service`` when the login role may; returns whether it did. When it may not, a
+    warning says so, once per process: the log is then kept from being rewritten by its trigger alone,
+    which the login role (its owner) may disable, while the README promises more."""
+    global _own_role_warned
     row = await (
         await conn.execute(
-            "SELECT to_regrole(%s) IS NOT NULL AND pg_has_role(current_user, %s, 'MEMBER')",
+            "SELECT to_regrole(%s) IS NOT NULL AND pg_has_role(current_user, %s, 'MEMBER'), current_user",
             (SERVICE_ROLE, SERVICE_ROLE),
         )
     ).fetchone()
     if row and row[0]:
         await conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(SERVICE_ROLE)))
         return True
+    if not _own_role_warned:
+        _own_role_warned = True
+        log.warning(f"connections act as {row[1] if row else 'the login role'}, which may not assume {SERVICE_ROLE}: "
+                    f"only the log's trigger keeps events from being rewritten (README: grant {SERVICE_ROLE} to it)",
+                    extra={"action": "service_role_not_assumed"})  # fmt: skip
     return False
+
+
+_own_role_warned = False
 
 
 class PreparedStatement:

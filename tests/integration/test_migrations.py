@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import anyio
 import psycopg
 import pytest
@@ -181,3 +183,28 @@ def test_a_no_transaction_migration_is_split_at_semicolons_ending_a_line_only():
     assert first.endswith("SELECT ';' AS a, 'x; y' AS b") and second == "SELECT 2"
     assert Migration(1, "0001_x.sql", "-- umbra: no transaction\n-- nothing;\n").statements() == []
     assert Migration(1, "0001_x.sql", "-- a comment first\n-- umbra: no transaction\nSELECT 1;\n").transactional
+
+
+async def test_a_database_owner_who_may_not_create_roles_migrates_once_the_service_role_is_made_for_it(pg_server_url):
+    """A managed or shared server's owner of the database is no superuser and may lack CREATEROLE; the
+    service role is then made, once, by someone who may (README). PostgreSQL checks the right to create a
+    role before whether it exists, so 0006's ``CREATE ROLE`` failed the migration even so."""
+    from umbra.db import assume_service_role
+
+    suffix = uuid.uuid4().hex[:12]
+    owner, name = f"umbra_owner_{suffix}", f"umbra_mig_owner_{suffix}"
+    with psycopg.connect(pg_server_url, autocommit=True) as c:
+        c.execute(sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER NOCREATEROLE NOCREATEDB").format(sql.Identifier(owner)))
+        c.execute("DO $$ BEGIN CREATE ROLE umbra_service NOLOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+        c.execute(sql.SQL("GRANT umbra_service TO {}").format(sql.Identifier(owner)))
+        c.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(name), sql.Identifier(owner)))
+    url = conninfo.make_conninfo(pg_server_url, dbname=name, user=owner)
+    try:
+        assert [m.name for m in available_migrations()] == await migrate(url)
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            assert await assume_service_role(conn)
+            assert await pending_migrations(conn) == []
+    finally:
+        with psycopg.connect(pg_server_url, autocommit=True) as c:
+            c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            c.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(owner)))

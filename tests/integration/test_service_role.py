@@ -81,3 +81,23 @@ async def test_service_role_cannot_record_a_migration(db_url):
                           "UPDATE schema_migrations SET name = 'x'", "DELETE FROM schema_migrations"):  # fmt: skip
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 await conn.execute(statement)
+
+
+async def test_a_login_role_that_may_not_assume_the_service_role_is_warned_of_once(db_url, pg_server_url, monkeypatch, caplog):
+    """It runs as itself, the log kept by its trigger alone: said once per process, not per connection."""
+    import umbra.db
+    from psycopg import conninfo, sql
+
+    monkeypatch.setattr(umbra.db, "_own_role_warned", False)
+    role = f"umbra_plain_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_server_url, autocommit=True) as c:
+        c.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    try:
+        for _ in range(2):
+            async with await psycopg.AsyncConnection.connect(conninfo.make_conninfo(db_url, user=role), autocommit=True) as conn:
+                assert not await assume_service_role(conn)
+        warned = [r.getMessage() for r in caplog.records if getattr(r, "action", None) == "service_role_not_assumed"]
+        assert len(warned) == 1 and warned[0].startswith(f"connections act as {role}, which may not assume umbra_service"), warned
+    finally:
+        with psycopg.connect(pg_server_url, autocommit=True) as c:
+            c.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
