@@ -25,6 +25,7 @@ import msgspec
 from starlette.requests import Request
 
 from umbra.compute import nodes as node_reads
+from umbra.errors import RateLimited
 from umbra.events import store
 from umbra.events.types import JOB_STATUSES
 from umbra.projections import jobs as job_rows
@@ -50,6 +51,8 @@ WHERE organization_id = %s AND status IN ('queued', 'running', 'blocked')
 ORDER BY status = 'running' DESC, status = 'blocked' DESC, priority, seq
 LIMIT %s
 """
+#: The ``Retry-After`` of a verify refused because another of its organization's is running.
+VERIFY_RETRY_SECONDS = 5
 #: The most job ids a queue message lists as moved.
 MOST_CHANGED = 1000
 _MOVED_JOBS = f"SELECT id FROM jobs WHERE organization_id = %s AND position > %s ORDER BY position LIMIT {MOST_CHANGED + 1}"
@@ -120,8 +123,22 @@ async def nodes_snapshot(request: Request):
 
 
 async def verify_projections(request: Request):
+    """One verify of an organization at a time in this process; the next is refused 429 while it runs.
+
+    A verify holds its pooled connection, and everything it rebuilt, for as long as it folds (seconds on a
+    large organization): ten sent at once by one admin held every connection of the pool, and every other
+    organization's requests waited for one.
+    """
+    verifying: set[UUID] = request.app.state.services.verifying
     async with authenticated(request, "nodes:admin") as (who, conn):
-        differences = await verify(conn, who.organization_id)
+        if who.organization_id in verifying:
+            raise RateLimited("A verify of this organization is already running; try again once it is done.",
+                              VERIFY_RETRY_SECONDS)
+        verifying.add(who.organization_id)
+        try:
+            differences = await verify(conn, who.organization_id)
+        finally:
+            verifying.discard(who.organization_id)
     return json_response({"ok": not differences, "differences": differences})
 
 
@@ -230,5 +247,8 @@ routes = [
         auth="api_key",
         scopes=("nodes:admin",),
         response=VerifyResult,
+        errors={429: "Too many wrong secrets for this token's prefix lately, or a verify of this organization "
+                     "already running in this process, which holds a pooled connection for as long as it "
+                     "rebuilds (`rate_limited`, with `Retry-After`)."},
     ),
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from uuid import UUID
 
 import anyio
 from psycopg_pool import AsyncConnectionPool
@@ -28,6 +29,9 @@ class Services:
     #: three hundred open dashboards of one organization held every connection, so every other
     #: organization's requests waited seconds for one; past the limit the streams wait their turn.
     stream_reads: anyio.CapacityLimiter = field(init=False)
+    #: The organizations whose ``POST /v1/projections/verify`` is running in this process: one at a time each
+    #: (:func:`umbra.api.projections.verify_projections`).
+    verifying: set[UUID] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.stream_reads = anyio.CapacityLimiter(max(1, self.pool.max_size // 4))

@@ -482,3 +482,43 @@ async def test_the_sweepers_second_look_at_another_organizations_many_waiting_jo
     assert report.leases_requeued == 1
     assert (await queue.load(conn, theirs.id, org_b)).status == "queued"
     assert took < 5, f"a sweeper tick with A's 20,000 blocked jobs took {took:.2f}s"
+
+
+async def test_one_organizations_verifies_at_once_do_not_take_the_pool_from_another(live_server, conn, org, monkeypatch):
+    """A verify holds a pooled connection for as long as it rebuilds (seconds on a large organization: 13 s
+    for 100,000 jobs, ``docs/PERFORMANCE.md``). Organization A's admin sending ten at once held every
+    connection of the pool, and organization B's read of its own job waited for one (503 past 5 s). One
+    verify of an organization runs at a time in a process; the next is refused 429 (``rate_limited``,
+    ``Retry-After``) while it runs, holding nothing, and B is answered at once."""
+    from umbra.api import projections as projection_routes
+
+    async def slow_verify(conn, organization_id):
+        await conn.execute("SELECT 1")
+        await anyio.sleep(3)  # a large organization's rebuild, on its connection
+        return []
+
+    monkeypatch.setattr(projection_routes, "verify", slow_verify)
+    org_a, key_a = org
+    org_b, key_b = await create_organization(conn, "other")
+    mine = await submit(conn, org_b, "echo")
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
+        assert (await client.get("/v1/jobs?limit=1", headers=bearer(key_a))).status_code == 200  # the key verified
+        assert (await client.get(f"/v1/jobs/{mine.id}", headers=bearer(key_b))).status_code == 200
+
+        async def verify_a() -> None:
+            got = await client.post("/v1/projections/verify", headers=bearer(key_a))
+            if got.status_code == 429:
+                assert got.json()["error"] == "rate_limited" and int(got.headers["Retry-After"]) > 0, got.text
+            statuses.append(got.status_code)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(live_server.settings.pool_size + 2):
+                tg.start_soon(verify_a)
+            await anyio.sleep(0.5)
+            started = time.monotonic()
+            got = await client.get(f"/v1/jobs/{mine.id}", headers=bearer(key_b))
+            took = time.monotonic() - started
+    assert got.status_code == 200, got.text
+    assert took < 2, f"B's read of its own job took {took:.2f}s while A's verifies ran (each holding one for 3 s)"
+    assert sorted(statuses) == [200] + [429] * (live_server.settings.pool_size + 1), statuses
