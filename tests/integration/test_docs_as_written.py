@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import uuid
 from datetime import datetime
 
@@ -362,3 +364,16 @@ async def test_invalid_setting_stops_naming_the_variable(cli, monkeypatch):
         status, out, err = await cli("migrate")
         assert status not in (0, None) and name in err, (name, status, err)
         monkeypatch.delenv(name)
+
+
+def test_the_folders_are_installed_under_umbra_and_never_bare(tmp_path):
+    """README (Layout): each folder is installed as ``umbra.<folder>``, so ``import umbra.events`` works and
+    ``import events`` does not. Asked of the installed interpreter run isolated from a directory holding
+    nothing, so neither the checkout nor the tests' path can supply the bare names."""
+    folders = ["events", "projections", "api", "domain", "compute", "migrations"]
+    probe = ("import importlib.util as u, json, sys; "
+             "print(json.dumps({n: [u.find_spec('umbra.' + n) is not None, u.find_spec(n) is not None] for n in sys.argv[1:]}))")
+    done = subprocess.run([sys.executable, "-I", "-c", probe, *folders], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {name: [True, False] for name in folders}

@@ -46,11 +46,21 @@ async def test_the_lifetime_is_bounded(conn, org, ttl):
         await issue_pairing_code(conn, org[0], "gpu-box", ttl_seconds=ttl)
 
 
+@pytest.mark.parametrize("ttl", [60, 1800, None])
+async def test_a_code_lives_for_its_lifetime_from_60_to_1800_seconds_600_by_default(conn, org, ttl):
+    """Both bounds are accepted; the code expires that many seconds after it was issued (database clock)."""
+    given = {} if ttl is None else {"ttl_seconds": ttl}
+    issued = await issue_pairing_code(conn, org[0], "gpu-box", **given)
+    (created,) = await (await conn.execute("SELECT created_at FROM pairing_codes WHERE id = %s", (issued.id,))).fetchone()
+    assert (issued.expires_at - created).total_seconds() == (600 if ttl is None else ttl)
+
+
 async def test_redeeming_creates_a_provisioning_node_and_a_four_scope_credential(conn, org):
     org_id, _ = org
     issued = await issue_pairing_code(conn, org_id, "gpu-box", trust_domain="lab", locality="rack-2")
     redeemed = await redeem(conn, issued.code, agent_version="1.0", devices=[GPU])
     assert redeemed.organization_id == org_id and set(redeemed.scopes) == set(NODE_SCOPES)
+    assert set(NODE_SCOPES) == {"compute:read", "compute:heartbeat", "compute:claim", "compute:complete"}  # all four
     row = await (await conn.execute(
         "SELECT name, status, trust_domain, locality, agent_version, organization_id FROM nodes WHERE id = %s",
         (redeemed.node_id,))).fetchone()

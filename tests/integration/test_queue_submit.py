@@ -230,6 +230,24 @@ async def test_a_project_must_exist_in_the_submitters_own_tenant(conn, org):
     assert await footprint(conn) == before
 
 
+async def test_the_project_is_looked_up_in_the_submitters_schema_by_name_whatever_the_search_path(conn, org):
+    """The check names the submitter's tenant schema itself: a session whose ``search_path`` leads to
+    another tenant's ``projects`` neither finds that tenant's project nor misses its own."""
+    from umbra.compute.accounts import tenant_schema
+
+    org_id, _ = org
+    other_id, _ = await create_organization(conn, "other")
+    mine = await create_project(conn, org_id, "book")
+    theirs = await create_project(conn, other_id, "their book")
+    assert tenant_schema(other_id) == f"tenant_{other_id.hex}"
+    await conn.execute(f"SET search_path = {tenant_schema(other_id)}, public")
+    before = await footprint(conn)
+    with pytest.raises(NotFound) as refused:
+        await submit(conn, org_id, project_id=str(theirs))
+    assert refused.value.code == "project_not_found" and await footprint(conn) == before
+    assert (await submit(conn, org_id, project_id=str(mine))).project_id == mine
+
+
 async def test_a_batch_is_one_append_in_request_order_and_all_or_nothing(conn, org):
     org_id, _ = org
     await add_node(conn, org_id, "box", [GPU24])

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_defaults():
     s = load_settings({})
     assert s.database_url is None and s.lease_seconds == 60 and s.heartbeat_stale_seconds == 45
+    assert s.blocked_timeout_seconds == 24 * 3600  # SPEC: a job blocked longer than this (default 24 h) fails
 
 
 @pytest.mark.parametrize(
