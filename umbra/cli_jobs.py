@@ -12,6 +12,7 @@ first rule it fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -264,14 +265,19 @@ UNREACHABLE_SECONDS = 60.0
 
 
 async def wait_for_end(client, job_id: Any, timeout: float | None, *, limiter: anyio.CapacityLimiter | None = None,
-                       round_seconds: int | None = None, look_first: bool = False) -> dict[str, Any]:
+                       looks: anyio.CapacityLimiter | None = None, round_seconds: int | None = None,
+                       look_first: bool = False) -> dict[str, Any]:
     """The job once it ended (``GET /v1/jobs/{id}?wait=``, round after round), or as it stands after ``timeout``
     seconds (None: no limit).
 
     Each round asks for whole seconds no further than the deadline (nor than
     ``round_seconds``), each such read holding a turn of ``limiter`` while it
-    waits; ``look_first`` reads the job at once (``wait=0``, no turn needed)
-    before the first round. A
+    waits; ``look_first`` reads the job at once (``wait=0``, no turn of
+    ``limiter`` needed) before the first round. Reads that do not wait (that
+    first look, and the look at the deadline of a read that found no turn)
+    hold a turn of ``looks``, when given: a thousand jobs looked at all at
+    once queued a thousand requests on the client's pool, whose hand-out is
+    quadratic in the queue, and the deadline passed by half a minute. A
     round answered early with the job still open (a server stopping, or one
     without ``?wait=``) is followed by a pause, not asked again at once; a
     server restarting is asked again, backing off, for up to
@@ -294,18 +300,25 @@ async def wait_for_end(client, job_id: Any, timeout: float | None, *, limiter: a
         left = None if deadline is None else deadline - time.monotonic()
         return left, longest if left is None else max(0, min(longest, int(left)))
 
+    async def look() -> dict[str, Any]:
+        """The job as it stands (``wait=0``), read in a turn of ``looks``."""
+        async with looks or contextlib.nullcontext():
+            return await _get_json(client, path, wait=0)
+
     async def ask(first: bool) -> tuple[dict[str, Any], float | None, int]:
         """One read, with the seconds that were left and the wait asked for. A read that waits takes a turn of
         ``limiter`` first, no later than the deadline (none by then: the job as it stands)."""
-        if limiter is None or first:
+        if first:
+            left, _ = remaining()
+            return await look(), left, 0
+        if limiter is None:
             left, seconds = remaining()
-            seconds = 0 if first else seconds
             return await _get_json(client, path, wait=seconds), left, seconds
         with anyio.move_on_after(math.inf if deadline is None else max(0.0, deadline - time.monotonic())):
             async with limiter:
                 left, seconds = remaining()
                 return await _get_json(client, path, wait=seconds), left, seconds
-        return await _get_json(client, path, wait=0), 0.0, 0
+        return await look(), 0.0, 0
 
     while True:
         asked = time.monotonic()
@@ -348,14 +361,15 @@ async def wait_for_all(client, job_ids: Sequence[Any], timeout: float | None, *,
     stand and no longer waited for. The first error (no such job, no server) ends every wait and is raised as
     it is.
 
-    Every job is read once at once (``wait=0``, :data:`WAITS_AT_ONCE` at a time), so a job that does not
-    exist, or already ended, is told before any read waits. At most :data:`WAITS_AT_ONCE` reads wait at a
-    time; with more jobs than that, each read waits at most :data:`TURN_SECONDS` and they take turns (first
-    come, first served), so a job behind the others is still asked about every few seconds."""
+    Every job is read once at once (``wait=0``, :data:`WAITS_AT_ONCE` at a time, beside the reads that wait),
+    so a job that does not exist, or already ended, is told before any read waits. At most
+    :data:`WAITS_AT_ONCE` reads wait at a time; with more jobs than that, each read waits at most
+    :data:`TURN_SECONDS` and they take turns (first come, first served), so a job behind the others is still
+    asked about every few seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
     ended: dict[str, dict[str, Any]] = {}
     errors: list[BaseException] = []
-    limiter = anyio.CapacityLimiter(WAITS_AT_ONCE)
+    limiter, looks = anyio.CapacityLimiter(WAITS_AT_ONCE), anyio.CapacityLimiter(WAITS_AT_ONCE)
     distinct = list(dict.fromkeys(job_ids))  # a job named twice is waited for once
     turn = TURN_SECONDS if len(distinct) > WAITS_AT_ONCE else None
 
@@ -363,7 +377,8 @@ async def wait_for_all(client, job_ids: Sequence[Any], timeout: float | None, *,
         async def wait_one(job_id: str) -> None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                job = await wait_for_end(client, job_id, left, limiter=limiter, round_seconds=turn, look_first=True)
+                job = await wait_for_end(client, job_id, left, limiter=limiter, looks=looks, round_seconds=turn,
+                                         look_first=True)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - raised below, the others' waits ended
                 errors.append(exc)
                 tg.cancel_scope.cancel()

@@ -310,6 +310,37 @@ async def test_with_more_jobs_than_reads_at_once_each_is_asked_about_at_once_and
     assert 1.5 <= took < 2.5, took
     assert await eventually(lambda: _waits(live_server, 0), timeout=5)
 
+
+async def test_reads_that_do_not_wait_take_turns_too_so_many_jobs_keep_to_the_deadline(client, org, live_server, monkeypatch):
+    """Two reads at a time: nine open jobs with 1.5 s for all are looked at two at a time beside the two reads
+    that wait (their first look, and the look at the deadline of those that found no turn), never all at once.
+    A thousand jobs looked at all at once queued a thousand requests on the client's pool (its hand-out is
+    quadratic in the queue): ``umbra jobs wait --timeout 3`` answered after 35-45 s, or gave up on a pool timeout
+    (exit 1)."""
+    from umbra import cli_jobs
+
+    monkeypatch.setattr(cli_jobs, "WAITS_AT_ONCE", 2)
+    _, key = org
+    ids = [(await submitted(client, key))["id"] for _ in range(9)]
+    in_flight, most = [0], [0]
+
+    async def sent(_request) -> None:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+
+    async def answered(_response) -> None:
+        in_flight[0] -= 1
+
+    async with httpx.AsyncClient(base_url=live_server.url, headers=bearer(key), timeout=30,
+                                 event_hooks={"request": [sent], "response": [answered]}) as reader:  # fmt: skip
+        started = time.monotonic()
+        got = await cli_jobs.wait_for_all(reader, ids, 1.5)
+        took = time.monotonic() - started
+    assert [j["id"] for j in got] == ids and {j["status"] for j in got} == {"blocked"}
+    assert most[0] <= 4, most[0]
+    assert 1.5 <= took < 4, took  # the deadline kept (its last looks take turns too); all at once, it was not
+
+
 class StoppingServer(LiveServer):
     """A live server run by ``umbra serve``'s own :class:`umbra.api.server.Server`, which answers parked requests
     when it begins to stop (a plain uvicorn server waits for them), on ``port`` if given (a restart)."""
