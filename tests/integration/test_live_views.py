@@ -553,11 +553,17 @@ async def test_changed_names_the_jobs_that_moved_and_says_when_there_were_more(c
 
 async def test_a_revoked_key_ends_a_stream_that_is_sending_a_large_backlog(conn, org, live_server):
     """A slow client reading a backlog of thousands of events: once its key is revoked the stream's last
-    message is `event: error` (401 body) and it ends, within one read's page of events."""
+    message is `event: error` (401 body) and it ends, within one read's page of events (1,000) of what was
+    sent when the revocation committed, rather than at the end of the backlog. What was sent is not known
+    here: the sockets' buffers hold a few thousand messages, as many as the kernel lets them grow to, so the
+    backlog is three times that and the check is that a page of it was never sent."""
+    from umbra.api.events import MAX_PAGE
+
     org_id, _ = org
     key = await create_api_key(conn, org_id, ["events:read", "jobs:write"])
     async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as client:
-        await _batch(client, key, 2500, "r")
+        await _batch(client, key, 5000, "r")
+        (backlog,) = await (await conn.execute("SELECT count(*) FROM events WHERE organization_id = %s", (org_id,))).fetchone()
         async with client.stream("GET", "/v1/events/stream", headers=bearer(key)) as response:
             reader = SseReader(response)
             await reader.take(10)
@@ -578,7 +584,7 @@ async def test_a_revoked_key_ends_a_stream_that_is_sending_a_large_backlog(conn,
                     after += 1
             with anyio.fail_after(5), pytest.raises(EOFError):
                 await reader.next_message()
-    assert after <= 2000
+    assert 10 + after <= backlog - MAX_PAGE, (after, backlog)
 
 
 async def test_dashboard_page_and_assets(client):
