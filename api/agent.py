@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime
 from typing import Annotated, Any, Sequence
 from uuid import UUID
 
@@ -32,7 +31,7 @@ from umbra.compute import claims
 from umbra.compute.abandoned_claims import ClaimAbandoned, abandon
 from umbra.compute.claims import SCAN_PAGE
 from umbra.errors import Forbidden
-from umbra.events.types import Placement
+from umbra.events.types import Placement, Timestamp
 from umbra.projections.jobs import JobOut, JobRow
 
 from .http import acting_as, authorized, batch_principal, json_response, read_json, received_at, request_id, watch_disconnect
@@ -76,7 +75,7 @@ class Claim(msgspec.Struct, kw_only=True):
 
     job: JobOut
     placement: Placement
-    lease_expires_at: datetime
+    lease_expires_at: Timestamp
 
 
 class ClaimOut(Claim, kw_only=True):

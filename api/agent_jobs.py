@@ -14,7 +14,6 @@ the credential, never from the request.
 from __future__ import annotations
 
 import time
-from datetime import datetime
 from typing import Annotated, Any
 from uuid import UUID
 
@@ -27,7 +26,7 @@ from umbra.compute import claims
 from umbra.compute.claims import ChildRequest
 from umbra.compute.jobs import check_document
 from umbra.errors import InvalidRequest, Unauthenticated, UmbraError
-from umbra.events.types import Progress
+from umbra.events.types import Progress, Timestamp
 from umbra.projections import jobs as queue
 from umbra.projections.jobs import JobOut
 
@@ -94,7 +93,7 @@ class ChildrenRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class RenewOut(msgspec.Struct, kw_only=True):
     """A renewal's answer: the lease's new end, for the attempt that holds it."""
 
-    lease_expires_at: datetime
+    lease_expires_at: Timestamp
     attempt: int
 
 

@@ -76,6 +76,7 @@ routes = [
         asset,
         summary="The dashboard's stylesheet and script (dashboard.css, dashboard.js).",
         auth="none",
-        produces="text/plain",
+        produces=("text/css", "text/javascript"),
+        errors={404: "No such asset (`not_found`)."},
     ),
 ]

@@ -8,7 +8,6 @@ resume without a gap or a duplicate.
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -17,6 +16,7 @@ from starlette.requests import Request
 
 from umbra.errors import NotFound
 from umbra.events import store
+from umbra.events.types import Timestamp
 
 from .http import authenticated, json_response, path_uuid
 from .params import bounded_int, query_int
@@ -38,7 +38,7 @@ class EventOut(msgspec.Struct, kw_only=True):
     organization_id: UUID
     data: dict[str, Any]
     metadata: dict[str, Any]
-    recorded_at: datetime
+    recorded_at: Timestamp
 
 
 class EventPage(msgspec.Struct, kw_only=True):

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from umbra.compute import models
 from umbra.domain.device_reports import Megabytes, Word
 from umbra.domain.models import RegisteredModel
+from umbra.events.types import TimestampText
 
 from .http import acting_as, authenticated, authorized, json_response, read_json, request_id
 from .nodes import rfc3339
@@ -38,7 +39,7 @@ class ModelOut(msgspec.Struct, kw_only=True):
     requires_accelerators: list[str]
     reference_throughput: float | None
     load_seconds: float | None
-    updated_at: str | None
+    updated_at: TimestampText | None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -22,7 +22,7 @@ from umbra.domain.device_reports import MAX_DEVICES, DeviceReport, Label, as_dev
 from umbra.domain.heartbeat import HeartbeatReport
 from umbra.domain.nodes import MAX_CORDON_REASON, is_busy
 from umbra.errors import InvalidRequest
-from umbra.events.types import NODE_STATUSES, Device
+from umbra.events.types import NODE_STATUSES, Device, TimestampText
 
 from .http import acting_as, authenticated, authorized, json_response, path_uuid, read_json, request_id
 from .params import query_statuses
@@ -78,13 +78,13 @@ class NodeOut(msgspec.Struct, kw_only=True):
     trust_domain: str
     locality: str | None
     transport: str | None
-    last_heartbeat_at: str | None
+    last_heartbeat_at: TimestampText | None
     agent_version: str | None
-    agent_started_at: str | None
+    agent_started_at: TimestampText | None
     devices: list[dict[str, Any]]
     schedulable: bool
-    created_at: str
-    updated_at: str
+    created_at: TimestampText
+    updated_at: TimestampText
     #: The job kinds its agent takes, as its heartbeat last reported them; null: not reported.
     kinds: list[str] | None = None
     #: Its devices an operator took out of service, by label, with the reason given (null: none given).

@@ -93,10 +93,11 @@ def build_document(routes: Iterable[Any], *, title: str = "Umbra Compute", versi
         for status in info.success:
             entry: dict[str, Any] = {"description": "Success." if status != 204 else "Nothing to return."}
             if status != 204:
+                media_types = (info.produces,) if isinstance(info.produces, str) else info.produces
                 if info.response is not None:
-                    entry["content"] = {info.produces: {"schema": schema_of[id(info.response)]}}
+                    entry["content"] = {media: {"schema": schema_of[id(info.response)]} for media in media_types}
                 elif info.produces != "application/json":
-                    entry["content"] = {info.produces: {"schema": {"type": "string"}}}
+                    entry["content"] = {media: {"schema": {"type": "string"}} for media in media_types}
             responses[str(status)] = entry
         error_schema = schema_of[id(info.error_body if info.error_body is not None else Error)]
         for status, text in refusals(info).items():
@@ -130,5 +131,6 @@ routes = [
         openapi_json,
         summary="This API's OpenAPI 3.1 document, generated from the route table.",
         auth="none",
+        response=dict[str, Any],
     )
 ]

@@ -18,6 +18,7 @@ from umbra.compute import pairing
 from umbra.compute.auth import NODE_SCOPES
 from umbra.domain.device_reports import Label, Word
 from umbra.errors import InvalidRequest
+from umbra.events.types import TimestampText
 
 from .http import authorized, client_address, json_response, read_json
 from .http import request_id
@@ -36,7 +37,7 @@ class PairingOut(msgspec.Struct, kw_only=True):
     #: Six digits, shown only in this response.
     code: str
     node_name: str
-    expires_at: str
+    expires_at: TimestampText
     pairing_id: UUID
 
 

@@ -50,8 +50,8 @@ class EndpointInfo:
     success: tuple[int, ...] = (200,)
     #: msgspec type of the success body (for the OpenAPI document), if any.
     response: Any = None
-    #: "application/json" or "text/event-stream".
-    produces: str = "application/json"
+    #: "application/json", "text/event-stream"...; several when the answer's type depends on what is asked for.
+    produces: str | tuple[str, ...] = "application/json"
     #: Refusals particular to this route: status -> when. Those that follow from the declaration
     #: itself (auth, path id, body, query) are added by :func:`refusals` and need not be repeated.
     errors: dict[int, str] = field(default_factory=dict)
@@ -116,7 +116,7 @@ def endpoint(
     query: dict[str, tuple[type, bool, str]] | None = None,
     success: tuple[int, ...] = (200,),
     response: Any = None,
-    produces: str = "application/json",
+    produces: str | tuple[str, ...] = "application/json",
     errors: dict[int, str] | None = None,
     error_body: Any = None,
 ) -> Route:

@@ -19,13 +19,12 @@ that do not depend on the device can fail.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Collection, Literal, Mapping, Sequence
 from uuid import UUID
 
 import msgspec
 
-from umbra.events.types import Device, Placement, Requirements
+from umbra.events.types import Device, Placement, Requirements, Timestamp
 
 from .eligibility import NodeView, judge_device, required_accelerators, takes_kind
 from .models import RegisteredModel
@@ -90,7 +89,7 @@ class Explanation(msgspec.Struct, kw_only=True):
     blocked_reason: str | None = None
     #: For a queued job: due jobs ahead of it in claim order that its eligible nodes would take first.
     ahead: int | None = None
-    not_before: datetime | None = None
+    not_before: Timestamp | None = None
     #: For a job waiting for the jobs it depends on: each of them, in its order, with its status now.
     dependencies: list[DependencyStatus] | None = None
 

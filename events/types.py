@@ -23,12 +23,18 @@ from __future__ import annotations
 
 from datetime import datetime
 import re
-from typing import Any, Callable, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 from uuid import UUID
 
 import msgspec
 
 from . import documents
+
+#: A moment an answer carries (sent as RFC 3339 in UTC, ``...Z``): the OpenAPI document describes it as
+#: ``format: date-time``, as it does a request's. Only the description changes; encoding is the same.
+Timestamp = Annotated[datetime, msgspec.Meta(tz=True)]
+#: The same for an answer that holds the moment already written out (``umbra.api.nodes.rfc3339``).
+TimestampText = Annotated[str, msgspec.Meta(extra_json_schema={"format": "date-time"})]
 
 JobStatus = Literal["queued", "running", "blocked", "partial", "complete", "failed", "cancelled"]
 JOB_STATUSES: tuple[str, ...] = JobStatus.__args__  # type: ignore[attr-defined]

@@ -48,6 +48,7 @@ from umbra.events.types import (
     Placement,
     Progress,
     Requirements,
+    Timestamp,
     UnknownEvent,
 )
 
@@ -290,19 +291,19 @@ class JobOut(msgspec.Struct):
     lang: str | None
     attempt: int
     max_attempts: int
-    not_before: datetime | None
+    not_before: Timestamp | None
     parent_job_id: UUID | None
     idempotency_key: str | None
     requested_by: str | None
     lease_owner: UUID | None
-    lease_expires_at: datetime | None
+    lease_expires_at: Timestamp | None
     result: Any
     error: str | None
     placement: Placement | None
     blocked_reason: str | None
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: Timestamp
+    started_at: Timestamp | None
+    finished_at: Timestamp | None
     position: int
     #: An addition: how far the current run is, as its holder last said (``{"fraction"?, "message"?}``).
     progress: Progress | None

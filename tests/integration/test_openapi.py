@@ -332,8 +332,54 @@ async def test_live_answers_match_their_response_schemas(api, live_server, org):
     errors = {}
     for method, path, response in answers:
         schema = doc["paths"][path][method]["responses"][str(response.status_code)]["content"]["application/json"]["schema"]
-        validator = jsonschema_rs.validator_for({"components": doc["components"], **schema})
+        validator = jsonschema_rs.validator_for({"components": doc["components"], **schema}, validate_formats=True)
         problems = [e.message for e in validator.iter_errors(response.json())]
         if problems:
             errors[f"{method.upper()} {path} {response.status_code}"] = problems[:3]
     assert errors == {}
+
+
+async def test_answers_that_are_not_api_objects_are_declared_as_sent(live_server):
+    """The routes with no struct to describe (the document itself, the dashboard, its assets, the metrics)
+    declare each status they answer and the media type they send it as, and a JSON body's schema holds it: a
+    generated client knows the document is a JSON object and an unknown asset is a 404 with the Error body."""
+    import jsonschema_rs
+
+    async with httpx.AsyncClient(base_url=live_server.url) as client:
+        doc = (await client.get("/openapi.json")).json()
+        answers = [(path, await client.get(concrete)) for path, concrete in [
+            ("/openapi.json", "/openapi.json"), ("/", "/"), ("/metrics", "/metrics"),
+            ("/static/{name}", "/static/dashboard.js"), ("/static/{name}", "/static/dashboard.css"),
+            ("/static/{name}", "/static/nothing.js"),
+        ]]  # fmt: skip
+    assert [r.status_code for _, r in answers] == [200, 200, 200, 200, 200, 404]
+    problems = []
+    for path, response in answers:
+        declared = doc["paths"][path]["get"]["responses"].get(str(response.status_code))
+        sent = response.headers["content-type"].split(";")[0]
+        if declared is None or sent not in declared.get("content", {}):
+            problems.append((path, response.status_code, sent, declared and list(declared.get("content", {}))))
+        elif sent == "application/json":
+            validator = jsonschema_rs.validator_for({"components": doc["components"], **declared["content"][sent]["schema"]})
+            problems += [(path, response.status_code, e.message) for e in validator.iter_errors(response.json())]
+    assert problems == []
+
+
+def test_every_moment_an_answer_carries_is_described_as_a_date_time():
+    """The server sends every moment as RFC 3339 in UTC (``...Z``), and the document says so (``format:
+    date-time``) wherever an answer holds one, as it does where a request takes one (``not_before``): a client
+    generated from it reads a time, not a bare string, from the Job, the claim, the node, the event..."""
+    doc = build_document(all_routes())
+    answered = {info.response.__name__ for info in _declared()
+                if isinstance(info.response, type) and issubclass(info.response, msgspec.Struct)}  # fmt: skip
+    schemas = doc["components"]["schemas"]
+    for name in list(answered):
+        answered |= {ref.rsplit("/", 1)[1] for ref in _refs(schemas[name], set())}
+    undescribed = []
+    for name in sorted(answered):
+        for field, schema in schemas[name].get("properties", {}).items():
+            if field.endswith("_at") or field in ("not_before", "expires"):
+                choices = [s for s in schema.get("anyOf", [schema]) if s.get("type") != "null"]
+                if choices != [{"type": "string", "format": "date-time"}]:
+                    undescribed.append(f"{name}.{field}")
+    assert "JobOut" in answered and "NodeOut" in answered and undescribed == []
