@@ -27,16 +27,24 @@ pytestmark = pytest.mark.anyio
 LONGER = {**JOB, "payload": {"seconds": 2.5}}
 
 
+def claimed_once(job: dict, lease_expires_at: str, *, lease_seconds: str):
+    """A claim answer: ``job`` the first time, with ``lease_seconds`` of lease left on arrival; 204 after."""
+
+    def claim(request: httpx.Request, n: int) -> httpx.Response:
+        if n > 1:
+            return httpx.Response(204)
+        return httpx.Response(200, json={"job": job, "placement": {}, "lease_expires_at": lease_expires_at},
+                              headers={"Umbra-Lease-Seconds": lease_seconds})  # fmt: skip
+
+    return claim
+
+
 async def test_a_completion_is_retried_for_as_long_as_the_renewed_lease_holds():
     """The claim arrived with 1.2 s of lease left; every renewal grants 30 s. The 2.5 s job's completion
     is answered by a proxy's 502 for 2 s: it is sent again until it lands, the lease holding 28 s more."""
     later = (datetime.now(timezone.utc) + timedelta(seconds=30)).isoformat()
 
-    def claim(request: httpx.Request, n: int) -> httpx.Response:
-        if n > 1:
-            return httpx.Response(204)
-        return httpx.Response(200, json={"job": LONGER, "placement": {}, "lease_expires_at": later},
-                              headers={"Umbra-Lease-Seconds": "1.200"})  # fmt: skip
+    claim = claimed_once(LONGER, later, lease_seconds="1.200")
 
     def renew(request: httpx.Request, n: int) -> httpx.Response:
         return httpx.Response(200, json={"lease_expires_at": later, "attempt": 1}, headers={"Umbra-Lease-Seconds": "30.000"})
@@ -63,11 +71,7 @@ async def test_a_failing_renewal_is_sent_again_at_the_pace_of_the_renewed_lease_
     later = (datetime.now(timezone.utc) + timedelta(seconds=30)).isoformat()
     run = {**JOB, "payload": {"seconds": 5.0}}
 
-    def claim(request: httpx.Request, n: int) -> httpx.Response:
-        if n > 1:
-            return httpx.Response(204)
-        return httpx.Response(200, json={"job": run, "placement": {}, "lease_expires_at": later},
-                              headers={"Umbra-Lease-Seconds": "0.300"})  # fmt: skip
+    claim = claimed_once(run, later, lease_seconds="0.300")
 
     def renew(request: httpx.Request, n: int) -> httpx.Response:
         if n == 1:
