@@ -23,6 +23,12 @@ class SettingsError(ValueError):
     """A configuration variable is present but unusable."""
 
 
+#: The longest duration in seconds a variable may give (ten years): far past any lease, delay, timeout or
+#: silence an operator means, and every moment counted from now by it stays one that Python's datetime and
+#: PostgreSQL's timestamptz can hold.
+MAX_DURATION_SECONDS = 10 * 365 * 86_400
+
+
 def _default_data_dir() -> Path:
     # As root the embedded server chmods every ancestor of its data dir o+rx: under /var/lib that opens
     # nothing private (those of its binaries, in .venv, are opened too: see umbra.embedded, trap 3).
@@ -113,7 +119,7 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0, m
     return value
 
 
-def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0, maximum: float | None = None) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -125,6 +131,8 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float 
         raise SettingsError(f"{name} must be a finite number, got {raw!r}")
     if value <= minimum:
         raise SettingsError(f"{name} must be > {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SettingsError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -215,7 +223,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if data_dir:
         kwargs["data_dir"] = Path(data_dir).expanduser().resolve()
     interval = _int(env, "UMBRA_HEARTBEAT_INTERVAL_SECONDS", 10, minimum=1)
-    stale = _int(env, "UMBRA_HEARTBEAT_STALE_SECONDS", 45, minimum=1)
+    stale = _int(env, "UMBRA_HEARTBEAT_STALE_SECONDS", 45, minimum=1, maximum=MAX_DURATION_SECONDS)
     if stale <= interval:
         # Every healthy node would read offline between its beats, and take no work then.
         raise SettingsError(f"UMBRA_HEARTBEAT_STALE_SECONDS ({stale}) must be longer than "
@@ -226,15 +234,15 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         host=env.get("UMBRA_HOST", "").strip() or "127.0.0.1",
         port=_int(env, "UMBRA_PORT", 8080, minimum=0, maximum=65535),
         pool_size=_int(env, "UMBRA_POOL_SIZE", 10, minimum=2),
-        lease_seconds=_int(env, "UMBRA_LEASE_SECONDS", 60, minimum=1),
+        lease_seconds=_int(env, "UMBRA_LEASE_SECONDS", 60, minimum=1, maximum=MAX_DURATION_SECONDS),
         model_affinity_seconds=_int(env, "UMBRA_MODEL_AFFINITY_SECONDS", 0, minimum=0, maximum=3600),
         heartbeat_interval_seconds=interval,
         heartbeat_stale_seconds=stale,
-        heartbeat_event_seconds=_int(env, "UMBRA_HEARTBEAT_EVENT_SECONDS", 300, minimum=0),
-        sweep_interval_seconds=_float(env, "UMBRA_SWEEP_INTERVAL_SECONDS", 1.0),
-        lease_expired_delay_seconds=_int(env, "UMBRA_LEASE_EXPIRED_DELAY_SECONDS", 2, minimum=0),
-        blocked_timeout_seconds=_int(env, "UMBRA_BLOCKED_TIMEOUT_SECONDS", 86_400, minimum=1),
-        poll_fallback_seconds=_float(env, "UMBRA_POLL_FALLBACK_SECONDS", 1.0),
+        heartbeat_event_seconds=_int(env, "UMBRA_HEARTBEAT_EVENT_SECONDS", 300, minimum=0, maximum=MAX_DURATION_SECONDS),
+        sweep_interval_seconds=_float(env, "UMBRA_SWEEP_INTERVAL_SECONDS", 1.0, maximum=MAX_DURATION_SECONDS),
+        lease_expired_delay_seconds=_int(env, "UMBRA_LEASE_EXPIRED_DELAY_SECONDS", 2, minimum=0, maximum=MAX_DURATION_SECONDS),
+        blocked_timeout_seconds=_int(env, "UMBRA_BLOCKED_TIMEOUT_SECONDS", 86_400, minimum=1, maximum=MAX_DURATION_SECONDS),
+        poll_fallback_seconds=_float(env, "UMBRA_POLL_FALLBACK_SECONDS", 1.0, maximum=MAX_DURATION_SECONDS),
         max_streams_per_organization=_int(env, "UMBRA_MAX_STREAMS_PER_ORGANIZATION", 100, minimum=1),
         trusted_proxies=_networks(env, "UMBRA_TRUSTED_PROXIES"),
         metrics_token=env.get("UMBRA_METRICS_TOKEN", "").strip() or None,

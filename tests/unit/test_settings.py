@@ -1,11 +1,12 @@
 import os
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
-from umbra.settings import SettingsError, load_settings
+from umbra.settings import MAX_DURATION_SECONDS, SettingsError, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,3 +156,25 @@ def test_an_empty_log_level_is_unset_as_every_other_variable(value):
     would not start."""
     assert load_settings({"UMBRA_LOG_LEVEL": value}).log_level == "INFO"
     assert load_settings({"UMBRA_LOG_LEVEL": " debug "}).log_level == "DEBUG"
+
+
+#: The durations the server adds to or takes from the clock (a lease's end, the delay after an expired
+#: lease, a blocked job's deadline, a node's silence, a heartbeat's recording interval, how far back a new
+#: sweeper leader announces due jobs).
+DURATIONS = ["UMBRA_LEASE_SECONDS", "UMBRA_LEASE_EXPIRED_DELAY_SECONDS", "UMBRA_BLOCKED_TIMEOUT_SECONDS",
+             "UMBRA_HEARTBEAT_STALE_SECONDS", "UMBRA_HEARTBEAT_EVENT_SECONDS", "UMBRA_SWEEP_INTERVAL_SECONDS",
+             "UMBRA_POLL_FALLBACK_SECONDS"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", DURATIONS)
+def test_a_duration_no_timestamp_can_hold_is_refused_at_start_naming_the_variable(name):
+    """``999999999999`` (some 31,700 years: "never", as an operator may spell it) was taken, and then every
+    claim (a lease's end past year 9999), every sweep of expired leases, blocked jobs or silent nodes (a
+    moment out of PostgreSQL's range) and every ``explain`` of a blocked job failed, each tick, for as
+    long as the server ran; a sweep interval that long stopped the sweeper as it began to lead. The
+    longest one taken still leaves every moment counted from now in range."""
+    with pytest.raises(SettingsError, match=name):
+        load_settings({name: "999999999999"})
+    longest = getattr(load_settings({name: str(MAX_DURATION_SECONDS)}), name.removeprefix("UMBRA_").lower())
+    now = datetime.now(timezone.utc)
+    assert now - timedelta(seconds=longest) < now < now + timedelta(seconds=longest)
