@@ -121,6 +121,25 @@ def test_the_ollama_url_is_the_one_given_else_ollamas_own_setting_else_its_defau
     assert ollama_url("https://gpu-box:443/") == "https://gpu-box:443"
 
 
+
+@pytest.mark.parametrize("setting,url", [
+    ("0.0.0.0", "http://0.0.0.0:11434"),  # what Ollama's docs suggest for a server other machines reach
+    ("gpu-box", "http://gpu-box:11434"),
+    (":11500", "http://127.0.0.1:11500"),
+    ("::1", "http://[::1]:11434"),
+    ("[::1]:11500", "http://[::1]:11500"),
+    (" 127.0.0.1:11500/ ", "http://127.0.0.1:11500"),
+    ("http://gpu-box", "http://gpu-box"),  # a scheme given: its own default port, as Ollama reads it
+])  # fmt: skip
+def test_ollama_host_is_read_as_ollama_reads_it(monkeypatch, setting, url):
+    """``--ollama``'s default is ``OLLAMA_HOST``, Ollama's own setting: a host without a port is Ollama's port
+    11434 (``OLLAMA_HOST=0.0.0.0`` listens there), not HTTP's 80, and an empty host is the loopback; so the
+    agent asks the server Ollama started, not another port where nothing answers and no model reads
+    resident."""
+    monkeypatch.setenv("OLLAMA_HOST", setting)
+    assert ollama_url() == url
+    assert ollama_url(setting) == url
+
 def test_an_ollama_that_does_not_answer_reads_as_nothing_loaded_said_once_until_it_answers(caplog):
     caplog.set_level(logging.INFO, logger="umbra.agent.resident")
     with FakeOllama() as ollama:

@@ -377,3 +377,87 @@ def test_the_folders_are_installed_under_umbra_and_never_bare(tmp_path):
                           timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {name: [True, False] for name in folders}
+
+
+async def test_the_longest_durations_the_settings_take_work_on_every_path(db_url, org):
+    """README: an invalid value stops the process naming the variable; so a value it takes must work. The
+    longest lease and blocked timeout it takes still claim, renew and explain (10**12 s was taken, and every
+    claim and every explain of a blocked job answered 500); one longer stops it at start."""
+    from tests.conftest import LiveServer
+    from umbra.settings import MAX_DURATION_SECONDS, SettingsError, load_settings
+
+    longest = {name: str(MAX_DURATION_SECONDS) for name in ("UMBRA_LEASE_SECONDS", "UMBRA_BLOCKED_TIMEOUT_SECONDS")}
+    with LiveServer(db_url, **longest) as server:
+        async with httpx.AsyncClient(base_url=server.url, headers=bearer(org[1])) as client:
+            _, credential = await http_pair(client, org[1])
+            blocked = (await client.post("/v1/jobs", json={"kind": "echo", "requires": {"vram_min_mb": 10**6}})).json()
+            assert blocked["status"] == "blocked"
+            explained = await client.get(f"/v1/jobs/{blocked['id']}/explain")
+            assert explained.status_code == 200, explained.text
+            await client.post("/v1/jobs", json={"kind": "echo"})
+            claimed = await client.post("/v1/agent/claim", params={"wait": 0}, headers=bearer(credential))
+            assert claimed.status_code == 200, claimed.text
+            job = claimed.json()["job"]
+            renewed = await client.post(f"/v1/agent/jobs/{job['id']}/renew", json={"attempt": job["attempt"]},
+                                        headers=bearer(credential))  # fmt: skip
+            assert renewed.status_code == 200, renewed.text
+    for name in longest:
+        with pytest.raises(SettingsError, match=name):
+            load_settings({name: str(MAX_DURATION_SECONDS + 1)})
+
+
+async def test_the_node_status_filter_refuses_what_docs_api_says_and_takes_an_empty_one_as_none(api, live_server, org):
+    """docs/API.md: `GET /v1/nodes?status=` — an unknown status, or an empty one in the list, → 422 naming
+    `status`; left empty, every node, as `GET /v1/jobs?status=` is."""
+    await http_pair(api, org[1], "a")
+    for bad in ("gone", "online,", ","):
+        refused = await api.get("/v1/nodes", params={"status": bad})
+        assert (refused.status_code, refused.json().get("field")) == (422, "status"), (bad, refused.text)
+    for empty in ("", " "):
+        listed = await api.get("/v1/nodes", params={"status": empty})
+        assert listed.status_code == 200 and [n["name"] for n in listed.json()["nodes"]] == ["a"], listed.text
+
+
+def test_every_setting_is_in_the_readme_table_with_its_default():
+    """README (Configuration): every variable ``umbra/settings.py`` reads has its row, naming its default;
+    none of the rows names a variable that does not exist."""
+    from pathlib import Path
+
+    from umbra import settings as settings_module
+    from umbra.settings import load_settings
+
+    root = Path(__file__).resolve().parents[2]
+    read = set(re.findall(r'"(UMBRA_[A-Z_]+)"', Path(settings_module.__file__).read_text())) - {
+        settings_module.CHEAP_HASHING_VARIABLE}  # for a test suite only: the README says so where it runs the tests
+    readme = (root / "README.md").read_text()
+    table = readme.split("## Configuration", 1)[1].split("\n\n**", 1)[0]
+    rows = {name: line for line in table.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`(UMBRA_[A-Z_]+)`", line.split("|")[1])}  # fmt: skip
+    assert read - {"UMBRA_API_KEY"} <= set(rows), sorted(read - set(rows))
+    assert set(rows) <= read | {"UMBRA_API_KEY"}, sorted(set(rows) - read)
+    defaults = load_settings({})
+    for name, field in (("UMBRA_POOL_SIZE", "pool_size"), ("UMBRA_SWEEP_INTERVAL_SECONDS", "sweep_interval_seconds"),
+                        ("UMBRA_BLOCKED_TIMEOUT_SECONDS", "blocked_timeout_seconds"),
+                        ("UMBRA_HEARTBEAT_EVENT_SECONDS", "heartbeat_event_seconds"),
+                        ("UMBRA_LEASE_EXPIRED_DELAY_SECONDS", "lease_expired_delay_seconds"),
+                        ("UMBRA_POLL_FALLBACK_SECONDS", "poll_fallback_seconds"), ("UMBRA_LOG_LEVEL", "log_level"),
+                        ("UMBRA_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval_seconds")):  # fmt: skip
+        default = f"{getattr(defaults, field):g}" if isinstance(getattr(defaults, field), (int, float)) else getattr(defaults, field)
+        assert f"| {default}" in rows[name].replace("`", ""), (name, default, rows[name])
+
+
+async def test_heartbeat_event_seconds_spaces_the_heartbeats_that_changed_nothing(db_url, org):
+    """README: `UMBRA_HEARTBEAT_EVENT_SECONDS` (300) — a heartbeat that changed nothing is recorded this often per
+    node; at 0, every one is."""
+    from tests.conftest import LiveServer
+
+    for setting, recorded in (("300", 1), ("0", 3)):
+        with LiveServer(db_url, UMBRA_HEARTBEAT_EVENT_SECONDS=setting) as server:
+            async with httpx.AsyncClient(base_url=server.url, headers=bearer(org[1])) as client:
+                node_id, credential = await http_pair(client, org[1], f"n{setting}")  # its first beat is recorded
+                for _ in range(2):
+                    beat = await client.post("/v1/agent/heartbeat", json={"devices": [CPU64_JSON], "agent_version": "1"},
+                                             headers=bearer(credential))  # fmt: skip
+                    assert beat.status_code == 200, beat.text
+                history = (await client.get(f"/v1/nodes/{node_id}/events")).json()["events"]
+        assert [e["type"] for e in history].count("node.heartbeat") == recorded, (setting, [e["type"] for e in history])

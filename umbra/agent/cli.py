@@ -121,7 +121,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         " as the server checks it: no unknown fields, a non-empty label of its own, no negative MB)")
     p.add_argument("--ollama", nargs="?", const="", default=None, metavar="URL",
                    help="report the models the Ollama server at URL holds loaded, on the devices holding them, with "
-                        "each heartbeat (default URL: OLLAMA_HOST, else http://127.0.0.1:11434)")  # fmt: skip
+                        "each heartbeat (default URL: OLLAMA_HOST as Ollama reads it, a host alone on its port 11434; else "
+                        "http://127.0.0.1:11434)")  # fmt: skip
     p.add_argument("--handler", type=_handler_spec, action="append", default=[], metavar="KIND=MODULE:FUNC",
                    help="add or replace the handler for a job kind (repeatable)")
     p.add_argument("--command", type=_command_spec, action="append", default=[], metavar="KIND='PROGRAM ARGS'",

@@ -54,13 +54,32 @@ class _Running(msgspec.Struct):
     models: list[RunningModel] = []
 
 
+#: The port Ollama listens on when ``OLLAMA_HOST`` names a host alone.
+OLLAMA_PORT = "11434"
+
+
 def ollama_url(given: str | None = None) -> str:
-    """The Ollama server's URL: the one given, else ``OLLAMA_HOST`` (Ollama's own setting: ``host:port``
-    or a URL), else its default."""
-    url = given or os.environ.get("OLLAMA_HOST") or OLLAMA_DEFAULT
-    if "://" not in url:
-        url = f"http://{url}"
-    return url.rstrip("/")
+    """The Ollama server's URL: the one given, else ``OLLAMA_HOST`` (Ollama's own setting: a URL, or
+    ``host:port`` read as Ollama reads it), else its default.
+
+    Without a scheme, a host alone is on Ollama's port (``OLLAMA_HOST=0.0.0.0``, what Ollama's docs
+    suggest for a server other machines reach, listens on 0.0.0.0:11434, not on HTTP's port 80) and a
+    port alone (``:11500``) on the loopback. A URL with a scheme is taken as written."""
+    url = (given or os.environ.get("OLLAMA_HOST") or "").strip() or OLLAMA_DEFAULT
+    if "://" in url:
+        return url.rstrip("/")
+    hostport, _, path = url.partition("/")
+    if hostport.startswith("["):  # [v6]:port or [v6]
+        host, _, rest = hostport[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif hostport.count(":") == 1:
+        host, port = hostport.split(":")
+    else:  # a name, an IPv4 address or a bare IPv6 address
+        host, port = hostport, ""
+    host = host or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port or OLLAMA_PORT}" + (f"/{path}".rstrip("/") if path.strip("/") else "")
 
 
 def parse_running(body: bytes) -> list[RunningModel]:
