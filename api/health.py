@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import anyio
 import msgspec
 from starlette.requests import Request
 
@@ -17,6 +18,12 @@ from .http import json_response
 from .routing import endpoint
 
 log = logging.getLogger(__name__)
+
+#: How long ``/readyz`` waits for the database in all (a connection, then its reads) before it answers 503:
+#: a database that takes the query and never answers (a stalled server, a network dropping packets silently)
+#: is not ready, and a probe left waiting with it answers nothing for as long as the operating system's TCP
+#: timeout.
+READY_DATABASE_SECONDS = 2.0
 
 
 class HealthStatus(msgspec.Struct, kw_only=True):
@@ -46,8 +53,9 @@ async def readyz(request: Request):
         return json_response({"status": "failed", "error": "background_task_failed", "message": failure}, status=503)
     services = request.app.state.services
     try:
-        async with services.pool.connection(timeout=2) as conn:
-            pending = await pending_migrations(conn)
+        with anyio.fail_after(READY_DATABASE_SECONDS):
+            async with services.pool.connection(timeout=READY_DATABASE_SECONDS) as conn:
+                pending = await pending_migrations(conn)
     except Exception as exc:  # any failure to reach the database means "not ready"
         # The driver's text stays in the log: it may carry hosts, roles or SQL, and this route needs no credential.
         log.warning("not ready: database unavailable", extra={"action": "not_ready", "error": type(exc).__name__, "detail": str(exc)[:200]})

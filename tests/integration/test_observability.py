@@ -355,6 +355,21 @@ async def test_readyz_is_503_while_the_database_is_unreachable_and_200_after(db_
     assert health.status_code == 200
 
 
+async def test_readyz_answers_503_while_the_database_takes_its_query_and_never_answers(db_url, pg_proxy):
+    """A database that takes the readiness check's query and never answers (a stalled server, a network that
+    drops packets silently) is not ready: /readyz answers 503 `database_unavailable` within its own bound
+    rather than waiting with the query (for ever behind the proxy; for the operating system's TCP timeout on
+    a real network), and /healthz stays 200."""
+    with LiveServer(pg_proxy.url(db_url), UMBRA_SWEEP_INTERVAL_SECONDS="0.2") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            assert (await client.get("/readyz")).status_code == 200
+            pg_proxy.freeze()  # the pool's open connections: nothing passes, nothing closes
+            down = await client.get("/readyz")  # a ReadTimeout here: the probe waited with its query
+            health = await client.get("/healthz")
+    assert down.status_code == 503 and down.json()["error"] == "database_unavailable", down.text
+    assert health.status_code == 200
+
+
 # -- logs ------------------------------------------------------------------------------------------------
 
 PASSWORD = "pw-Sup3rS3cret-7781"

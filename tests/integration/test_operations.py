@@ -198,3 +198,13 @@ def test_migrate_on_a_current_database_says_so(db_url):
     """What `umbra migrate` says once nothing is left to apply, and nothing is ahead."""
     done = run_umbra("migrate", env={"UMBRA_DATABASE_URL": db_url})
     assert (done.returncode, done.stdout) == (0, "applied 0 migration(s); schema is current\n"), done.stderr
+
+
+def test_serve_refuses_a_duration_too_long_for_a_date_at_start_in_one_line(db_url):
+    """A duration setting no date can hold (a typo's extra zeros) stops `umbra serve` before it serves, naming
+    the variable in one line, exit 2, as every configuration error: it served, and its sweeper then died
+    with an OverflowError traceback (UMBRA_SWEEP_INTERVAL_SECONDS), or every claim, heartbeat or pairing was
+    answered 500 (UMBRA_LEASE_SECONDS, UMBRA_HEARTBEAT_*_SECONDS)."""
+    done = run_umbra("serve", "--port", "0", env={"UMBRA_DATABASE_URL": db_url, "UMBRA_SWEEP_INTERVAL_SECONDS": "1e300"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("umbra: configuration error: UMBRA_SWEEP_INTERVAL_SECONDS") and done.stderr.count("\n") == 1, done.stderr
