@@ -8,6 +8,7 @@ import psycopg
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.routing import Match
 
 from umbra.db import DATABASE_AWAY, LOCK_WAIT_SECONDS, SERVICE_LOCK_WAIT_SECONDS, database_away, lock_wait_ended
 from umbra.errors import DatabaseUnavailable, UmbraError
@@ -24,6 +25,8 @@ async def umbra_error(request: Request, exc: Exception) -> Response:
     headers = {}
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
+    if exc.status == 401 and exc.code == "unauthenticated":  # a credential would do (not a wrong pairing code)
+        headers["WWW-Authenticate"] = "Bearer"  # HTTP's 401 names the scheme to authenticate with
     return json_response(exc.to_json(), status=exc.status, headers=headers)
 
 
@@ -33,7 +36,18 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_reques
 async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = _HTTP_CODES.get(exc.status_code, "http_error")
-    return json_response({"error": code, "message": str(exc.detail)}, status=exc.status_code, headers=exc.headers)
+    headers = exc.headers
+    if exc.status_code == 405:
+        headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+    return json_response({"error": code, "message": str(exc.detail)}, status=exc.status_code, headers=headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's: Starlette's 405 names those of the first
+    alone, and ``GET`` and ``POST /v1/jobs`` (``PUT`` and ``DELETE /v1/models/{slug}``) are two routes each."""
+    routes = request.app.router.routes
+    return sorted({method for route in routes if getattr(route, "methods", None)
+                   and route.matches(request.scope)[0] is not Match.NONE for method in route.methods})  # fmt: skip
 
 
 #: Logged for a request whose client hung up before sending its whole body (nginx's code for it).

@@ -275,7 +275,11 @@ def forwarded_client(peer: str, forwarded: Sequence[str], trusted: Sequence[IPNe
 
     ``forwarded`` is every line of the header, in order: a proxy may add its
     own line rather than extend the client's, and the first line alone is the
-    client's own word.
+    client's own word. A hop is read as an address with or without its port
+    (``203.0.113.7:40001``, ``[2001:db8::7]:443``: some proxies write it) and
+    named in one spelling (an IPv4-mapped IPv6 address as the IPv4 one): the
+    pairing rate limit counts attempts by this name, and a port that changes
+    with each connection made each attempt a source of its own.
     """
     if not _trusted(peer, trusted):
         return peer
@@ -283,17 +287,38 @@ def forwarded_client(peer: str, forwarded: Sequence[str], trusted: Sequence[IPNe
     # Walk from the nearest hop back; the first untrusted one is the client.
     for hop in reversed(hops):
         if not _trusted(hop, trusted):
-            return hop
-    return hops[0] if hops else peer
+            return _spelled(hop)
+    return _spelled(hops[0]) if hops else peer
+
+
+#: A hop's address and port: ``[v6]:port``, ``[v6]`` or ``v4:port`` (a bare IPv6 address has more than one colon).
+_WITH_PORT = re.compile(r"\[(?P<bracketed>[^\]]+)\](?::[0-9]+)?|(?P<v4>[^:]+):[0-9]+")
+
+
+def _address(hop: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``hop`` names, without its port; None if it names none."""
+    with_port = _WITH_PORT.fullmatch(hop)
+    try:
+        return ipaddress.ip_address((with_port.group("bracketed") or with_port.group("v4")) if with_port else hop)
+    except ValueError:
+        return None
+
+
+def _spelled(hop: str) -> str:
+    """``hop``'s address as Python writes it, an IPv4-mapped IPv6 one as IPv4 (one spelling per address), or
+    ``hop`` itself when it is none."""
+    ip = _address(hop)
+    return hop if ip is None else str(getattr(ip, "ipv4_mapped", None) or ip)
 
 
 def _trusted(address: str, trusted: Sequence[IPNetwork]) -> bool:
-    """Whether ``address`` is one of the trusted proxies (an unreadable address is not)."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
+    """Whether ``address`` is one of the trusted proxies (an unreadable address is not); an IPv4-mapped IPv6
+    address is also its IPv4 one."""
+    ip = _address(address)
+    if ip is None:
         return False
-    return any(ip in net for net in trusted)
+    forms = (ip, mapped) if (mapped := getattr(ip, "ipv4_mapped", None)) is not None else (ip,)
+    return any(form in net for form in forms for net in trusted)
 
 
 async def watch_disconnect(request: Request, gone: anyio.Event, scope: anyio.CancelScope) -> None:

@@ -12,6 +12,10 @@ long-poll's disconnect watch need ``receive``/``send`` untouched in timing.
   refused the moment it passes the limit (a route declared without a body
   reads it before its handler runs, :mod:`umbra.api.routing`, so it is counted
   there too). Either way nothing is written.
+* **No stored copies.** An answer to a request carrying a credential (an
+  ``Authorization`` header, or a stream's ``?access_token=``) is
+  ``Cache-Control: no-store`` unless its route said otherwise: it holds the
+  organization's data, and neither a browser nor a proxy should keep it.
 * **Access log.** One structured line per request: id, method, path (never the
   query string, which is where a careless client would put a secret), route
   template, status, duration, client, and who called (credential id and
@@ -54,6 +58,11 @@ def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
     return uuid.uuid4().hex
 
 
+def _credentialed(scope: Scope) -> bool:
+    """Whether the request carries a credential: an ``Authorization`` header, or a stream's ``?access_token=``."""
+    return any(name == b"authorization" for name, _ in scope["headers"]) or b"access_token=" in scope.get("query_string", b"")
+
+
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     for name, value in headers:
         if name == b"content-length":
@@ -81,6 +90,7 @@ class RequestContext:
         state["request_id"] = request_id
         state["received_at"] = time.monotonic()  # what ``Umbra-Held-Seconds`` counts from (``api.agent``)
         status = 500
+        credentialed = _credentialed(scope)
 
         responded = False
 
@@ -89,7 +99,10 @@ class RequestContext:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 responded = True
-                MutableHeaders(scope=message)["X-Request-ID"] = request_id
+                headers = MutableHeaders(scope=message)
+                headers["X-Request-ID"] = request_id
+                if credentialed and "cache-control" not in headers:
+                    headers["Cache-Control"] = "no-store"
             await send(message)
 
         received = 0

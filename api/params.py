@@ -110,8 +110,8 @@ def query_kinds(request: Request) -> frozenset[str] | None:
 
     Repeated rather than comma-separated, so any kind (1 to 200 characters of
     any text) can be named. Limited as a heartbeat's ``kinds`` are
-    (:data:`umbra.compute.jobs.Kinds`): an empty or over-long value, or more
-    than 100 of them, is refused naming the parameter.
+    (:data:`umbra.compute.jobs.Kinds`): an empty, blank or over-long value, one
+    holding a NUL, or more than 100 of them, is refused naming the parameter.
     """
     values = request.query_params.getlist("kind")
     if not values:
@@ -123,6 +123,8 @@ def query_kinds(request: Request) -> frozenset[str] | None:
         raise InvalidRequest(f"each kind must be 1 to {NAME_LENGTH} characters, got {len(bad)}.", field="kind")
     if not all(_NAMED.search(v) for v in values):
         raise InvalidRequest("a kind may not be blank (whitespace only).", field="kind")
+    if any("\x00" in v for v in values):  # no job's kind holds one: PostgreSQL's text cannot
+        raise InvalidRequest("a kind may not contain the NUL character (%00).", field="kind")
     return frozenset(values)
 
 

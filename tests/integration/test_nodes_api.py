@@ -306,8 +306,12 @@ async def test_the_twenty_first_redeem_is_429_after_twenty_invalid_bodies(client
         # A trusted proxy that adds its own line after the client's: the client is in the last line.
         ("127.0.0.1/32", lambda i: [("x-forwarded-for", f"198.51.100.{i}"), ("x-forwarded-for", "203.0.113.7")],
          "203.0.113.7"),
+        # A trusted proxy that writes the client's port too (as Azure's Application Gateway does): each
+        # connection of the client comes from another port, and is still the one source.
+        ("127.0.0.1/32", lambda i: [("x-forwarded-for", f"198.51.100.{i}, 203.0.113.7:{40000 + i}")], "203.0.113.7"),
+        ("127.0.0.1/32", lambda i: [("x-forwarded-for", f"[2001:DB8::7]:{40000 + i}")], "2001:db8::7"),
     ],
-    ids=["no-trusted-proxy", "proxy-adds-a-line"],
+    ids=["no-trusted-proxy", "proxy-adds-a-line", "proxy-adds-the-port", "proxy-adds-an-ipv6-port"],
 )
 async def test_a_client_cannot_choose_its_rate_limit_bucket_with_x_forwarded_for(db_url, conn, org, trusted, forwarded,
                                                                                  counted):  # fmt: skip

@@ -68,3 +68,18 @@ async def test_a_lone_surrogate_is_refused_as_an_invalid_request_not_a_server_er
         assert answer.status_code in (400, 422), (path, answer.status_code, answer.text[:300])
         assert answer.json()["error"] == "invalid_request"
     assert await _counts(conn) == before
+
+
+@pytest.mark.parametrize("method,path,credential", [("GET", "/v1/jobs", "key"), ("POST", "/v1/agent/claim?wait=0", "node")])
+async def test_nul_in_a_kind_of_the_query_is_refused_naming_it(client, conn, org, method, path, credential):
+    """``?kind=`` names a job kind, which PostgreSQL's text cannot hold with a NUL: the listing met the
+    database's refusal (its generic 422, naming no parameter), a claim looked for a kind no job can have."""
+    from tests.integration.test_nodes_api import pair
+
+    _, key = org
+    _, node = await pair(client, key)
+    before = await _counts(conn)
+    answer = await client.request(method, path, params={"kind": "a\x00b"}, headers=bearer(key if credential == "key" else node))
+    assert answer.status_code == 422, answer.text
+    assert (answer.json()["error"], answer.json()["field"]) == ("invalid_request", "kind")
+    assert await _counts(conn) == before
