@@ -812,7 +812,8 @@ async def attempt_ended_by(conn: psycopg.AsyncConnection, job_id: UUID, attempt:
     row alone would refuse.
     """
     recorded = await store.read_stream(conn, store.job_stream(job_id), types=[_tag(JobClaimed), _tag(ending)])
-    found = [r.event for r in recorded if r.event.attempt == attempt]  # type: ignore[attr-defined]
+    # A newer writer's event this server cannot read (an UnknownEvent) names no attempt it can trust: passed over.
+    found = [r.event for r in recorded if getattr(r.event, "attempt", None) == attempt]
     claimed = next((e for e in found if isinstance(e, JobClaimed)), None)
     ended = next((e for e in found if isinstance(e, ending)), None)
     if claimed is None or ended is None:

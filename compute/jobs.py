@@ -757,10 +757,7 @@ async def get_job(
         row = await queue.load(conn, job_id, organization_id)
     else:
         events = await store.read_stream(conn, store.job_stream(job_id), up_to_position=as_of)
-        row = None
-        if events and events[0].organization_id == organization_id:
-            for event_record in events:
-                row = queue.fold(row, event_record)
+        row = queue.fold_stream(events) if events and events[0].organization_id == organization_id else None
     if row is None:
         raise NotFound("job_not_found", f"No job {job_id}" + (f" at position {as_of}." if as_of is not None else "."))
     return row

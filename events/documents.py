@@ -17,6 +17,7 @@ affected: only numbers of free-form values (``Any``) are read this way.
 from __future__ import annotations
 
 import functools
+import re
 from decimal import Decimal
 from typing import Any
 
@@ -33,11 +34,6 @@ canonical_encoder = msgspec.json.Encoder(decimal_format="number", order="sorted"
 def decoder(type_: Any = Any) -> msgspec.json.Decoder:
     """A decoder of ``type_`` reading free-form numbers exactly (one per type, made once)."""
     return msgspec.json.Decoder(type_, float_hook=Decimal)
-
-
-def decode(data: bytes | str) -> Any:
-    """A JSON document, its numbers kept exactly."""
-    return decoder().decode(data)
 
 
 #: The digits ``numeric`` (what ``jsonb`` keeps a number as) holds before and after the decimal point.
@@ -64,6 +60,54 @@ def readable_number(number: Decimal) -> bool:
     (nor of its organization's job list or log) and no verification succeeded."""
     sign, digits, exponent = number.as_tuple()
     return not isinstance(exponent, int) or exponent < 0 or number.is_zero() or sign + len(digits) + exponent <= INTEGER_CHARACTERS
+
+
+#: A JSON string (skipped whole, so that digits inside one are left alone), or an integer token (not the fraction
+#: or exponent of a number) of at least :data:`INTEGER_CHARACTERS` digits.
+_LONG_INTEGER = r'"(?:[^"\\]|\\.)*"|(?<![0-9.eE+-])(-?[0-9]{%d,})(?![0-9.eE])' % INTEGER_CHARACTERS
+_LONG_INTEGERS = {str: re.compile(_LONG_INTEGER), bytes: re.compile(_LONG_INTEGER.encode())}
+_AS_DECIMAL = {str: "e0", bytes: b"e0"}
+
+
+def long_integers_as_decimals(data: bytes | str) -> bytes | str | None:
+    """``data`` with each integer longer than the decoder reads written with an exponent (``e0``: the same
+    number), so that it is read as a :class:`~decimal.Decimal` and written back as it was; None when it holds none.
+
+    :func:`readable_number` keeps such numbers out of what is written now, but releases before it stored them
+    (``1e5000`` in a payload or a result, which ``jsonb`` gives back written out): the log and the views keep
+    them for ever, and every read that met one failed. For a read that failed (``msgspec.ValidationError``)."""
+    pattern, suffix = _LONG_INTEGERS[type(data)], _AS_DECIMAL[type(data)]
+    found = False
+
+    def rewrite(match: re.Match) -> Any:
+        nonlocal found
+        token = match[1]
+        if token is None or len(token) <= INTEGER_CHARACTERS:
+            return match[0]
+        found = True
+        return token + suffix
+
+    rewritten = pattern.sub(rewrite, data)
+    return rewritten if found else None
+
+
+def decode_stored(decoder: msgspec.json.Decoder, data: bytes | str) -> Any:
+    """``decoder.decode(data)``, reading integers longer than it reads as decimals (:func:`long_integers_as_decimals`)."""
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError:
+        readable = long_integers_as_decimals(data)
+        if readable is None:
+            raise
+        return decoder.decode(readable)
+
+
+_ANY = decoder()
+
+
+def decode(data: bytes | str) -> Any:
+    """A JSON document, its numbers kept exactly."""
+    return decode_stored(_ANY, data)
 
 
 def to_builtins(value: Any) -> Any:

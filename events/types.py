@@ -383,6 +383,9 @@ def decode_event(data: bytes | str) -> Event | UnknownEvent:
     try:
         return _decoder.decode(data)
     except msgspec.ValidationError:
+        readable = documents.long_integers_as_decimals(data)
+        if readable is not None:  # an earlier release's number, too long for the decoder as jsonb writes it out
+            return decode_event(readable)
         raw = documents.decode(data)
         if not isinstance(raw, dict):
             raise

@@ -158,6 +158,25 @@ def fold(state: JobRow | None, recorded: RecordedEvent, *, job_id: UUID | None =
     return replace(state, **_apply(state, event, at), version=recorded.version, position=recorded.position, updated_at=at)
 
 
+def opens_unreadably(recorded: RecordedEvent) -> bool:
+    """Whether ``recorded``, the first event of its stream, is one this server cannot read (a newer writer's
+    submission: ``job.submitted.v2``, say). Nothing here can start a row from it, so the folds skip the
+    whole stream: the job is absent from a rebuild (``verify`` names it) and from ``as_of``, rather than
+    every rebuild, verify and ``as_of`` of the organization failing on it."""
+    return isinstance(recorded.event, UnknownEvent)
+
+
+def fold_stream(events: Iterable[RecordedEvent]) -> JobRow | None:
+    """One job's events, in stream order, folded from nothing; None when there are none, or when the stream
+    opens with what this server cannot read (:func:`opens_unreadably`)."""
+    row: JobRow | None = None
+    for recorded in events:
+        if row is None and opens_unreadably(recorded):
+            return None
+        row = fold(row, recorded)
+    return row
+
+
 def _submitted(recorded: RecordedEvent, e: JobSubmitted, job_id: UUID) -> JobRow:
     at, position = recorded.recorded_at, recorded.position
     # Positional, in COLUMNS order: once per submitted job, and keywords through the
@@ -372,7 +391,10 @@ def from_db(record: Sequence[Any]) -> JobRow:
     values = list(record[:_WIDTH])
     for index, decoder in _decoder_at:
         raw = values[index]
-        values[index] = None if raw is None else decoder.decode(raw)
+        try:
+            values[index] = None if raw is None else decoder.decode(raw)
+        except msgspec.ValidationError:  # an earlier release's number jsonb writes out too long for the decoder
+            values[index] = documents.decode_stored(decoder, raw)
     if (depends_on := values[_DEPENDS_ON]) is not None:  # a list from the driver, a tuple as the fold has it
         values[_DEPENDS_ON] = tuple(depends_on)
     return _build(values)
@@ -623,6 +645,7 @@ async def rebuild(
     """Fold every job stream in the log from nothing; nothing is written."""
     rows: dict[UUID, JobRow] = {}
     ids: dict[str, UUID] = {}  # a stream's id, parsed once
+    unreadable: set[UUID] = set()  # streams opened by a newer writer's submission (:func:`opens_unreadably`)
     after = 0
     with long_fold() as set_aside:
         while True:
@@ -631,7 +654,11 @@ async def rebuild(
                 stream = event_record.stream
                 if stream.startswith("job:"):
                     job_id = ids.get(stream) or ids.setdefault(stream, job_id_of(stream))
-                    rows[job_id] = fold(rows.get(job_id), event_record, job_id=job_id)
+                    state = rows.get(job_id)
+                    if state is None and (job_id in unreadable or opens_unreadably(event_record)):
+                        unreadable.add(job_id)
+                        continue
+                    rows[job_id] = fold(state, event_record, job_id=job_id)
             if len(events) < page:
                 return rows
             after = events[-1].position

@@ -217,13 +217,18 @@ async def rebuild(conn: psycopg.AsyncConnection, organization_id: UUID | None = 
     memory, and decoded while the server's event loop waited.
     """
     states: dict[str, NodeState] = {}
+    unreadable: set[str] = set()  # streams opened by a newer writer's creation event: skipped whole, as the queue's
     after = 0
     with long_fold() as set_aside:
         while True:
             cursor = await conn.execute(_NODE_EVENTS, {"organization": organization_id, "after": after, "page": page})
             rows = await cursor.fetchall()
             for recorded in map(recorded_from_row, rows):
-                states[recorded.stream] = fold(states.get(recorded.stream), recorded)
+                state = states.get(recorded.stream)
+                if state is None and (recorded.stream in unreadable or isinstance(recorded.event, UnknownEvent)):
+                    unreadable.add(recorded.stream)  # nothing here can start a row from it: verify names the node
+                    continue
+                states[recorded.stream] = fold(state, recorded)
             if len(rows) < page:
                 break
             after = rows[-1][0]

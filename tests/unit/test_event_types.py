@@ -13,7 +13,7 @@ from umbra.events.types import EVENT_TYPES, JobSubmitted, decode_event, encode_e
 PERMANENT_TAGS = {
     "job.submitted", "job.claimed", "job.lease_renewed", "job.completed", "job.failed", "job.requeued",
     "job.lease_expired", "job.released", "job.blocked", "job.unblocked", "job.decomposed", "job.settled",
-    "job.cancelled", "job.retried", "node.created", "node.paired", "node.heartbeat", "node.went_offline", "node.draining",
+    "job.cancelled", "job.retried", "job.reprioritized", "node.created", "node.paired", "node.heartbeat", "node.went_offline", "node.draining",
     "node.retired", "node.revoked", "node.device_cordoned", "node.device_uncordoned",
 }
 
@@ -101,3 +101,21 @@ def test_a_superseded_version_is_upcast_as_it_is_read(monkeypatch):
     assert types.event_version("job.requeued.v2") == 2
     monkeypatch.setitem(types.UPCASTS, "job.requeued", lambda v1: {**v1, "type": "job.requeued.v2"})  # a wrong upcast
     assert decode_event(stored) == UnknownEvent(type="job.requeued", data=msgspec.json.decode(stored))
+
+
+def test_an_integer_longer_than_the_decoder_reads_is_read_as_a_decimal_and_nothing_else_is_touched():
+    """Releases before ``documents.readable_number`` stored numbers like ``1e5000``, which jsonb gives back
+    written out; the event still decodes as its type, the number as the same value, strings and the fractions
+    and exponents of other numbers as they were."""
+    from decimal import Decimal
+
+    from umbra.events.documents import long_integers_as_decimals
+
+    long, digits = "1" + "0" * 5000, "9" * 5000
+    stored = ('{"type":"job.submitted","kind":"k","priority":1,"max_attempts":1,"payload":{"n":-%s,"s":"%s",'
+              '"f":1.%s,"e":1.5e-%s,"ok":%s}}') % (long, digits, digits, "3" * 4, "1" * 4300)  # fmt: skip
+    event = decode_event(stored)
+    assert isinstance(event, JobSubmitted)
+    assert event.payload == {"n": -Decimal(long), "s": digits, "f": Decimal("1." + digits), "e": Decimal("1.5e-3333"),
+                             "ok": int("1" * 4300)}  # fmt: skip
+    assert long_integers_as_decimals(b'{"a": [1, 2.5e10, "' + digits.encode() + b'"]}') is None
