@@ -1,10 +1,12 @@
 """``GET /metrics``: the process instruments plus views read from the database on scrape.
 
 Queue depth is not a counter this process keeps (other processes change the
-queue too); it is read from the jobs table at scrape time, one grouped query on
-a pooled connection, and handed to a collector that reports exactly what was
-read. The log's head position comes from the same scrape, so "events appended"
-is visible database-wide even for events other processes wrote.
+queue too); it is read at scrape time from the counts the database keeps with
+the jobs table (:mod:`umbra.projections.job_counts`: a count of the table itself
+grew with its terminal jobs until no scrape finished in time), on a pooled
+connection, and handed to a collector that reports exactly what was read. The
+log's head position comes from the same scrape, so "events appended" is visible
+database-wide even for events other processes wrote.
 """
 
 from __future__ import annotations
@@ -22,14 +24,11 @@ from umbra import metrics
 from umbra.db import DATABASE_AWAY
 from umbra.errors import Unauthenticated
 from umbra.events.types import JOB_STATUSES
+from umbra.projections import job_counts
 
 from .http import bearer_token
 from .routing import endpoint
 
-_QUEUE_DEPTH = """
-SELECT status, count(*), count(*) FILTER (WHERE awaiting_dependencies), count(*) FILTER (WHERE waiting_until IS NOT NULL)
-FROM jobs GROUP BY status
-"""
 _LOG_HEAD = "SELECT coalesce(max(position), 0) FROM events"
 
 
@@ -44,7 +43,7 @@ class DatabaseViews(Collector):
         self.database_up = True
 
     async def refresh(self, conn) -> None:
-        rows = await (await conn.execute(_QUEUE_DEPTH)).fetchall()
+        rows = await job_counts.totals(conn)
         depth = {status: 0 for status in JOB_STATUSES}
         depth.update({status: count for status, count, _, _ in rows})
         self.depth = depth

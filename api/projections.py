@@ -27,7 +27,7 @@ from starlette.requests import Request
 from umbra.compute import nodes as node_reads
 from umbra.errors import RateLimited
 from umbra.events import store
-from umbra.events.types import JOB_STATUSES
+from umbra.projections import job_counts
 from umbra.projections import jobs as job_rows
 from umbra.projections.verify import verify
 
@@ -44,7 +44,6 @@ DEFAULT_LISTED_JOBS = 200
 VIEWS = ("queue", "nodes")
 READ_SCOPES = ("jobs:read", "events:read")
 
-_COUNTS = "SELECT status, count(*) FROM jobs WHERE organization_id = %s GROUP BY status"
 _OPEN_JOBS = f"""
 SELECT {job_rows.SELECT_LIST} FROM jobs
 WHERE organization_id = %s AND status IN ('queued', 'running', 'blocked')
@@ -83,8 +82,7 @@ async def _snapshot_transaction(conn):
 async def read_queue(conn, organization_id: UUID, limit: int) -> dict[str, Any]:
     """The queue view; call inside a snapshot transaction."""
     position = await store.head_position(conn, organization_id)
-    counts = {status: 0 for status in JOB_STATUSES}
-    counts.update(dict(await (await conn.execute(_COUNTS, (organization_id,))).fetchall()))
+    counts = await job_counts.of_organization(conn, organization_id)
     rows = await (await conn.execute(_OPEN_JOBS, (organization_id, limit + 1))).fetchall()
     listed = [job_rows.to_json(job_rows.from_db(row)) for row in rows[:limit]]
     return {"position": position, "counts": counts, "jobs": listed, "truncated": len(rows) > limit}

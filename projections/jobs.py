@@ -584,6 +584,10 @@ async def record(
     Returns the new rows in the order of ``changes``. All appends are one
     statement (or one COPY) and all row writes another, however many jobs change.
 
+    The rows' counts by status follow in ``job_counts`` (triggers on ``jobs``, migrations/0050), written
+    after the append here as every row is: the append's ordering lock, held to commit, is what keeps one
+    counter row per organization and status from being a point of contention.
+
     ``events``, when given, is how many events ``changes`` carry in all;
     ``changes`` may then be a generator of new jobs, which a large batch
     consumes while its COPY streams (see :func:`store.appending`).

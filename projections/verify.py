@@ -9,6 +9,9 @@ up as a false difference.
 Differences are plain dicts ``{"view", "id", "field", "rebuilt", "live"}``
 (``field`` None when the row exists on one side only), the same shape
 :func:`umbra.projections.jobs.diff` reports, so operators read one format.
+The job counts the queue view and ``/metrics`` read (``job_counts``, kept by
+triggers) are compared in the same snapshot with a count of the live rows
+(:func:`umbra.projections.job_counts.differences`: view ``job_counts``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from uuid import UUID
 import anyio
 import psycopg
 
-from . import jobs, nodes
+from . import job_counts, jobs, nodes
 from .long_folds import let_go, long_fold
 
 
@@ -56,9 +59,10 @@ async def verify(conn: psycopg.AsyncConnection, organization_id: UUID | None = N
                                "SET LOCAL idle_in_transaction_session_timeout = 0")  # fmt: skip
             rebuilt_jobs, live_jobs = await jobs.rebuild(conn, organization_id), await jobs.live(conn, organization_id)
             rebuilt_nodes, live_nodes = await nodes.rebuild(conn, organization_id), await nodes.live(conn, organization_id)
+            counts = await job_counts.differences(conn, organization_id)
         # In a worker thread: 100,000 jobs' columns are compared in 1.5 s, which would hold the event loop.
         differences = await anyio.to_thread.run_sync(
-            lambda: jobs.diff(rebuilt_jobs, live_jobs) + diff_rows("nodes", rebuilt_nodes, live_nodes))
+            lambda: jobs.diff(rebuilt_jobs, live_jobs) + diff_rows("nodes", rebuilt_nodes, live_nodes) + counts)
         await let_go(rebuilt_jobs)
         await let_go(live_jobs)
     return differences

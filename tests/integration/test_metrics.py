@@ -8,6 +8,7 @@ import logging
 import uuid
 
 import httpx
+import psycopg
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -46,6 +47,28 @@ async def test_metrics_expose_queue_depth_log_head_and_process_instruments(conn,
     assert "umbra_sweeper_actions" in response.text and "umbra_events_appended_total" in response.text
     served = after[("umbra_http_requests_total", (("method", "GET"), ("route", "/v1/events"), ("status", "200")))]
     assert served >= 1
+
+
+async def test_a_scrape_reads_the_queue_depth_without_reading_the_jobs_table(conn, db_url, org, live_server):
+    """The depth comes from the counts kept with the jobs (``job_counts``), not from counting ``jobs``, which
+    keeps every terminal job: at 6 million rows that count outlasted the scrape's bound at every scrape
+    (``umbra_database_up 0``, the depth left at zeros). With ``jobs`` locked against every reader, the scrape
+    still reads the database, and the depth is the jobs'."""
+    from .queue_support import CPU64, add_node, submit
+
+    org_id, _ = org
+    await add_node(conn, org_id, "n", [CPU64])
+    for kind in ("a", "b"):
+        await submit(conn, org_id, kind)
+    await submit(conn, org_id, "gpu", requires={"accelerators": ["rocm"]})  # blocked
+    async with await psycopg.AsyncConnection.connect(db_url) as holder:
+        await holder.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+        async with httpx.AsyncClient(base_url=live_server.url) as client:
+            scraped = samples((await client.get("/metrics")).text)
+        await holder.rollback()
+    assert scraped[("umbra_database_up", ())] == 1
+    depth = {status: scraped[("umbra_queue_depth", (("status", status),))] for status in JOB_STATUSES}
+    assert depth == {**{status: 0 for status in JOB_STATUSES}, "queued": 2, "blocked": 1}
 
 
 async def test_group_commit_batches_are_counted(org, live_server):
