@@ -44,16 +44,33 @@ DEFAULT_LISTED_JOBS = 200
 VIEWS = ("queue", "nodes")
 READ_SCOPES = ("jobs:read", "events:read")
 
+#: The first ``%(limit)s`` open jobs in that order: each status's first ones by an index-ordered scan that stops
+#: at the limit (running and blocked ones by ``jobs_running_and_blocked_listed``, migration 0051, queued ones
+#: by ``jobs_claimable``), then those at most three times the limit put in order. Ordered in one query by
+#: ``status = 'running' DESC, status = 'blocked' DESC, priority, seq``, which no index serves, every read sorted
+#: every open job of the organization (0.75 s with 600,000 open among 4.6 million), and each of its streams
+#: reads the view again whenever its jobs move.
 _OPEN_JOBS = f"""
-SELECT {job_rows.SELECT_LIST} FROM jobs
-WHERE organization_id = %s AND status IN ('queued', 'running', 'blocked')
-ORDER BY status = 'running' DESC, status = 'blocked' DESC, priority, seq
-LIMIT %s
+SELECT {", ".join(job_rows.COLUMNS)} FROM (
+    (SELECT 0 AS listed_first, {job_rows.SELECT_LIST} FROM jobs
+     WHERE organization_id = %(org)s AND status = 'running' ORDER BY priority, seq LIMIT %(limit)s)
+    UNION ALL
+    (SELECT 1 AS listed_first, {job_rows.SELECT_LIST} FROM jobs
+     WHERE organization_id = %(org)s AND status = 'blocked' ORDER BY priority, seq LIMIT %(limit)s)
+    UNION ALL
+    (SELECT 2 AS listed_first, {job_rows.SELECT_LIST} FROM jobs
+     WHERE organization_id = %(org)s AND status = 'queued' ORDER BY priority, seq LIMIT %(limit)s)
+) AS open_jobs
+ORDER BY listed_first, priority, seq
+LIMIT %(limit)s
 """
 #: The ``Retry-After`` of a verify refused because another of its organization's is running.
 VERIFY_RETRY_SECONDS = 5
 #: The most job ids a queue message lists as moved.
 MOST_CHANGED = 1000
+#: The jobs that moved since a position, in the order they moved: the end of ``jobs_by_position`` (migration
+#: 0051), whatever the organization's history (without it every read of a stream whose log moved scanned
+#: all the organization's jobs: 0.6 s at 4.6 million).
 _MOVED_JOBS = f"SELECT id FROM jobs WHERE organization_id = %s AND position > %s ORDER BY position LIMIT {MOST_CHANGED + 1}"
 
 
@@ -83,7 +100,7 @@ async def read_queue(conn, organization_id: UUID, limit: int) -> dict[str, Any]:
     """The queue view; call inside a snapshot transaction."""
     position = await store.head_position(conn, organization_id)
     counts = await job_counts.of_organization(conn, organization_id)
-    rows = await (await conn.execute(_OPEN_JOBS, (organization_id, limit + 1))).fetchall()
+    rows = await (await conn.execute(_OPEN_JOBS, {"org": organization_id, "limit": limit + 1})).fetchall()
     listed = [job_rows.to_json(job_rows.from_db(row)) for row in rows[:limit]]
     return {"position": position, "counts": counts, "jobs": listed, "truncated": len(rows) > limit}
 
