@@ -85,6 +85,15 @@ ORDER BY n.name
 """
 _NODES_AS_REPORTED = _NODES.format(running="NULL")
 _NODES_AS_CLAIMS_FIND_THEM = _NODES.format(running=RUNNING_TAKING_MEMORY)
+#: The organization's nodes in service (not draining, not retired), as reported, by index ``nodes_accepting``
+#: (migrations/0052), whose predicate it names whole: :data:`_NODES`, whose ``%s OR`` a generic plan cannot
+#: resolve, read every node the organization ever paired.
+_ACCEPTING_NODES_AS_REPORTED = f"""
+SELECT {NODE_COLUMNS}, NULL
+FROM nodes n LEFT JOIN node_liveness l ON l.node_id = n.id
+WHERE n.organization_id = %s AND n.status NOT IN ('draining', 'retired')
+ORDER BY n.name
+"""
 #: A JSON device set (a node row's, a report's) as the structs eligibility judges.
 decode_devices = msgspec.json.Decoder(tuple[Device, ...]).decode
 _running = msgspec.json.Decoder(list[tuple[UUID, Requirements, Placement]])
@@ -141,8 +150,11 @@ async def read_nodes(
     machines) would otherwise have every submission read every node it ever
     paired.
     """
-    query = _NODES_AS_REPORTED if models is None else _NODES_AS_CLAIMS_FIND_THEM
-    cursor = await conn.execute(query, (organization_id, node_id, node_id, not accepting_only))
+    if accepting_only and node_id is None and models is None:
+        cursor = await conn.execute(_ACCEPTING_NODES_AS_REPORTED, (organization_id,))
+    else:
+        query = _NODES_AS_REPORTED if models is None else _NODES_AS_CLAIMS_FIND_THEM
+        cursor = await conn.execute(query, (organization_id, node_id, node_id, not accepting_only))
     nodes = [(node_as_read(*row[:-1], stale_seconds=stale_seconds), running_jobs(row[-1])) for row in await cursor.fetchall()]
     if models is None:
         return [node for node, _ in nodes]

@@ -38,7 +38,7 @@ from umbra.domain.settlement import settle
 from umbra.errors import Conflict, InvalidRequest, NotFound
 from umbra.events import documents, store
 from umbra.events.types import (
-    TERMINAL_JOB_STATUSES, Event, JobBlocked, JobClaimed, JobDecomposed, JobLeaseExpired, JobLeaseRenewed,
+    JOB_STATUSES, TERMINAL_JOB_STATUSES, Event, JobBlocked, JobClaimed, JobDecomposed, JobLeaseExpired, JobLeaseRenewed,
     JobReleased, JobReprioritized, JobRequeued, JobRetried, JobSettled, JobSubmitted, JobUnblocked, Requirements,
 )  # fmt: skip
 from umbra.projections import jobs as queue
@@ -747,6 +747,17 @@ WHERE organization_id = %s AND (%s::text[] IS NULL OR status = ANY(%s)) AND (%s:
   AND seq > %s
 ORDER BY seq LIMIT %s
 """
+#: The statuses a job leaves (index ``jobs_open_by_seq``'s, migrations/0052).
+OPEN_JOB_STATUSES = frozenset(JOB_STATUSES) - TERMINAL_JOB_STATUSES
+#: A page of jobs of open statuses only: ``jobs_open_by_seq``, whose predicate it repeats whole (a generic plan,
+#: a pooled connection's prepared statement's, cannot prove it from ``status = ANY(%s)``), holds only the open
+#: jobs, where ``jobs_org_seq`` holds every job the organization ever had, terminal ones for ever.
+_LIST_OPEN = f"""
+SELECT {queue.SELECT_LIST} FROM jobs
+WHERE organization_id = %s AND status IN ('queued', 'running', 'blocked') AND status = ANY(%s)
+  AND (%s::text[] IS NULL OR kind = ANY(%s)) AND seq > %s
+ORDER BY seq LIMIT %s
+"""
 
 
 async def get_job(
@@ -770,6 +781,9 @@ async def list_jobs(
     """A page in submission order (of ``statuses`` and ``kinds``, if given); the cursor is the last job's ``seq``
     (None at the end)."""
     named = None if kinds is None else sorted(kinds)
-    cursor = await conn.execute(_LIST, (organization_id, statuses, statuses, named, named, after, limit))
+    if statuses is not None and OPEN_JOB_STATUSES.issuperset(statuses):
+        cursor = await conn.execute(_LIST_OPEN, (organization_id, statuses, named, named, after, limit))
+    else:
+        cursor = await conn.execute(_LIST, (organization_id, statuses, statuses, named, named, after, limit))
     rows = [queue.from_db(r) for r in await cursor.fetchall()]
     return rows, (rows[-1].seq if len(rows) == limit else None)

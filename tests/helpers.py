@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Awaitable, Callable, Iterator, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import anyio
 import psycopg
@@ -111,3 +112,49 @@ def run_umbra(*argv: str, env: dict[str, str] | None = None, timeout: float = 60
     environment.update(env or {})
     return subprocess.run([sys.executable, "-m", "umbra.cli", *argv], cwd=ROOT, env=environment,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+async def generic_plans(conn, run: Callable[[], Awaitable[Any]], *, table: str) -> list[str]:
+    """The plans (auto_explain's JSON, sent as notices) of the statements ``run()`` sends on ``conn`` that read
+    ``table``, each planned generic, as a pooled connection's prepared statement comes to be planned, with
+    sequential scans priced out: what a read of a large table would take. Skips where auto_explain is missing."""
+    plans: list[str] = []
+
+    def note(diagnostic) -> None:
+        if f'"Relation Name": "{table}"' in (diagnostic.message_primary or ""):
+            plans.append(diagnostic.message_primary)
+
+    try:
+        await conn.execute("LOAD 'auto_explain'")
+    except psycopg.Error as exc:  # a server built without contrib
+        import pytest
+
+        pytest.skip(f"auto_explain is not available: {exc}")
+    for name, value in (("plan_cache_mode", "force_generic_plan"), ("enable_seqscan", "off"),
+                        ("auto_explain.log_min_duration", "0"), ("auto_explain.log_format", "json"),
+                        ("auto_explain.log_level", "notice")):  # fmt: skip
+        await conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+    conn.add_notice_handler(note)
+    try:
+        await run()
+    finally:
+        conn.remove_notice_handler(note)
+        await conn.execute("RESET ALL")
+    assert plans, f"no plan read {table}"
+    return plans
+
+
+def index_names(plan: str) -> set[str]:
+    """The indexes an auto_explain JSON plan (:func:`generic_plans`) reads."""
+
+    def walk(node: Any) -> Iterator[str]:
+        if isinstance(node, dict):
+            if "Index Name" in node:
+                yield node["Index Name"]
+            for value in node.values():
+                yield from walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from walk(value)
+
+    return set(walk(json.loads(plan[plan.index("{") :])))

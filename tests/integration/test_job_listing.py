@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+from datetime import datetime, timedelta, timezone
+
 import anyio
 import pytest
 
+from umbra.compute import claims, jobs
 from umbra.compute.accounts import create_organization
-from tests.helpers import bearer
+from umbra.events.types import JOB_STATUSES, TERMINAL_JOB_STATUSES
+from tests.helpers import bearer, generic_plans, index_names
 
-from .queue_support import http_claim, http_complete, http_pair
+from .queue_support import CPU64, add_node, http_claim, http_complete, http_pair, submit
+from .test_claim_fencing import child, claim
 
 pytestmark = pytest.mark.anyio
 
@@ -159,3 +165,92 @@ async def test_listing_cursor_and_limit_bounds(client, org, conn):
     with_their_cursor = (await client.get("/v1/jobs", params={"after": theirs_first["next"]}, headers=bearer(key))).json()
     assert all(j["kind"] == "k" for j in with_their_cursor["jobs"])
     assert (await client.get("/v1/jobs", params={"after": str(2**63 - 1)}, headers=bearer(key))).json() == {"jobs": [], "next": None}
+
+
+async def _jobs_of_every_status(conn, org_id) -> None:
+    """Jobs of two kinds in every status, submitted interleaved: queued, running, blocked (no device fits, and
+    waiting for a dependency), complete, failed, cancelled, and a container settled ``partial``."""
+    node = await add_node(conn, org_id, "n", [CPU64])
+    for i in range(3):
+        kind = "a" if i % 2 else "b"
+        done = await submit(conn, org_id, kind, priority=0)
+        got = await claim(conn, org_id, node)
+        assert got.job_id == done.id
+        await claims.complete(conn, organization_id=org_id, node_id=node, job_id=done.id, attempt=got.attempt, result={})
+        await submit(conn, org_id, kind, requires={"vram_min_mb": 10**6})  # blocked: nothing fits
+        await submit(conn, org_id, kind)  # queued
+        broken = await submit(conn, org_id, kind, priority=0)
+        got = await claim(conn, org_id, node)
+        assert got.job_id == broken.id
+        await claims.fail(conn, organization_id=org_id, node_id=node, job_id=broken.id, attempt=got.attempt, error="x",
+                          retry=False)  # fmt: skip
+        await submit(conn, org_id, kind, not_before=(datetime.now(timezone.utc) + timedelta(days=30)).isoformat())  # blocked: delayed
+        dropped = await submit(conn, org_id, kind)
+        await jobs.cancel(conn, org_id, dropped.id, actor="test")
+        await submit(conn, org_id, kind, depends_on=[str((await submit(conn, org_id, kind)).id)])  # waits for a queued one
+        held = await submit(conn, org_id, kind, priority=0)
+        got = await claim(conn, org_id, node)
+        assert got.job_id == held.id  # running
+    parent = await submit(conn, org_id, "p", priority=0)
+    got = await claim(conn, org_id, node)
+    assert got.job_id == parent.id
+    (made,) = await claims.add_children(conn, organization_id=org_id, node_id=node, job_id=parent.id, attempt=got.attempt,
+                                        children=[child(max_attempts=1, priority=0)])  # fmt: skip
+    got = await claim(conn, org_id, node)
+    assert got.job_id == made.id
+    await claims.fail(conn, organization_id=org_id, node_id=node, job_id=made.id, attempt=got.attempt, error="x", retry=False)
+
+
+async def test_every_status_and_kind_filter_pages_as_the_organization_s_jobs_in_submission_order(conn, org):
+    """For every set of statuses (with and without a kind filter) and page sizes, the pages and their cursors are
+    exactly the organization's jobs of those statuses and kinds in ``seq`` order, cut into pages, the cursor the
+    last ``seq`` of a full page: whichever index the listing reads, open jobs' or every job's."""
+    org_id, _ = org
+    other_id, _ = await create_organization(conn, "other")
+    await _jobs_of_every_status(conn, org_id)
+    await _jobs_of_every_status(conn, other_id)
+    everything = await (await conn.execute("SELECT id, status, kind, seq FROM jobs WHERE organization_id = %s ORDER BY seq",
+                                           (org_id,))).fetchall()  # fmt: skip
+    assert {status for _, status, _, _ in everything} == set(JOB_STATUSES)
+    for size in range(len(JOB_STATUSES) + 1):
+        for statuses in itertools.combinations(JOB_STATUSES, size):
+            for kinds in (None, ["a"], ["a", "p"]):
+                for limit in (2, 1000):
+                    wanted = [(job_id, seq) for job_id, status, kind, seq in everything
+                              if status in statuses and (kinds is None or kind in kinds)]  # fmt: skip
+                    expected = [wanted[i : i + limit] for i in range(0, len(wanted), limit)] or [[]]
+                    if len(expected[-1]) == limit:
+                        expected.append([])
+                    pages, after = [], 0
+                    while True:
+                        rows, cursor = await jobs.list_jobs(conn, org_id, statuses=list(statuses), kinds=kinds, limit=limit,
+                                                            after=after)  # fmt: skip
+                        pages.append([(row.id, row.seq) for row in rows])
+                        assert cursor == (rows[-1].seq if len(rows) == limit else None)
+                        if cursor is None:
+                            break
+                        after = cursor
+                    assert pages == expected, (statuses, kinds, limit)
+
+
+async def _listing_plans(conn, org_id, statuses: list[str] | None, kinds: list[str] | None = None) -> list[str]:
+    return await generic_plans(conn, lambda: jobs.list_jobs(conn, org_id, statuses=statuses, kinds=kinds, limit=100, after=0),
+                               table="jobs")  # fmt: skip
+
+
+async def test_a_filter_of_open_statuses_reads_the_open_jobs_not_the_organization_s_history(conn, org):
+    """``?status=queued`` (or running, blocked) of an organization with millions of terminal jobs read them all
+    through ``jobs_org_seq``, filtering by status: a generic plan (a pooled connection's, once the statement is
+    prepared) cannot see that the statuses asked for are open ones. The listing names the open statuses whole,
+    so every plan of it reads ``jobs_open_by_seq``; a filter with a terminal status still reads every job's."""
+    org_id, _ = org
+    await _jobs_of_every_status(conn, org_id)
+    open_statuses = [s for s in JOB_STATUSES if s not in TERMINAL_JOB_STATUSES]
+    for size in range(1, len(open_statuses) + 1):
+        for statuses in itertools.combinations(open_statuses, size):
+            for kinds in (None, ["a"]):
+                for plan in await _listing_plans(conn, org_id, list(statuses), kinds):
+                    assert index_names(plan) == {"jobs_open_by_seq"}, (statuses, kinds, plan)
+    for statuses in (None, ["complete"], ["queued", "failed"]):
+        for plan in await _listing_plans(conn, org_id, statuses):
+            assert index_names(plan) == {"jobs_org_seq"}, (statuses, plan)
