@@ -504,6 +504,29 @@ async def read_log(
     return [recorded_from_row(row) for row in await cursor.fetchall()]
 
 
+#: Every job stream's events, stream by stream in job id order (a UUID's order: its text's, a job's id's),
+#: each stream's in position order. Sorted by PostgreSQL, which spills to disk beyond ``work_mem``.
+_JOB_STREAMS = (
+    f"SELECT {LOG_COLUMNS} FROM events WHERE left(stream, 4) = 'job:'{{organization}}"
+    " ORDER BY substr(stream, 5)::uuid, position"
+)
+
+
+async def read_job_streams(
+    conn: psycopg.AsyncConnection, *, organization_id: UUID | None = None, page: int = 1000
+) -> AsyncIterator[list[RecordedEvent]]:
+    """Every job stream's events, one stream after another in job id order, in pages of ``page`` events.
+
+    Read through a server-side cursor: however long the log, only a page is held here. Call inside a
+    transaction (the cursor lives until it ends), as ``verify`` does in its snapshot.
+    """
+    query = _JOB_STREAMS.format(organization="" if organization_id is None else " AND organization_id = %s")
+    async with conn.cursor(name="umbra_job_streams") as cursor:
+        await cursor.execute(query, () if organization_id is None else (organization_id,))
+        while rows := await cursor.fetchmany(page):
+            yield [recorded_from_row(row) for row in rows]
+
+
 async def head_position(conn: psycopg.AsyncConnection, organization_id: UUID | None = None) -> int:
     """The highest committed position visible now (0 for an empty log)."""
     if organization_id is None:

@@ -12,11 +12,12 @@ the live rows exactly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from uuid import UUID
 
 import anyio
@@ -689,13 +690,84 @@ def diff(rebuilt: Mapping[UUID, JobRow], current: Mapping[UUID, JobRow]) -> list
     """Differences between a rebuild and the live rows, column by column."""
     out: list[dict[str, Any]] = []
     for job_id in sorted(set(rebuilt) | set(current), key=str):
-        a, b = rebuilt.get(job_id), current.get(job_id)
-        if a is None or b is None:
-            out.append({"view": "queue", "id": str(job_id), "field": None,
-                        "rebuilt": a is not None, "live": b is not None})  # fmt: skip
-            continue
-        for name in COLUMNS:
-            if not same_value(getattr(a, name), getattr(b, name)):
-                out.append({"view": "queue", "id": str(job_id), "field": name,
-                            "rebuilt": repr(getattr(a, name)), "live": repr(getattr(b, name))})  # fmt: skip
+        out += row_differences(job_id, rebuilt.get(job_id), current.get(job_id))
+    return out
+
+
+def row_differences(job_id: UUID, a: JobRow | None, b: JobRow | None) -> list[dict[str, Any]]:
+    """One job's differences between its rebuilt row ``a`` and its live row ``b`` (None: absent on that side)."""
+    if a is None or b is None:
+        return [{"view": "queue", "id": str(job_id), "field": None, "rebuilt": a is not None, "live": b is not None}]
+    return [{"view": "queue", "id": str(job_id), "field": name, "rebuilt": repr(getattr(a, name)), "live": repr(getattr(b, name))}
+            for name in COLUMNS if not same_value(getattr(a, name), getattr(b, name))]  # fmt: skip
+
+
+_LIVE_BY_ID = f"SELECT {SELECT_LIST} FROM jobs{{organization}} ORDER BY id"
+
+
+async def live_by_id(conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *,
+                     page: int = FOLD_PAGE) -> AsyncIterator[JobRow]:  # fmt: skip
+    """The stored rows in id order, read a page at a time through a server-side cursor (inside a transaction)."""
+    query = _LIVE_BY_ID.format(organization="" if organization_id is None else " WHERE organization_id = %s")
+    async with conn.cursor(name="umbra_live_jobs") as cursor:
+        await cursor.execute(query, () if organization_id is None else (organization_id,))
+        while chunk := await cursor.fetchmany(page):
+            for row in map(from_db, chunk):
+                yield row
+
+
+async def rebuild_by_id(conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *,
+                        page: int = FOLD_PAGE) -> AsyncIterator[JobRow]:  # fmt: skip
+    """What :func:`rebuild` folds, a row at a time in id order: each stream is folded whole, given, and dropped.
+
+    The same rows: each stream's events in the same order, a stream opened unreadably skipped whole.
+    """
+    job_id: UUID | None = None
+    stream: str | None = None
+    row: JobRow | None = None
+    async for events in store.read_job_streams(conn, organization_id=organization_id, page=page):
+        for event_record in events:
+            if event_record.stream != stream:
+                if row is not None:
+                    yield row
+                stream, job_id, row = event_record.stream, job_id_of(event_record.stream), None
+                if opens_unreadably(event_record):
+                    job_id = None  # skipped whole, as rebuild skips it
+                    continue
+            elif job_id is None:
+                continue
+            row = fold(row, event_record, job_id=job_id)
+        del events
+    if row is not None:
+        yield row
+
+
+async def compare(conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *,
+                  page: int = FOLD_PAGE) -> list[dict[str, Any]]:  # fmt: skip
+    """``diff(await rebuild(...), await live(...))``, the same list in the same order, holding about a page of
+    each side at a time rather than every row of the organization. Both sides are read in job id order (the
+    order ``diff`` reports in) and compared window by window: a window ends at the lower of the two sides'
+    last ids read, below which neither side has more to give. Call inside one transaction, as ``verify`` does."""
+    out: list[dict[str, Any]] = []
+    async with contextlib.aclosing(rebuild_by_id(conn, organization_id, page=page)) as rebuilt, \
+            contextlib.aclosing(live_by_id(conn, organization_id, page=page)) as current:  # fmt: skip
+        sides = [(rebuilt, [], [await anext(rebuilt, None)]), (current, [], [await anext(current, None)])]
+        with long_fold() as set_aside:
+            while any(ahead[0] is not None for _, _, ahead in sides):
+                for rows, held, ahead in sides:
+                    while ahead[0] is not None and len(held) < page:
+                        held.append(ahead[0])
+                        ahead[0] = await anext(rows, None)
+                # Rows above the end stay for the next window: the other side may have theirs still to come.
+                ends = [held[-1].id for _, held, ahead in sides if ahead[0] is not None and held]
+                end = min(ends) if ends else None
+                windows = []
+                for _, held, _ in sides:
+                    cut = len(held) if end is None else next((n for n, row in enumerate(held) if row.id > end), len(held))
+                    windows.append({row.id: row for row in held[:cut]})
+                    del held[:cut]
+                set_aside()
+                out += diff(*windows)
+                del windows
+                await anyio.lowlevel.checkpoint()
     return out

@@ -33,9 +33,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
-import anyio.lowlevel
 
 #: Events folded, or rows made into values, between two turns a long fold gives the event loop. A page
 #: of 1,000 holds it about 30 ms here (5,000: about 175 ms), and costs no measurable throughput: a
@@ -70,12 +69,3 @@ def long_fold() -> Iterator[Callable[[], None]]:
                 if _set_aside_before:
                     gc.collect()
                     gc.freeze()
-
-
-async def let_go(built: dict[Any, Any]) -> None:
-    """Empty what a fold built, :data:`FOLD_PAGE` entries at a time, giving the event loop a turn between:
-    dropped at once, 100,000 jobs' rows took about 200 ms to free, all of it holding the loop."""
-    while built:
-        for _ in range(min(FOLD_PAGE, len(built))):
-            built.popitem()
-        await anyio.lowlevel.checkpoint()

@@ -5,10 +5,9 @@ from __future__ import annotations
 import gc
 import weakref
 
-import anyio
 import pytest
 
-from umbra.projections.long_folds import FOLD_PAGE, let_go, long_fold
+from umbra.projections.long_folds import long_fold
 
 pytestmark = pytest.mark.anyio
 
@@ -72,24 +71,3 @@ def test_in_a_process_that_set_its_startup_aside_the_fold_collects_then_sets_asi
         assert not any(obj is started for obj in gc.get_objects())
     finally:
         gc.unfreeze()
-
-
-async def test_let_go_empties_a_page_at_a_time_serving_the_loop_between():
-    built = {n: Built(n) for n in range(4 * FOLD_PAGE + 1)}
-    turns = 0
-    emptied = anyio.Event()
-
-    async def other_task() -> None:
-        nonlocal turns
-        while not emptied.is_set():
-            turns += 1
-            await anyio.lowlevel.checkpoint()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(other_task)
-        await anyio.lowlevel.checkpoint()
-        before = turns
-        await let_go(built)
-        emptied.set()
-    assert built == {}
-    assert turns - before >= 4  # served between the five pages
