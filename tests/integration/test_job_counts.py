@@ -257,3 +257,51 @@ async def test_the_service_role_writes_the_counts_and_reads_them(db_url, org):
         await submit(service, org_id, "s")
         rows = await (await service.execute("SELECT status, jobs FROM job_counts WHERE organization_id = %s", (org_id,))).fetchall()
     assert rows == [("blocked", 1)]  # no node yet
+
+
+async def test_migrating_while_the_service_writes_counts_every_job(conn, db_url, org):
+    """A rolling upgrade: 0050 (its table lock and backfill) and the concurrent index builds after it applied
+    while servers of the previous release go on submitting, claiming and completing as the service role. No
+    writer fails or deadlocks, the counts equal the rows afterwards, verify finds nothing, and migrating again
+    applies nothing."""
+    import anyio
+
+    from umbra.db import _configure
+
+    org_id, _ = org
+    node = await add_node(conn, org_id, "n", [CPU64])
+    shipped = available_migrations()
+    [counts_migration] = [m for m in shipped if m.name.endswith("_job_counts.sql")]
+    later = [m.name for m in shipped if m.version >= counts_migration.version]
+    await conn.execute("DROP TABLE job_counts; DROP FUNCTION umbra_count_jobs() CASCADE; "
+                       "DROP INDEX jobs_running_and_blocked_listed, jobs_by_position, jobs_open_by_seq, nodes_accepting")  # fmt: skip
+    await conn.execute("DELETE FROM schema_migrations WHERE version >= %s", (counts_migration.version,))
+    await jobs.submit(conn, org_id, [spec("before") for _ in range(20)], actor="t", batch=True)
+    migrated = anyio.Event()
+    rounds: list[int] = []
+
+    async def writer(index: int) -> None:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as service:
+            await _configure(service)  # as a server's pooled connection: the service role, bounded lock waits
+            done = 0
+            while done < 3:  # until three rounds after the migration
+                [first, _] = (await jobs.submit(service, org_id, [spec("w"), spec("w", depends_on=[0])], actor="t", batch=True))[0]
+                await submit(service, org_id, "w", not_before=in_an_hour())
+                if (got := await claims.claim(service, node_id=node, organization_id=org_id, lease_seconds=30)) is not None:
+                    await claims.complete(service, organization_id=org_id, node_id=node, job_id=got.job_id,
+                                          attempt=got.attempt, result=index)  # fmt: skip
+                await service.execute("SELECT 1")
+                done += migrated.is_set()
+                rounds.append(index)
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            for index in range(3):
+                tg.start_soon(writer, index)
+            assert await migrate(db_url) == later
+            during = len(rounds)
+            migrated.set()
+    assert during > 0 and len(rounds) >= during + 9  # writes went on during the migration and after it
+    await counted(conn)  # asserts the table equals a count of the rows
+    assert await verify(conn) == []
+    assert await migrate(db_url) == []
