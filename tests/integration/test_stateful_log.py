@@ -869,6 +869,10 @@ def harness(db_url):
         portal.call(h.conn.close)
 
 
+#: Alone on a quiet machine the suite's run takes 10-15 s; beside the rest of the suite on two busy cores it
+#: took more than the suite's 120 s bound per test (and hypothesis, cut off mid-example, reported that as a
+#: flaky draw). The bound is for a hang, not a measure.
+@pytest.mark.timeout(900)
 def test_random_histories_over_http_fold_to_the_views(harness, monkeypatch, capsys):
     LogMachine.h = harness
     phases = [Phase.generate] if os.environ.get("UMBRA_STATEFUL_NO_SHRINK") else list(Phase)
