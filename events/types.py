@@ -381,11 +381,8 @@ def decode_event(data: bytes | str) -> Event | UnknownEvent:
     (a superseded version, or a newer writer's) is looked at again.
     """
     try:
-        return _decoder.decode(data)
+        return documents.decode_stored(_decoder, data)  # an earlier release's over-long numbers read too
     except msgspec.ValidationError:
-        readable = documents.long_integers_as_decimals(data)
-        if readable is not None:  # an earlier release's number, too long for the decoder as jsonb writes it out
-            return decode_event(readable)
         raw = documents.decode(data)
         if not isinstance(raw, dict):
             raise

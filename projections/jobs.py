@@ -718,27 +718,18 @@ async def live_by_id(conn: psycopg.AsyncConnection, organization_id: UUID | None
 
 async def rebuild_by_id(conn: psycopg.AsyncConnection, organization_id: UUID | None = None, *,
                         page: int = FOLD_PAGE) -> AsyncIterator[JobRow]:  # fmt: skip
-    """What :func:`rebuild` folds, a row at a time in id order: each stream is folded whole, given, and dropped.
-
-    The same rows: each stream's events in the same order, a stream opened unreadably skipped whole.
-    """
-    job_id: UUID | None = None
-    stream: str | None = None
-    row: JobRow | None = None
+    """What :func:`rebuild` folds, a row at a time in id order: each stream's events gathered, folded whole
+    (:func:`fold_stream`: a stream opened unreadably is skipped, as :func:`rebuild` skips it), given, dropped."""
+    stream: list[RecordedEvent] = []
     async for events in store.read_job_streams(conn, organization_id=organization_id, page=page):
         for event_record in events:
-            if event_record.stream != stream:
-                if row is not None:
+            if stream and event_record.stream != stream[0].stream:
+                if (row := fold_stream(stream)) is not None:
                     yield row
-                stream, job_id, row = event_record.stream, job_id_of(event_record.stream), None
-                if opens_unreadably(event_record):
-                    job_id = None  # skipped whole, as rebuild skips it
-                    continue
-            elif job_id is None:
-                continue
-            row = fold(row, event_record, job_id=job_id)
+                stream = []
+            stream.append(event_record)
         del events
-    if row is not None:
+    if stream and (row := fold_stream(stream)) is not None:
         yield row
 
 
