@@ -22,7 +22,7 @@ from .errors import HANDLERS
 from .job_waits import JobWaits
 from .longpoll import WaiterHub
 from .middleware import RequestContext
-from .routing import matching_whole_path
+from .routing import matching_whole_path, redirect_trailing_slash
 from .services import Services
 from .sse import LogWatch
 
@@ -124,6 +124,7 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
         lifespan=lifespan,
         middleware=[Middleware(RequestContext, route_templates=templates, trusted_proxies=settings.trusted_proxies)],
     )
+    redirect_trailing_slash(app.router)
     app.state.metrics_registry, app.state.metrics_views = metrics.build_registry()
     app.state.failure = None
     return app

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Match, Route, Router
+from starlette.types import Receive, Scope, Send
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,32 @@ def matching_whole_path(route: Any) -> Any:
     if pattern is not None and pattern.pattern.endswith("$"):
         route.path_regex = re.compile(pattern.pattern[:-1] + r"\Z")
     return route
+
+
+def redirect_trailing_slash(router: Router) -> None:
+    """Answer a path written with a trailing slash (``/v1/jobs/``) with a redirect *relative to the request*.
+
+    Starlette's own redirect names an absolute address built from what the
+    server sees: behind a proxy that ends TLS, ``http://`` — a client that
+    follows a 307 sends its body, and perhaps its key, again in the clear. A
+    path alone (with the query) keeps the client on the scheme and host it
+    used. Any other unknown path is the router's 404, as before.
+    """
+    router.redirect_slashes = False
+    not_found = router.not_found
+
+    async def default(scope: Scope, receive: Receive, send: Send) -> None:
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        if scope["type"] == "http" and scope["path"] != "/" and scope["path"].endswith("/"):
+            stripped = dict(scope, path=scope["path"].rstrip("/"))
+            if any(route.matches(stripped)[0] is not Match.NONE for route in router.routes):
+                query = scope.get("query_string") or b""
+                location = raw_path.rstrip(b"/").decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+                await RedirectResponse(location or "/", status_code=307)(scope, receive, send)
+                return
+        await not_found(scope, receive, send)
+
+    router.default = default
 
 
 def endpoint(

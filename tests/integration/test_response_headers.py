@@ -6,6 +6,8 @@
   (an event stream's ``no-cache``) is left as it is.
 * A 401 ``unauthenticated`` says how to authenticate (``WWW-Authenticate: Bearer``), as HTTP requires
   of every 401 that asks for credentials.
+* A path written with a trailing slash is redirected by its path alone (``Location: /v1/jobs``), never
+  to an absolute address the server would build with the scheme it sees (``http`` behind a TLS proxy).
 """
 
 from __future__ import annotations
@@ -74,3 +76,28 @@ async def test_a_405_allows_every_method_of_the_path(client, method, path, allow
     answer = await client.request(method, path)
     assert (answer.status_code, answer.json()["error"]) == (405, "method_not_allowed")
     assert {m.strip() for m in answer.headers["allow"].split(",")} == allowed
+
+
+@pytest.mark.parametrize("path, location", [
+    ("/v1/jobs/", "/v1/jobs"),
+    ("/v1/jobs/?status=queued&limit=2", "/v1/jobs?status=queued&limit=2"),
+    ("/healthz//", "/healthz"),
+])  # fmt: skip
+async def test_a_trailing_slash_is_redirected_to_a_path_not_an_address(client, path, location):
+    """The redirect names the path alone: behind a proxy that ends TLS the server sees ``http``, and an
+    absolute address would send the client (its body, its key) there in the clear."""
+    answer = await client.get(path, headers={"host": "umbra.example", "x-forwarded-proto": "https"}, follow_redirects=False)
+    assert (answer.status_code, answer.headers["location"]) == (307, location)
+
+
+async def test_a_post_with_a_trailing_slash_keeps_its_body_on_the_same_origin(client, org):
+    _, key = org
+    answer = await client.post("/v1/jobs/", json={"kind": "echo"}, headers=bearer(key), follow_redirects=True)
+    assert answer.status_code == 201 and answer.json()["kind"] == "echo"
+    assert str(answer.url).endswith("/v1/jobs")
+
+
+async def test_an_unknown_path_with_a_trailing_slash_is_not_found(client):
+    answer = await client.get("/v1/nowhere/", follow_redirects=False)
+    assert (answer.status_code, answer.json()["error"]) == (404, "not_found")
+    assert (await client.get("/v1//jobs/", follow_redirects=False)).status_code == 404
