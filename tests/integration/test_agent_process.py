@@ -1,7 +1,8 @@
 """``umbra agent`` as a real process: pairing once into a private credential
 file, reusing it, SIGTERM and SIGHUP (finish the current job, or give it back
-after the grace period; exit 0 either way), and devices the server would
-refuse (refused at start, before any heartbeat)."""
+after the grace period; exit 0 either way), devices the server would
+refuse (refused at start, before any heartbeat), and ``kill -9``, which takes
+its job's program with it."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import anyio
 import httpx
+import psutil
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import eventually, sighup_at_default
+from tests.helpers import eventually, sighup_at_default, until
 from umbra.agent.client import AgentClient
 from umbra.agent.credentials import CredentialFile, StoredCredential
 from umbra.agent.devices import parse_device_spec
@@ -267,3 +269,40 @@ async def test_sigterm_then_sighup_as_systemd_sends_them_still_finishes_the_job(
         assert await agent.wait() == 0, agent.stderr.decode()[-500:]
     job = await eventually(lambda: _job(api, running, "complete", "queued"), timeout=10)
     assert job["status"] == "complete", f"the job was given back without its grace: {job['status']}, {job['error']!r}"
+
+
+def _ended(pid: int) -> bool:
+    """No process ``pid`` runs: none is left, or one that ended waits to be reaped (by init, once orphaned)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+async def test_a_command_s_program_ends_with_its_agent_killed_by_sigkill(server, api, tmp_path):
+    """``kill -9`` of the agent (an OOM kill, a supervisor's last resort) gives it no say: its job's program,
+    orphaned, ran on, holding the device, while the job's lease ran out and it ran again on another node,
+    two copies at once. The program gets SIGKILL when its agent dies."""
+    credential_file, _ = await _paired_file(server, api, tmp_path, "kill-9")
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "job.py"
+    script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    async with agent_process("--credential-file", str(credential_file),
+                             "--command", f"work={sys.executable} {script}") as agent:
+        job = await _submit(api, "work", {})
+        await eventually(lambda: _job(api, job, "running"), timeout=20)
+        await eventually(lambda: _has_text(pid_file), timeout=20)
+        program = int(pid_file.read_text())
+        try:
+            assert psutil.Process(program).ppid() == agent.process.pid, "the program is the agent's child"
+            agent.process.kill()
+            assert await agent.wait() == -signal.SIGKILL
+            await until(lambda: _ended(program), timeout=10)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(program, signal.SIGKILL)
+
+
+async def _has_text(path: Path) -> bool:
+    return path.exists() and path.read_text() != ""

@@ -25,7 +25,11 @@ runs one program per job, so such work needs no Python handler written for it:
 * a job cancelled, lost or out of time sends that group ``SIGTERM``, then
   ``SIGKILL`` after :data:`TERMINATE_GRACE_SECONDS`; so does the program's
   exit, for what it left running: the slot is free only once the group is
-  gone, so the device is never shared with a leftover.
+  gone, so the device is never shared with a leftover;
+* on Linux it gets ``SIGKILL`` when the agent dies without stopping it
+  (``kill -9``), rather than run on beside the job's next run on another node
+  (:mod:`umbra.agent.tether`; what the program started itself is not reached
+  that way); a program that cannot be started there exits 127.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from umbra.events import documents
 
 from .client import storable_text
 from .handlers import Interrupted, PermanentError, RetryableError
+from .tether import tethered
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +107,11 @@ class CommandHandler:
         try:
             # A session of its own: a Ctrl-C in the agent's terminal stops the agent gracefully, not the
             # program; and the program and whatever it starts are one process group, stopped together.
-            process = await anyio.open_process(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE, env=environment, start_new_session=True)  # fmt: skip
-        except OSError as exc:  # no such program, not executable: the same on every attempt here
+            # Tethered: an agent killed outright (SIGKILL) takes the program with it.
+            process = await anyio.open_process(tethered(self.argv, environment), stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment,
+                                               start_new_session=True)  # fmt: skip
+        except OSError as exc:  # no such program, not executable (elsewhere than Linux): the same on every attempt
             raise PermanentError(f"could not start {self.argv[0]!r}: {exc.strerror or exc}") from None
         output = _Output()
         errors: deque[str] = deque(maxlen=ERROR_TAIL_LINES)
