@@ -16,7 +16,7 @@ from uuid import UUID
 
 import anyio
 import psycopg
-from psycopg import sql
+from psycopg import conninfo, sql
 from psycopg_pool import AsyncConnectionPool
 
 from .embedded import EmbeddedPostgres, install_exit_on_sigterm, start_embedded, unembeddable
@@ -378,15 +378,23 @@ async def in_utc(conn: psycopg.AsyncConnection) -> None:
 #: the database closed is, instead of after the operating system's TCP timeout (two hours for one waiting
 #: for an answer): a request, a batch or the sweeper waiting on it answers or moves on. Probes are answered
 #: by the database host's kernel, so a long statement is not taken for a gone peer; a Unix socket (the
-#: embedded server's) has none.
+#: embedded server's) has none. Those the database URL sets are its own (:func:`keepalives`).
 KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+
+
+def keepalives(url: str) -> dict[str, Any]:
+    """:data:`KEEPALIVES` but those ``url`` sets itself: an operator's ``?keepalives_idle=300`` (a link whose
+    probes cost, a firewall that forgets idle connections sooner) is kept. Passed to ``connect`` beside the
+    URL, a keyword overrides the URL's own setting."""
+    given = conninfo.conninfo_to_dict(url)
+    return {name: value for name, value in KEEPALIVES.items() if name not in given}
 
 
 async def connect(url: str, **kwargs: Any) -> psycopg.AsyncConnection:
     """A connection of its own (the sweeper's, the CLI's), in autocommit, reading times in UTC as pooled ones do
     and with its idle transactions bounded (:func:`bound_waits`; its lock waits are not), and
-    :data:`KEEPALIVES`."""
-    conn = await psycopg.AsyncConnection.connect(url, autocommit=True, **{**KEEPALIVES, **kwargs})
+    :func:`keepalives`."""
+    conn = await psycopg.AsyncConnection.connect(url, autocommit=True, **{**keepalives(url), **kwargs})
     try:
         await in_utc(conn)
         await bound_waits(conn, lock_waits=False)
@@ -461,7 +469,7 @@ async def open_pool(url: str, *, size: int = 10) -> AsyncIterator[AsyncConnectio
         max_size=size,
         open=False,
         timeout=POOL_WAIT_SECONDS,
-        kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_SECONDS, **KEEPALIVES},
+        kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_SECONDS, **keepalives(url)},
         configure=_configure,
     )
     await pool.open(wait=True, timeout=30)

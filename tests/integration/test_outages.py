@@ -866,3 +866,25 @@ async def test_every_connection_to_the_database_has_tcp_keepalives(db_url):
         given.append(own.info.get_parameters())
     for parameters in given:
         assert {name: parameters.get(name) for name in KEEPALIVES} == {name: str(v) for name, v in KEEPALIVES.items()}
+
+
+async def test_keepalives_the_database_url_sets_are_its_own(db_url):
+    """``UMBRA_DATABASE_URL=...?keepalives_idle=300`` (a link whose probes cost, a firewall that forgets idle
+    connections sooner): the URL's setting is kept, in either form of URL; only those it leaves unset are
+    :data:`~umbra.db.KEEPALIVES`'."""
+    from urllib.parse import quote
+
+    from umbra.db import KEEPALIVES, open_pool, own_connection
+
+    parts = conninfo.conninfo_to_dict(db_url)
+    url = (f"postgresql://{quote(parts.get('user', ''), safe='')}@{quote(parts.get('host', ''), safe='')}"
+           f":{parts.get('port', 5432)}/{parts['dbname']}?keepalives_idle=300&keepalives_count=7")  # fmt: skip
+    expected = {**{name: str(v) for name, v in KEEPALIVES.items()}, "keepalives_idle": "300", "keepalives_count": "7"}
+    for given in (url, conninfo.make_conninfo(db_url, keepalives_idle=300, keepalives_count=7)):
+        async with open_pool(given, size=1) as pool:
+            async with pool.connection() as pooled:
+                seen = [pooled.info.get_parameters()]
+        async with own_connection(given) as own:
+            seen.append(own.info.get_parameters())
+        for parameters in seen:
+            assert {name: parameters.get(name) for name in KEEPALIVES} == expected, given
