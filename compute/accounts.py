@@ -12,7 +12,7 @@ from psycopg import sql
 
 from umbra.errors import InvalidRequest, NotFound
 from umbra.events import store
-from umbra.security import hash_secret, new_token, verify_secret
+from umbra.security import hash_secret, is_prefix, new_token, verify_secret
 
 from .auth import API_KEY_KIND, API_KEY_SCOPES
 
@@ -100,8 +100,10 @@ async def api_key_named(conn: psycopg.AsyncConnection, organization_id: UUID, na
     rows = await (await conn.execute(_KEYS_BY_PREFIX, (organization_id, prefix))).fetchall()
     if len(parts) == 3:  # the whole key: it names only the key it verifies against, not any sharing its prefix
         rows = [row for row in rows if await anyio.to_thread.run_sync(verify_secret, row[1], name)]
-    if not rows:
-        raise NotFound("api_key_not_found", f"No such API key (prefix {prefix}) in this organization.")
+    if not rows:  # named by its prefix only if it is one: a key mistyped (the secret alone, say) is not repeated
+        named = f" (prefix {prefix})" if is_prefix(prefix) else ""
+        raise NotFound("api_key_not_found", f"No such API key{named} in this organization; name it by its id or prefix, "
+                       "as list-keys prints them, or by the whole key.")  # fmt: skip
     if len(rows) > 1:
         raise InvalidRequest(f"{len(rows)} keys share the prefix {prefix}; name one by its id (see list-keys).")
     return rows[0][0]

@@ -36,15 +36,21 @@ SERVER_HELP = ("service URL (default UMBRA_SERVER, else http://UMBRA_HOST:UMBRA_
                "unset host, port 8080 if unset)")
 
 PAGE_SIZE = 1000
+#: What a key may hold to be sent in a header at all (visible ASCII); a key of any other shape is the server's to refuse.
+_SENDABLE = re.compile(r"[!-~]+")
 
 
 # -- HTTP ------------------------------------------------------------------------
 
 
 def _client(args, scope: str = "events:read") -> httpx.AsyncClient:
-    key = args.api_key or os.environ.get("UMBRA_API_KEY")
+    key = (args.api_key or os.environ.get("UMBRA_API_KEY") or "").strip()  # a key read from a file keeps its newline
     if not key:
         raise InvalidRequest(f"An API key with {scope} is required: pass --api-key or set UMBRA_API_KEY.")
+    if not _SENDABLE.fullmatch(key):
+        # Checked here, not left to the HTTP library: its refusal of the header quotes it, key and all.
+        raise InvalidRequest("The API key (--api-key or UMBRA_API_KEY) holds a character no key has (a space, a control "
+                             "character, a non-ASCII letter); give it as create-key printed it.")  # fmt: skip
     server = args.server or server_url()
     return httpx.AsyncClient(
         base_url=server.rstrip("/"),

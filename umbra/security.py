@@ -73,9 +73,15 @@ def new_token(kind: str) -> tuple[str, str]:
 def token_prefix(token: str, kind: str) -> str | None:
     """The stored-prefix part of ``token``, or None when it is not of ``kind``."""
     parts = token.split("_", 2)
-    if len(parts) != 3 or parts[0] != kind or len(parts[1]) != PREFIX_LENGTH or not _HEX.fullmatch(parts[1]):
+    if len(parts) != 3 or parts[0] != kind or not is_prefix(parts[1]):
         return None  # what new_token never makes (a NUL, say) is refused here, before any query
     return parts[1]
+
+
+def is_prefix(text: str) -> bool:
+    """Whether ``text`` has the shape of a stored prefix (:func:`new_token`'s hex digits). Only such text is
+    quoted back as a prefix: anything else given where a prefix was expected may be a secret."""
+    return len(text) == PREFIX_LENGTH and _HEX.fullmatch(text) is not None
 
 
 def token_fingerprint(token: str) -> bytes:

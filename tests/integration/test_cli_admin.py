@@ -255,6 +255,21 @@ async def test_revoke_key_given_a_wrong_key_does_not_revoke_the_key_sharing_its_
     assert status == 1 and err.startswith("umbra: api_key_not_found:")
 
 
+async def test_revoke_key_given_no_key_it_can_name_repeats_no_secret(cli, org, conn):
+    """revoke-key takes the key itself, so what it is given may be a key: refused, its message names the prefix
+    only when it was given one, never the rest. The secret half alone, or the key with its underscores turned
+    to hyphens, was quoted whole as "prefix ..." on stderr."""
+    org_id, key = org
+    secret = key.split("_", 2)[2]
+    for mangled in (secret.replace("_", "-"), key.replace("_", "-"), f"Bearer {key}", key.upper()):
+        status, out, err = await cli("admin", "revoke-key", "--org", str(org_id), mangled)
+        assert status == 1 and err.startswith("umbra: api_key_not_found:") and err.count("\n") == 1, (mangled, err)
+        assert secret[:20].replace("_", "-") not in err.replace("_", "-") and secret[:20].upper() not in err.upper(), err
+    status, _, err = await cli("admin", "revoke-key", "--org", str(org_id), "uk_0123456789")
+    assert status == 1 and "0123456789" in err, "a prefix given is named"
+    assert (await (await conn.execute("SELECT count(*) FROM api_keys WHERE revoked_at IS NOT NULL")).fetchone())[0] == 0
+
+
 async def test_every_json_output_is_one_json_document_and_secrets_appear_only_where_issued(cli, org, api, live_server):
     """Each command's ``--json`` output parses as one JSON document (``events tail``: one per line), so a
     script can read it; an API key appears only in the answer of the command that created it, a pairing

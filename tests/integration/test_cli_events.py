@@ -255,6 +255,29 @@ async def test_http_clients_say_a_refused_server_and_a_wrong_key_in_one_line(cli
         assert status == 1 and "UMBRA_API_KEY" in err and err.count("\n") == 1, (command, err)
 
 
+async def test_http_clients_take_a_key_with_a_line_break_and_never_echo_one_they_cannot_send(cli, api, live_server, org, monkeypatch):
+    """A key with a line break or a space around it (read from a file, pasted with the newline) is the key:
+    ``events tail``, ``jobs list`` and ``jobs explain`` send it without them. One holding a character no key has
+    (a control character, a space inside, a non-ASCII letter) is refused before anything is sent, in one line
+    that does not repeat it: the HTTP library's own refusal of such a header ("Illegal header value
+    b'Bearer uk_…'") printed the whole key on stderr."""
+    job = await submit(api)
+    key = org[1]
+    commands = (["events", "tail"], ["jobs", "list"], ["jobs", "explain", job["id"]])
+    for around in (f"{key}\n", f" {key}\t", f"{key}\r\n"):
+        monkeypatch.setenv("UMBRA_API_KEY", around)
+        for command in commands:
+            status, out, err = await cli(*command, "--server", live_server.url)
+            assert status == 0 and (job["id"] in out or command[1] == "explain"), (command, repr(around), err)
+    monkeypatch.delenv("UMBRA_API_KEY")
+    secret = key.split("_", 2)[2]
+    for unsendable in (f"{key}\x01", f"{key[:20]}\n{key[20:]}", f"{key[:20]} {key[20:]}", f"{key}é"):
+        for command in commands:
+            status, out, err = await cli(*command, "--server", live_server.url, "--api-key", unsendable)
+            assert status == 1 and err.count("\n") == 1 and "--api-key" in err, (command, err)
+            assert secret[:20] not in err and secret[-20:] not in err, f"the key was echoed: {err}"
+
+
 def _tail(live_server, api_key: str, *flags: str, **popen) -> subprocess.Popen:
     """``umbra events tail FLAGS`` as a process, its stdout and stderr piped."""
     env = {k: v for k, v in os.environ.items() if k != "UMBRA_API_KEY"}
