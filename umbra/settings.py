@@ -42,8 +42,9 @@ def _default_data_dir() -> Path:
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     #: ``UMBRA_DATABASE_URL``. A libpq URL or conninfo string. Unset means "start
-    #: (or reuse) the embedded PostgreSQL under ``data_dir``".
-    database_url: str | None = None
+    #: (or reuse) the embedded PostgreSQL under ``data_dir``". Out of the settings'
+    #: ``repr``, as the metrics token is: it may hold a password.
+    database_url: str | None = field(default=None, repr=False)
     #: ``UMBRA_DATA_DIR``. Where the embedded database lives (``<data_dir>/pg``).
     #: Default ``/var/lib/umbra`` as root, else ``~/.local/share/umbra``.
     data_dir: Path = field(default_factory=_default_data_dir)

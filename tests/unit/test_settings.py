@@ -178,3 +178,11 @@ def test_a_duration_no_timestamp_can_hold_is_refused_at_start_naming_the_variabl
     longest = getattr(load_settings({name: str(MAX_DURATION_SECONDS)}), name.removeprefix("UMBRA_").lower())
     now = datetime.now(timezone.utc)
     assert now - timedelta(seconds=longest) < now < now + timedelta(seconds=longest)
+
+
+def test_the_settings_repr_holds_no_secret():
+    """A settings object printed (a log line, a traceback's locals) shows neither the database's password nor the metrics token."""
+    settings = load_settings({"UMBRA_DATABASE_URL": "postgresql://owner:Pw-s3cret@db.example:5432/umbra",
+                              "UMBRA_METRICS_TOKEN": "mt-s3cret"})  # fmt: skip
+    assert settings.database_url.endswith("@db.example:5432/umbra") and settings.metrics_token == "mt-s3cret"
+    assert "s3cret" not in repr(settings) and "s3cret" not in str(settings)
