@@ -29,7 +29,7 @@ MAX_POSITION = 2**63 - 1
 
 
 class EventOut(msgspec.Struct, kw_only=True):
-    """An event as the API shows it (``RecordedEvent.to_json``)."""
+    """An event as the API shows it (``store.StoredEvent``: ``data`` and ``metadata`` as stored)."""
 
     position: int
     stream: str
@@ -57,8 +57,8 @@ async def list_events(request: Request):
     async with authenticated(request, "events:read") as (who, conn):
         after = query_int(request, "after", default=0, minimum=0, maximum=MAX_POSITION)
         limit = query_int(request, "limit", default=100, minimum=1, maximum=MAX_PAGE)
-        batch = await store.read_log(conn, after=after, limit=limit, organization_id=who.organization_id)
-    return json_response({"events": [r.to_json() for r in batch], "next": batch[-1].position if batch else after})
+        batch = await store.read_log_as_stored(conn, after=after, limit=limit, organization_id=who.organization_id)
+    return json_response({"events": batch, "next": batch[-1].position if batch else after})
 
 
 def _history(stream_of, code: str, noun: str):
@@ -67,10 +67,10 @@ def _history(stream_of, code: str, noun: str):
     async def history(request: Request):
         async with authenticated(request, "events:read") as (who, conn):
             object_id = path_uuid(request, "id", code=code)
-            recorded = await store.read_stream(conn, stream_of(object_id))
+            recorded = await store.read_stream_as_stored(conn, stream_of(object_id))
         if not recorded or recorded[0].organization_id != who.organization_id:
             raise NotFound(code, f"No {noun} {object_id} in this organization.")
-        return json_response({"events": [r.to_json() for r in recorded]})
+        return json_response({"events": recorded})
 
     return history
 
@@ -103,10 +103,10 @@ def _log_reader(organization_id: UUID, after: int) -> StreamRead:
 
     async def read(conn) -> tuple[list[bytes], bool]:
         nonlocal last
-        batch = await store.read_log(conn, after=last, limit=MAX_PAGE, organization_id=organization_id)
+        batch = await store.read_log_as_stored(conn, after=last, limit=MAX_PAGE, organization_id=organization_id)
         if batch:
             last = batch[-1].position
-        return [message(r.to_json(), event=r.type, id=r.position) for r in batch], len(batch) == MAX_PAGE
+        return [message(r, event=r.type, id=r.position) for r in batch], len(batch) == MAX_PAGE
 
     return read
 

@@ -25,6 +25,7 @@ caller owns the transaction.
 from __future__ import annotations
 
 import contextlib
+import functools
 from datetime import datetime
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from uuid import UUID
@@ -67,18 +68,29 @@ class RecordedEvent(msgspec.Struct, frozen=True):
             return self.event.type
         return self.event.__struct_config__.tag  # type: ignore[attr-defined]
 
-    def to_json(self) -> dict[str, Any]:
-        """The API's Event object."""
-        return {
-            "position": self.position,
-            "stream": self.stream,
-            "version": self.version,
-            "type": self.type,
-            "organization_id": str(self.organization_id),
-            "data": self.event.data if isinstance(self.event, UnknownEvent) else documents.to_builtins(self.event),
-            "metadata": dict(self.metadata),
-            "recorded_at": self.recorded_at.isoformat().replace("+00:00", "Z"),
-        }
+
+class StoredEvent(msgspec.Struct, frozen=True):
+    """An event as the log holds it: the API's Event object, ``data`` and ``metadata`` the JSON stored.
+
+    The log is the auditor's record of what each writer said, so it is shown
+    as stored, not decoded into this release's types (:class:`RecordedEvent`,
+    what the folds read) and encoded again: that would drop the fields a newer
+    release added to a type this one knows, and show an earlier release's
+    events with the fields added since, at their defaults. ``type`` is the one
+    recorded (a superseded version's own tag, not the one the folds upcast it
+    to). Numbers are as ``jsonb`` writes them (docs/API.md); the JSON is only
+    compacted. Nothing is decoded, so it is also the quicker read.
+    """
+
+    position: int
+    stream: str
+    version: int
+    type: str
+    organization_id: UUID
+    data: msgspec.Raw
+    metadata: msgspec.Raw
+    #: Written by the encoder as RFC 3339, ``Z`` for UTC, as the API's other times.
+    recorded_at: datetime
 
 
 class PendingAppend(msgspec.Struct, frozen=True):
@@ -423,6 +435,8 @@ async def append(
 
 
 LOG_COLUMNS = "position, stream, version, organization_id, data::text, metadata::text, recorded_at"
+#: The columns of :func:`stored_from_row`: the recorded type too, which the folds read from ``data``.
+STORED_COLUMNS = "position, stream, version, type, organization_id, data::text, metadata::text, recorded_at"
 
 
 def recorded_from_row(row: tuple) -> RecordedEvent:
@@ -439,17 +453,36 @@ def recorded_from_row(row: tuple) -> RecordedEvent:
     )
 
 
+#: Stored JSON without the spaces ``jsonb`` writes after each ``:`` and ``,`` (its numbers' text is kept).
+_compact = functools.partial(msgspec.json.format, indent=-1)
+
+
+def stored_from_row(row: tuple) -> StoredEvent:
+    """An event as the log holds it, from a row of :data:`STORED_COLUMNS`."""
+    position, stream, version, type_, organization_id, data, metadata, recorded_at = row
+    return StoredEvent(position, stream, version, type_, organization_id, msgspec.Raw(_compact(data)),
+                       msgspec.Raw(_compact(metadata)), recorded_at)  # fmt: skip
+
+
+_STREAM = (
+    "SELECT {columns} FROM events WHERE stream = %s AND (%s::bigint IS NULL OR position <= %s)"
+    " AND (%s::text[] IS NULL OR type = ANY(%s::text[])) ORDER BY version"
+)
+
+
 async def read_stream(
     conn: psycopg.AsyncConnection, stream: str, *, up_to_position: int | None = None, types: Sequence[str] | None = None
 ) -> list[RecordedEvent]:
     """A stream's events in version order, optionally only those at or before a position, or of ``types``
     (a job's claims, say, without the renewals of a long run)."""
-    cursor = await conn.execute(
-        f"SELECT {LOG_COLUMNS} FROM events WHERE stream = %s AND (%s::bigint IS NULL OR position <= %s)"
-        " AND (%s::text[] IS NULL OR type = ANY(%s::text[])) ORDER BY version",
-        (stream, up_to_position, up_to_position, types, types),
-    )
+    cursor = await conn.execute(_STREAM.format(columns=LOG_COLUMNS), (stream, up_to_position, up_to_position, types, types))
     return [recorded_from_row(row) for row in await cursor.fetchall()]
+
+
+async def read_stream_as_stored(conn: psycopg.AsyncConnection, stream: str) -> list[StoredEvent]:
+    """A stream's events in version order, as the log holds them (:class:`StoredEvent`: to show, not to fold)."""
+    cursor = await conn.execute(_STREAM.format(columns=STORED_COLUMNS), (stream, None, None, None, None))
+    return [stored_from_row(row) for row in await cursor.fetchall()]
 
 
 async def count_by_stream(
@@ -492,16 +525,33 @@ async def read_log(
     organization_id: UUID | None = None,
 ) -> list[RecordedEvent]:
     """Events after ``after`` in commit order (= position order, see module doc)."""
+    return [recorded_from_row(row) for row in await _log_rows(conn, LOG_COLUMNS, after, limit, organization_id)]
+
+
+async def read_log_as_stored(
+    conn: psycopg.AsyncConnection,
+    *,
+    after: int = 0,
+    limit: int = 1000,
+    organization_id: UUID | None = None,
+) -> list[StoredEvent]:
+    """:func:`read_log` as the log holds the events (:class:`StoredEvent`: to show, not to fold)."""
+    return [stored_from_row(row) for row in await _log_rows(conn, STORED_COLUMNS, after, limit, organization_id)]
+
+
+async def _log_rows(
+    conn: psycopg.AsyncConnection, columns: str, after: int, limit: int, organization_id: UUID | None
+) -> list[tuple]:
     if organization_id is None:
         cursor = await conn.execute(
-            f"SELECT {LOG_COLUMNS} FROM events WHERE position > %s ORDER BY position LIMIT %s", (after, limit)
+            f"SELECT {columns} FROM events WHERE position > %s ORDER BY position LIMIT %s", (after, limit)
         )
     else:
         cursor = await conn.execute(
-            f"SELECT {LOG_COLUMNS} FROM events WHERE organization_id = %s AND position > %s ORDER BY position LIMIT %s",
+            f"SELECT {columns} FROM events WHERE organization_id = %s AND position > %s ORDER BY position LIMIT %s",
             (organization_id, after, limit),
         )
-    return [recorded_from_row(row) for row in await cursor.fetchall()]
+    return await cursor.fetchall()
 
 
 #: Every job stream's events, stream by stream in job id order (a UUID's order: its text's, a job's id's),
@@ -646,6 +696,7 @@ __all__ = [
     "ask_recheck",
     "PendingAppend",
     "RecordedEvent",
+    "StoredEvent",
     "append",
     "append_many",
     "count_by_stream",
@@ -661,5 +712,7 @@ __all__ = [
     "parse_hints",
     "publish",
     "read_log",
+    "read_log_as_stored",
     "read_stream",
+    "read_stream_as_stored",
 ]

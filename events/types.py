@@ -12,8 +12,10 @@ change old rows cannot be read as (a field renamed, retyped or given another
 meaning) makes a new version: the struct takes the next tag, the old tag
 leaves the union, and an upcast from the old version's stored form to the
 next one's is registered in :data:`UPCASTS`. Stored rows are never rewritten;
-:func:`decode_event` upcasts them as it reads them, so the folds and the API
-only ever meet the current versions.
+:func:`decode_event` upcasts them as it reads them, so the folds only ever
+meet the current versions. The API shows events as stored, never through
+these types (``umbra.events.store.StoredEvent``): every field a writer
+stored, a newer release's included, under the tag it was recorded with.
 
 The value structs (devices, requirements, placements) live here too because
 they are part of what the log stores; everything above this layer imports them.
@@ -365,9 +367,9 @@ class UnknownEvent(msgspec.Struct, frozen=True):
     type or value (a new failure reason, say) would fail the decoding, and
     with it every read of the log that pages over the event: the event API,
     the SSE stream (for ever, at that position), ``as_of`` and ``verify``.
-    So it is read as this instead. The API shows it as stored; the folds skip
-    it (advancing the stream's version), so a view this server rebuilds lacks
-    what it meant, and ``verify`` shows where.
+    So it is read as this instead. The API shows it as stored, as it shows
+    every event; the folds skip it (advancing the stream's version), so a view
+    this server rebuilds lacks what it meant, and ``verify`` shows where.
     """
 
     type: str

@@ -28,7 +28,7 @@ import httpx
 import msgspec
 
 from umbra import jitter
-from umbra.errors import InvalidRequest, NotFound
+from umbra.errors import InvalidRequest, NotFound, UmbraError
 from umbra.events import documents
 from umbra.settings import server_url
 
@@ -264,13 +264,22 @@ def _folds(stream: str):
 
 def replay(events: Iterable[dict[str, Any]], *, up_to: int | None = None):
     """Fold one stream's events in order (a job's or a node's); returns ``[(event, status after it)]``
-    and the state, in the API's shape (``None`` when no event was folded)."""
+    and the state, in the API's shape (``None`` when no event was folded).
+
+    A stream that opens with an event this release cannot read (a newer release's ``job.submitted.v2``) has
+    nothing to start a state from: refused, naming it, as the server's folds skip it and ``verify`` names it."""
+    from umbra.projections.jobs import opens_unreadably
+
     state, steps, shape = None, [], None
     for event in events:
         if up_to is not None and int(event["position"]) > up_to:
             break
         fold, shape = _folds(event["stream"])
-        state = fold(state, recorded_from_json(event))
+        recorded = recorded_from_json(event)
+        if state is None and opens_unreadably(recorded):
+            raise UmbraError("written_by_newer_release", f"{event['stream']} opens with {event['type']}, which a newer "
+                             "release of Umbra wrote and this one cannot read: replay it with that release.")  # fmt: skip
+        state = fold(state, recorded)
         steps.append((event, state.status))
     return steps, (None if state is None else shape(state))
 

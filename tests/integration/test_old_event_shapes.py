@@ -124,6 +124,66 @@ async def test_a_node_whose_creation_a_newer_release_wrote_in_a_later_version_is
         {"view": "nodes", "id": str(node_id), "field": None, "rebuilt": False, "live": True}]
 
 
+async def _sse_events(client: httpx.AsyncClient, count: int) -> list[dict[str, Any]]:
+    """The first ``count`` events of the organization's SSE stream, each message's ``data`` as the service's clients read it."""
+    events: list[dict[str, Any]] = []
+    async with client.stream("GET", "/v1/events/stream", params={"after": 0}) as stream:
+        async for line in stream.aiter_lines():
+            if line.startswith("data:"):
+                events.append(documents.decode(line.split(":", 1)[1]))
+            if len(events) == count:
+                return events
+    raise AssertionError(f"the stream ended after {len(events)} of {count} events")
+
+
+async def test_fields_a_newer_release_added_to_known_event_types_are_shown_as_stored(conn, org, live_server):
+    """A newer release may add a field to a type this one knows (a compatible change: same tag). The event API
+    decoded each stored event into this release's struct and encoded that, so the field was dropped from every
+    read of the log (the page, the SSE stream, a job's and a node's history): an auditor reading the log through
+    this server did not see what the newer release recorded. Every event is shown as stored: its type as recorded
+    and every field of its data, numbers as ``jsonb`` gives them back (``2.50`` keeps its zero). An event of a
+    type this release does not know at all was shown as stored already; it still is. The folds read what they
+    know of the same events as before."""
+    from umbra.events.types import encode_event
+
+    org_id, key = org
+    job_id, node_id = uuid.uuid4(), uuid.uuid4()
+    job, node = store.job_stream(job_id), store.node_stream(node_id)
+    submitted = msgspec.json.decode(encode_event(JobSubmitted(kind="echo", priority=100, max_attempts=3, payload={"i": 1})))
+    written = [  # (stream, the data as the newer release's encoder wrote it)
+        (job, json.dumps({**submitted, "budget": {"gpu_seconds": 60}})[:-1] + ', "rate": 2.50}'),
+        (job, {"type": "job.annotated", "note": "a type this release does not know"}),
+        (job, {"type": "job.cancelled", "by": "ops", "reason": None, "ticket": "OPS-7"}),
+        (node, {"type": "node.created", "name": "box", "trust_domain": "local", "locality": None, "transport": None,
+                "zone": "eu-1"}),
+        (node, {"type": "node.draining", "by": "ops", "until": "2030-01-01T00:00:00Z"}),
+    ]  # fmt: skip
+    versions: dict[str, int] = {}
+    for stream, data in written:
+        versions[stream] = versions.get(stream, 0) + 1
+        await _append_as_stored(conn, org_id, stream, versions[stream], data)
+    stored = [(stream, documents.decode(data if isinstance(data, str) else json.dumps(data))) for stream, data in written]
+    assert "budget" in stored[0][1] and str(stored[0][1]["rate"]) == "2.50"
+    async with httpx.AsyncClient(base_url=live_server.url, headers=_auth(key), timeout=10) as client:
+        page = await client.get("/v1/events", params={"after": 0, "limit": 1000})
+        job_history = await client.get(f"/v1/jobs/{job_id}/events")
+        node_history = await client.get(f"/v1/nodes/{node_id}/events")
+        streamed = await _sse_events(client, len(written))
+        as_of = await client.get(f"/v1/jobs/{job_id}", params={"as_of": documents.decode(page.content)["next"]})
+    answers = {"page": page, "job history": job_history, "node history": node_history}
+    assert {name: answer.status_code for name, answer in answers.items()} == dict.fromkeys(answers, 200)
+    shown = {name: documents.decode(answer.content)["events"] for name, answer in answers.items()}
+    shown["stream"] = streamed
+    expected = {"page": stored, "job history": stored[:3], "node history": stored[3:], "stream": stored}
+    for name, events in shown.items():
+        assert [(e["stream"], e["data"]) for e in events] == expected[name], name
+        assert [e["type"] for e in events] == [data["type"] for _, data in expected[name]], name
+        assert all({"position", "stream", "version", "type", "data", "recorded_at"} <= set(e) for e in events), name
+        assert all(str(e["data"]["rate"]) == "2.50" for e in events if "rate" in e["data"]), name
+    assert b'"rate":2.50' in page.content and b'"rate":2.50' in job_history.content
+    assert as_of.status_code == 200 and as_of.json()["status"] == "cancelled" and as_of.json()["payload"] == {"i": 1}
+
+
 # -- an earlier release's events ---------------------------------------------------------------------------
 
 
@@ -362,3 +422,29 @@ async def test_an_empty_kinds_list_a_release_folded_as_no_kind_is_every_kind_as_
     await conn.execute(migration.sql)
     assert await verify(conn, org_id) == []
     assert (await (await conn.execute("SELECT kinds FROM nodes WHERE id = %s", (node_id,))).fetchone())[0] is None
+
+
+# -- the CLI's replay of a newer release's stream ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, opening", [
+    ("job", {"type": "job.submitted.v2", "kind": "echo", "priority": 100, "max_attempts": 3, "budget": {"gpu_seconds": 60}}),
+    ("node", {"type": "node.created.v2", "name": "box", "zone": "eu-1"}),
+])  # fmt: skip
+async def test_replay_of_a_stream_a_newer_release_opened_says_so_in_one_line(conn, org, live_server, cli, kind, opening):
+    """``umbra events replay`` folds the history the API gives it; one opening with a newer release's type
+    (``job.submitted.v2``) has nothing this release can start a state from. The fold raised, and the command
+    said ``ValueError: ... does not start with job.submitted``; the server's folds skip such a stream and
+    verify names it, and so does replay: one line naming the stream and why, a failure's exit status."""
+    org_id, key = org
+    object_id = uuid.uuid4()
+    stream = f"{kind}:{object_id}"
+    await _append_as_stored(conn, org_id, stream, 1, opening)
+    later = {"type": "job.cancelled", "by": "ops", "reason": None} if kind == "job" else {"type": "node.draining", "by": "ops"}
+    await _append_as_stored(conn, org_id, stream, 2, later)
+    for json_flag in ((), ("--json",)):
+        status, out, err = await cli("events", "replay", str(object_id), "--server", live_server.url, "--api-key", key,
+                                     *json_flag)  # fmt: skip
+        assert status == 1 and out == ""
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith("umbra: ") and stream in err and opening["type"] in err and "newer release" in err, err
