@@ -14,6 +14,9 @@ from starlette.middleware import Middleware
 from umbra.compute import sweeper
 from umbra.compute.group_commit import GroupCommit, HintNotifier
 from umbra.db import open_pool
+from umbra.embedded import EmbeddedPostgres
+from umbra.embedded_supervisor import supervise
+from umbra.errors import UmbraError
 from umbra.events.listener import LogListener
 from umbra.settings import Settings
 
@@ -54,8 +57,9 @@ def _essential(app: Starlette, name: str, run: Callable[..., Awaitable[None]]) -
         try:
             await run(*args, **kwargs)
         except Exception as exc:
-            # Said to anyone who asks /healthz: the type, never the text (it may name tables, roles, hosts).
-            app.state.failure = f"the {name} stopped: {type(exc).__name__}"
+            # Said to anyone who asks /healthz: the type, never the text (it may name tables, roles, hosts),
+            # but for a refusal of the service's own, whose message is written for its clients.
+            app.state.failure = exc.message if isinstance(exc, UmbraError) else f"the {name} stopped: {type(exc).__name__}"
             log.critical("background task failed; stopping the server", exc_info=True,
                          extra={"action": "background_task_failed", "task": name})  # fmt: skip
             request_shutdown = getattr(app.state, "request_shutdown", None)
@@ -66,7 +70,10 @@ def _essential(app: Starlette, name: str, run: Callable[..., Awaitable[None]]) -
     return essential
 
 
-def create_app(settings: Settings, database_url: str) -> Starlette:
+def create_app(settings: Settings, database_url: str, *, embedded: EmbeddedPostgres | None = None) -> Starlette:
+    """The application on ``database_url``; with ``embedded`` (the embedded server it is on), that server is
+    started again should its postmaster die while the application serves."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         async with open_pool(database_url, size=settings.pool_size) as pool:
@@ -112,6 +119,9 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
                 # From startup, not on first request: a restarted server must recover leases.
                 tg.start_soon(functools.partial(_essential(app, "sweeper", sweeper.run), settings, database_url,
                                                 log_moved=log_moved))
+                if embedded is not None:
+                    tg.start_soon(functools.partial(_essential(app, "embedded database supervisor", supervise), embedded,
+                                                    stopping=lambda: app.state.stopping()))
                 yield
                 app.state.stop_streams()
                 tg.cancel_scope.cancel()
@@ -127,4 +137,5 @@ def create_app(settings: Settings, database_url: str) -> Starlette:
     redirect_trailing_slash(app.router)
     app.state.metrics_registry, app.state.metrics_views = metrics.build_registry()
     app.state.failure = None
+    app.state.stopping = lambda: False  # whether the server is stopping: api.server.Server says as it starts
     return app

@@ -49,6 +49,7 @@ class Server(uvicorn.Server):
         state = getattr(self.config.app, "state", None)
         if state is not None:  # a failed background task stops the process (api.app._essential)
             state.request_shutdown = lambda: setattr(self, "should_exit", True)
+            state.stopping = lambda: self.should_exit  # from the signal on, before the lifespan ends the tasks
         await super().startup(sockets)
         for server in self.servers:  # uvicorn's own startup lines are below the log level: say where once
             for sock in server.sockets:

@@ -156,7 +156,7 @@ async def _create_project(conn, args) -> int:
 def cmd_serve(args) -> int:
     from .api.app import create_app
     from .api.server import serve
-    from .db import database
+    from .db import database_and_embedded
     from .embedded import install_exit_on_sigterm
     from .logs import configure_logging
 
@@ -165,7 +165,7 @@ def cmd_serve(args) -> int:
     host = args.host or settings.host
     port = args.port if args.port is not None else settings.port
     app = None
-    with database(settings) as url:
+    with database_and_embedded(settings) as (url, embedded):
         install_exit_on_sigterm()  # a server asked to stop has stopped: status 0
         try:
             _, ahead = anyio.run(_migrate, url)
@@ -175,7 +175,7 @@ def cmd_serve(args) -> int:
             if security.PASSWORD_HASHER is not security.PROFILE:
                 log.warning("secrets are hashed at argon2id's smallest cost: for a test suite only, never for a deployment",
                             extra={"action": "cheap_hashing", "variable": CHEAP_HASHING_VARIABLE})
-            app = create_app(settings, url)
+            app = create_app(settings, url, embedded=embedded)
             serve(app, host=host, port=port)  # ends SSE streams and long-polls on shutdown
         except KeyboardInterrupt:
             pass

@@ -40,11 +40,19 @@ def database(settings: Settings) -> Iterator[str]:
     """The database URL of a command: the configured one, or the embedded server's, started (or adopted) here
     and its handle released on the way out, also when the command is ended by SIGTERM or SIGHUP (a handle
     left behind kept the postmaster running after the last real holder left)."""
+    with database_and_embedded(settings) as (url, _embedded):
+        yield url
+
+
+@contextmanager
+def database_and_embedded(settings: Settings) -> Iterator[tuple[str, EmbeddedPostgres | None]]:
+    """:func:`database`, with the embedded server's handle (``None`` with ``UMBRA_DATABASE_URL``), for
+    ``umbra serve`` to start it again should its postmaster die (:mod:`umbra.embedded_supervisor`)."""
     if not settings.database_url:
         install_exit_on_sigterm(as_killed=True)  # first: one while the server starts releases its handle too
     url, embedded = resolve_database(settings)
     try:
-        yield url
+        yield url, embedded
     finally:
         if embedded is not None:
             embedded.stop()

@@ -376,6 +376,43 @@ class EmbeddedPostgres:
     def pid(self) -> int | None:
         return self._server.get_pid()
 
+    @property
+    def running(self) -> bool:
+        """Whether the postmaster this handle started or adopted is alive: not gone, not another process that
+        was given its PID since, and not a zombie (killed, and not yet waited for by its parent)."""
+        process = self._server.get_postmaster_info().process
+        try:
+            return process is not None and process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def restart(self) -> None:
+        """Start the server again on the same data dir after its postmaster died (killed, crashed).
+
+        PostgreSQL's crash recovery replays the WAL, so nothing that was
+        committed is lost. It is a start like any other (:func:`start_embedded`,
+        with every trap it handles: the dead postmaster's ``postmaster.pid``,
+        a recovery that outlasts the package's wait); a postmaster another
+        holder started in the meantime is adopted. The URL stays the same: the
+        socket lives in the data dir. The package hands back the handle it
+        knows for a data dir, whose postmaster is gone, so that handle is
+        forgotten first; if the start fails it is put back, for :meth:`stop`.
+        """
+        pgserver = _import_pgserver()
+        pgdata, instances = self._server.pgdata, pgserver.PostgresServer._instances
+        with pgserver.PostgresServer._lock:
+            instances.pop(pgdata, None)
+        atexit.unregister(self._server._cleanup)
+        try:
+            self._server = start_embedded(pgdata, delete_on_stop=self._server.cleanup_mode == "delete")._server
+        except BaseException:
+            with pgserver.PostgresServer._lock:
+                if (failed := instances.pop(pgdata, None)) is not None:
+                    atexit.unregister(failed._cleanup)
+                instances[pgdata] = self._server
+            atexit.register(self._server._cleanup)
+            raise
+
     def stop(self) -> None:
         """Release our handle; the postmaster stops when the last holder leaves.
 
