@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from typing import Any, Callable
 from uuid import UUID
@@ -35,11 +36,17 @@ def _emit(obj, as_json: bool) -> None:
             print(f"{key}: {value if not isinstance(value, list) else ','.join(value)}")
 
 
+#: What a mistyped UUID holds; only such text is quoted back when it is refused.
+_UUID_LIKE = re.compile(r"[0-9A-Fa-f{}\-]{1,64}")
+
+
 def _uuid(text: str) -> UUID:
     try:
         return UUID(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a UUID: {text!r}") from None
+        # An API key or a node's credential pasted where an id belongs (--org "$KEY") is not repeated.
+        shown = f": {text!r}" if _UUID_LIKE.fullmatch(text) else " (what was given is not repeated: it may be a secret)"
+        raise argparse.ArgumentTypeError(f"not a UUID{shown}") from None
 
 
 def _with_database(fn, *, migrating: bool = True):

@@ -44,3 +44,16 @@ def test_wrong_arguments_are_one_line_and_exit_2(argv, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert err.count("\n") == 1 and err.startswith("umbra: invalid_request: umbra") and "--help)" in err, err
+
+
+@pytest.mark.parametrize("given, quoted", [
+    ("7f3c2a10-0000-4000-8000-00000000000", True),  # a UUID mistyped (a digit short) is shown, to be corrected
+    ("uk_0123456789_S3cretS3cretS3cret", False),  # an API key pasted where the id belongs is not
+    ("nk_0123456789_S3cretS3cretS3cret", False),
+])  # fmt: skip
+def test_an_id_refused_is_quoted_only_when_it_cannot_be_a_secret(given, quoted, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["admin", "list-keys", "--org", given])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "not a UUID" in err and err.count("\n") == 1, err
+    assert (given in err) is quoted, err
