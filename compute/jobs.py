@@ -768,7 +768,13 @@ async def get_job(
         row = await queue.load(conn, job_id, organization_id)
     else:
         events = await store.read_stream(conn, store.job_stream(job_id), up_to_position=as_of)
-        row = queue.fold_stream(events) if events and events[0].organization_id == organization_id else None
+        ours = bool(events) and events[0].organization_id == organization_id
+        row = queue.fold_stream(events) if ours else None
+        if row is None and ours:
+            # It existed then: its history opens with what a newer release wrote (``job.submitted.v2``).
+            raise NotFound("job_not_found", f"Job {job_id}'s history opens with {events[0].type}, which a newer "
+                           "release wrote and this server cannot fold; its events are readable at "
+                           f"/v1/jobs/{job_id}/events.")  # fmt: skip
     if row is None:
         raise NotFound("job_not_found", f"No job {job_id}" + (f" at position {as_of}." if as_of is not None else "."))
     return row

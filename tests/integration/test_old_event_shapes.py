@@ -96,6 +96,7 @@ async def test_a_job_whose_submission_a_newer_release_wrote_in_a_later_version_i
     assert answers["stream_ids"] == [e["position"] for e in answers["page"]["events"]]
     # Folded, the job has nothing this server can start it from: not there as of any position.
     assert answers["as_of"].status_code == 404 and answers["as_of"].json()["error"] == "job_not_found"
+    assert "job.submitted.v2, which a newer release wrote" in answers["as_of"].json()["message"]  # not "no job"
     assert readable_now.status_code == 200 and readable_now.json()["id"] == str(readable.id)
     assert answers["verify"].status_code == 200, answers["verify"].text
     assert answers["verify"].json()["differences"] == [
