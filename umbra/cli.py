@@ -18,7 +18,7 @@ import anyio
 
 from . import security
 from .errors import UmbraError
-from .settings import CHEAP_HASHING_VARIABLE, SettingsError, load_settings
+from .settings import CHEAP_HASHING_VARIABLE, SettingsError, listen_host, load_settings
 
 #: Named, not ``__name__``: run as ``python -m umbra.cli`` this module is ``__main__``, outside the ``umbra``
 #: logger tree that ``serve`` writes as JSON.
@@ -61,10 +61,11 @@ def _with_database(fn, *, migrating: bool = True):
         from .db import database, own_connection
         from .migrate import migrate, pending_migrations
 
-        with database(load_settings()) as url:
+        settings = load_settings()
+        with database(settings) as url:
             async def main():
                 if migrating:
-                    await migrate(url)
+                    await migrate(url, lock_timeout_seconds=settings.migrate_lock_timeout_seconds)
                 async with own_connection(url) as conn:
                     if not migrating and (pending := await pending_migrations(conn)):
                         raise UmbraError("migrations_pending", f"The database lacks {len(pending)} migration(s) of this "
@@ -79,13 +80,13 @@ def _with_database(fn, *, migrating: bool = True):
 # -- bootstrap -----------------------------------------------------------------
 
 
-async def _migrate(url: str) -> tuple[list[str], list[str]]:
+async def _migrate(url: str, lock_timeout_seconds: float) -> tuple[list[str], list[str]]:
     """Apply the pending migrations; returns those applied and those the database holds that this release
     does not ship (a newer release migrated it)."""
     from .db import own_connection
     from .migrate import migrate, migrations_ahead
 
-    applied = await migrate(url)
+    applied = await migrate(url, lock_timeout_seconds=lock_timeout_seconds)
     async with own_connection(url) as conn:
         return applied, await migrations_ahead(conn)
 
@@ -93,8 +94,9 @@ async def _migrate(url: str) -> tuple[list[str], list[str]]:
 def cmd_migrate(args) -> int:
     from .db import database
 
-    with database(load_settings()) as url:
-        applied, ahead = anyio.run(_migrate, url)
+    settings = load_settings()
+    with database(settings) as url:
+        applied, ahead = anyio.run(_migrate, url, settings.migrate_lock_timeout_seconds)
     said = [f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else "")]
     if ahead:  # not refused: servers of this release may run against it while a newer one rolls out
         said.append(f"the schema is ahead of this release: a newer release applied {len(ahead)} migration(s) "
@@ -165,17 +167,21 @@ def cmd_serve(args) -> int:
     from .api.server import serve
     from .db import database_and_embedded
     from .embedded import install_exit_on_sigterm
+    from .listen import check_listen
     from .logs import configure_logging
 
     settings = load_settings()
     configure_logging(settings.log_level)
     host = args.host or settings.host
     port = args.port if args.port is not None else settings.port
+    # Before the database starts or migrates: a server that cannot listen changes nothing.
+    check_listen(host, port, host_name="--host" if args.host else "UMBRA_HOST",
+                 port_name="--port" if args.port is not None else "UMBRA_PORT")  # fmt: skip
     app = None
     with database_and_embedded(settings) as (url, embedded):
         install_exit_on_sigterm()  # a server asked to stop has stopped: status 0
         try:
-            _, ahead = anyio.run(_migrate, url)
+            _, ahead = anyio.run(_migrate, url, settings.migrate_lock_timeout_seconds)
             if ahead:  # a newer release migrated the database: served all the same, as during a rolling upgrade
                 log.warning("the schema is ahead of this release",
                             extra={"action": "schema_ahead_of_release", "migrations": ",".join(ahead)})
@@ -214,12 +220,22 @@ def _within(low: float, high: float | None = None, number: Callable[[str], Any] 
 _port = _within(0, 65535)
 
 
+def _host(text: str) -> str:
+    """An argparse ``type``: :func:`~umbra.settings.listen_host`, refused as an argument (exit 2)."""
+    try:
+        return listen_host(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _register_bootstrap(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("migrate", help="apply database migrations (idempotent)")
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("serve", help="serve the HTTP API; runs migrations and the sweeper")
-    p.add_argument("--host", default=None, help="listen address (default UMBRA_HOST or 127.0.0.1)")
+    p.add_argument("--host", type=_host, default=None,
+                   help="listen address: an IP address (0.0.0.0 or :: for every interface) or a host name "
+                        "(default UMBRA_HOST or 127.0.0.1)")  # fmt: skip
     p.add_argument("--port", type=_port, default=None, help="listen port, 0..65535 (default UMBRA_PORT or 8080)")
     p.set_defaults(func=cmd_serve)
 

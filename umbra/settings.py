@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -48,7 +49,8 @@ class Settings:
     #: ``UMBRA_DATA_DIR``. Where the embedded database lives (``<data_dir>/pg``).
     #: Default ``/var/lib/umbra`` as root, else ``~/.local/share/umbra``.
     data_dir: Path = field(default_factory=_default_data_dir)
-    #: ``UMBRA_HOST`` / ``UMBRA_PORT``. Listen address of ``umbra serve``.
+    #: ``UMBRA_HOST`` / ``UMBRA_PORT``. Listen address of ``umbra serve``: an IP address (``0.0.0.0`` or ``::``
+    #: for every interface) or a host name, resolved when the server starts (:func:`listen_host`).
     host: str = "127.0.0.1"
     port: int = 8080
     #: ``UMBRA_POOL_SIZE``. Connections in the request pool. Long-polls hold none
@@ -99,6 +101,12 @@ class Settings:
     metrics_token: str | None = field(default=None, repr=False)
     #: ``UMBRA_LOG_LEVEL``. Python logging level name for the service's loggers.
     log_level: str = "INFO"
+    #: ``UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS``. How long a migration (``umbra migrate``, and ``umbra serve`` at
+    #: start) waits for a lock another session holds before it lets go and tries again (``umbra.migrate``).
+    #: A migration's lock request queues ahead of every writer of its table, so the service's writes wait
+    #: as long as it does: 2 s stays under their own bound (``umbra.db.LOCK_WAIT_SECONDS``, 5 s, past which
+    #: they are answered 503). At most an hour.
+    migrate_lock_timeout_seconds: float = 2.0
 
     @property
     def pgdata(self) -> Path:
@@ -137,6 +145,45 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float 
     return value
 
 
+#: A host name's label: letters, digits, hyphens (not first or last) and underscores (container and service
+#: names have them, and resolvers answer for them).
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def listen_host(text: str) -> str:
+    """``text`` as an address to listen on: an IP address (an IPv6 one with or without brackets, ``[::]``) or a
+    host name (``localhost``, ``api.internal``), returned as the socket layer takes it (without brackets).
+
+    Refused with a :class:`ValueError` saying why: text that is no host name at all (``not a host``), and
+    numbers that are no IPv4 address (``999.1.1.1``, ``10.1``: the resolver reads the second as 10.0.0.1, no
+    operator means it). Whether a name resolves, and to an address of this machine, is a question for the
+    moment the server starts (``umbra.listen``): a client on another machine reads these settings too.
+    """
+    host = text.strip()
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(bare)
+        return bare
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    if bare != host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise ValueError(f"must be an IP address (0.0.0.0 or :: for every interface) or a host name, got {text!r}")
+    if labels[-1].isdigit():  # no top-level domain is a number: meant as an IPv4 address
+        raise ValueError(f"is not an IPv4 address (four numbers from 0 to 255, such as 127.0.0.1), got {text!r}")
+    return host
+
+
+def _host(env: Mapping[str, str], name: str, default: str) -> str:
+    raw = env.get(name, "").strip()
+    if not raw:  # empty is unset, as for every other variable: "" would listen on every interface
+        return default
+    try:
+        return listen_host(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{name} {exc}") from None
+
+
 def _networks(env: Mapping[str, str], name: str):
     raw = env.get(name, "").strip()
     if not raw:
@@ -171,10 +218,10 @@ def server_url(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     if env.get("UMBRA_SERVER"):
         return env["UMBRA_SERVER"].rstrip("/")
-    host = env.get("UMBRA_HOST", "").strip() or "127.0.0.1"
-    if host in {"0.0.0.0", "::", "[::]"}:
+    host = _host(env, "UMBRA_HOST", "127.0.0.1")
+    if host in {"0.0.0.0", "::"}:
         host = "127.0.0.1"
-    elif ":" in host and not host.startswith("["):
+    elif ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{_int(env, 'UMBRA_PORT', 8080, minimum=1, maximum=65535)}"
 
@@ -231,8 +278,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
                             f"UMBRA_HEARTBEAT_INTERVAL_SECONDS ({interval}); three intervals or more is usual")  # fmt: skip
     return Settings(
         database_url=_database_url(env),
-        # Empty is unset, as for every other variable: "" would listen on every interface.
-        host=env.get("UMBRA_HOST", "").strip() or "127.0.0.1",
+        host=_host(env, "UMBRA_HOST", "127.0.0.1"),
         port=_int(env, "UMBRA_PORT", 8080, minimum=0, maximum=65535),
         pool_size=_int(env, "UMBRA_POOL_SIZE", 10, minimum=2),
         lease_seconds=_int(env, "UMBRA_LEASE_SECONDS", 60, minimum=1, maximum=MAX_DURATION_SECONDS),
@@ -248,5 +294,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         trusted_proxies=_networks(env, "UMBRA_TRUSTED_PROXIES"),
         metrics_token=env.get("UMBRA_METRICS_TOKEN", "").strip() or None,
         log_level=level,
+        migrate_lock_timeout_seconds=_float(env, "UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS", 2.0, maximum=3600),
         **kwargs,
     )

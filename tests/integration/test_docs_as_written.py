@@ -441,7 +441,8 @@ def test_every_setting_is_in_the_readme_table_with_its_default():
                         ("UMBRA_HEARTBEAT_EVENT_SECONDS", "heartbeat_event_seconds"),
                         ("UMBRA_LEASE_EXPIRED_DELAY_SECONDS", "lease_expired_delay_seconds"),
                         ("UMBRA_POLL_FALLBACK_SECONDS", "poll_fallback_seconds"), ("UMBRA_LOG_LEVEL", "log_level"),
-                        ("UMBRA_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval_seconds")):  # fmt: skip
+                        ("UMBRA_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval_seconds"),
+                        ("UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS", "migrate_lock_timeout_seconds")):  # fmt: skip
         default = f"{getattr(defaults, field):g}" if isinstance(getattr(defaults, field), (int, float)) else getattr(defaults, field)
         assert f"| {default}" in rows[name].replace("`", ""), (name, default, rows[name])
 

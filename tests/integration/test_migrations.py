@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 
 import anyio
@@ -9,6 +12,7 @@ import psycopg
 import pytest
 from psycopg import conninfo, sql
 
+from tests.helpers import ROOT, eventually, run_umbra, waiting_on_a_lock
 from umbra.events.types import JOB_STATUSES, NODE_STATUSES
 from umbra.migrate import available_migrations, migrate, pending_migrations
 
@@ -214,3 +218,121 @@ async def test_a_database_owner_who_may_not_create_roles_migrates_once_the_servi
         with psycopg.connect(pg_server_url, autocommit=True) as c:
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
             c.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(owner)))
+
+
+async def _undo_node_kinds(conn) -> None:
+    """The database as 0029 left it: 0030 (``ALTER TABLE nodes``: a lock no reader of ``nodes`` may share) and
+    0031 pending."""
+    await conn.execute("DELETE FROM schema_migrations WHERE version IN (30, 31)")
+    await conn.execute("DROP FUNCTION umbra_queued_kind_shapes(uuid, integer)")
+    await conn.execute("ALTER TABLE nodes DROP COLUMN kinds")
+
+
+async def _has_node_kinds(conn) -> bool:
+    row = await (await conn.execute("SELECT count(*) FROM information_schema.columns WHERE table_name = 'nodes' "
+                                    "AND column_name = 'kinds'")).fetchone()  # fmt: skip
+    return row[0] == 1
+
+
+@pytest.mark.timeout(180)
+async def test_umbra_migrate_behind_an_operators_open_transaction_gives_up_naming_it_and_the_writers_go_on(conn, db_url, org):
+    """An operator's transaction left open after reading ``nodes`` (psql: ``BEGIN; SELECT ... FROM nodes;``)
+    holds a lock 0030 cannot share. `umbra migrate` waited for it without bound, and its lock request, queued
+    ahead of every later one, held every submission (each reads ``nodes``) until the service's own lock
+    waits failed them. Now each try waits at most UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS, the submissions queued
+    behind it go through, and after its tries the command exits 1 with one line naming the operator's
+    session, 0030 not applied; once that transaction ends, migrating applies it."""
+    from umbra.db import _configure
+
+    from .queue_support import submit
+
+    org_id, _ = org
+    await _undo_node_kinds(conn)
+    env = {**os.environ, "UMBRA_DATABASE_URL": db_url, "UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS": "0.5"}
+    async with await psycopg.AsyncConnection.connect(db_url, application_name="operator psql") as operator, \
+            await psycopg.AsyncConnection.connect(db_url, autocommit=True) as service:  # fmt: skip
+        await _configure(service)  # as a server's pooled connection: the service role, lock waits bounded at 5 s
+        await operator.execute("SELECT count(*) FROM nodes")  # and then left idle in its transaction
+        process = subprocess.Popen([sys.executable, "-m", "umbra.cli", "migrate"], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            await eventually(lambda: waiting_on_a_lock(conn), timeout=60)
+            with anyio.fail_after(60):
+                for _ in range(5):  # through the tries and the pauses between them
+                    await submit(service, org_id, "during")
+            out, err = await anyio.to_thread.run_sync(lambda: process.communicate(timeout=120))
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        assert process.returncode == 1 and err.count("\n") == 1, (process.returncode, out, err)
+        assert err.startswith("umbra: migration_blocked: 0030_node_kinds.sql was not applied"), err
+        assert f"pid {operator.info.backend_pid} (application_name 'operator psql', user " in err, err
+        assert "idle in transaction" in err and "UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS" in err, err
+        assert not await _has_node_kinds(conn)
+        assert (await pending_migrations(conn))[:2] == ["0030_node_kinds.sql", "0031_kind_shapes_function.sql"]
+        await operator.rollback()
+    done = await anyio.to_thread.run_sync(lambda: run_umbra("migrate", env={"UMBRA_DATABASE_URL": db_url}))
+    assert done.returncode == 0 and "0030_node_kinds.sql, 0031_kind_shapes_function.sql" in done.stdout, done.stderr
+    assert await _has_node_kinds(conn) and await pending_migrations(conn) == []
+
+
+async def test_a_migration_blocked_in_a_transaction_is_rolled_back_whole_and_one_stopped_waiting_for_locks_goes_on(
+    conn, db_url, monkeypatch
+):
+    """A migration in a transaction whose lock another session holds through every try applies nothing of
+    itself (its first statement done, its second refused: rolled back whole), and is refused naming the
+    session; one whose lock is let go between its tries is applied, as if nothing had held it."""
+    import umbra.migrate as migrations
+
+    extra = migrations.Migration(9001, "9001_note.sql", "CREATE TABLE migration_notes (note text);\n"
+                                                        "ALTER TABLE jobs ADD COLUMN note text;\n")  # fmt: skip
+    shipped = migrations.available_migrations()
+    monkeypatch.setattr(migrations, "available_migrations", lambda: [*shipped, extra])
+    async with await psycopg.AsyncConnection.connect(db_url, application_name="report") as holder:
+        await holder.execute("LOCK jobs IN ACCESS SHARE MODE")
+        with pytest.raises(migrations.MigrationBlocked) as blocked:
+            await migrate(db_url, lock_timeout_seconds=0.5)
+        assert [(h.pid, h.application_name, h.state) for h in blocked.value.holders] == [
+            (holder.info.backend_pid, "report", "idle in transaction")]
+        assert blocked.value.code == "migration_blocked" and f"pid {holder.info.backend_pid} " in blocked.value.message
+        exists = "SELECT to_regclass('migration_notes') IS NOT NULL, count(*) FROM information_schema.columns " \
+                 "WHERE table_name = 'jobs' AND column_name = 'note'"  # fmt: skip
+        assert await (await conn.execute(exists)).fetchone() == (False, 0)
+        assert await pending_migrations(conn) == ["9001_note.sql"]
+
+        async def let_go_once_waited_for() -> None:
+            await eventually(lambda: waiting_on_a_lock(conn), timeout=60)
+            await holder.rollback()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(let_go_once_waited_for)
+            assert await migrate(db_url, lock_timeout_seconds=0.5) == ["9001_note.sql"]
+    assert await (await conn.execute(exists)).fetchone() == (True, 1)
+
+
+async def test_a_no_transaction_migration_stopped_waiting_for_a_snapshot_is_not_recorded_and_is_run_again_whole(
+    conn, db_url, monkeypatch
+):
+    """A concurrent index build waits for every transaction holding a snapshot older than its own, an
+    operator's repeatable-read one that read any table included: it waited for it without bound. Bounded,
+    the build stops with its index left invalid, the migration is not recorded and is refused naming the
+    session; run again once it ended, it drops that index and builds it whole."""
+    import umbra.migrate as migrations
+
+    extra = migrations.Migration(9002, "9002_jobs_by_kind.sql", (
+        "-- umbra: no transaction\nDROP INDEX CONCURRENTLY IF EXISTS jobs_by_kind_test;\n"
+        "CREATE INDEX CONCURRENTLY jobs_by_kind_test ON jobs (kind);\n"))  # fmt: skip
+    shipped = migrations.available_migrations()
+    monkeypatch.setattr(migrations, "available_migrations", lambda: [*shipped, extra])
+    valid = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass('jobs_by_kind_test')"
+    async with await psycopg.AsyncConnection.connect(db_url, application_name="audit") as holder:
+        await holder.set_isolation_level(psycopg.IsolationLevel.REPEATABLE_READ)
+        await holder.execute("SELECT count(*) FROM organizations")
+        with pytest.raises(migrations.MigrationBlocked) as blocked:
+            await migrate(db_url, lock_timeout_seconds=0.5)
+        assert [(h.pid, h.application_name) for h in blocked.value.holders] == [(holder.info.backend_pid, "audit")]
+        assert await pending_migrations(conn) == ["9002_jobs_by_kind.sql"]
+        assert await (await conn.execute(valid)).fetchone() == (False,)  # left behind, invalid
+    assert await migrate(db_url) == ["9002_jobs_by_kind.sql"]
+    assert await (await conn.execute(valid)).fetchone() == (True,)

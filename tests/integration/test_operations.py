@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import psycopg
+import pytest
 from psycopg import conninfo, sql
 
 from tests.conftest import free_port
@@ -163,16 +164,52 @@ def test_a_database_that_refuses_connections_is_one_line_per_command_without_its
         assert "S3CRETPW" not in done.stderr + done.stdout and "Traceback" not in done.stderr
 
 
-def test_serve_on_a_busy_port_says_so_and_fails(db_url):
-    """`umbra serve --port P` with P taken exits non-zero at once, saying the address is in use in a JSON
-    log line, with no traceback, and does not hang."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        done = run_umbra("serve", "--port", str(taken.getsockname()[1]), env={"UMBRA_DATABASE_URL": db_url})
-    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
-    said = [json.loads(line) for line in done.stderr.splitlines() if "address already in use" in line]
-    assert said and said[0]["level"] == "error", done.stderr
+def test_serve_on_a_port_another_process_listens_on_is_refused_in_one_line_having_changed_nothing(pg_server_url):
+    """`umbra serve` with its port taken exits 2 at once with one line naming the address and the flag or
+    variable that gave the port, as every configuration error, before it touches the database: it logged
+    uvicorn's ``[Errno 98] error while attempting to bind`` and exited 3, once it had migrated it."""
+    name = f"umbra_busy_port_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_server_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = conninfo.make_conninfo(pg_server_url, dbname=name)
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            for args, env, named in ((["--port", str(port)], {}, "--port"), ([], {"UMBRA_PORT": str(port)}, "UMBRA_PORT")):
+                done = run_umbra("serve", *args, env={"UMBRA_DATABASE_URL": url, **env})
+                assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+                assert done.stderr.startswith(f"umbra: configuration error: {named} {port} is in use on 127.0.0.1:{port} "
+                                              "by another process"), done.stderr  # fmt: skip
+        with psycopg.connect(url, autocommit=True) as c:
+            assert c.execute("SELECT to_regclass('schema_migrations')").fetchone() == (None,)  # not migrated
+    finally:
+        with psycopg.connect(pg_server_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.mark.parametrize("argv,env,named", [
+    ([], {"UMBRA_HOST": "not a host"}, "UMBRA_HOST must be an IP address"),
+    ([], {"UMBRA_HOST": "999.1.1.1"}, "UMBRA_HOST is not an IPv4 address"),
+    ([], {"UMBRA_HOST": "no-such-host.invalid"}, "UMBRA_HOST 'no-such-host.invalid' does not resolve"),
+    ([], {"UMBRA_HOST": "192.0.2.1"}, "UMBRA_HOST '192.0.2.1' is not an address of this machine"),  # TEST-NET-1
+    (["--host", "no-such-host.invalid"], {"UMBRA_HOST": "127.0.0.1"}, "--host 'no-such-host.invalid' does not resolve"),
+], ids=["not-a-host", "no-ipv4-address", "unresolved", "not-this-machine", "flag"])  # fmt: skip
+def test_serve_refuses_a_host_it_cannot_listen_on_at_start_in_one_line_naming_the_variable(db_url, argv, env, named):
+    """Every other setting is refused at start naming it (exit 2); UMBRA_HOST met uvicorn's bind once the
+    database was up and migrated, which logged ``[Errno -2] Name or service not known``, naming neither."""
+    done = run_umbra("serve", "--port", str(free_port()), *argv, env={"UMBRA_DATABASE_URL": db_url, **env})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"umbra: configuration error: {named}"), done.stderr
+
+
+@pytest.mark.parametrize("host,reached", [("localhost", "127.0.0.1"), ("[::1]", "[::1]")])
+def test_serve_listens_on_a_host_name_and_a_bracketed_ipv6_address(db_url, host, reached):
+    if reached.startswith("[") and not (socket.has_ipv6 and Path("/proc/net/if_inet6").exists()):
+        pytest.skip("no IPv6 here")
+    with serve(db_url, UMBRA_HOST=host) as (_process, port, _log):
+        assert httpx.get(f"http://{reached}:{port}/healthz", timeout=10).status_code == 200
 
 
 def test_a_database_a_newer_release_migrated_is_said_to_be_ahead_and_still_served(db_url):

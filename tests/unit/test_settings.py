@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -21,7 +22,9 @@ def test_defaults():
     "name,value",
     [("UMBRA_PORT", "eighty"), ("UMBRA_LEASE_SECONDS", "0"), ("UMBRA_TRUSTED_PROXIES", "10.0.0.0/33"),
      ("UMBRA_LOG_LEVEL", "chatty"), ("UMBRA_POLL_FALLBACK_SECONDS", "-1"), ("UMBRA_PORT", "70000"),
-     ("UMBRA_SWEEP_INTERVAL_SECONDS", "nan"), ("UMBRA_SWEEP_INTERVAL_SECONDS", "inf")],
+     ("UMBRA_SWEEP_INTERVAL_SECONDS", "nan"), ("UMBRA_SWEEP_INTERVAL_SECONDS", "inf"),
+     ("UMBRA_HOST", "not a host"), ("UMBRA_HOST", "999.1.1.1"), ("UMBRA_HOST", "[localhost]"),
+     ("UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS", "0"), ("UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS", "3601")],
 )
 def test_invalid_values_fail_naming_the_variable(name, value):
     with pytest.raises(SettingsError, match=name):
@@ -64,10 +67,13 @@ def test_the_clients_find_the_server_this_machines_settings_start():
     assert server_url({}) == "http://127.0.0.1:8080"
     assert server_url({"UMBRA_PORT": "9000"}) == "http://127.0.0.1:9000"
     assert server_url({"UMBRA_HOST": "0.0.0.0", "UMBRA_PORT": "9000"}) == "http://127.0.0.1:9000"
-    assert server_url({"UMBRA_HOST": "::1"}) == "http://[::1]:8080"
+    assert server_url({"UMBRA_HOST": "::1"}) == server_url({"UMBRA_HOST": "[::1]"}) == "http://[::1]:8080"
+    assert server_url({"UMBRA_HOST": "[::]"}) == "http://127.0.0.1:8080"
     assert server_url({"UMBRA_SERVER": "https://umbra.example/", "UMBRA_PORT": "9000"}) == "https://umbra.example"
     with pytest.raises(SettingsError, match="UMBRA_PORT"):
         server_url({"UMBRA_PORT": "eighty"})
+    with pytest.raises(SettingsError, match="UMBRA_HOST"):
+        server_url({"UMBRA_HOST": "not a host"})
 
 
 def test_only_an_unreachable_database_is_an_outage_to_retry():
@@ -93,6 +99,38 @@ def test_an_empty_umbra_host_does_not_listen_on_every_interface():
     """``UMBRA_HOST=`` (an empty line in an EnvironmentFile, a compose ``UMBRA_HOST:``) is unset, as for every
     other variable: an empty host is every interface to the socket layer."""
     assert load_settings({"UMBRA_HOST": ""}).host == load_settings({"UMBRA_HOST": "  "}).host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("value", ["not a host", "http://0.0.0.0", "0.0.0.0:8080", "999.1.1.1", "10.1", "-api.internal",
+                                   "[localhost]", "a..b", "x" * 64])  # fmt: skip
+def test_a_umbra_host_that_is_no_address_or_host_name_is_refused_at_start_naming_the_variable(value):
+    """Refused at start, as every other setting, not by uvicorn once the database was up and migrated (its
+    ``[Errno -2] Name or service not known`` named neither the value nor the variable); so is ``--host``."""
+    from umbra.cli import main
+
+    with pytest.raises(SettingsError, match=r"^UMBRA_HOST .*" + re.escape(repr(value))):
+        load_settings({"UMBRA_HOST": value})
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "--host", value])
+    assert refused.value.code == 2
+
+
+@pytest.mark.parametrize("value,host", [("0.0.0.0", "0.0.0.0"), ("::", "::"), ("[::]", "::"), ("::1", "::1"), ("[::1]", "::1"),
+                                        ("localhost", "localhost"), (" api.internal ", "api.internal"), ("umbra_api", "umbra_api"),
+                                        ("db1.example.", "db1.example."), ("fe80::1%eth0", "fe80::1%eth0"), ("10.0.0.7", "10.0.0.7")])  # fmt: skip
+def test_a_umbra_host_an_operator_writes_is_taken(value, host):
+    """An IP address of either family (an IPv6 one bracketed as in a URL too), a host name, a fully qualified
+    one with its final dot, a container's name with an underscore; whether a name resolves is asked when the
+    server starts (``umbra.listen``), not by every command that reads the settings."""
+    assert load_settings({"UMBRA_HOST": value}).host == host
+
+
+def test_the_migrations_lock_timeout_is_a_few_seconds_unless_set():
+    """Under the service's own lock waits (5 s), so the writers queued behind a migration's try do not fail."""
+    from umbra.db import LOCK_WAIT_SECONDS
+
+    assert load_settings({}).migrate_lock_timeout_seconds == 2.0 < LOCK_WAIT_SECONDS
+    assert load_settings({"UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS": "0.5"}).migrate_lock_timeout_seconds == 0.5
 
 
 @pytest.mark.parametrize("interval,stale", [("60", "45"), ("45", "45")])
