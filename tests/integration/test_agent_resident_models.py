@@ -163,6 +163,18 @@ def test_an_ollama_that_does_not_answer_reads_as_nothing_loaded_said_once_until_
     closed.close()
 
 
+def test_the_log_never_names_an_ollama_password(caplog):
+    """An Ollama behind an authenticating proxy is given as ``https://user:password@host``: the log names the host."""
+    caplog.set_level(logging.INFO, logger="umbra.agent.resident")
+    with FakeOllama() as ollama:
+        url = ollama.url.replace("://", "://agent:S3cretPw@")
+    ollama_gone = OllamaModels(url, timeout=1)
+    assert ollama_gone() == []
+    ollama_gone.close()
+    logged = [record.__dict__ for record in caplog.records]
+    assert [r["url"] for r in logged] == [ollama.url] and "S3cretPw" not in caplog.text
+
+
 async def test_a_job_whose_model_the_agents_ollama_holds_is_placed_as_resident(server, api, tmp_path):  # noqa: F811
     response = await api.put("/v1/models/gemma3:27b", json={"vram_min_mb": 16000, "ram_min_mb": 20000})
     assert response.status_code in (200, 201), response.text

@@ -117,6 +117,8 @@ class OllamaModels:
 
     def __init__(self, url: str, *, timeout: float = OLLAMA_TIMEOUT_SECONDS) -> None:
         self.url = url
+        #: What the log names: the URL without a user name or password it may carry (behind an authenticating proxy).
+        self.shown_url = str(httpx.URL(url).copy_with(userinfo=b""))
         self._client = httpx.Client(base_url=url, timeout=timeout, trust_env=False)
         self._failing = False
 
@@ -128,11 +130,11 @@ class OllamaModels:
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             if not self._failing:
                 log.warning("ollama did not say which models it holds", extra={
-                    "action": "resident_models_unknown", "url": self.url, "error": type(exc).__name__})  # fmt: skip
+                    "action": "resident_models_unknown", "url": self.shown_url, "error": type(exc).__name__})  # fmt: skip
             self._failing = True
             return []
         if self._failing:
-            log.info("ollama answers again", extra={"action": "resident_models_known", "url": self.url})
+            log.info("ollama answers again", extra={"action": "resident_models_known", "url": self.shown_url})
         self._failing = False
         return running
 
