@@ -270,6 +270,30 @@ def client_address(request: Request) -> str:
     return forwarded_client(peer, request.headers.getlist("x-forwarded-for"), trusted)
 
 
+def rate_limit_source(request: Request) -> str:
+    """What a rate limit counts the client by: :func:`client_address`, an IPv6 one widened to its network
+    (:func:`address_block`)."""
+    return address_block(client_address(request), request.app.state.services.settings.rate_limit_ipv6_prefix)
+
+
+def address_block(address: str, ipv6_prefix: int) -> str:
+    """The block of addresses one client holds around ``address``: an IPv6 address's network of
+    ``ipv6_prefix`` bits (``2001:db8:1:2::/64``), an IPv4 one itself.
+
+    An IPv6 client is given a /64 at least, and takes a fresh address in it at
+    will: counted by its address, it had a budget per request. An IPv4-mapped
+    address is its IPv4 one (widened, it would share ``::ffff:0:0/64`` with every
+    other). ``address`` that is none (``unknown``) is itself.
+    """
+    ip = _address(address)
+    if ip is None:
+        return address
+    ip = getattr(ip, "ipv4_mapped", None) or ip
+    if ip.version == 4 or ipv6_prefix >= 128:
+        return str(ip)
+    return str(ipaddress.IPv6Network((ip.packed, ipv6_prefix), strict=False))
+
+
 def forwarded_client(peer: str, forwarded: Sequence[str], trusted: Sequence[IPNetwork]) -> str:
     """The client behind ``peer``: the nearest untrusted hop of ``X-Forwarded-For`` when ``peer`` is trusted.
 
@@ -277,18 +301,19 @@ def forwarded_client(peer: str, forwarded: Sequence[str], trusted: Sequence[IPNe
     own line rather than extend the client's, and the first line alone is the
     client's own word. A hop is read as an address with or without its port
     (``203.0.113.7:40001``, ``[2001:db8::7]:443``: some proxies write it) and
-    named in one spelling (an IPv4-mapped IPv6 address as the IPv4 one): the
-    pairing rate limit counts attempts by this name, and a port that changes
-    with each connection made each attempt a source of its own.
+    named in one spelling (an IPv4-mapped IPv6 address as the IPv4 one), the
+    peer too: the pairing rate limit counts attempts by this name (an IPv6
+    one widened to its network, :func:`address_block`), and a port that
+    changes with each connection made each attempt a source of its own.
     """
     if not _trusted(peer, trusted):
-        return peer
+        return _spelled(peer)
     hops = [h.strip() for line in forwarded for h in line.split(",") if h.strip()]
     # Walk from the nearest hop back; the first untrusted one is the client.
     for hop in reversed(hops):
         if not _trusted(hop, trusted):
             return _spelled(hop)
-    return _spelled(hops[0]) if hops else peer
+    return _spelled(hops[0]) if hops else _spelled(peer)
 
 
 #: A hop's address and port: ``[v6]:port``, ``[v6]`` or ``v4:port`` (a bare IPv6 address has more than one colon).

@@ -75,7 +75,8 @@ class RequestContext:
                  trusted_proxies: Sequence[IPNetwork] = ()) -> None:  # fmt: skip
         self.app = app
         self.max_body = max_body
-        #: ``UMBRA_TRUSTED_PROXIES``: the access log names the client behind them, as the rate limit does.
+        #: ``UMBRA_TRUSTED_PROXIES``: the access log names the client behind them, as the rate limit does
+        #: (by its address: the rate limit counts an IPv6 one by its network, :func:`umbra.api.http.address_block`).
         self.trusted_proxies = trusted_proxies
         #: endpoint function -> path template, for bounded metric labels.
         self.route_templates = route_templates

@@ -1,8 +1,9 @@
 """Pairing over HTTP: an administrator asks for a code, an agent redeems it.
 
 Redemption is the one unauthenticated write in the API. It is charged against
-the caller's source address before anything else is looked at (see
-:mod:`umbra.compute.pairing`), and answers wrong, expired and used codes alike.
+the caller's source (its address, an IPv6 one's network: :func:`.http.address_block`)
+before anything else is looked at (see :mod:`umbra.compute.pairing`), and answers
+wrong, expired and used codes alike.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from umbra.domain.device_reports import Label, Word
 from umbra.errors import InvalidRequest
 from umbra.events.types import TimestampText
 
-from .http import authorized, client_address, json_response, read_json
+from .http import authorized, json_response, rate_limit_source, read_json
 from .http import request_id
 from .nodes import Devices, rfc3339, to_devices
 from .routing import endpoint
@@ -74,7 +75,7 @@ async def create_pairing(request: Request):
 
 async def redeem_pairing(request: Request):
     pool = request.app.state.services.pool
-    source = client_address(request)
+    source = rate_limit_source(request)
     try:
         body = await read_json(request, RedeemRequest)
         devices = to_devices(body.devices)
@@ -122,8 +123,8 @@ routes = [
             401: "Wrong, expired or used code (`pairing_code_invalid`: one answer for all three).",
             409: "The code was issued for another name (`pairing_name_mismatch`), or a node of that name exists "
             "(`node_name_taken`).",
-            429: "Over 20 attempts from this source address in 15 minutes (`rate_limited`, with `Retry-After`), "
-            "checked before the code.",
+            429: "Over 20 attempts from this source address (an IPv6 client's /64 by default) in 15 minutes "
+            "(`rate_limited`, with `Retry-After`), checked before the code.",
             503: "The database is unavailable (`database_unavailable`, with `Retry-After: 1`); send the request again.",
         },
     ),

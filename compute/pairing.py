@@ -2,9 +2,12 @@
 
 Six digits is only defensible because of what surrounds them: the code is
 single use, expires (60..1800 s), is bound to a node name, is stored as an
-argon2id hash, and redemption is rate-limited per source address *before* the
-code is looked at. Wrong, expired and used codes get one identical answer; a
-code for another name and a name already taken are not secret and say so.
+argon2id hash, and redemption is rate-limited per source *before* the code is
+looked at. The caller names the source: a client's address, an IPv6 client's
+network (it holds a /64 at least, and counted by address it took a fresh
+budget with a fresh address for each guess). Wrong, expired and used codes
+get one identical answer; a code for another name and a name already taken
+are not secret and say so.
 
 A code is found by its hash. Every code is hashed with one salt drawn for
 the database (``pairing_salt``, migration 0027), so an attempt costs one
@@ -52,7 +55,7 @@ from .nodes import append_node_events, capacity_cause
 
 log = logging.getLogger(__name__)
 
-#: Redemption attempts admitted per source address within any window of
+#: Redemption attempts admitted per source within any window of
 #: :data:`WINDOW_SECONDS`. At 20 guesses a quarter-hour the 1,000,000-code
 #: space takes about 21 years to walk.
 ATTEMPTS_PER_WINDOW = 20

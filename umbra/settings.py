@@ -94,6 +94,11 @@ class Settings:
     #: ``UMBRA_TRUSTED_PROXIES``. Comma-separated addresses/networks whose
     #: ``X-Forwarded-For`` is believed. Empty: the TCP peer is the client.
     trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    #: ``UMBRA_RATE_LIMIT_IPV6_PREFIX``. An IPv6 client is counted by the network of
+    #: this many leading bits around its address, not by the address: a client holds
+    #: a /64 at least (often a /56 or /48) and can take a fresh address for each
+    #: request. 48..128; 128 counts each address alone. An IPv4 client is its address.
+    rate_limit_ipv6_prefix: int = 64
     #: ``UMBRA_METRICS_TOKEN``. If set, ``GET /metrics`` answers only ``Authorization:
     #: Bearer <it>``. The scrape includes database-wide aggregates (queue depth by
     #: status, the log's head) over every organization: unset, keep the endpoint on
@@ -292,6 +297,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         poll_fallback_seconds=_float(env, "UMBRA_POLL_FALLBACK_SECONDS", 1.0, maximum=MAX_DURATION_SECONDS),
         max_streams_per_organization=_int(env, "UMBRA_MAX_STREAMS_PER_ORGANIZATION", 100, minimum=1),
         trusted_proxies=_networks(env, "UMBRA_TRUSTED_PROXIES"),
+        rate_limit_ipv6_prefix=_int(env, "UMBRA_RATE_LIMIT_IPV6_PREFIX", 64, minimum=48, maximum=128),
         metrics_token=env.get("UMBRA_METRICS_TOKEN", "").strip() or None,
         log_level=level,
         migrate_lock_timeout_seconds=_float(env, "UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS", 2.0, maximum=3600),

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from datetime import datetime
 
+import httpx
 import pytest
 
 from umbra.compute.accounts import create_api_key, create_organization
 from umbra.compute.auth import NODE_SCOPES
 from umbra.compute.pairing import ATTEMPTS_PER_WINDOW as ATTEMPTS, WINDOW_SECONDS
+from tests.conftest import LiveServer
 from tests.helpers import bearer
 
 pytestmark = pytest.mark.anyio
@@ -267,6 +269,46 @@ async def test_the_twenty_first_redeem_is_429_with_retry_after(client, conn, org
     assert (await client.get("/v1/nodes", headers=bearer(key))).json() == {"nodes": []}
 
 
+async def redeem_from(client, source: str, code: str = "000000") -> int:
+    """The status of a redemption relayed by the trusted proxy for ``source``."""
+    answer = await client.post("/v1/pairings/redeem", json={"code": code, "name": "gpu-box"},
+                               headers={"X-Forwarded-For": source})
+    return answer.status_code
+
+
+async def test_an_ipv6_client_is_counted_by_its_64_not_by_each_address_it_takes(db_url, conn):
+    """An IPv6 client holds a whole /64 at least: counted per address, it took a fresh one for each guess and
+    was never limited. The 21st attempt from one /64 is refused, whatever address in it; another /64 is not."""
+    with LiveServer(db_url, UMBRA_TRUSTED_PROXIES="127.0.0.1") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            answers = [await redeem_from(client, f"2001:db8:1:2:{i:x}::{i + 1:x}") for i in range(ATTEMPTS + 1)]
+            assert answers == [401] * ATTEMPTS + [429], answers
+            assert await redeem_from(client, "[2001:db8:1:2:ffff:ffff:ffff:ffff]:443") == 429
+            assert await redeem_from(client, "2001:db8:1:3::1") == 401  # the neighbouring /64 has its own budget
+    sources = [s for (s,) in await (await conn.execute("SELECT source FROM pairing_attempt_times ORDER BY 1")).fetchall()]
+    assert sources == ["2001:db8:1:2::/64", "2001:db8:1:3::/64"]
+
+
+async def test_the_ipv6_prefix_counted_is_a_setting(db_url):
+    """``UMBRA_RATE_LIMIT_IPV6_PREFIX``: a site whose clients each hold a /56 counts them by it."""
+    with LiveServer(db_url, UMBRA_TRUSTED_PROXIES="127.0.0.1", UMBRA_RATE_LIMIT_IPV6_PREFIX="56") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            answers = [await redeem_from(client, f"2001:db8:1:{i:x}::1") for i in range(ATTEMPTS + 1)]
+            assert answers == [401] * ATTEMPTS + [429], answers
+            assert await redeem_from(client, "2001:db8:1:100::1") == 401  # the next /56
+
+
+async def test_an_ipv4_mapped_client_is_counted_as_its_ipv4_address(db_url):
+    """Not by the /64 every IPv4-mapped address shares (``::ffff:0:0/96``): that would put every IPv4
+    client written so in one budget, and give a client that writes both forms two."""
+    with LiveServer(db_url, UMBRA_TRUSTED_PROXIES="127.0.0.1") as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            answers = [await redeem_from(client, "203.0.113.7" if i % 2 else "::ffff:203.0.113.7")
+                       for i in range(ATTEMPTS + 1)]  # fmt: skip
+            assert answers == [401] * ATTEMPTS + [429], answers
+            assert await redeem_from(client, "::ffff:203.0.113.8") == 401
+
+
 async def test_an_invalid_redeem_body_counts_as_an_attempt(client, conn, org):
     """Otherwise invalid bodies would be free probes, and past the budget they would get 422 rather than 429."""
     _, key = org
@@ -299,25 +341,27 @@ async def test_the_twenty_first_redeem_is_429_after_twenty_invalid_bodies(client
 
 
 @pytest.mark.parametrize(
-    "trusted, forwarded, counted",
+    "trusted, forwarded, logged_as, counted",
     [
         # No proxy is trusted: the header is the client's own word, whatever the peer (here 127.0.0.1).
-        ("", lambda i: [("x-forwarded-for", f"198.51.100.{i}")], "127.0.0.1"),
+        ("", lambda i: [("x-forwarded-for", f"198.51.100.{i}")], "127.0.0.1", "127.0.0.1"),
         # A trusted proxy that adds its own line after the client's: the client is in the last line.
         ("127.0.0.1/32", lambda i: [("x-forwarded-for", f"198.51.100.{i}"), ("x-forwarded-for", "203.0.113.7")],
-         "203.0.113.7"),
+         "203.0.113.7", "203.0.113.7"),
         # A trusted proxy that writes the client's port too (as Azure's Application Gateway does): each
         # connection of the client comes from another port, and is still the one source.
-        ("127.0.0.1/32", lambda i: [("x-forwarded-for", f"198.51.100.{i}, 203.0.113.7:{40000 + i}")], "203.0.113.7"),
-        ("127.0.0.1/32", lambda i: [("x-forwarded-for", f"[2001:DB8::7]:{40000 + i}")], "2001:db8::7"),
+        ("127.0.0.1/32", lambda i: [("x-forwarded-for", f"198.51.100.{i}, 203.0.113.7:{40000 + i}")], "203.0.113.7",
+         "203.0.113.7"),
+        # An IPv6 client is counted by its /64 (and logged by its address).
+        ("127.0.0.1/32", lambda i: [("x-forwarded-for", f"[2001:DB8::7]:{40000 + i}")], "2001:db8::7", "2001:db8::/64"),
     ],
     ids=["no-trusted-proxy", "proxy-adds-a-line", "proxy-adds-the-port", "proxy-adds-an-ipv6-port"],
 )
 async def test_a_client_cannot_choose_its_rate_limit_bucket_with_x_forwarded_for(db_url, conn, org, trusted, forwarded,
-                                                                                 counted):  # fmt: skip
+                                                                                 logged_as, counted):  # fmt: skip
     """Every attempt names another address in ``X-Forwarded-For``; all are still charged to one source.
 
-    The access log names the same client as the rate limit.
+    The access log names the client the rate limit counts (an IPv6 client by its address, counted by its /64).
     """
     import logging
 
@@ -347,7 +391,7 @@ async def test_a_client_cannot_choose_its_rate_limit_bucket_with_x_forwarded_for
     sources = await (await conn.execute("SELECT source, cardinality(attempted_at), refused FROM pairing_attempt_times")).fetchall()
     assert sources == [(counted, ATTEMPTS, True)]  # the 21st was charged to the same source, and refused
     requests = [r for r in logged if getattr(r, "action", None) == "http_request"]
-    assert len(requests) == ATTEMPTS + 1 and {r.client for r in requests} == {counted}
+    assert len(requests) == ATTEMPTS + 1 and {r.client for r in requests} == {logged_as}
 
 
 async def _beat(client, credential):

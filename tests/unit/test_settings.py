@@ -16,6 +16,7 @@ def test_defaults():
     s = load_settings({})
     assert s.database_url is None and s.lease_seconds == 60 and s.heartbeat_stale_seconds == 45
     assert s.blocked_timeout_seconds == 24 * 3600  # SPEC: a job blocked longer than this (default 24 h) fails
+    assert s.rate_limit_ipv6_prefix == 64  # an IPv6 client is counted by its /64
 
 
 @pytest.mark.parametrize(
@@ -24,7 +25,8 @@ def test_defaults():
      ("UMBRA_LOG_LEVEL", "chatty"), ("UMBRA_POLL_FALLBACK_SECONDS", "-1"), ("UMBRA_PORT", "70000"),
      ("UMBRA_SWEEP_INTERVAL_SECONDS", "nan"), ("UMBRA_SWEEP_INTERVAL_SECONDS", "inf"),
      ("UMBRA_HOST", "not a host"), ("UMBRA_HOST", "999.1.1.1"), ("UMBRA_HOST", "[localhost]"),
-     ("UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS", "0"), ("UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS", "3601")],
+     ("UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS", "0"), ("UMBRA_MIGRATE_LOCK_TIMEOUT_SECONDS", "3601"),
+     ("UMBRA_RATE_LIMIT_IPV6_PREFIX", "47"), ("UMBRA_RATE_LIMIT_IPV6_PREFIX", "129"), ("UMBRA_RATE_LIMIT_IPV6_PREFIX", "/64")],
 )
 def test_invalid_values_fail_naming_the_variable(name, value):
     with pytest.raises(SettingsError, match=name):
