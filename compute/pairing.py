@@ -239,9 +239,8 @@ async def charge_attempt(conn: psycopg.AsyncConnection, source: str) -> None:
     refused, retry_after = await (await conn.execute(_CHARGE, params)).fetchone()
     if refused:
         log.warning("pairing rate limit reached", extra={"action": "pairing_rate_limited", "source": source})
-        raise RateLimited(
-            f"Too many pairing attempts from this address; try again in {retry_after} s.", retry_after=retry_after
-        )
+        raise RateLimited(f"Too many pairing attempts from this address (an IPv6 one: from its network); try again "
+                          f"in {retry_after} s.", retry_after=retry_after)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
