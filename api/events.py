@@ -57,7 +57,7 @@ async def list_events(request: Request):
     async with authenticated(request, "events:read") as (who, conn):
         after = query_int(request, "after", default=0, minimum=0, maximum=MAX_POSITION)
         limit = query_int(request, "limit", default=100, minimum=1, maximum=MAX_PAGE)
-        batch = await store.read_log_as_stored(conn, after=after, limit=limit, organization_id=who.organization_id)
+        batch, _ = await store.read_log_as_stored(conn, after=after, limit=limit, organization_id=who.organization_id)
     return json_response({"events": batch, "next": batch[-1].position if batch else after})
 
 
@@ -103,10 +103,10 @@ def _log_reader(organization_id: UUID, after: int) -> StreamRead:
 
     async def read(conn) -> tuple[list[bytes], bool]:
         nonlocal last
-        batch = await store.read_log_as_stored(conn, after=last, limit=MAX_PAGE, organization_id=organization_id)
+        batch, more = await store.read_log_as_stored(conn, after=last, limit=MAX_PAGE, organization_id=organization_id)
         if batch:
             last = batch[-1].position
-        return [message(r, event=r.type, id=r.position) for r in batch], len(batch) == MAX_PAGE
+        return [message(r, event=r.type, id=r.position) for r in batch], more
 
     return read
 

@@ -24,6 +24,7 @@ from uuid import UUID
 import msgspec
 from starlette.requests import Request
 
+from umbra import paging
 from umbra.compute import nodes as node_reads
 from umbra.errors import RateLimited
 from umbra.events import store
@@ -51,7 +52,7 @@ READ_SCOPES = ("jobs:read", "events:read")
 #: every open job of the organization (0.75 s with 600,000 open among 4.6 million), and each of its streams
 #: reads the view again whenever its jobs move.
 _OPEN_JOBS = f"""
-SELECT {", ".join(job_rows.COLUMNS)} FROM (
+SELECT {", ".join(job_rows.COLUMNS)}, listed_first FROM (
     (SELECT 0 AS listed_first, {job_rows.SELECT_LIST} FROM jobs
      WHERE organization_id = %(org)s AND status = 'running' ORDER BY priority, seq LIMIT %(limit)s)
     UNION ALL
@@ -64,6 +65,8 @@ SELECT {", ".join(job_rows.COLUMNS)} FROM (
 ORDER BY listed_first, priority, seq
 LIMIT %(limit)s
 """
+#: Those jobs, cut short once their documents pass :data:`umbra.paging.PAGE_BYTES`.
+_LISTED_JOBS = paging.bounded(_OPEN_JOBS, sizes=job_rows.DOCUMENT_BYTES, order="listed_first, priority, seq")
 #: The ``Retry-After`` of a verify refused because another of its organization's is running.
 VERIFY_RETRY_SECONDS = 5
 #: The most job ids a queue message lists as moved.
@@ -100,9 +103,10 @@ async def read_queue(conn, organization_id: UUID, limit: int) -> dict[str, Any]:
     """The queue view; call inside a snapshot transaction."""
     position = await store.head_position(conn, organization_id)
     counts = await job_counts.of_organization(conn, organization_id)
-    rows = await (await conn.execute(_OPEN_JOBS, {"org": organization_id, "limit": limit + 1})).fetchall()
+    rows = await (await conn.execute(_LISTED_JOBS, {"org": organization_id, "limit": limit + 1,
+                                                    "page_bytes": paging.PAGE_BYTES})).fetchall()  # fmt: skip
     listed = [job_rows.to_json(job_rows.from_db(row)) for row in rows[:limit]]
-    return {"position": position, "counts": counts, "jobs": listed, "truncated": len(rows) > limit}
+    return {"position": position, "counts": counts, "jobs": listed, "truncated": len(rows) > limit or paging.cut_short(rows)}
 
 
 async def read_nodes(conn, organization_id: UUID, stale_seconds: int) -> dict[str, Any]:

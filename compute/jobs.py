@@ -30,7 +30,7 @@ import msgspec
 import psycopg
 from msgspec import Meta
 
-from umbra import jitter
+from umbra import jitter, paging
 from umbra.compute.accounts import project_exists
 from umbra.db import organization_lock_key, service_lock_wait
 from umbra.domain.jobs import MAX_DELAY, decide_cancel, dependencies_of, wait_for_time
@@ -741,23 +741,23 @@ async def ever_held(conn: psycopg.AsyncConnection, job_id: UUID, node_id: UUID |
     found = await (await conn.execute(_CLAIMED_BY, (store.job_stream(job_id), str(node_id)))).fetchone()
     return bool(found and found[0])
 
-_LIST = f"""
+_LIST = paging.bounded(f"""
 SELECT {queue.SELECT_LIST} FROM jobs
-WHERE organization_id = %s AND (%s::text[] IS NULL OR status = ANY(%s)) AND (%s::text[] IS NULL OR kind = ANY(%s))
-  AND seq > %s
-ORDER BY seq LIMIT %s
-"""
+WHERE organization_id = %(org)s AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s))
+  AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s)) AND seq > %(after)s
+ORDER BY seq LIMIT %(limit)s
+""", sizes=queue.DOCUMENT_BYTES, order="seq")
 #: The statuses a job leaves (index ``jobs_open_by_seq``'s, migrations/0052).
 OPEN_JOB_STATUSES = frozenset(JOB_STATUSES) - TERMINAL_JOB_STATUSES
 #: A page of jobs of open statuses only: ``jobs_open_by_seq``, whose predicate it repeats whole (a generic plan,
 #: a pooled connection's prepared statement's, cannot prove it from ``status = ANY(%s)``), holds only the open
 #: jobs, where ``jobs_org_seq`` holds every job the organization ever had, terminal ones for ever.
-_LIST_OPEN = f"""
+_LIST_OPEN = paging.bounded(f"""
 SELECT {queue.SELECT_LIST} FROM jobs
-WHERE organization_id = %s AND status IN ('queued', 'running', 'blocked') AND status = ANY(%s)
-  AND (%s::text[] IS NULL OR kind = ANY(%s)) AND seq > %s
-ORDER BY seq LIMIT %s
-"""
+WHERE organization_id = %(org)s AND status IN ('queued', 'running', 'blocked') AND status = ANY(%(statuses)s)
+  AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s)) AND seq > %(after)s
+ORDER BY seq LIMIT %(limit)s
+""", sizes=queue.DOCUMENT_BYTES, order="seq")
 
 
 async def get_job(
@@ -784,12 +784,11 @@ async def list_jobs(
     conn: psycopg.AsyncConnection, organization_id: UUID, *, statuses: list[str] | None, limit: int, after: int,
     kinds: Collection[str] | None = None,
 ) -> tuple[list[JobRow], int | None]:
-    """A page in submission order (of ``statuses`` and ``kinds``, if given); the cursor is the last job's ``seq``
-    (None at the end)."""
+    """A page in submission order (of ``statuses`` and ``kinds``, if given), cut short past
+    :data:`umbra.paging.PAGE_BYTES`; the cursor is the last job's ``seq`` (None at the end)."""
     named = None if kinds is None else sorted(kinds)
-    if statuses is not None and OPEN_JOB_STATUSES.issuperset(statuses):
-        cursor = await conn.execute(_LIST_OPEN, (organization_id, statuses, named, named, after, limit))
-    else:
-        cursor = await conn.execute(_LIST, (organization_id, statuses, statuses, named, named, after, limit))
-    rows = [queue.from_db(r) for r in await cursor.fetchall()]
-    return rows, (rows[-1].seq if len(rows) == limit else None)
+    query = _LIST_OPEN if statuses is not None and OPEN_JOB_STATUSES.issuperset(statuses) else _LIST
+    read = await (await conn.execute(query, {"org": organization_id, "statuses": statuses, "kinds": named, "after": after,
+                                             "limit": limit, "page_bytes": paging.PAGE_BYTES})).fetchall()  # fmt: skip
+    rows = [queue.from_db(r) for r in read]
+    return rows, (rows[-1].seq if len(rows) == limit or paging.cut_short(read) else None)

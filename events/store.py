@@ -34,7 +34,7 @@ import msgspec
 import psycopg
 from psycopg.types.json import Jsonb
 
-from umbra import metrics
+from umbra import metrics, paging
 from umbra.db import PreparedStatement, service_lock_wait
 from umbra.errors import ConcurrencyConflict
 
@@ -458,8 +458,8 @@ _compact = functools.partial(msgspec.json.format, indent=-1)
 
 
 def stored_from_row(row: tuple) -> StoredEvent:
-    """An event as the log holds it, from a row of :data:`STORED_COLUMNS`."""
-    position, stream, version, type_, organization_id, data, metadata, recorded_at = row
+    """An event as the log holds it, from a row of :data:`STORED_COLUMNS` (extra trailing columns are ignored)."""
+    position, stream, version, type_, organization_id, data, metadata, recorded_at = row[:8]
     return StoredEvent(position, stream, version, type_, organization_id, msgspec.Raw(_compact(data)),
                        msgspec.Raw(_compact(metadata)), recorded_at)  # fmt: skip
 
@@ -528,15 +528,23 @@ async def read_log(
     return [recorded_from_row(row) for row in await _log_rows(conn, LOG_COLUMNS, after, limit, organization_id)]
 
 
+#: A page of an organization's log as stored, cut short once its documents pass :data:`umbra.paging.PAGE_BYTES`.
+_STORED_PAGE = paging.bounded(
+    f"SELECT {STORED_COLUMNS} FROM events WHERE organization_id = %(org)s AND position > %(after)s"
+    " ORDER BY position LIMIT %(limit)s",
+    sizes="octet_length(data) + octet_length(metadata)",
+    order="position",
+)
+
+
 async def read_log_as_stored(
-    conn: psycopg.AsyncConnection,
-    *,
-    after: int = 0,
-    limit: int = 1000,
-    organization_id: UUID | None = None,
-) -> list[StoredEvent]:
-    """:func:`read_log` as the log holds the events (:class:`StoredEvent`: to show, not to fold)."""
-    return [stored_from_row(row) for row in await _log_rows(conn, STORED_COLUMNS, after, limit, organization_id)]
+    conn: psycopg.AsyncConnection, *, after: int = 0, limit: int = 1000, organization_id: UUID
+) -> tuple[list[StoredEvent], bool]:
+    """:func:`read_log` of an organization as the log holds the events (:class:`StoredEvent`: to show, not to
+    fold), and whether more may follow at once: the page is full, or cut short by its bytes."""
+    rows = await (await conn.execute(_STORED_PAGE, {"org": organization_id, "after": after, "limit": limit,
+                                                    "page_bytes": paging.PAGE_BYTES})).fetchall()  # fmt: skip
+    return [stored_from_row(row) for row in rows], len(rows) == limit or paging.cut_short(rows)
 
 
 async def _log_rows(

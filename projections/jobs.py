@@ -373,6 +373,9 @@ def placement_json(placement: Placement | None) -> dict[str, Any] | None:
 
 _JSON_COLUMNS = frozenset({"requires", "payload", "result", "placement", "progress"})
 SELECT_LIST = ", ".join(f"{c}::text" if c in _JSON_COLUMNS else c for c in COLUMNS)
+#: A row's bytes of documents and free text as :data:`SELECT_LIST` reads them, over its columns (to bound a
+#: page by them: :func:`umbra.paging.bounded`).
+DOCUMENT_BYTES = " + ".join(f"coalesce(octet_length({c}), 0)" for c in (*sorted(_JSON_COLUMNS), "error", "blocked_reason"))
 _JSON_TYPES = {"requires": Requirements, "payload": dict[str, Any], "result": Any, "placement": Placement | None,
                "progress": Progress | None}  # fmt: skip
 _decoders = {name: documents.decoder(t) for name, t in _JSON_TYPES.items()}
