@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from tests.conftest import LiveServer
-from tests.helpers import bearer, eventually
+from tests.helpers import bearer, eventually, generic_plans, index_names
 from umbra.compute import claims, credentials
 from umbra.compute.sweeper import sweep_once
 from umbra.events import store
@@ -327,6 +327,26 @@ async def test_a_node_with_two_credentials_is_revoked_whole_and_its_leases_end_o
     assert sum(e["type"] == "node.revoked" for e in node_events) == 2
     ended = [e for e in await job_events(client, key, job_id) if e["type"] == "job.lease_expired"]
     assert len(ended) == 1 and ended[0]["data"]["cause"] == "node_revoked"
+
+
+async def test_a_revocation_finds_the_node_s_live_credentials_by_index_not_by_reading_every_credential(conn, org):
+    """Credentials are kept for ever, revoked ones too: the revocation's look-up by node id read them all, of
+    every organization (no index of node_id). It reads ``node_credentials_live_by_node`` (migration 0053), and
+    still revokes exactly the node's live credentials, and no other node's."""
+    org_id, _ = org
+    revoked, kept = await add_node(conn, org_id, "gone", [CPU64]), await add_node(conn, org_id, "kept", [CPU64])
+    second = await credentials.mint_node_credential()
+    await credentials.store_node_credential(conn, second, node_id=revoked, organization_id=org_id)
+    outcome: list = []
+
+    async def revoke() -> None:
+        outcome.append(await credentials.revoke_node(conn, org_id, revoked, actor="admin"))
+
+    for plan in await generic_plans(conn, revoke, table="node_credentials"):
+        assert "node_credentials_live_by_node" in index_names(plan), plan
+    live = await (await conn.execute("SELECT node_id, count(*) FROM node_credentials WHERE revoked_at IS NULL"
+                                     " GROUP BY node_id")).fetchall()  # fmt: skip
+    assert len(outcome[0][1]) == 2 and dict(live) == {kept: 1}
 
 
 async def test_the_log_replays_and_verify_agree_after_a_revocation_and_explain_counts_the_uncharged_run(client, conn, org):
