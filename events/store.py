@@ -563,7 +563,12 @@ async def _log_rows(
 
 
 #: Every job stream's events, stream by stream in job id order (a UUID's order: its text's, a job's id's),
-#: each stream's in position order. Sorted by PostgreSQL, which spills to disk beyond ``work_mem``.
+#: each stream's in position order. Sorted by PostgreSQL, which spills to disk beyond ``work_mem``: at 1,000,000
+#: jobs (3,000,000 events) 1 GB of temporary files and about 10 s of the server's CPU, of a verify's 85 s. Read in
+#: the order of ``events_stream_version`` instead (``ORDER BY stream, version``: the same order), with no sort and
+#: no temporary file, the server did no less work (the heap read in stream order, page by page at random, against
+#: one pass) and verify took as long or longer; a log larger than memory would be read at random from disk.
+#: docs/PERFORMANCE.md (Rebuild) has the figures.
 _JOB_STREAMS = (
     f"SELECT {LOG_COLUMNS} FROM events WHERE left(stream, 4) = 'job:'{{organization}}"
     " ORDER BY substr(stream, 5)::uuid, position"

@@ -158,7 +158,7 @@ async def test_verify_passes_on_a_consistent_database_and_reports_a_tampered_row
     job, _ = await _run_job_to_completion(api, live_server)
     status, out, err = await cli("verify")
     assert status == 0, out + err
-    assert "views match the log" in out and "rebuilding from" in err
+    assert "views match the log" in out and "umbra verify: rebuilding 1 jobs" in err
 
     await conn.execute("UPDATE jobs SET priority = 7 WHERE id = %s", (job["id"],))
     status, out, _ = await cli("verify")
@@ -168,6 +168,31 @@ async def test_verify_passes_on_a_consistent_database_and_reports_a_tampered_row
     report = json.loads(out)
     assert status == 1 and report["ok"] is False
     assert [(d["view"], d["id"], d["field"]) for d in report["differences"]] == [("queue", job["id"], "priority")]
+
+
+async def test_verify_says_what_it_compares_without_reading_the_log_first(cli, api, live_server, conn, org, monkeypatch):
+    """Its first line names the jobs and the nodes it compares, from the views' counts (``job_counts``, ``nodes``):
+    it counted the log's distinct streams, which read and sorted the log whole (seconds at a million jobs) before
+    verify had begun. Shown here with the log locked: the first line comes all the same."""
+    import umbra.projections.verify as verifying
+
+    await _run_job_to_completion(api, live_server)
+    await submit(api)
+
+    async def verified(conn, organization_id=None):  # what it compares, not the comparison
+        return []
+
+    monkeypatch.setattr(verifying, "verify", verified)
+    monkeypatch.setenv("PGOPTIONS", "-c lock_timeout=10s")  # the command's connections: a wait for the log fails
+    async with conn.transaction():
+        await conn.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+        status, out, err = await cli("verify")
+        assert status == 0, err
+        first = "umbra verify: rebuilding 2 jobs and 1 nodes from the log"
+        assert err.splitlines()[0] == f"{first} (all organizations)", err
+        assert "views match the log (2 jobs, 1 nodes, " in out
+        status, _, err = await cli("verify", "--org", str(org[0]))
+        assert status == 0 and err.splitlines()[0] == f"{first} (organization {org[0]})", err
 
 
 def test_verify_exits_2_when_it_could_not_compare_and_1_only_for_drift(db_url):
