@@ -194,6 +194,26 @@ def _record_handle(pgdata: Path, pid: int) -> None:
         starts.write_text(json.dumps(recorded))
 
 
+def working_in(pgdata: Path) -> list[int]:
+    """The live processes (other than this one) working in ``pgdata``: a postmaster's backends, which outlive it.
+
+    A backend busy with a query learns that its postmaster died only when it
+    next waits, which a long computation may not do for minutes; meanwhile it
+    may still write the data dir. PostgreSQL's own guard against starting
+    beside it is the dead postmaster's ``postmaster.pid`` (its shared memory,
+    still attached), which :func:`_forget_stale_pidfile` removes: so a start
+    after a death waits for them. Every PostgreSQL process works in its data dir.
+    """
+    target, mine, found = os.path.realpath(pgdata), os.getpid(), []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != mine and process.cwd() == target and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone, or not ours to see (not in our data dir)
+            continue
+    return found
+
+
 def _forget_stale_pidfile(pgdata: Path) -> None:
     """Remove ``postmaster.pid`` unless it names a live postmaster of this data dir.
 
@@ -397,9 +417,14 @@ class EmbeddedPostgres:
         socket lives in the data dir. The package hands back the handle it
         knows for a data dir, whose postmaster is gone, so that handle is
         forgotten first; if the start fails it is put back, for :meth:`stop`.
+        Nothing is started while the dead postmaster's backends still work in
+        the data dir (:func:`working_in`): the start fails, to be tried again.
         """
         pgserver = _import_pgserver()
         pgdata, instances = self._server.pgdata, pgserver.PostgresServer._instances
+        if left := working_in(pgdata):
+            raise RuntimeError(f"the dead postmaster's processes still run (pids {', '.join(map(str, left))}): "
+                               "not started beside them")  # fmt: skip
         with pgserver.PostgresServer._lock:
             instances.pop(pgdata, None)
         atexit.unregister(self._server._cleanup)

@@ -3,6 +3,7 @@ crash) is started again on the same data dir, and one that cannot be stops the p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,9 +13,11 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.helpers import bearer
+from umbra.embedded import working_in
 
 from .test_embedded_postgres import _postmasters_for, _wait_ready
 from .test_embedded_recovery import _force_stop, _umbra_env
@@ -52,6 +55,18 @@ def _ready_again(base: str, serve: subprocess.Popen) -> dict:
     raise AssertionError(f"serve was not ready {RECOVERY_BOUND_SECONDS} s after its postmaster was killed: {answer}")
 
 
+def _busy_backend(pgdata: Path) -> int:
+    """The pid of the backend running the busy query, once it runs."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for pid in working_in(pgdata):
+            with contextlib.suppress(psutil.Error):
+                if "SELECT" in " ".join(psutil.Process(pid).cmdline()):
+                    return pid
+        time.sleep(0.1)
+    raise AssertionError("the busy query never ran")
+
+
 def _logged_actions(log_path: Path) -> list[str]:
     actions = []
     for line in log_path.read_text(errors="replace").splitlines():
@@ -84,8 +99,22 @@ def test_a_killed_postmaster_is_started_again_and_nothing_acknowledged_is_lost(t
         assert submitted.status_code == 201, submitted.text
         job_id = submitted.json()["id"]
 
+        # A backend busy with a long computation outlives its postmaster (it learns of the death only when it
+        # next waits), and may still write the data dir: nothing is started beside it.
+        busy = subprocess.Popen([sys.executable, "-c", "import psycopg, sys; psycopg.connect(sys.argv[1]).execute("
+                                 "'SELECT count(*) FROM generate_series(1, 10000000000)')",
+                                 f"postgresql://postgres@/postgres?host={pgdata}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        backend = _busy_backend(pgdata)
         killed = _postmaster_pid(pgdata)
         os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "embedded_start_failed" not in _logged_actions(log_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "embedded_start_failed" in _logged_actions(log_path) and psutil.pid_exists(backend)
+        assert _postmasters_for(pgdata) == [], "a postmaster was started beside the dead one's busy backend"
+        os.kill(backend, signal.SIGKILL)
+        busy.wait(timeout=30)
 
         _ready_again(base, serve)
         assert _postmaster_pid(pgdata) != killed
@@ -107,6 +136,7 @@ def test_a_killed_postmaster_is_started_again_and_nothing_acknowledged_is_lost(t
         _force_stop(pgdata)
     logged = log_path.read_text(errors="replace")
     assert _logged_actions(log_path).count("embedded_restarted") == 1, logged[-3000:]
+    assert "the dead postmaster's processes still run" in logged, logged[-3000:]
     assert key not in logged
 
 

@@ -7,6 +7,9 @@ postmaster to kill; ``tests/embedded/test_embedded_supervision.py`` kills a real
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import time
 
 import anyio
 import pytest
@@ -97,3 +100,25 @@ async def test_starts_are_forgotten_once_the_server_stayed_up():
                 await server.restarted.wait()
         tg.cancel_scope.cancel()
     assert server.starts == 5
+
+
+def test_the_processes_working_in_a_data_dir_are_found_and_zombies_are_not(tmp_path):
+    """What a start after a death waits for (``EmbeddedPostgres.restart``): a dead postmaster's backend still busy
+    with a query works in the data dir, and may write it; a process elsewhere, or one ended, does not count."""
+    from umbra.embedded import working_in
+
+    pgdata, elsewhere = tmp_path / "pg", tmp_path / "other"
+    pgdata.mkdir(), elsewhere.mkdir()
+    inside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=pgdata)
+    outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=elsewhere)
+    try:
+        assert working_in(pgdata) == [inside.pid]
+        inside.kill()
+        deadline = time.monotonic() + 30
+        while working_in(pgdata) and time.monotonic() < deadline:  # a zombie until waited for: not counted
+            time.sleep(0.05)
+        assert working_in(pgdata) == []
+    finally:
+        for process in (inside, outside):
+            process.kill()
+            process.wait()
