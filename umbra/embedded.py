@@ -37,7 +37,7 @@ traps, each handled here or in ``umbra.db``:
    the package adopted it, handed out a socket that does not exist, and
    killed it on the way out. :func:`start_embedded` removes the file first
    unless it names a live postmaster of this very data dir (see
-   :func:`_forget_stale_pidfile`).
+   :func:`_forget_stale_pidfile`), and with it the socket's lock file.
 7. The package locks its starts with a file in the user's runtime directory,
    or ``/tmp/.lockfile`` when that does not exist: one user's lock file there
    (mode 0644) then stopped every other user's start. The runtime directory
@@ -238,6 +238,12 @@ def _forget_stale_pidfile(pgdata: Path) -> None:
         if pid is not None and _postmaster_of(pid, pgdata, lines):
             return
         pidfile.unlink(missing_ok=True)
+        # The socket's lock file (the socket lives in the data dir) is the same postmaster's: PostgreSQL refuses
+        # to start while the process it names exists, and a killed postmaster not yet waited for by its parent
+        # (a zombie: for ever, where nothing reaps orphans, as in a container whose first process is this one)
+        # or a process given its PID since does.
+        for socket_lock in pgdata.glob(".s.PGSQL.*.lock"):
+            socket_lock.unlink(missing_ok=True)
     log.warning("removed a stale postmaster.pid", extra={"action": "embedded_stale_pidfile", "pid": pid})
 
 
