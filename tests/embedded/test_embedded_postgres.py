@@ -133,47 +133,31 @@ def test_a_killed_server_is_adopted_and_then_stopped(tmp_path):
     assert _postmasters_for(pgdata) == []
 
 
-def test_a_stale_pidfile_naming_another_process_is_set_aside_and_that_process_lives(tmp_path):
-    """After a killed postmaster, its PID may belong to anything: starting must neither adopt nor kill that."""
+@pytest.mark.parametrize("socket_lock_too", [False, True], ids=["pidfile", "pidfile-and-socket-lock"])
+def test_a_stale_pidfile_naming_another_process_is_set_aside_and_that_process_lives(tmp_path, socket_lock_too):
+    """After a killed postmaster, its PID may belong to anything: starting must neither adopt nor kill that.
+
+    The socket lives in the data dir too, with its lock file naming the postmaster: that PID may be a zombie
+    nobody waits for (in a container whose first process is the server) or another process of the server's
+    user. PostgreSQL refuses to start while the PID it names exists (one it may not signal, another user's,
+    it takes for no postmaster of its own); the stale lock goes with the stale ``postmaster.pid``."""
     pgdata = tmp_path / "pg"
     first = start_embedded(pgdata)
     left_behind = (pgdata / "postmaster.pid").read_text().split("\n")  # as a killed postmaster leaves it
+    (socket_lock,) = pgdata.glob(".s.PGSQL.*.lock")
+    lock_lines = socket_lock.read_text().split("\n")
     first.stop()
-    bystander = subprocess.Popen(["sleep", "120"])
+    as_server = pgdata.stat().st_uid if socket_lock_too and os.geteuid() == 0 else None
+    bystander = subprocess.Popen(["sleep", "120"], user=as_server)
     try:
         (pgdata / "postmaster.pid").write_text("\n".join([str(bystander.pid), *left_behind[1:]]))
+        if socket_lock_too:
+            socket_lock.write_text("\n".join([str(bystander.pid), *lock_lines[1:]]))
         server = start_embedded(pgdata)
         try:
             with psycopg.connect(server.url, autocommit=True) as conn:
                 assert conn.execute("SELECT 1").fetchone() == (1,)
             assert server.pid != bystander.pid and _postmasters_for(pgdata)
-        finally:
-            server.stop()
-        assert bystander.poll() is None, "the unrelated process was killed"
-    finally:
-        bystander.kill()
-        bystander.wait()
-
-
-def test_a_socket_lock_left_by_a_killed_postmaster_naming_a_live_process_does_not_stop_a_start(tmp_path):
-    """The socket lives in the data dir, with its lock file naming the postmaster: after a kill that PID may be a
-    zombie nobody waits for (in a container whose first process is the server) or another process. PostgreSQL
-    refuses to start while the PID it names exists; the stale lock goes with the stale ``postmaster.pid``."""
-    pgdata = tmp_path / "pg"
-    first = start_embedded(pgdata)
-    left_behind = (pgdata / "postmaster.pid").read_text().split("\n")
-    (socket_lock,) = pgdata.glob(".s.PGSQL.*.lock")
-    lock_lines = socket_lock.read_text().split("\n")
-    first.stop()
-    # The postmaster's own user's process: PostgreSQL takes one it may not signal for no postmaster of its own.
-    bystander = subprocess.Popen(["sleep", "120"], user=pgdata.stat().st_uid if os.geteuid() == 0 else None)
-    try:
-        (pgdata / "postmaster.pid").write_text("\n".join([str(bystander.pid), *left_behind[1:]]))
-        socket_lock.write_text("\n".join([str(bystander.pid), *lock_lines[1:]]))
-        server = start_embedded(pgdata)
-        try:
-            with psycopg.connect(server.url, autocommit=True) as conn:
-                assert conn.execute("SELECT 1").fetchone() == (1,)
         finally:
             server.stop()
         assert bystander.poll() is None, "the unrelated process was killed"

@@ -853,18 +853,25 @@ async def _queued_behind(conn, expected: int) -> bool:
     return await sessions_waiting_on_a_lock(conn, "advisory") >= expected
 
 
+async def _pooled_and_own_parameters(url: str) -> list[dict[str, str]]:
+    """The connection parameters of a pooled connection (a request's) and of one of its own (the sweeper's)."""
+    from umbra.db import open_pool, own_connection
+
+    async with open_pool(url, size=1) as pool:
+        async with pool.connection() as pooled:
+            parameters = [pooled.info.get_parameters()]
+    async with own_connection(url) as own:
+        parameters.append(own.info.get_parameters())
+    return parameters
+
+
 async def test_every_connection_to_the_database_has_tcp_keepalives(db_url):
     """A pooled connection (every request's, the group commit's) and a connection of its own (the sweeper's,
     the listener's) whose peer went away silently are ended within seconds of silence, not after the
     operating system's TCP timeout: behind a network that dropped packets, a request waited for ever."""
-    from umbra.db import KEEPALIVES, open_pool, own_connection
+    from umbra.db import KEEPALIVES
 
-    async with open_pool(db_url, size=1) as pool:
-        async with pool.connection() as pooled:
-            given = [pooled.info.get_parameters()]
-    async with own_connection(db_url) as own:
-        given.append(own.info.get_parameters())
-    for parameters in given:
+    for parameters in await _pooled_and_own_parameters(db_url):
         assert {name: parameters.get(name) for name in KEEPALIVES} == {name: str(v) for name, v in KEEPALIVES.items()}
 
 
@@ -874,17 +881,12 @@ async def test_keepalives_the_database_url_sets_are_its_own(db_url):
     :data:`~umbra.db.KEEPALIVES`'."""
     from urllib.parse import quote
 
-    from umbra.db import KEEPALIVES, open_pool, own_connection
+    from umbra.db import KEEPALIVES
 
     parts = conninfo.conninfo_to_dict(db_url)
     url = (f"postgresql://{quote(parts.get('user', ''), safe='')}@{quote(parts.get('host', ''), safe='')}"
            f":{parts.get('port', 5432)}/{parts['dbname']}?keepalives_idle=300&keepalives_count=7")  # fmt: skip
     expected = {**{name: str(v) for name, v in KEEPALIVES.items()}, "keepalives_idle": "300", "keepalives_count": "7"}
     for given in (url, conninfo.make_conninfo(db_url, keepalives_idle=300, keepalives_count=7)):
-        async with open_pool(given, size=1) as pool:
-            async with pool.connection() as pooled:
-                seen = [pooled.info.get_parameters()]
-        async with own_connection(given) as own:
-            seen.append(own.info.get_parameters())
-        for parameters in seen:
+        for parameters in await _pooled_and_own_parameters(given):
             assert {name: parameters.get(name) for name in KEEPALIVES} == expected, given
